@@ -1,0 +1,32 @@
+# Two commands on a fresh machine (Python 3.11, no GPU): `make run` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# The CPU build of torch; users with GPUs install the package into their own CUDA environment.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: setup run test bench clean
+
+$(BIN)/autotune: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH_PIN)
+	$(BIN)/pip install -q -e '.[test,exports]'
+	@touch $@
+
+setup: $(BIN)/autotune
+
+# The main job on its embedded defaults.
+run: setup
+	$(BIN)/autotune --model llama-7b --gpus 8 --global-tokens 4M
+
+# The whole test suite (installs what it needs, Chromium for the report test included).
+test: setup
+	bash tests/setup_browser.sh
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	for f in benchmarks/bench_*.py; do $(BIN)/python $$f || exit 1; done
+
+clean:
+	rm -rf $(VENV) *.egg-info

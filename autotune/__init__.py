@@ -1,0 +1,17 @@
+"""autotune: find the fastest PyTorch FSDP2 configuration that fits, and prove it.
+
+The pipeline, in the order a run walks it (one folder or module each):
+
+    catalog/      models and GPUs the tool knows (plain data)
+    config.py     what a trial is: model, cluster, the tuned knobs, the global batch
+    parallel.py   the one FSDP2 wrapping function every trial, trace and export uses
+    training.py   the training step every trial (real or traced) runs
+    backends/     how a trial is evaluated: estimated, predicted (sim), measured (cpu/cuda)
+    controller.py the memory-tuning decision graph over a backend
+    store.py      the Optuna study and the runs/ folder
+    export/       the winner in the formats of other stacks
+    report/       the HTML report
+    cli.py        the command line
+"""
+
+__version__ = "0.1.0"

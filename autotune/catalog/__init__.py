@@ -1,0 +1,1 @@
+"""Plain-data catalogs: the models and GPUs autotune knows by name."""

@@ -1,0 +1,92 @@
+"""The GPU catalog: memory and nominal speeds used by estimates.
+
+Memory is the total the driver reports (nvidia-smi MiB); FLOP/s are dense (no sparsity) tensor
+core peaks from the vendors' data sheets; bandwidths are per GPU, one direction: NVLink for
+intra-node where the part has it (else PCIe), the usual per-GPU NIC for inter-node. These are
+nominal figures: every estimate built from them says `estimated`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+from autotune.errors import UsageError
+
+MiB = 2**20
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPUSpec:
+    name: str
+    memory_bytes: int
+    supports_bf16: bool
+    peak_tflops: float  # dense bf16 (fp16 where no bf16)
+    hbm_gbps: float  # GB/s
+    intra_node_gbps: float  # GB/s per GPU, one direction
+    inter_node_gbps: float  # GB/s per GPU, one direction
+    source: str
+
+    def to_dict(self) -> dict:
+        return dict(type=self.name, memory_bytes=self.memory_bytes, supports_bf16=self.supports_bf16,
+                    peak_tflops=self.peak_tflops, hbm_gbps=self.hbm_gbps,
+                    intra_node_gbps=self.intra_node_gbps, inter_node_gbps=self.inter_node_gbps)
+
+
+GPUS: dict[str, GPUSpec] = {g.name: g for g in [
+    GPUSpec(name="h100-80gb", memory_bytes=81559 * MiB, supports_bf16=True, peak_tflops=989.0,
+            hbm_gbps=3350, intra_node_gbps=450, inter_node_gbps=50,
+            source="NVIDIA H100 SXM5 data sheet; NVLink 4 900 GB/s bidirectional; 400 Gb/s NIC"),
+    GPUSpec(name="h200-141gb", memory_bytes=143771 * MiB, supports_bf16=True, peak_tflops=989.0,
+            hbm_gbps=4800, intra_node_gbps=450, inter_node_gbps=50,
+            source="NVIDIA H200 SXM data sheet; NVLink 4; 400 Gb/s NIC"),
+    GPUSpec(name="a100-80gb", memory_bytes=81920 * MiB, supports_bf16=True, peak_tflops=312.0,
+            hbm_gbps=2039, intra_node_gbps=300, inter_node_gbps=25,
+            source="NVIDIA A100 SXM4 80GB data sheet; NVLink 3 600 GB/s bidirectional; 200 Gb/s NIC"),
+    GPUSpec(name="a100-40gb", memory_bytes=40960 * MiB, supports_bf16=True, peak_tflops=312.0,
+            hbm_gbps=1555, intra_node_gbps=300, inter_node_gbps=25,
+            source="NVIDIA A100 SXM4 40GB data sheet; NVLink 3; 200 Gb/s NIC"),
+    GPUSpec(name="l40s-48gb", memory_bytes=46068 * MiB, supports_bf16=True, peak_tflops=362.0,
+            hbm_gbps=864, intra_node_gbps=32, inter_node_gbps=12.5,
+            source="NVIDIA L40S data sheet; PCIe Gen4 x16; 100 Gb/s NIC"),
+    GPUSpec(name="rtx4090-24gb", memory_bytes=24564 * MiB, supports_bf16=True, peak_tflops=165.2,
+            hbm_gbps=1008, intra_node_gbps=32, inter_node_gbps=12.5,
+            source="NVIDIA Ada whitepaper (bf16, fp32 accumulate); PCIe Gen4 x16"),
+    GPUSpec(name="a10g-24gb", memory_bytes=23028 * MiB, supports_bf16=True, peak_tflops=70.0,
+            hbm_gbps=600, intra_node_gbps=32, inter_node_gbps=3.1,
+            source="AWS g5 (A10G) figures; PCIe Gen4; 100 Gb/s per 8-GPU node"),
+    GPUSpec(name="v100-32gb", memory_bytes=32768 * MiB, supports_bf16=False, peak_tflops=125.0,
+            hbm_gbps=900, intra_node_gbps=150, inter_node_gbps=12.5,
+            source="NVIDIA V100 SXM2 data sheet (fp16 tensor cores, no bf16); NVLink 2"),
+]}
+
+DEFAULT_GPU = "h100-80gb"
+
+
+def resolve_gpu(name: str) -> GPUSpec:
+    key = name.lower()
+    if key in GPUS:
+        return GPUS[key]
+    close = difflib.get_close_matches(key, list(GPUS), n=3, cutoff=0.4)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    raise UsageError(f"unknown GPU type {name!r}: {hint}choose one of {', '.join(GPUS)}")
+
+
+def detect_gpu() -> GPUSpec | None:
+    """The catalog entry of the local GPU 0, if CUDA is present and the part is known."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        props = torch.cuda.get_device_properties(0)
+    except Exception:  # a broken driver is the same as no GPU for choosing a default
+        return None
+    name = props.name.upper()
+    for key, prefix in (("h200-141gb", "H200"), ("h100-80gb", "H100"), ("l40s-48gb", "L40S"),
+                        ("rtx4090-24gb", "4090"), ("a10g-24gb", "A10G"), ("v100-32gb", "V100")):
+        if prefix in name:
+            return GPUS[key]
+    if "A100" in name:
+        return GPUS["a100-80gb" if props.total_memory > 50 * 2**30 else "a100-40gb"]
+    return None

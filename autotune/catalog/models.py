@@ -1,0 +1,221 @@
+"""The model catalog: transformers configs with the published shapes, never downloaded.
+
+Each entry is data: the transformers `model_type`, the config fields that define its shape,
+the default training sequence length, and where the shapes come from. The `tiny-*` entries
+are small enough to train for real on CPUs in tests.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from autotune.errors import UsageError
+
+
+@dataclass(frozen=True, kw_only=True)
+class CatalogEntry:
+    model_type: str
+    config: dict[str, Any]
+    default_seq_len: int
+    source: str
+
+
+MODELS: dict[str, CatalogEntry] = {
+    "llama-7b": CatalogEntry(
+        model_type="llama",
+        config=dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                    max_position_embeddings=4096, rms_norm_eps=1e-5),
+        default_seq_len=4096,
+        source="meta-llama/Llama-2-7b-hf config.json",
+    ),
+    "llama-13b": CatalogEntry(
+        model_type="llama",
+        config=dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                    num_attention_heads=40, num_key_value_heads=40, vocab_size=32000,
+                    max_position_embeddings=4096, rms_norm_eps=1e-5),
+        default_seq_len=4096,
+        source="meta-llama/Llama-2-13b-hf config.json",
+    ),
+    "llama-70b": CatalogEntry(
+        model_type="llama",
+        config=dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                    num_attention_heads=64, num_key_value_heads=8, vocab_size=32000,
+                    max_position_embeddings=4096, rms_norm_eps=1e-5),
+        default_seq_len=4096,
+        source="meta-llama/Llama-2-70b-hf config.json",
+    ),
+    "llama3-8b": CatalogEntry(
+        model_type="llama",
+        config=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0),
+        default_seq_len=8192,
+        source="meta-llama/Meta-Llama-3-8B config.json",
+    ),
+    "llama3-70b": CatalogEntry(
+        model_type="llama",
+        config=dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                    num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0),
+        default_seq_len=8192,
+        source="meta-llama/Meta-Llama-3-70B config.json",
+    ),
+    "mistral-7b": CatalogEntry(
+        model_type="mistral",
+        config=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                    max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=4096,
+                    rope_theta=10000.0),
+        default_seq_len=8192,
+        source="mistralai/Mistral-7B-v0.1 config.json",
+    ),
+    "qwen2.5-7b": CatalogEntry(
+        model_type="qwen2",
+        config=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                    num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                    max_position_embeddings=131072, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                    tie_word_embeddings=False, use_sliding_window=False),
+        default_seq_len=8192,
+        source="Qwen/Qwen2.5-7B config.json",
+    ),
+    # Tiny models for CPU trials and tests. tiny-llama is the model in shared/NOTES-measured.md.
+    "tiny-llama": CatalogEntry(
+        model_type="llama",
+        config=dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=4, vocab_size=8000,
+                    max_position_embeddings=1024),
+        default_seq_len=256,
+        source="autotune test model (llama family, multi-head attention)",
+    ),
+    "tiny-qwen2": CatalogEntry(
+        model_type="qwen2",
+        config=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=8000,
+                    max_position_embeddings=1024, tie_word_embeddings=False),
+        default_seq_len=256,
+        source="autotune test model (qwen2 family, grouped-query attention)",
+    ),
+    "micro-llama": CatalogEntry(
+        model_type="llama",
+        config=dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                    max_position_embeddings=512),
+        default_seq_len=64,
+        source="autotune test model (smallest; fastest CPU trials)",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model by name and transformers config, serialisable for trial workers."""
+
+    name: str
+    model_type: str
+    config_dict: dict[str, Any] = field(hash=False, compare=False)
+    default_seq_len: int
+    source: str
+    trust_remote_code: bool = False
+
+    def hf_config(self, *, num_layers: int | None = None):
+        """The transformers config; `num_layers` makes a shallower copy (for depth extrapolation)."""
+        from transformers import AutoConfig
+
+        overrides = dict(self.config_dict)
+        if num_layers is not None:
+            overrides["num_hidden_layers"] = num_layers
+        overrides.pop("model_type", None)
+        overrides.pop("transformers_version", None)
+        config = AutoConfig.for_model(self.model_type, **overrides)
+        # SDPA: fused attention on CPUs and GPUs alike keeps no seq x seq score matrix, so what
+        # a CPU trace or CPU trial counts is what a GPU run keeps.
+        config._attn_implementation = "sdpa"
+        config.use_cache = False
+        return config
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config_dict["num_hidden_layers"])
+
+    @property
+    def max_positions(self) -> int | None:
+        value = self.config_dict.get("max_position_embeddings")
+        return int(value) if value else None
+
+    @cached_property
+    def num_parameters(self) -> int:
+        """Exact parameter count, from the model built on the meta device (no memory used)."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                self.hf_config(), trust_remote_code=self.trust_remote_code
+            )
+        return sum(p.numel() for p in model.parameters())
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(name=self.name, model_type=self.model_type, config=self.config_dict,
+                    default_seq_len=self.default_seq_len, source=self.source,
+                    trust_remote_code=self.trust_remote_code)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelSpec":
+        return cls(name=data["name"], model_type=data["model_type"], config_dict=data["config"],
+                   default_seq_len=data["default_seq_len"], source=data["source"],
+                   trust_remote_code=data.get("trust_remote_code", False))
+
+
+def resolve_model(name_or_path: str, *, trust_remote_code: bool = False) -> ModelSpec:
+    """A catalog name, or a local config.json / model folder. Never downloads."""
+    if name_or_path in MODELS:
+        entry = MODELS[name_or_path]
+        return ModelSpec(name=name_or_path, model_type=entry.model_type,
+                         config_dict=dict(entry.config), default_seq_len=entry.default_seq_len,
+                         source=entry.source)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    looks_like_path = "/" in name_or_path or name_or_path.endswith(".json") or path.exists()
+    if not looks_like_path:
+        close = difflib.get_close_matches(name_or_path, list(MODELS), n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise UsageError(
+            f"unknown model {name_or_path!r}: {hint}use a catalog name "
+            f"({', '.join(MODELS)}) or a path to a Hugging Face config.json or model folder"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"model config {str(path)!r} not found: give a config.json or a folder "
+                         "holding one") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"cannot read model config {str(path)!r}: {exc}") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise UsageError(f"{str(path)!r} is not a Hugging Face config.json: it has no 'model_type'")
+    if data.get("auto_map") and not trust_remote_code:
+        raise UsageError(f"{str(path)!r} needs custom code (auto_map): pass --trust-remote-code "
+                         "if you trust it")
+    model_type = data["model_type"]
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.for_model(model_type)
+    except (ValueError, KeyError):
+        if not trust_remote_code:
+            raise UsageError(f"model_type {model_type!r} in {str(path)!r} is unknown to the "
+                             "installed transformers: upgrade transformers") from None
+    if "num_hidden_layers" not in data:
+        raise UsageError(f"{str(path)!r} has no num_hidden_layers: not a decoder-only config "
+                         "autotune can tune")
+    max_pos = data.get("max_position_embeddings") or 4096
+    return ModelSpec(name=data.get("_name_or_path") or path.parent.name or path.stem,
+                     model_type=model_type, config_dict=data,
+                     default_seq_len=min(4096, int(max_pos)), source=str(path),
+                     trust_remote_code=trust_remote_code)

@@ -1,0 +1,163 @@
+"""What a trial is: the model, the cluster, the tuned FSDP knobs and the global batch.
+
+`TrainConfig` holds exactly the knobs the controller varies; `TrialSpec` is everything a
+backend needs to evaluate one of them. Both serialise to plain dicts so that trial workers,
+the study and the result JSON carry the same fields.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+from autotune.catalog.gpus import GPUSpec, GPUS
+from autotune.catalog.models import ModelSpec
+from autotune.errors import UsageError
+
+Precision = Literal["bf16", "fp16", "fp32"]
+PRECISIONS: tuple[str, ...] = ("bf16", "fp16", "fp32")
+_EVERY = re.compile(r"^every[:\-](\d+)$")
+
+
+def parse_ac(text: str) -> str:
+    """Normalise an activation-checkpointing mode: 'none', 'full' or 'every:K' (K >= 2).
+
+    'every:1' is 'full'. Blocks 0, K, 2K, ... are checkpointed (torchtitan's selective layer AC).
+    """
+    value = str(text).strip().lower()
+    if value in ("none", "full"):
+        return value
+    match = _EVERY.match(value)
+    if match and int(match.group(1)) >= 1:
+        k = int(match.group(1))
+        return "full" if k == 1 else f"every:{k}"
+    raise UsageError(f"activation checkpointing {text!r} is not one of none, full, every:K "
+                     "(K a positive integer, e.g. every:2)")
+
+
+def ac_every(ac: str) -> int | None:
+    """Checkpoint every k-th block: None for no checkpointing, 1 for all blocks."""
+    if ac == "none":
+        return None
+    if ac == "full":
+        return 1
+    return int(ac.split(":")[1])
+
+
+def is_checkpointed(ac: str, block_index: int) -> bool:
+    every = ac_every(ac)
+    return every is not None and block_index % every == 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The knobs the controller tunes."""
+
+    precision: Precision = "bf16"
+    """Parameter/compute dtype; gradients are reduced in fp32 in every mode."""
+    activation_checkpointing: str = "none"
+    """'none', 'full' (every decoder block) or 'every:K' (blocks 0, K, 2K, ...)."""
+    cpu_offload: bool = False
+    """FSDP2 CPUOffloadPolicy: sharded params, grads and optimizer state live on the host."""
+    reshard_after_forward: bool = True
+    """Free gathered block parameters after forward (ZeRO-3); False keeps them (ZeRO-2-like)."""
+    micro_batch_size: int = 1
+    """Sequences per GPU per forward/backward."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise UsageError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        object.__setattr__(self, "activation_checkpointing", parse_ac(self.activation_checkpointing))
+        if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
+            raise UsageError(f"micro-batch size must be a positive integer, got {self.micro_batch_size!r}")
+
+    def with_(self, **changes: Any) -> "TrainConfig":
+        return replace(self, **changes)
+
+    def label(self) -> str:
+        parts = [self.precision, f"mb={self.micro_batch_size}", f"ac={self.activation_checkpointing}"]
+        if self.cpu_offload:
+            parts.append("offload")
+        if not self.reshard_after_forward:
+            parts.append("no-reshard")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    num_gpus: int
+    num_nodes: int = 1
+    gpu: GPUSpec = field(default_factory=lambda: GPUS["h100-80gb"])
+    gpu_memory_bytes: int | None = None
+    """Capacity per GPU; None means the catalog's."""
+    host_memory_bytes: int | None = None
+    """Host memory per node, for CPU offload; None means unchecked."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_gpus, int) or self.num_gpus < 1:
+            raise UsageError(f"--gpus must be a positive integer, got {self.num_gpus!r}")
+        if not isinstance(self.num_nodes, int) or self.num_nodes < 1:
+            raise UsageError(f"--nodes must be a positive integer, got {self.num_nodes!r}")
+        if self.num_gpus % self.num_nodes:
+            raise UsageError(f"--gpus {self.num_gpus} is not divisible by --nodes {self.num_nodes}: "
+                             "every node needs the same number of GPUs")
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.num_gpus // self.num_nodes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.gpu_memory_bytes if self.gpu_memory_bytes is not None else self.gpu.memory_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(num_gpus=self.num_gpus, num_nodes=self.num_nodes, gpu=self.gpu.name,
+                    gpu_memory_bytes=self.capacity_bytes, host_memory_bytes=self.host_memory_bytes)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Cluster":
+        from autotune.catalog.gpus import resolve_gpu
+
+        return cls(num_gpus=data["num_gpus"], num_nodes=data.get("num_nodes", 1),
+                   gpu=resolve_gpu(data["gpu"]), gpu_memory_bytes=data.get("gpu_memory_bytes"),
+                   host_memory_bytes=data.get("host_memory_bytes"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrialSpec:
+    """Everything a backend needs to evaluate one configuration."""
+
+    model: ModelSpec
+    cluster: Cluster
+    seq_len: int
+    train: TrainConfig
+    grad_accum_steps: int = 1
+    memory_limit_bytes: int | None = None
+    """Usable memory per GPU (capacity less headroom); a trial over it is out of memory."""
+
+    @property
+    def limit_bytes(self) -> int:
+        return self.memory_limit_bytes if self.memory_limit_bytes is not None else self.cluster.capacity_bytes
+
+    def with_train(self, train: TrainConfig) -> "TrialSpec":
+        return replace(self, train=train)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(model=self.model.to_dict(), cluster=self.cluster.to_dict(), seq_len=self.seq_len,
+                    train=self.train.to_dict(), grad_accum_steps=self.grad_accum_steps,
+                    memory_limit_bytes=self.memory_limit_bytes)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrialSpec":
+        return cls(model=ModelSpec.from_dict(data["model"]), cluster=Cluster.from_dict(data["cluster"]),
+                   seq_len=data["seq_len"], train=TrainConfig.from_dict(data["train"]),
+                   grad_accum_steps=data.get("grad_accum_steps", 1),
+                   memory_limit_bytes=data.get("memory_limit_bytes"))

@@ -1,0 +1,17 @@
+"""One exception root. A UsageError is the user's to fix: the CLI prints it as one line, exit 2."""
+
+
+class AutotuneError(Exception):
+    """Root of every error autotune raises on purpose."""
+
+
+class UsageError(AutotuneError, ValueError):
+    """Bad input: the message says what was wrong and how to fix it."""
+
+
+class UnsupportedModelError(UsageError):
+    """The model has no repeated decoder blocks that FSDP can wrap one by one."""
+
+
+class TrialError(AutotuneError):
+    """A trial could not be evaluated (not an out-of-memory: that is a result, not an error)."""

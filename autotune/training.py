@@ -1,0 +1,78 @@
+"""Build a model and run training steps: the code every trial runs, real or traced.
+
+The simulator calls these under FakeTensorMode with a fake process group; the real trial
+worker calls them on real devices. Keeping one copy is what makes the prediction exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from autotune.catalog.models import ModelSpec
+from autotune.config import TrainConfig
+
+
+def build_model(model: ModelSpec, *, num_layers: int | None = None, seed: int = 0) -> nn.Module:
+    """The transformers causal LM from its config, in fp32 (FSDP casts for compute), on the
+    current default device (use `torch.device('meta')` to build without memory)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(
+        model.hf_config(num_layers=num_layers),
+        dtype=torch.float32,
+        trust_remote_code=model.trust_remote_code,
+    )
+
+
+def make_optimizer(model: nn.Module, *, lr: float = 1e-4) -> torch.optim.Optimizer:
+    # foreach=False: the per-parameter loop real large-model training uses by default with
+    # FSDP2 DTensors; see docs/SIMULATOR.md for what foreach=True adds and why.
+    return torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
+
+
+def token_batches(*, vocab_size: int, micro_batch_size: int, seq_len: int, device: torch.device | str,
+                  seed: int = 0) -> Iterator[torch.Tensor]:
+    """Seeded random token batches of shape (micro_batch, seq_len), forever."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    while True:
+        tokens = torch.randint(0, vocab_size, (micro_batch_size, seq_len), generator=generator)
+        yield tokens.to(device)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator[torch.Tensor], *,
+               grad_accum_steps: int, scaler=None, defer_grad_sync: bool = False) -> torch.Tensor:
+    """One optimizer step over `grad_accum_steps` micro-batches; returns the mean loss (detached).
+
+    Gradients are reduce-scattered after every micro-batch by default: deferring the sync to
+    the last micro-batch (`defer_grad_sync`) saves communication but keeps unsharded gradients
+    of every block until then, which defeats full sharding's memory savings.
+    """
+    total = None
+    for micro_step in range(grad_accum_steps):
+        is_last = micro_step == grad_accum_steps - 1
+        if defer_grad_sync and hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(is_last)
+        tokens = next(batches)
+        loss = model(input_ids=tokens, labels=tokens).loss / grad_accum_steps
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    """Training FLOPs per token without recompute: 6N plus attention (PaLM paper, appendix B:
+    6N + 12 * L * H * Q * T with H*Q the attention width and T the sequence length)."""
+    config = model.config_dict
+    num_layers = config["num_hidden_layers"]
+    hidden = config["hidden_size"]
+    return 6 * model.num_parameters + 12 * num_layers * hidden * seq_len
