@@ -120,7 +120,7 @@ class Cluster:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(num_gpus=self.num_gpus, num_nodes=self.num_nodes, gpu=self.gpu.name,
-                    gpu_memory_bytes=self.capacity_bytes, host_memory_bytes=self.host_memory_bytes)
+                    gpu_memory_bytes=self.gpu_memory_bytes, host_memory_bytes=self.host_memory_bytes)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Cluster":

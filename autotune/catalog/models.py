@@ -149,16 +149,29 @@ class ModelSpec:
         return int(value) if value else None
 
     @cached_property
-    def num_parameters(self) -> int:
-        """Exact parameter count, from the model built on the meta device (no memory used)."""
+    def _meta_summary(self) -> tuple[int, str]:
+        """Parameter count and decoder block class, from the model built on the meta device
+        (no memory used). Raises UnsupportedModelError if FSDP has no blocks to wrap."""
         import torch
         from transformers import AutoModelForCausalLM
+
+        from autotune.parallel import find_decoder_blocks
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(
                 self.hf_config(), trust_remote_code=self.trust_remote_code
             )
-        return sum(p.numel() for p in model.parameters())
+        return sum(p.numel() for p in model.parameters()), find_decoder_blocks(model).class_name
+
+    @property
+    def num_parameters(self) -> int:
+        """Exact parameter count."""
+        return self._meta_summary[0]
+
+    @property
+    def block_class(self) -> str:
+        """The decoder block class FSDP wraps one by one, e.g. LlamaDecoderLayer."""
+        return self._meta_summary[1]
 
     def to_dict(self) -> dict[str, Any]:
         return dict(name=self.name, model_type=self.model_type, config=self.config_dict,

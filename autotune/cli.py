@@ -1,0 +1,418 @@
+"""The command line: `autotune [tune] ...`, `autotune trial`, `autotune export`, `autotune report`.
+
+Each command is a thin wrapper over library functions; shared options are defined once;
+errors are turned into one line and an exit code in one place (`main`).
+
+Exit codes: 0 done, 2 bad input, 3 nothing fits, 1 internal error, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from autotune.errors import AutotuneError, UsageError
+
+EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+COMMANDS = ("tune", "trial", "export", "report")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but bad arguments are one line and exit 2 like every other usage error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(str(text).replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a fraction in [0, 1), e.g. 0.1")
+    return value
+
+
+def _duration(text: str) -> float:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", str(text))
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: use e.g. 90, 90s, 10m or 1h")
+    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)]
+
+
+# -- shared options ---------------------------------------------------------------------------------
+def _add_problem_options(parser: argparse.ArgumentParser, *, model_required: bool) -> None:
+    group = parser.add_argument_group("model and cluster")
+    group.add_argument("--model", required=model_required,
+                       help="catalog name (llama-7b, llama3-8b, mistral-7b, qwen2.5-7b, tiny-llama, ...) "
+                            "or a path to a Hugging Face config.json or model folder")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="allow a local config that needs custom model code (off by default)")
+    group.add_argument("--gpus", type=_positive_int, help="total GPUs (ranks) of the job")
+    group.add_argument("--nodes", type=_positive_int, default=1, help="nodes; GPUs per node = gpus / nodes")
+    group.add_argument("--gpu-type", help="GPU catalog entry (h100-80gb, a100-40gb, ...); default: the "
+                                          "one detected here, else h100-80gb")
+    group.add_argument("--gpu-memory", help="override the memory per GPU, e.g. 40GiB; on the cpu backend "
+                                            "the per-rank capacity")
+    group.add_argument("--host-memory", help="host memory per node, e.g. 1TiB (checked for CPU offload)")
+    group.add_argument("--seq-len", type=_positive_int, help="training sequence length (default: the "
+                                                             "catalog entry's)")
+    group.add_argument("--backend", default="auto", choices=("auto", "sim", "analytic", "cpu", "cuda"),
+                       help="how trials run: sim (fake-tensor trace: memory predicted, time estimated), "
+                            "analytic (closed form, estimated), cpu (real gloo trials), cuda (real "
+                            "GPU trials); auto = cuda when the GPUs are here, else sim")
+    group.add_argument("--timeout", type=_duration, default=600.0,
+                       help="real trials: kill a trial after this long (default 600s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    root = _Parser(prog="autotune", description="Find the fastest FSDP2 configuration that fits, and prove it.")
+    sub = root.add_subparsers(dest="command", parser_class=_Parser)
+
+    tune = sub.add_parser("tune", help="walk the decision graph and write the winner (the default command)")
+    _add_problem_options(tune, model_required=True)
+    tune.set_defaults(gpus=None)
+    run = tune.add_argument_group("run")
+    run.add_argument("--global-tokens", required=True,
+                     help="target tokens per optimizer step: 4M = 4,000,000; 4Mi = 4,194,304; 4_000_000")
+    run.add_argument("--global-tolerance", type=_fraction, default=None,
+                     help="largest allowed relative deviation from --global-tokens (default 0.01)")
+    run.add_argument("--headroom", type=_fraction, default=None,
+                     help="fraction of GPU memory kept free (default 0.10)")
+    run.add_argument("--space", help="search-space TOML (default: search_spaces/default.toml)")
+    run.add_argument("--storage", help="Optuna storage URL (default: sqlite in --runs-dir); share one "
+                                       "database across a cluster sweep")
+    run.add_argument("--study", help="study name (default: derived from the problem, so a rerun resumes)")
+    run.add_argument("--runs-dir", default="runs", help="output folder (default: runs)")
+    run.add_argument("--out", help="also write the winning configuration JSON here")
+    run.add_argument("--export", help="comma-separated export formats to write next to best.json "
+                                      "(fsdp2, fsdp1, lightning, accelerate, hf-trainer, trl, torchtitan, "
+                                      "llama-cookbook)")
+    run.add_argument("--max-trials", type=_positive_int, help="stop after this many new trials")
+    run.add_argument("--time-budget", type=_duration, help="stop starting trials after this long, e.g. 10m")
+    run.add_argument("--json", action="store_true", help="print the result JSON on stdout, nothing else")
+
+    trial = sub.add_parser("trial", help="evaluate one configuration and print its result as JSON")
+    _add_problem_options(trial, model_required=False)
+    knobs = trial.add_argument_group("configuration (or --config)")
+    knobs.add_argument("--config", help="a result JSON (best.json) to re-evaluate")
+    knobs.add_argument("--micro-batch", type=_positive_int, default=1)
+    knobs.add_argument("--grad-accum", type=_positive_int, default=1)
+    knobs.add_argument("--ac", default="none", help="activation checkpointing: none, full or every:K")
+    knobs.add_argument("--offload", action=argparse.BooleanOptionalAction, default=False)
+    knobs.add_argument("--reshard", action=argparse.BooleanOptionalAction, default=True)
+    knobs.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    knobs.add_argument("--headroom", type=_fraction, default=None,
+                       help="fraction of GPU memory kept free (default 0.10)")
+
+    export = sub.add_parser("export", help="write a result in the format of another training stack")
+    export.add_argument("result", help="runs/<run-id>/best.json (or the run folder)")
+    export.add_argument("--format", required=True, help="comma-separated formats, or 'all'")
+    export.add_argument("--out-dir", help="where to write (default: next to the result)")
+
+    report = sub.add_parser("report", help="rebuild runs/<run-id>/report.html from the study")
+    report.add_argument("run_dir", help="runs/<run-id>")
+    report.add_argument("--storage", help="Optuna storage URL (default: sqlite in the run's parent folder)")
+    return root
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    # `autotune --model ...` means `autotune tune --model ...`.
+    if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
+        argv = ["tune", *argv]
+    args = build_parser().parse_args(argv)
+    if args.command is None:
+        build_parser().print_help()
+        raise SystemExit(EXIT_OK)
+    return args
+
+
+# -- building the problem from flags ---------------------------------------------------------------
+def _resolve_problem(args: argparse.Namespace) -> tuple[Any, Any, int, str]:
+    """(ModelSpec, Cluster, seq_len, how the GPU type was chosen) from the shared options, validated."""
+    from autotune.catalog.gpus import DEFAULT_GPU, GPUS, detect_gpu, resolve_gpu
+    from autotune.catalog.models import resolve_model
+    from autotune.config import Cluster
+    from autotune.units import parse_bytes
+
+    if not args.model:
+        raise UsageError("--model is required (a catalog name or a path to a config.json)")
+    if args.gpus is None:
+        raise UsageError("--gpus is required: the total number of GPUs of the job, e.g. --gpus 8")
+    model = resolve_model(args.model, trust_remote_code=args.trust_remote_code)
+    if args.gpu_type:
+        gpu, gpu_note = resolve_gpu(args.gpu_type), "given with --gpu-type"
+    else:
+        gpu, gpu_note = detect_gpu(), "detected"
+        if gpu is None:
+            gpu, gpu_note = GPUS[DEFAULT_GPU], "the default: no GPU detected here; set --gpu-type"
+    gpu_memory = parse_bytes(args.gpu_memory, what="--gpu-memory") if args.gpu_memory else None
+    host_memory = parse_bytes(args.host_memory, what="--host-memory") if args.host_memory else None
+    if gpu_memory is not None and gpu_memory < 1:
+        raise UsageError("--gpu-memory must be positive, e.g. 40GiB")
+    cluster = Cluster(num_gpus=args.gpus, num_nodes=args.nodes, gpu=gpu, gpu_memory_bytes=gpu_memory,
+                      host_memory_bytes=host_memory)
+    seq_len = args.seq_len or model.default_seq_len
+    if model.max_positions and seq_len > model.max_positions:
+        raise UsageError(f"--seq-len {seq_len} is longer than {model.name} supports "
+                         f"({model.max_positions} positions): lower --seq-len")
+    _ = model.block_class  # fail now, with the supported families, if FSDP cannot wrap it
+    return model, cluster, seq_len, f"GPU type {gpu.name} ({gpu_note})"
+
+
+def _choose_backend(name: str, cluster) -> tuple[str, str]:
+    """(backend name, why) -- `auto` takes the GPUs when they are here, else the simulator."""
+    if name != "auto":
+        return name, "chosen with --backend"
+    try:
+        import torch
+
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        visible = 0
+    if visible >= cluster.gpus_per_node and cluster.num_nodes == 1:
+        return "cuda", f"{visible} GPUs visible here"
+    reason = "no GPU here" if visible == 0 else f"{visible} GPUs here, {cluster.gpus_per_node} needed"
+    return "sim", f"{reason}: memory predicted by tracing the real model with fake tensors, throughput estimated"
+
+
+def _make_backend(name: str, args: argparse.Namespace):
+    from autotune.backends import get_backend
+
+    if name in ("cpu", "cuda"):
+        return get_backend(name, timeout_s=args.timeout)
+    return get_backend(name)
+
+
+def _predictor_for(name: str):
+    """Real trials are filtered by the simulator: predicted not to fit means never launched."""
+    if name not in ("cpu", "cuda"):
+        return None
+    from autotune.backends import get_backend
+
+    return get_backend("sim", device_kind=name)
+
+
+# -- commands -----------------------------------------------------------------------------------------
+def cmd_tune(args: argparse.Namespace, console) -> int:
+    from autotune.batch import DEFAULT_TOLERANCE, check_target
+    from autotune.controller import DEFAULT_HEADROOM, Controller, TuneRequest
+    from autotune.result import build_result, dumps
+    from autotune.search_space import load_space
+    from autotune.store import (RunLog, TrialStore, default_storage, ensure_writable, new_run_id,
+                                step_record, study_name, trials_frame, write_atomic)
+    from autotune.units import parse_count
+
+    target = parse_count(args.global_tokens, what="--global-tokens")
+    if target < 1:
+        raise UsageError("--global-tokens must be positive, e.g. 4M")
+    model, cluster, seq_len, gpu_note = _resolve_problem(args)
+    check_target(target_tokens=target, num_gpus=cluster.num_gpus, seq_len=seq_len)
+    space = load_space(args.space)
+    formats = _parse_formats(args.export) if args.export else []
+    runs_dir = ensure_writable(Path(args.runs_dir))
+    backend_name, backend_why = _choose_backend(args.backend, cluster)
+    request = TuneRequest(model=model, cluster=cluster, seq_len=seq_len, target_tokens=target,
+                          tolerance=DEFAULT_TOLERANCE if args.global_tolerance is None else args.global_tolerance,
+                          headroom=DEFAULT_HEADROOM if args.headroom is None else args.headroom,
+                          space=space, max_trials=args.max_trials, time_budget_s=args.time_budget)
+    store = TrialStore(args.storage or default_storage(runs_dir), args.study or study_name(request, backend_name))
+    finished = store.finished()
+    run_id = new_run_id(request)
+    run_dir = runs_dir / run_id
+    log = RunLog(run_dir / "autotune.log")
+    backend = _make_backend(backend_name, args)
+    predictor = _predictor_for(backend_name)
+    console.header(request, backend_name, backend_why, backend.describe(), store, finished, run_dir)
+    console.note(gpu_note)
+    log(f"run {run_id}: study {store.name} on {store.storage}; backend {backend_name} ({backend_why})")
+
+    def on_step(step) -> None:
+        number = store.record(step, run_id=run_id)
+        console.step(step, number)
+        log(f"step {step.step} [{step.stage}] {step.train.label()} -> {step.result.status} "
+            f"fits={step.fits} {json.dumps(step_record(step)['result'], default=str)} reason: {step.reason}")
+
+    controller = Controller(request, backend, predictor=predictor, finished=finished, on_step=on_step,
+                            on_start=console.trial_started)
+    try:
+        with console.progress():
+            outcome = controller.tune()
+    finally:
+        backend.close()
+        if predictor is not None:
+            predictor.close()
+    records = store.trials(run_id=run_id)
+    write_atomic(run_dir / "trials.csv", trials_frame(records).to_csv(index=False))
+    for note in outcome.notes:
+        console.note(note)
+        log(f"note: {note}")
+    console.trial_table(outcome.steps, request)
+    if outcome.winner is None:
+        console.error_line(f"no configuration fits within {request.memory_limit_bytes / 2**30:.2f} GiB per GPU "
+                           f"(capacity less {request.headroom:.0%} headroom); trials are in {run_dir}")
+        log.close()
+        return EXIT_NOTHING_FITS
+    document = build_result(request, outcome.winner, outcome.steps, backend=backend_name,
+                            wrap=model.block_class, run_id=run_id, study=store.name, notes=outcome.notes)
+    text = dumps(document)
+    write_atomic(run_dir / "best.json", text)
+    if args.out:
+        write_atomic(Path(args.out), text)
+    _write_report(run_dir, document, records, console)
+    if formats:
+        _write_exports(document, formats, run_dir, console)
+    log(f"winner: step {outcome.winner.step} {outcome.winner.train.label()}; wrote {run_dir / 'best.json'}")
+    log.close()
+    console.winner(document, run_dir, args.out)
+    if args.json:
+        sys.stdout.write(text)
+    return EXIT_OK
+
+
+def _parse_formats(text: str) -> list[str]:
+    from autotune.export import FORMATS
+
+    names = list(FORMATS) if text.strip() == "all" else [f.strip() for f in text.split(",") if f.strip()]
+    unknown = [n for n in names if n not in FORMATS]
+    if unknown or not names:
+        raise UsageError(f"unknown export format {', '.join(unknown) or text!r}: choose from "
+                         f"{', '.join(FORMATS)} or 'all'")
+    return names
+
+
+def _write_exports(document: dict, formats: list[str], out_dir: Path, console) -> list[Path]:
+    from autotune.export import export_result
+    from autotune.store import write_atomic
+
+    paths = []
+    for fmt in formats:
+        exported = export_result(document, fmt)
+        path = out_dir / exported.filename
+        write_atomic(path, exported.text)
+        paths.append(path)
+        console.exported(fmt, path, exported.warnings)
+    return paths
+
+
+def _write_report(run_dir: Path, document: dict, records: list[dict], console) -> None:
+    try:
+        from autotune.report import write_report
+    except ImportError:
+        return
+    path = write_report(run_dir, document, records)
+    console.note(f"report: {path}")
+
+
+def cmd_trial(args: argparse.Namespace, console) -> int:
+    from autotune.config import TrainConfig, TrialSpec
+    from autotune.controller import DEFAULT_HEADROOM
+
+    if args.config:
+        from autotune.result import load_result
+
+        document = load_result(args.config)
+        args.model = args.model or document["model"]["name"]
+        args.gpus = args.gpus or document["gpus"]
+        args.nodes = document.get("nodes", args.nodes)
+        args.gpu_type = args.gpu_type or document["gpu"]["type"]
+        args.seq_len = args.seq_len or document["seq_len"]
+        train = TrainConfig(precision=document["precision"],
+                            activation_checkpointing=document["fsdp"]["activation_checkpointing"],
+                            cpu_offload=document["fsdp"]["cpu_offload"],
+                            reshard_after_forward=document["fsdp"]["reshard_after_forward"],
+                            micro_batch_size=document["micro_batch_size"])
+        grad_accum = document["grad_accum_steps"]
+    else:
+        train = TrainConfig(precision=args.precision, activation_checkpointing=args.ac,
+                            cpu_offload=args.offload, reshard_after_forward=args.reshard,
+                            micro_batch_size=args.micro_batch)
+        grad_accum = args.grad_accum
+    model, cluster, seq_len, gpu_note = _resolve_problem(args)
+    console.note(gpu_note)
+    headroom = DEFAULT_HEADROOM if args.headroom is None else args.headroom
+    spec = TrialSpec(model=model, cluster=cluster, seq_len=seq_len, train=train, grad_accum_steps=grad_accum,
+                     memory_limit_bytes=int(cluster.capacity_bytes * (1 - headroom)))
+    backend_name, why = _choose_backend(args.backend, cluster)
+    console.note(f"backend: {backend_name} ({why})")
+    backend = _make_backend(backend_name, args)
+    try:
+        result = backend.evaluate(spec)
+    finally:
+        backend.close()
+    out = {"backend": backend_name, "model": model.name, "gpus": cluster.num_gpus, "gpu": cluster.gpu.name,
+           "seq_len": seq_len, "config": train.to_dict(), "grad_accum_steps": grad_accum,
+           "memory_limit_bytes": spec.limit_bytes, "fits": result.ok, **result.to_dict()}
+    sys.stdout.write(json.dumps(out, indent=2, default=str) + "\n")
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace, console) -> int:
+    from autotune.result import load_result
+
+    document = load_result(args.result)
+    formats = _parse_formats(args.format)
+    source = Path(args.result)
+    out_dir = Path(args.out_dir) if args.out_dir else (source if source.is_dir() else source.parent)
+    _write_exports(document, formats, out_dir, console)
+    return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace, console) -> int:
+    from autotune.report import write_report
+    from autotune.result import load_result
+    from autotune.store import STUDY_DB, TrialStore
+
+    run_dir = Path(args.run_dir)
+    document = load_result(run_dir / "best.json")
+    storage = args.storage or f"sqlite:///{(run_dir.parent / STUDY_DB).resolve()}"
+    if not args.storage and not (run_dir.parent / STUDY_DB).exists():
+        raise UsageError(f"no study database next to {str(run_dir)!r}: pass --storage URL")
+    records = TrialStore(storage, document["study"]).trials(run_id=document.get("run_id"))
+    if not records:
+        raise UsageError(f"study {document['study']!r} has no trials of run {document.get('run_id')!r}: "
+                         "check --storage")
+    path = write_report(run_dir, document, records)
+    console.note(f"report: {path}")
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    from autotune.console import Console
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    console = Console(quiet="--json" in argv, notes_to_stderr=bool(argv) and argv[0] in ("trial", "export"))
+    try:
+        args = parse_args(argv)
+        handler = {"tune": cmd_tune, "trial": cmd_trial, "export": cmd_export, "report": cmd_report}[args.command]
+        return handler(args, console)
+    except UsageError as exc:
+        console.error_line(f"error: {exc}")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        console.error_line("interrupted: every finished trial is in the study; rerun the same command to resume")
+        return EXIT_INTERRUPTED
+    except AutotuneError as exc:
+        console.error_line(f"error: {exc}")
+        return EXIT_INTERNAL
+    except Exception as exc:  # noqa: BLE001 - one line for the user, the traceback on request
+        if os.environ.get("AUTOTUNE_DEBUG"):
+            raise
+        console.error_line(f"internal error: {exc.__class__.__name__}: {exc} (set AUTOTUNE_DEBUG=1 for the traceback)")
+        return EXIT_INTERNAL

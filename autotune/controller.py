@@ -1,0 +1,291 @@
+"""The memory-tuning decision graph, walked over a trial backend.
+
+    1 baseline       bf16 mixed precision (fp16 on GPUs without bf16), micro-batch 1
+    2 checkpointing  out of memory?  checkpoint every decoder block
+    3 offload        still out of memory?  CPU offload
+    4 grow           while it fits: double the micro-batch, then bisect (refine)
+    5 align          the largest fitting micro-batch whose global batch is within tolerance
+    6 explore        beyond the graph: lighter checkpointing, checkpointing with larger
+                     micro-batches, no resharding -- these can beat the graph's first fit
+    7 confirm        real backends re-run the winner once more
+
+Every step is recorded with its reason. Where trials are real, the simulator predicts each
+configuration first and those predicted not to fit are recorded as `pruned`, never launched.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from autotune.backends.base import TrialBackend, TrialResult
+from autotune.batch import DEFAULT_TOLERANCE, GlobalBatch, plan_global_batch, within_tolerance
+from autotune.catalog.models import ModelSpec
+from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.search_space import SearchSpace
+
+DEFAULT_HEADROOM = 0.10
+"""Fraction of GPU memory kept free: allocator fragmentation spikes, NCCL growth, a longer batch."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneRequest:
+    model: ModelSpec
+    cluster: Cluster
+    seq_len: int
+    target_tokens: int
+    tolerance: float = DEFAULT_TOLERANCE
+    headroom: float = DEFAULT_HEADROOM
+    space: SearchSpace = field(default_factory=SearchSpace)
+    max_trials: int | None = None
+    time_budget_s: float | None = None
+
+    @property
+    def memory_limit_bytes(self) -> int:
+        return int(self.cluster.capacity_bytes * (1.0 - self.headroom))
+
+    @property
+    def max_micro_batch(self) -> int:
+        """Beyond this, even one accumulation step overshoots the global batch."""
+        per_gpu_sequences = self.target_tokens // (self.cluster.num_gpus * self.seq_len)
+        return max(1, min(self.space.max_micro_batch, per_gpu_sequences))
+
+    def global_batch(self, micro_batch_size: int) -> GlobalBatch:
+        return plan_global_batch(target_tokens=self.target_tokens, num_gpus=self.cluster.num_gpus,
+                                 seq_len=self.seq_len, micro_batch_size=micro_batch_size)
+
+    def spec(self, train: TrainConfig) -> TrialSpec:
+        return TrialSpec(model=self.model, cluster=self.cluster, seq_len=self.seq_len, train=train,
+                         grad_accum_steps=self.global_batch(train.micro_batch_size).grad_accum_steps,
+                         memory_limit_bytes=self.memory_limit_bytes)
+
+
+@dataclass(kw_only=True)
+class Step:
+    """One evaluated configuration and why the controller tried it."""
+
+    step: int
+    stage: str
+    train: TrainConfig
+    batch: GlobalBatch
+    result: TrialResult
+    fits: bool
+    reason: str
+    backend: str
+    predicted: TrialResult | None = None
+    reused_from: int | None = None
+
+    @property
+    def selectable(self) -> bool:
+        return self.fits
+
+
+def config_key(train: TrainConfig, *, grad_accum_steps: int, backend: str) -> str:
+    """Identity of a trial in the study, for resuming."""
+    return json.dumps({**train.to_dict(), "grad_accum_steps": grad_accum_steps, "backend": backend},
+                      sort_keys=True)
+
+
+class BudgetExhausted(Exception):
+    """--max-trials or --time-budget reached: stop trying, choose among what was measured."""
+
+
+@dataclass
+class TuneOutcome:
+    steps: list[Step]
+    winner: Step | None
+    notes: list[str]
+
+
+class Controller:
+    def __init__(self, request: TuneRequest, backend: TrialBackend, *,
+                 predictor: TrialBackend | None = None,
+                 finished: dict[str, dict] | None = None,
+                 on_step: Callable[[Step], None] | None = None,
+                 on_start: Callable[[str, TrainConfig, str], None] | None = None) -> None:
+        self.request = request
+        self.backend = backend
+        self.predictor = predictor
+        self.finished = finished or {}
+        self.on_step = on_step or (lambda step: None)
+        self.on_start = on_start or (lambda stage, train, reason: None)
+        self.steps: list[Step] = []
+        self.notes: list[str] = []
+        self._started = time.monotonic()
+        self._evaluated = 0
+
+    # -- one trial -------------------------------------------------------------------------------
+    def run(self, stage: str, train: TrainConfig, reason: str, *, reuse: bool = True) -> Step:
+        """Evaluate `train` (or reuse a finished trial of the study) and record the step."""
+        known = self._find(train)
+        if known is not None and stage != "confirm":
+            return known
+        request = self.request
+        batch = request.global_batch(train.micro_batch_size)
+        key = config_key(train, grad_accum_steps=batch.grad_accum_steps, backend=self.backend.name)
+        cached = self.finished.get(key) if reuse else None
+        predicted: TrialResult | None = None
+        reused_from = None
+        if cached is not None:
+            result = TrialResult.from_dict(cached["result"])
+            predicted = TrialResult.from_dict(cached["predicted"]) if cached.get("predicted") else None
+            reused_from = cached.get("number")
+        else:
+            self._check_budget()
+            self.on_start(stage, train, reason)
+            spec = request.spec(train)
+            if self.predictor is not None:
+                predicted = self.predictor.evaluate(spec)
+            if predicted is not None and predicted.status == "oom":
+                result = TrialResult(status="pruned", peak_memory=predicted.peak_memory,
+                                     memory_breakdown=predicted.memory_breakdown,
+                                     message=f"not launched: {predicted.message or 'predicted out of memory'}")
+            else:
+                result = self.backend.evaluate(spec)
+            self._evaluated += 1
+        peak = result.peak_bytes
+        fits = result.ok and (peak is None or peak <= request.memory_limit_bytes)
+        if result.ok and not fits:
+            result.message = (result.message + "; " if result.message else "") + "peak over the headroom limit"
+        step = Step(step=len(self.steps) + 1, stage=stage, train=train, batch=batch, result=result,
+                    fits=fits, reason=reason, backend=self.backend.name, predicted=predicted,
+                    reused_from=reused_from)
+        self.steps.append(step)
+        self.on_step(step)
+        return step
+
+    def _find(self, train: TrainConfig) -> Step | None:
+        return next((s for s in self.steps if s.train == train and s.stage != "confirm"), None)
+
+    def _check_budget(self) -> None:
+        request = self.request
+        if request.max_trials is not None and self._evaluated >= request.max_trials:
+            raise BudgetExhausted(f"--max-trials {request.max_trials} reached")
+        if request.time_budget_s is not None and time.monotonic() - self._started >= request.time_budget_s:
+            raise BudgetExhausted(f"--time-budget {request.time_budget_s:g}s reached")
+
+    # -- the graph -------------------------------------------------------------------------------
+    def tune(self) -> TuneOutcome:
+        try:
+            self._walk()
+        except BudgetExhausted as exc:
+            self.notes.append(f"stopped early: {exc}; the winner is the best of what was evaluated")
+        winner = self._choose()
+        if winner is not None and self.backend.memory_source == "measured":
+            try:
+                confirmation = self.run("confirm", winner.train,
+                                        f"confirm the winner (step {winner.step}) with a final real trial",
+                                        reuse=False)
+                if confirmation.selectable:
+                    winner = confirmation
+                else:
+                    self.notes.append(f"confirmation trial did not reproduce the fit "
+                                      f"({confirmation.result.status}); winner kept from step {winner.step}")
+            except BudgetExhausted as exc:
+                self.notes.append(f"winner not confirmed: {exc}")
+        return TuneOutcome(steps=self.steps, winner=winner, notes=self.notes)
+
+    def _walk(self) -> None:
+        space, cluster = self.request.space, self.request.cluster
+        precision = space.precision
+        if precision == "bf16" and not cluster.gpu.supports_bf16:
+            precision = "fp16"
+            self.notes.append(f"{cluster.gpu.name} has no bf16: fp16 with a sharded grad scaler instead")
+        base = TrainConfig(precision=precision, reshard_after_forward=space.reshard_after_forward)
+        step = self.run("baseline", base, f"start of the graph: {precision} mixed precision, micro-batch 1")
+        if not step.fits and space.checkpointing:
+            step = self.run("checkpointing", base.with_(activation_checkpointing="full"),
+                            f"baseline {self._why(step)}: checkpoint every decoder block")
+        if not step.fits and space.offload:
+            step = self.run("offload", step.train.with_(activation_checkpointing="full" if space.checkpointing
+                                                        else "none", cpu_offload=True),
+                            f"{self._why(step)} with checkpointing: offload parameters, gradients and "
+                            "optimizer state to the CPU")
+        if not step.fits:
+            self.notes.append("no configuration fits, even at micro-batch 1 with every memory saving "
+                              "allowed: add GPUs, lower --seq-len, or lower --headroom")
+            return
+        largest = self._grow(step.train, stage="grow")
+        self._align(largest)
+        self._explore(step.train, largest)
+
+    @staticmethod
+    def _why(step: Step) -> str:
+        return {"oom": "is out of memory", "pruned": "is predicted out of memory",
+                "error": "failed", "timeout": "timed out"}.get(step.result.status, "does not fit")
+
+    def _grow(self, mode: TrainConfig, *, stage: str) -> TrainConfig:
+        """Double the micro-batch while it fits, then bisect. Returns the largest fitting config."""
+        limit = self.request.max_micro_batch
+        last_fit, first_fail = mode, None
+        size = mode.micro_batch_size
+        while size < limit:
+            size = min(size * 2, limit)
+            step = self.run(stage, mode.with_(micro_batch_size=size),
+                            f"micro-batch {last_fit.micro_batch_size} fits: try {size}")
+            if not step.fits:
+                first_fail = size
+                break
+            last_fit = step.train
+        if first_fail is not None and self.request.space.refine:
+            low, high = last_fit.micro_batch_size, first_fail
+            while high - low > 1:
+                middle = (low + high) // 2
+                step = self.run("refine" if stage == "grow" else stage, mode.with_(micro_batch_size=middle),
+                                f"bisect between {low} (fits) and {high} (does not)")
+                if step.fits:
+                    low, last_fit = middle, step.train
+                else:
+                    high = middle
+        return last_fit
+
+    def _aligned_sizes(self, upto: int) -> list[int]:
+        """Micro-batches <= upto whose global batch is within tolerance, largest first."""
+        return [m for m in range(upto, 0, -1)
+                if within_tolerance(self.request.global_batch(m), self.request.tolerance)]
+
+    def _align(self, largest: TrainConfig) -> None:
+        aligned = self._aligned_sizes(largest.micro_batch_size)
+        if aligned and aligned[0] != largest.micro_batch_size:
+            m = aligned[0]
+            self.run("align", largest.with_(micro_batch_size=m),
+                     f"micro-batch {largest.micro_batch_size} misses the global batch by "
+                     f"{self.request.global_batch(largest.micro_batch_size).deviation:+.2%}: "
+                     f"{m} is the largest within {self.request.tolerance:.1%}")
+
+    def _explore(self, mode: TrainConfig, largest: TrainConfig) -> None:
+        space = self.request.space
+        ceiling = self.request.max_micro_batch
+        if mode.activation_checkpointing == "full" and not mode.cpu_offload:
+            for k in sorted(space.lighter_every, reverse=True):  # lightest first
+                lighter = largest.with_(activation_checkpointing=f"every:{k}")
+                step = self.run("explore", lighter, f"memory allows? checkpoint every {k}th block only: "
+                                "less recompute")
+                if step.fits:
+                    break
+        if (mode.activation_checkpointing == "none" and space.checkpointing
+                and space.explore_checkpointed_larger_micro_batch and largest.micro_batch_size < ceiling):
+            bigger = min(ceiling, largest.micro_batch_size * 2)
+            for k in [*sorted(space.lighter_every, reverse=True), 1]:  # least recompute first
+                ac = "full" if k == 1 else f"every:{k}"
+                step = self.run("explore", largest.with_(activation_checkpointing=ac, micro_batch_size=bigger),
+                                f"checkpointing ({ac}) may allow micro-batch {bigger}, beyond the no-checkpointing "
+                                f"limit of {largest.micro_batch_size}")
+                if step.fits:
+                    self._align(self._grow(step.train, stage="explore"))
+                    break
+        best = self._choose()
+        if best is not None and space.explore_no_reshard and best.train.reshard_after_forward:
+            self.run("explore", best.train.with_(reshard_after_forward=False),
+                     "keep gathered parameters after forward (no reshard): saves an all-gather per block "
+                     "in backward if memory allows")
+
+    def _choose(self) -> Step | None:
+        tolerance = self.request.tolerance
+        candidates = [s for s in self.steps if s.selectable and within_tolerance(s.batch, tolerance)]
+        if not candidates:
+            return None
+        # Fastest first; among equals (or without a throughput figure) the smaller peak.
+        return max(candidates, key=lambda s: (s.result.throughput or 0.0, -(s.result.peak_bytes or 0)))

@@ -1,0 +1,147 @@
+"""The result document (best.json, schema_version 1; see schemas/result.schema.json)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import socket
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import autotune
+from autotune.controller import Step, TuneRequest
+from autotune.parallel import PARAM_DTYPES
+
+SCHEMA_VERSION = 1
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "result.schema.json"
+
+
+def provenance() -> dict[str, str]:
+    import optuna
+    import torch
+    import transformers
+
+    return {
+        "tool": f"autotune {autotune.__version__}",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "optuna": optuna.__version__,
+        "python": platform.python_version(),
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "command": shlex.join(["autotune", *sys.argv[1:]]),
+    }
+
+
+def model_section(request: TuneRequest) -> dict[str, Any]:
+    model = request.model
+    config = model.config_dict
+    return {
+        "name": model.name,
+        "parameters": model.num_parameters,
+        "model_type": model.model_type,
+        "num_layers": model.num_layers,
+        "hidden_size": config.get("hidden_size"),
+        "vocab_size": config.get("vocab_size"),
+        "source": model.source,
+        "config": {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool)) or v is None},
+    }
+
+
+def decision_path(steps: list[Step]) -> list[dict[str, Any]]:
+    return [{
+        "step": s.step,
+        "stage": s.stage,
+        "config": s.train.to_dict(),
+        "grad_accum_steps": s.batch.grad_accum_steps,
+        "status": s.result.status,
+        "fits": s.fits,
+        "peak_memory_bytes": s.result.peak_bytes,
+        "memory_source": s.result.peak_memory.source if s.result.peak_memory else None,
+        "tokens_per_sec": s.result.throughput,
+        "throughput_source": s.result.tokens_per_sec.source if s.result.tokens_per_sec else None,
+        "reason": s.reason + (f" (reused trial #{s.reused_from})" if s.reused_from is not None else ""),
+    } for s in steps]
+
+
+def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backend: str, wrap: str,
+                 run_id: str, study: str, notes: list[str]) -> dict[str, Any]:
+    train, result, batch = winner.train, winner.result, winner.batch
+    peak, tps = result.peak_memory, result.tokens_per_sec
+    host = result.host_memory_per_node
+    document: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "run_id": run_id,
+        "study": study,
+        "model": model_section(request),
+        "gpus": request.cluster.num_gpus,
+        "nodes": request.cluster.num_nodes,
+        "gpu": {"type": request.cluster.gpu.name, "memory_bytes": request.cluster.capacity_bytes,
+                "supports_bf16": request.cluster.gpu.supports_bf16,
+                "peak_tflops": request.cluster.gpu.peak_tflops},
+        "host_memory_bytes": request.cluster.host_memory_bytes,
+        "seq_len": request.seq_len,
+        "micro_batch_size": train.micro_batch_size,
+        "grad_accum_steps": batch.grad_accum_steps,
+        "global_tokens": batch.global_tokens,
+        "global_tokens_target": batch.target_tokens,
+        "global_tokens_deviation": batch.deviation,
+        "precision": train.precision,
+        "fsdp": {
+            "param_dtype": str(PARAM_DTYPES[train.precision]).removeprefix("torch."),
+            "reduce_dtype": "float32",
+            "activation_checkpointing": train.activation_checkpointing,
+            "cpu_offload": train.cpu_offload,
+            "reshard_after_forward": train.reshard_after_forward,
+            "wrap": wrap,
+            "sharded_grad_scaler": train.precision == "fp16",
+        },
+        "peak_memory_bytes": result.peak_bytes,
+        "memory_source": peak.source if peak else "estimated",
+        "memory_basis": peak.basis if peak else "",
+        "memory_breakdown": {k: int(v) for k, v in result.memory_breakdown.items()},
+        "memory_limit_bytes": request.memory_limit_bytes,
+        "headroom": request.headroom,
+        "host_memory_per_node_bytes": int(host.value) if host and host.value is not None else None,
+        "tokens_per_sec": result.throughput,
+        "throughput_source": tps.source if tps else "estimated",
+        "throughput_basis": tps.basis if tps else "no throughput figure from this backend",
+        "mfu": result.extras.get("mfu"),
+        "predicted": winner.predicted.to_dict() if winner.predicted else None,
+        "decision_path": decision_path(steps),
+        "notes": notes,
+        "backend": backend,
+        "provenance": provenance(),
+    }
+    try:
+        from autotune.checkpoint_plan import plan_checkpoint
+    except ImportError:  # the checkpoint advisor is optional in trimmed installs
+        plan_checkpoint = None
+    if plan_checkpoint is not None:
+        document["checkpoint"] = plan_checkpoint(document)
+    return document
+
+
+def dumps(document: dict[str, Any]) -> str:
+    return json.dumps(document, indent=2, sort_keys=False) + "\n"
+
+
+def load_result(path: str | Path) -> dict[str, Any]:
+    """Read a best.json; a bad file is the user's to fix."""
+    from autotune.errors import UsageError
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / "best.json"
+    try:
+        document = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"result {str(path)!r} not found: pass runs/<run-id>/best.json or its folder") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"cannot read result {str(path)!r}: {exc}") from None
+    if not isinstance(document, dict) or document.get("schema_version") != SCHEMA_VERSION:
+        raise UsageError(f"{str(path)!r} is not an autotune result (schema_version {SCHEMA_VERSION})")
+    return document

@@ -1,0 +1,102 @@
+"""The search space: a declarative TOML file that bounds what the controller may vary."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autotune.config import PRECISIONS
+from autotune.errors import UsageError
+
+DEFAULT_SPACE = Path(__file__).resolve().parent.parent / "search_spaces" / "default.toml"
+
+# key -> (type, validator description). Everything the file may contain, nothing else.
+_SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "baseline": {"precision": str, "reshard_after_forward": bool},
+    "checkpointing": {"enabled": bool, "lighter_every": list},
+    "offload": {"enabled": bool},
+    "micro_batch": {"max": int, "refine": bool},
+    "explore": {"no_reshard": bool, "checkpointed_larger_micro_batch": bool},
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """The bounds of a tuning run. Defaults equal search_spaces/default.toml (a test checks)."""
+
+    precision: str = "bf16"
+    reshard_after_forward: bool = True
+    checkpointing: bool = True
+    lighter_every: tuple[int, ...] = (2, 4)
+    offload: bool = True
+    max_micro_batch: int = 64
+    refine: bool = True
+    explore_no_reshard: bool = True
+    explore_checkpointed_larger_micro_batch: bool = True
+    source: str = "built-in defaults"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+
+def load_space(path: str | Path | None = None) -> SearchSpace:
+    """Read and validate a search-space file; errors name the key and why."""
+    if path is None:
+        if not DEFAULT_SPACE.exists():  # installed without the repo: the same defaults, built in
+            return SearchSpace()
+        path = DEFAULT_SPACE
+    path = Path(path)
+    where = str(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"search space {where!r} not found: pass an existing TOML file to --space") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"search space {where!r} is not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read search space {where!r}: {exc.strerror}") from None
+
+    for section, body in data.items():
+        if section not in _SCHEMA:
+            raise UsageError(f"search space {where!r}: unknown section [{section}]; "
+                             f"allowed: {', '.join(_SCHEMA)}")
+        if not isinstance(body, dict):
+            raise UsageError(f"search space {where!r}: '{section}' must be a table ([{section}])")
+        for key, value in body.items():
+            expected = _SCHEMA[section].get(key)
+            if expected is None:
+                raise UsageError(f"search space {where!r}: unknown key {section}.{key}; "
+                                 f"allowed: {', '.join(_SCHEMA[section])}")
+            # bool is an int subclass: refuse true where a number is wanted, and vice versa.
+            if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+                raise UsageError(f"search space {where!r}: {section}.{key} must be "
+                                 f"{expected.__name__}, got {value!r}")
+
+    def get(section: str, key: str, default):
+        return data.get(section, {}).get(key, default)
+
+    precision = get("baseline", "precision", "bf16")
+    if precision not in PRECISIONS:
+        raise UsageError(f"search space {where!r}: baseline.precision must be one of "
+                         f"{', '.join(PRECISIONS)}, got {precision!r}")
+    lighter = get("checkpointing", "lighter_every", [2, 4])
+    if not all(isinstance(k, int) and not isinstance(k, bool) and k >= 2 for k in lighter):
+        raise UsageError(f"search space {where!r}: checkpointing.lighter_every must be a list of "
+                         f"integers >= 2, got {lighter!r}")
+    max_mb = get("micro_batch", "max", 64)
+    if max_mb < 1:
+        raise UsageError(f"search space {where!r}: micro_batch.max must be >= 1, got {max_mb}")
+    return SearchSpace(
+        precision=precision,
+        reshard_after_forward=get("baseline", "reshard_after_forward", True),
+        checkpointing=get("checkpointing", "enabled", True),
+        lighter_every=tuple(sorted(set(lighter))),
+        offload=get("offload", "enabled", True),
+        max_micro_batch=max_mb,
+        refine=get("micro_batch", "refine", True),
+        explore_no_reshard=get("explore", "no_reshard", True),
+        explore_checkpointed_larger_micro_batch=get("explore", "checkpointed_larger_micro_batch", True),
+        source=where,
+    )

@@ -1,0 +1,210 @@
+"""Where results live: the Optuna study (every trial) and the runs/ folder (each run's files).
+
+Trials are written to the study whole, in one insert each (`study.add_trial` of a finished
+trial), so an interrupted run never leaves a half-recorded trial behind; rerunning the same
+command finds the study by name and reuses its finished trials. Files under runs/<id>/ are
+written to a temporary name and renamed into place: never half-written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from autotune.config import PRECISIONS, ac_every
+from autotune.controller import Step, TuneRequest, config_key
+from autotune.errors import UsageError
+
+STUDY_DB = "autotune.db"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` via a temporary file in the same folder and an atomic rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def ensure_writable(runs_dir: Path) -> Path:
+    """Create the runs folder and check it takes files, before any trial runs."""
+    try:
+        runs_dir.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=runs_dir, prefix=".probe.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UsageError(f"runs directory {str(runs_dir)!r} is not writable ({exc.strerror}): "
+                         "pass a writable folder with --runs-dir") from None
+    return runs_dir
+
+
+def default_storage(runs_dir: Path) -> str:
+    return f"sqlite:///{(runs_dir / STUDY_DB).resolve()}"
+
+
+def study_name(request: TuneRequest, backend: str) -> str:
+    """Same command, same study: the name hashes everything that changes a trial's outcome."""
+    identity = json.dumps({
+        "model": request.model.config_dict, "model_type": request.model.model_type,
+        "cluster": request.cluster.to_dict(), "seq_len": request.seq_len,
+        "target": request.target_tokens, "headroom": request.headroom,
+        "tolerance": request.tolerance, "backend": backend,
+    }, sort_keys=True, default=str)
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.model.name)
+    return f"{name}-{request.cluster.num_gpus}x{request.cluster.gpu.name}-{backend}-{digest}"
+
+
+class TrialStore:
+    """The Optuna study of one tuning problem."""
+
+    def __init__(self, storage: str, name: str) -> None:
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        try:
+            self.study = optuna.create_study(storage=storage, study_name=name, direction="maximize",
+                                             load_if_exists=True)
+        except (ImportError, ModuleNotFoundError) as exc:
+            raise UsageError(f"storage {storage!r} needs a driver that is not installed: {exc}") from None
+        except Exception as exc:  # bad URL, unreachable server
+            if exc.__class__.__name__ in ("ArgumentError", "OperationalError", "NoSuchModuleError", "ValueError"):
+                raise UsageError(f"cannot open storage {storage!r}: {str(exc).splitlines()[0]}") from None
+            raise
+        self.storage = storage
+        self.name = name
+
+    def finished(self) -> dict[str, dict[str, Any]]:
+        """Finished trials by configuration key, newest wins."""
+        records: dict[str, dict[str, Any]] = {}
+        for trial in self.study.get_trials(deepcopy=False):
+            attrs = trial.user_attrs
+            if "key" in attrs and "result" in attrs and attrs.get("stage") != "confirm":
+                records[attrs["key"]] = {**attrs, "number": trial.number}
+        return records
+
+    def record(self, step: Step, *, run_id: str) -> int:
+        """Add the step as one finished trial; returns its trial number."""
+        import optuna
+        from optuna.distributions import CategoricalDistribution, IntDistribution
+        from optuna.trial import TrialState
+
+        record = step_record(step)
+        record["run_id"] = run_id
+        train = step.train
+        # Fixed value spaces (a study refuses a parameter whose space changes between trials).
+        params = {"micro_batch_size": train.micro_batch_size,
+                  "checkpoint_every": ac_every(train.activation_checkpointing) or 0,
+                  "cpu_offload": train.cpu_offload,
+                  "reshard_after_forward": train.reshard_after_forward,
+                  "precision": train.precision}
+        distributions = {"micro_batch_size": IntDistribution(1, 1 << 16),
+                         "checkpoint_every": IntDistribution(0, 1 << 16),
+                         "cpu_offload": CategoricalDistribution([False, True]),
+                         "reshard_after_forward": CategoricalDistribution([True, False]),
+                         "precision": CategoricalDistribution(list(PRECISIONS))}
+        value = step.result.throughput
+        if step.fits:
+            state, values = TrialState.COMPLETE, [float(value) if value is not None else 0.0]
+        elif step.result.status == "pruned":
+            state, values = TrialState.PRUNED, None
+        else:
+            state, values = TrialState.FAIL, None
+        frozen = optuna.trial.create_trial(state=state, values=values, params=params,
+                                           distributions=distributions, user_attrs=record)
+        self.study.add_trial(frozen)
+        return len(self.study.get_trials(deepcopy=False)) - 1
+
+    def trials(self, *, run_id: str | None = None) -> list[dict[str, Any]]:
+        """Trial records (see `step_record`), optionally of one run, in order."""
+        out = []
+        for trial in self.study.get_trials(deepcopy=False):
+            attrs = dict(trial.user_attrs)
+            if "result" not in attrs or (run_id is not None and attrs.get("run_id") != run_id):
+                continue
+            attrs["number"] = trial.number
+            out.append(attrs)
+        return out
+
+
+def step_record(step: Step) -> dict[str, Any]:
+    """A step as plain data: the trial record stored in the study and drawn in the report."""
+    return {
+        "step": step.step,
+        "stage": step.stage,
+        "config": step.train.to_dict(),
+        "grad_accum_steps": step.batch.grad_accum_steps,
+        "global_tokens": step.batch.global_tokens,
+        "status": step.result.status,
+        "fits": step.fits,
+        "backend": step.backend,
+        "reason": step.reason,
+        "result": step.result.to_dict(),
+        "predicted": step.predicted.to_dict() if step.predicted else None,
+        "reused_from": step.reused_from,
+        "key": config_key(step.train, grad_accum_steps=step.batch.grad_accum_steps, backend=step.backend),
+    }
+
+
+def new_run_id(request: TuneRequest) -> str:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.model.name)
+    return f"{stamp}-{name}-{request.cluster.num_gpus}gpu"
+
+
+def trials_frame(records: list[dict[str, Any]]):
+    """The trial table as a pandas DataFrame (one row per trial, figures with their sources)."""
+    import pandas as pd
+
+    rows = []
+    for r in records:
+        result = r["result"]
+        peak = result.get("peak_memory") or {}
+        tps = result.get("tokens_per_sec") or {}
+        predicted = (r.get("predicted") or {}).get("peak_memory") or {}
+        rows.append({
+            "trial": r.get("number"), "step": r["step"], "stage": r["stage"], "status": r["status"],
+            "fits": r["fits"], **{k: v for k, v in r["config"].items()},
+            "grad_accum_steps": r["grad_accum_steps"], "global_tokens": r.get("global_tokens"),
+            "peak_memory_bytes": peak.get("value"), "memory_source": peak.get("source"),
+            "predicted_peak_bytes": predicted.get("value"),
+            "tokens_per_sec": tps.get("value"), "throughput_source": tps.get("source"),
+            "backend": r["backend"], "reason": r["reason"], "message": result.get("message", ""),
+            "duration_s": result.get("duration_s"),
+        })
+    return pd.DataFrame(rows)
+
+
+class RunLog:
+    """runs/<id>/autotune.log: one line per event, flushed as it happens."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.logger = logging.getLogger(f"autotune.run.{path.parent.name}")
+        self.logger.setLevel(logging.INFO)
+        self.logger.propagate = False
+        self.handler = logging.FileHandler(path)
+        self.handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        self.logger.addHandler(self.handler)
+
+    def __call__(self, message: str) -> None:
+        self.logger.info(message)
+
+    def close(self) -> None:
+        self.logger.removeHandler(self.handler)
+        self.handler.close()

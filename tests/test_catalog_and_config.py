@@ -1,0 +1,126 @@
+"""Model and GPU catalogs, configuration parsing, the search-space file."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autotune.catalog.gpus import GPUS, resolve_gpu
+from autotune.catalog.models import MODELS, resolve_model
+from autotune.config import Cluster, TrainConfig, TrialSpec, parse_ac
+from autotune.errors import UnsupportedModelError, UsageError
+from autotune.search_space import DEFAULT_SPACE, SearchSpace, load_space
+
+# Published parameter counts (model cards): the catalog shapes must reproduce them.
+PUBLISHED = {"llama-7b": 6.74e9, "llama-13b": 13.0e9, "llama-70b": 69.0e9, "llama3-8b": 8.03e9,
+             "llama3-70b": 70.6e9, "mistral-7b": 7.24e9, "qwen2.5-7b": 7.62e9}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_catalog_entry_builds_and_wraps(name):
+    model = resolve_model(name)
+    assert model.num_parameters > 0
+    assert model.block_class.endswith("DecoderLayer")
+    assert model.default_seq_len <= model.max_positions
+    if name in PUBLISHED:
+        assert model.num_parameters == pytest.approx(PUBLISHED[name], rel=0.01)
+
+
+def test_unknown_model_suggests_close_names():
+    with pytest.raises(UsageError, match="did you mean llama-7b"):
+        resolve_model("llama-7")
+
+
+def test_model_from_config_path(tmp_path):
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 100,
+              "max_position_embeddings": 256}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    from_folder = resolve_model(str(tmp_path))
+    from_file = resolve_model(str(tmp_path / "config.json"))
+    assert from_folder.num_parameters == from_file.num_parameters > 0
+    assert from_folder.default_seq_len == 256
+
+
+def test_bad_config_paths(tmp_path):
+    with pytest.raises(UsageError, match="not found"):
+        resolve_model(str(tmp_path / "missing" / "config.json"))
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(UsageError, match="cannot read"):
+        resolve_model(str(tmp_path / "bad.json"))
+    (tmp_path / "custom.json").write_text(json.dumps({"model_type": "llama", "auto_map": {"AutoModel": "x.Y"},
+                                                      "num_hidden_layers": 2}))
+    with pytest.raises(UsageError, match="--trust-remote-code"):
+        resolve_model(str(tmp_path / "custom.json"))
+
+
+def test_model_without_repeated_blocks_names_supported_families(tmp_path):
+    # An encoder-decoder's largest ModuleList still exists, but a config whose model has none fails:
+    # use a transformers model with no ModuleList of blocks at all.
+    from torch import nn
+
+    from autotune.parallel import find_decoder_blocks
+
+    with pytest.raises(UnsupportedModelError, match="supported families: llama"):
+        find_decoder_blocks(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+
+
+def test_gpu_catalog():
+    for name in ("h100-80gb", "h200-141gb", "a100-80gb", "a100-40gb", "l40s-48gb", "rtx4090-24gb",
+                 "a10g-24gb", "v100-32gb"):
+        gpu = GPUS[name]
+        assert gpu.memory_bytes > 20 * 2**30 and gpu.peak_tflops > 0 and gpu.hbm_gbps > 0
+    assert not GPUS["v100-32gb"].supports_bf16
+    with pytest.raises(UsageError, match="did you mean h100-80gb"):
+        resolve_gpu("h100-80")
+
+
+@pytest.mark.parametrize("text, expected", [("none", "none"), ("full", "full"), ("every:2", "every:2"),
+                                            ("every-3", "every:3"), ("every:1", "full"), ("FULL", "full")])
+def test_parse_ac(text, expected):
+    assert parse_ac(text) == expected
+
+
+@pytest.mark.parametrize("text", ["some", "every:0", "every:x", "every"])
+def test_parse_ac_refuses(text):
+    with pytest.raises(UsageError):
+        parse_ac(text)
+
+
+def test_cluster_validation():
+    with pytest.raises(UsageError, match="not divisible"):
+        Cluster(num_gpus=6, num_nodes=4)
+    with pytest.raises(UsageError, match="positive"):
+        Cluster(num_gpus=0)
+    assert Cluster(num_gpus=16, num_nodes=2).gpus_per_node == 8
+
+
+def test_trial_spec_round_trips():
+    spec = TrialSpec(model=resolve_model("tiny-qwen2"), cluster=Cluster(num_gpus=2, gpu=GPUS["a100-40gb"]),
+                     seq_len=128, train=TrainConfig(activation_checkpointing="every:2", micro_batch_size=3),
+                     grad_accum_steps=5, memory_limit_bytes=10**9)
+    again = TrialSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+    assert again.train == spec.train and again.cluster == spec.cluster and again.model == spec.model
+    assert again.grad_accum_steps == 5 and again.limit_bytes == 10**9
+
+
+def test_default_space_file_matches_built_in_defaults():
+    loaded = load_space(DEFAULT_SPACE)
+    assert {k: v for k, v in loaded.to_dict().items() if k != "source"} == \
+        {k: v for k, v in SearchSpace().to_dict().items() if k != "source"}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[micro_batch]\nmax = 0\n", "micro_batch.max must be >= 1"),
+    ("[micro_batch]\nmax = true\n", "micro_batch.max must be int"),
+    ("[checkpointing]\nlighter_every = [1]\n", "checkpointing.lighter_every"),
+    ("[offload]\nenable = true\n", "unknown key offload.enable"),
+    ("[tuning]\n", "unknown section"),
+    ("[baseline]\nprecision = \"int8\"\n", "baseline.precision"),
+    ("[baseline\n", "not valid TOML"),
+])
+def test_malformed_space_says_which_key(tmp_path, text, message):
+    path = tmp_path / "space.toml"
+    path.write_text(text)
+    with pytest.raises(UsageError, match=message):
+        load_space(path)

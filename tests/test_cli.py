@@ -1,0 +1,138 @@
+"""The command line, end to end: the real `autotune` entry point in a subprocess, and main() in-process."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from autotune.cli import EXIT_NOTHING_FITS, EXIT_OK, EXIT_USAGE, main
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMA = json.loads((ROOT / "schemas" / "result.schema.json").read_text())
+TINY = ["--model", "tiny-llama", "--gpus", "2", "--global-tokens", "64K"]
+
+
+def run_cli(*args, cwd=None, env=None):
+    return subprocess.run([sys.executable, "-m", "autotune", *args], capture_output=True, text=True,
+                          cwd=cwd, env={**os.environ, **(env or {})}, timeout=300)
+
+
+def run_dirs(runs: Path):
+    return sorted(p for p in runs.iterdir() if p.is_dir()) if runs.exists() else []
+
+
+BAD_INPUTS = [
+    (["--model", "llama-7", "--gpus", "8", "--global-tokens", "4M"], "did you mean llama-7b"),
+    (["--model", "/nonexistent/config.json", "--gpus", "8", "--global-tokens", "4M"], "not found"),
+    (["--model", "llama-7b", "--gpus", "0", "--global-tokens", "4M"], "must be a positive integer"),
+    (["--model", "llama-7b", "--gpus", "2.5", "--global-tokens", "4M"], "is not an integer"),
+    (["--model", "llama-7b", "--gpus", "8", "--nodes", "3", "--global-tokens", "4M"], "not divisible"),
+    (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "four"], "cannot parse --global-tokens"),
+    (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "1K"], "smaller than one sequence per GPU"),
+    (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--gpu-type", "h100"], "did you mean h100-80gb"),
+    (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--seq-len", "9000"], "longer than llama-7b supports"),
+    (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--headroom", "1.5"], "fraction"),
+    (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--export", "deepspeed"], "unknown export format"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
+def test_bad_input_in_process(tmp_path, capsys, argv, message):
+    runs = tmp_path / "runs"
+    assert main([*argv, "--runs-dir", str(runs)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not runs.exists(), "a bad input left files behind"
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUTS[:6], ids=[m for _, m in BAD_INPUTS[:6]])
+def test_bad_input_real_cli(tmp_path, argv, message):
+    runs = tmp_path / "runs"
+    proc = run_cli(*argv, "--runs-dir", str(runs))
+    assert proc.returncode == EXIT_USAGE, proc.stderr
+    assert message in proc.stderr and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert not runs.exists()
+
+
+def test_malformed_space_and_unwritable_runs_dir(tmp_path):
+    space = tmp_path / "space.toml"
+    space.write_text("[micro_batch]\nmax = \"many\"\n")
+    proc = run_cli(*TINY, "--space", str(space), "--runs-dir", str(tmp_path / "runs"))
+    assert proc.returncode == EXIT_USAGE and "micro_batch.max must be int" in proc.stderr
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    proc = run_cli(*TINY, "--backend", "analytic", "--runs-dir", str(blocker / "runs"))
+    assert proc.returncode == EXIT_USAGE and "not writable" in proc.stderr
+    assert proc.stderr.count("\n") == 1
+
+
+def test_tune_writes_valid_result_and_resumes(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    argv = [*TINY, "--backend", "analytic", "--runs-dir", str(runs)]
+    assert main(argv) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "backend: analytic" in out and "winner" in out and "estimated" in out
+    (first,) = run_dirs(runs)
+    document = json.loads((first / "best.json").read_text())
+    jsonschema.validate(document, SCHEMA)
+    assert document["global_tokens"] == (document["micro_batch_size"] * document["gpus"]
+                                         * document["grad_accum_steps"] * document["seq_len"])
+    assert abs(document["global_tokens"] - 64_000) / 64_000 <= 0.01
+    assert document["memory_source"] == "estimated" and document["fsdp"]["wrap"] == "LlamaDecoderLayer"
+    assert [s["step"] for s in document["decision_path"]] == list(range(1, len(document["decision_path"]) + 1))
+    assert (first / "trials.csv").read_text().count("\n") == len(document["decision_path"]) + 1
+
+    # The same command again resumes the study: every trial is reused, the winner is the same.
+    assert main(argv) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "resuming" in out and "reused trial" in out
+    second = [d for d in run_dirs(runs) if d != first][0]
+    again = json.loads((second / "best.json").read_text())
+    assert again["study"] == document["study"]
+    assert {k: again[k] for k in ("micro_batch_size", "fsdp")} == {k: document[k] for k in ("micro_batch_size", "fsdp")}
+    assert all("reused trial" in s["reason"] for s in again["decision_path"])
+
+
+def test_nothing_fits_exit_code(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    assert main([*TINY, "--backend", "analytic", "--gpu-memory", "1MiB", "--runs-dir", str(runs)]) == EXIT_NOTHING_FITS
+    assert "no configuration fits" in capsys.readouterr().err
+    (run,) = run_dirs(runs)
+    assert not (run / "best.json").exists() and (run / "trials.csv").exists()
+
+
+def test_small_capacity_walks_to_offload(tmp_path, capsys):
+    # Capacity for the states of a 7B model on 8 GPUs but not its activations: the graph must
+    # go baseline -> checkpointing -> offload or stop at checkpointing, in that order.
+    runs = tmp_path / "runs"
+    code = main(["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--backend", "analytic",
+                 "--gpu-memory", "12GiB", "--runs-dir", str(runs), "--json"])
+    assert code == EXIT_OK
+    document = json.loads(capsys.readouterr().out)
+    stages = [s["stage"] for s in document["decision_path"]]
+    assert stages[:3] == ["baseline", "checkpointing", "offload"]
+    assert document["fsdp"]["cpu_offload"] is True
+
+
+def test_trial_command_prints_json(tmp_path):
+    proc = run_cli("trial", "--model", "tiny-llama", "--gpus", "2", "--micro-batch", "2", "--ac", "every:2",
+                   "--backend", "analytic")
+    assert proc.returncode == EXIT_OK, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["config"]["activation_checkpointing"] == "every:2" and result["config"]["micro_batch_size"] == 2
+    assert result["peak_memory"]["source"] == "estimated" and result["status"] in ("ok", "oom")
+    proc = run_cli("trial", "--model", "tiny-llama", "--gpus", "2", "--ac", "sometimes", "--backend", "analytic")
+    assert proc.returncode == EXIT_USAGE and "every:K" in proc.stderr
+
+
+def test_default_backend_without_gpus_is_the_simulator():
+    from autotune.cli import _choose_backend
+    from autotune.config import Cluster
+
+    name, why = _choose_backend("auto", Cluster(num_gpus=8))
+    assert name == "sim" and "no GPU here" in why

@@ -1,0 +1,164 @@
+"""The decision graph's path, checked against a backend whose memory and speed follow a formula.
+
+The formula backend is a test double for the controller's logic only: the real backends are
+exercised end to end in test_cli.py and their own tests.
+"""
+
+from dataclasses import replace
+
+import pytest
+
+from autotune.backends.base import Figure, TrialBackend, TrialResult
+from autotune.catalog.gpus import GPUS
+from autotune.catalog.models import resolve_model
+from autotune.config import Cluster, TrainConfig, ac_every
+from autotune.controller import Controller, TuneRequest
+from autotune.search_space import SearchSpace
+
+GiB = 2**30
+
+
+class FormulaBackend(TrialBackend):
+    """Memory: model states + micro-batch x activations (less with checkpointing); speed: tokens
+    per micro-batch, less for recompute and offload. Counts its evaluations."""
+
+    name = "formula"
+
+    def __init__(self, *, states=20 * GiB, activation=10 * GiB, memory_source="estimated"):
+        self.states, self.activation = states, activation
+        self.memory_source = memory_source
+        self.calls: list[TrainConfig] = []
+
+    def evaluate(self, spec):
+        train = spec.train
+        self.calls.append(train)
+        every = ac_every(train.activation_checkpointing)
+        kept = 1.0 if every is None else (1 - 1 / every) * 0.9 + 0.1
+        states = self.states * (0.1 if train.cpu_offload else 1.0) + (0 if train.reshard_after_forward else 2 * GiB)
+        peak = int(states + train.micro_batch_size * self.activation * kept)
+        recompute = 0.0 if every is None else 0.33 / every
+        tps = train.micro_batch_size * 1000 * (1 - recompute) * (0.5 if train.cpu_offload else 1.0)
+        tps *= 1.0 if train.reshard_after_forward else 1.05
+        status = "ok" if peak <= spec.limit_bytes else "oom"
+        return TrialResult(status=status, peak_memory=Figure(peak, self.memory_source, "formula"),
+                           tokens_per_sec=Figure(tps, self.memory_source, "formula"))
+
+
+def request_for(capacity_gib, *, target=4 * 2**20, space=SearchSpace(), **kw):
+    cluster = Cluster(num_gpus=8, gpu=GPUS["h100-80gb"], gpu_memory_bytes=int(capacity_gib * GiB))
+    return TuneRequest(model=resolve_model("tiny-llama"), cluster=cluster, seq_len=256, target_tokens=target,
+                       headroom=0.0, space=space, **kw)
+
+
+def stages(outcome):
+    return [(s.stage, s.train.activation_checkpointing, s.train.cpu_offload, s.train.micro_batch_size, s.fits)
+            for s in outcome.steps]
+
+
+def test_fits_at_baseline_then_grows_and_refines():
+    backend = FormulaBackend()
+    outcome = Controller(request_for(75), backend).tune()
+    path = stages(outcome)
+    assert path[0] == ("baseline", "none", False, 1, True)
+    # 20 + 10*mb <= 75 -> mb 5 is the largest: doubling 2, 4, 8 (fails), then bisect 6, 5.
+    grow = [(stage, mb, fits) for stage, ac, off, mb, fits in path if ac == "none" and not off and stage != "explore"]
+    assert grow == [("baseline", 1, True), ("grow", 2, True), ("grow", 4, True), ("grow", 8, False),
+                    ("refine", 6, False), ("refine", 5, True)]
+    assert not any(stage in ("checkpointing", "offload") for stage, *_ in path)
+    assert outcome.winner is not None and outcome.winner.fits
+
+
+def test_needs_checkpointing():
+    outcome = Controller(request_for(25), FormulaBackend()).tune()
+    path = stages(outcome)
+    assert path[0] == ("baseline", "none", False, 1, False)
+    assert path[1] == ("checkpointing", "full", False, 1, True)
+    assert "offload" not in [p[0] for p in path]
+    assert outcome.winner.train.activation_checkpointing in ("full", "every:2", "every:4")
+    # The reason chain explains why checkpointing was applied.
+    assert "out of memory" in outcome.steps[1].reason
+
+
+def test_needs_offload():
+    outcome = Controller(request_for(12), FormulaBackend()).tune()
+    path = stages(outcome)
+    assert [p[:3] for p in path[:3]] == [("baseline", "none", False), ("checkpointing", "full", False),
+                                         ("offload", "full", True)]
+    assert path[2][4] is True
+    assert outcome.winner.train.cpu_offload
+
+
+def test_nothing_fits_gives_no_winner_and_says_what_to_do():
+    outcome = Controller(request_for(1), FormulaBackend()).tune()
+    assert outcome.winner is None
+    assert len(outcome.steps) == 3
+    assert any("no configuration fits" in note for note in outcome.notes)
+
+
+def test_explores_beyond_the_graph_and_can_beat_its_first_fit():
+    # Checkpointing needed at mb 1; lighter checkpointing (every:4) also fits and is faster.
+    backend = FormulaBackend(states=20 * GiB, activation=6 * GiB)
+    outcome = Controller(request_for(27), backend).tune()
+    explored = [s for s in outcome.steps if s.stage == "explore"]
+    assert explored, "no exploration beyond the graph"
+    first_fit = next(s for s in outcome.steps if s.fits)
+    assert outcome.winner.result.throughput >= first_fit.result.throughput
+    assert all(s.train != t.train for i, s in enumerate(outcome.steps) for t in outcome.steps[:i]), \
+        "a configuration was evaluated twice"
+
+
+def test_winner_respects_global_batch_tolerance():
+    # 4M decimal tokens, 8 GPUs x 256 seq: micro-batches whose accumulation misses by > 1% are
+    # never chosen, however fast.
+    request = request_for(1000, target=4_000_000)
+    outcome = Controller(request, FormulaBackend()).tune()
+    assert abs(outcome.winner.batch.deviation) <= 0.01
+    faster_but_off = [s for s in outcome.steps if s.fits and abs(s.batch.deviation) > 0.01
+                      and s.result.throughput > outcome.winner.result.throughput]
+    assert all(abs(s.batch.deviation) > 0.01 for s in faster_but_off)
+
+
+def test_micro_batch_never_exceeds_the_global_batch():
+    # 8 GPUs x 256 seq x 4 sequences = the whole target: growth stops at 4.
+    outcome = Controller(request_for(1000, target=8 * 256 * 4), FormulaBackend()).tune()
+    assert max(s.train.micro_batch_size for s in outcome.steps) == 4
+
+
+def test_max_trials_stops_early_with_a_note():
+    outcome = Controller(request_for(75, max_trials=3), FormulaBackend()).tune()
+    assert len(outcome.steps) == 3
+    assert any("--max-trials 3" in note for note in outcome.notes)
+    assert outcome.winner is not None
+
+
+def test_predictor_prunes_and_real_winner_is_confirmed():
+    measured = FormulaBackend(memory_source="measured")
+    predictor = FormulaBackend(states=22 * GiB)  # predicts a little more than is measured
+    outcome = Controller(request_for(75), measured, predictor=predictor).tune()
+    pruned = [s for s in outcome.steps if s.result.status == "pruned"]
+    assert pruned, "a configuration predicted not to fit was launched"
+    launched = set(map(repr, measured.calls))
+    assert all(repr(s.train) not in launched or s.stage == "confirm" for s in pruned)
+    assert outcome.steps[-1].stage == "confirm" and outcome.winner.stage == "confirm"
+    assert all(s.predicted is not None for s in outcome.steps)
+
+
+def test_resume_reuses_finished_trials():
+    backend = FormulaBackend()
+    first = Controller(request_for(75), backend).tune()
+    from autotune.store import step_record
+
+    finished = {step_record(s)["key"]: {**step_record(s), "number": i} for i, s in enumerate(first.steps)}
+    again_backend = FormulaBackend()
+    second = Controller(request_for(75), again_backend, finished=finished).tune()
+    assert again_backend.calls == []
+    assert [s.train for s in second.steps] == [s.train for s in first.steps]
+    assert second.winner.train == first.winner.train
+    assert all(s.reused_from is not None for s in second.steps)
+
+
+def test_fp16_where_the_gpu_has_no_bf16():
+    request = replace(request_for(75), cluster=Cluster(num_gpus=8, gpu=GPUS["v100-32gb"]))
+    outcome = Controller(request, FormulaBackend()).tune()
+    assert outcome.steps[0].train.precision == "fp16"
+    assert any("fp16" in note for note in outcome.notes)

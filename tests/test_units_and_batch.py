@@ -1,0 +1,62 @@
+"""Token-count parsing and the global batch arithmetic."""
+
+import pytest
+
+from autotune.batch import exact_micro_batches, plan_global_batch, within_tolerance
+from autotune.errors import UsageError
+from autotune.units import parse_bytes, parse_count
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("4M", 4_000_000), ("4Mi", 4_194_304), ("4_000_000", 4_000_000), ("4000000", 4_000_000),
+    ("64K", 64_000), ("64Ki", 65_536), ("1G", 10**9), ("1Gi", 2**30), ("1.5K", 1500), ("2m", 2_000_000),
+    ("4,000,000", 4_000_000),
+])
+def test_parse_count(text, expected):
+    assert parse_count(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "four", "4X", "-4M", "0.3", "4MM", "1.0001K"])
+def test_parse_count_refuses(text):
+    with pytest.raises(UsageError):
+        parse_count(text, what="--global-tokens")
+
+
+def test_parse_bytes_accepts_b_suffix():
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("512Mi") == 512 * 2**20
+
+
+def test_global_batch_hits_target_exactly_when_divisible():
+    # 4Mi tokens on 8 GPUs at seq 4096: 128 sequences per GPU per step.
+    for micro in (1, 2, 4, 8, 16, 32, 64, 128):
+        batch = plan_global_batch(target_tokens=4 * 2**20, num_gpus=8, seq_len=4096, micro_batch_size=micro)
+        assert batch.global_tokens == 4 * 2**20
+        assert batch.micro_batch_size * 8 * batch.grad_accum_steps * 4096 == batch.global_tokens
+        assert batch.deviation == 0
+
+
+def test_global_batch_never_drifts_with_micro_batch():
+    # 4M (decimal) is not a multiple of 8 x 4096: the closest accumulation is chosen, and the
+    # achieved global batch stays within a few percent whatever the micro-batch.
+    for micro in range(1, 9):
+        batch = plan_global_batch(target_tokens=4_000_000, num_gpus=8, seq_len=4096, micro_batch_size=micro)
+        per_step = micro * 8 * 4096
+        alternatives = [n * per_step for n in (batch.grad_accum_steps - 1, batch.grad_accum_steps + 1) if n >= 1]
+        assert all(abs(batch.global_tokens - 4_000_000) <= abs(t - 4_000_000) for t in alternatives)
+    one = plan_global_batch(target_tokens=4_000_000, num_gpus=8, seq_len=4096, micro_batch_size=1)
+    assert one.grad_accum_steps == 122 and one.global_tokens == 3_997_696
+    assert within_tolerance(one, 0.01)
+    four = plan_global_batch(target_tokens=4_000_000, num_gpus=8, seq_len=4096, micro_batch_size=4)
+    assert not within_tolerance(four, 0.01)  # 30 or 31 steps of 131,072 tokens: 1.7% / 1.6% off
+
+
+def test_target_smaller_than_one_sequence_per_gpu_is_refused():
+    with pytest.raises(UsageError, match="smaller than one sequence per GPU"):
+        plan_global_batch(target_tokens=8 * 4096 - 1, num_gpus=8, seq_len=4096, micro_batch_size=1)
+
+
+def test_exact_micro_batches():
+    assert exact_micro_batches(target_tokens=4 * 2**20, num_gpus=8, seq_len=4096, limit=10) == [1, 2, 4, 8]
+    assert exact_micro_batches(target_tokens=4_000_000, num_gpus=8, seq_len=4096, limit=10) == []
