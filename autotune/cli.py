@@ -298,17 +298,10 @@ def _parse_formats(text: str) -> list[str]:
 
 
 def _write_exports(document: dict, formats: list[str], out_dir: Path, console) -> list[Path]:
-    from autotune.export import export_result
-    from autotune.store import write_atomic
+    from autotune.export import write_exports
 
-    paths = []
-    for fmt in formats:
-        exported = export_result(document, fmt)
-        path = out_dir / exported.filename
-        write_atomic(path, exported.text)
-        paths.append(path)
-        console.exported(fmt, path, exported.warnings)
-    return paths
+    return write_exports(document, formats, out_dir,
+                         on_written=lambda exported, path: console.exported(exported.format, path, exported.warnings))
 
 
 def _write_report(run_dir: Path, document: dict, records: list[dict], console) -> None:

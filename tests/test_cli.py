@@ -136,3 +136,47 @@ def test_default_backend_without_gpus_is_the_simulator():
 
     name, why = _choose_backend("auto", Cluster(num_gpus=8))
     assert name == "sim" and "no GPU here" in why
+
+
+def test_interrupted_run_keeps_finished_trials_and_resumes(tmp_path, capsys, monkeypatch):
+    import autotune.cli as cli
+    from autotune.backends import get_backend
+
+    real_make_backend = cli._make_backend
+    calls = {"n": 0}
+
+    class InterruptedOnThird:
+        """The analytic backend, with Ctrl-C arriving during the third trial."""
+
+        def __init__(self, inner):
+            self.inner = inner
+            self.name, self.memory_source = inner.name, inner.memory_source
+
+        def evaluate(self, spec):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise KeyboardInterrupt
+            return self.inner.evaluate(spec)
+
+        def describe(self):
+            return self.inner.describe()
+
+        def close(self):
+            self.inner.close()
+
+    monkeypatch.setattr(cli, "_make_backend", lambda name, args: InterruptedOnThird(get_backend("analytic")))
+    runs = tmp_path / "runs"
+    argv = [*TINY, "--backend", "analytic", "--runs-dir", str(runs)]
+    assert main(argv) == cli.EXIT_INTERRUPTED
+    assert "rerun the same command to resume" in capsys.readouterr().err
+    (interrupted,) = run_dirs(runs)
+    assert not (interrupted / "best.json").exists()
+    assert not list(interrupted.glob(".*.tmp")), "a temporary file was left behind"
+
+    monkeypatch.setattr(cli, "_make_backend", real_make_backend)
+    assert main(argv) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "resuming 2 finished trials" in out
+    resumed = [d for d in run_dirs(runs) if d != interrupted][0]
+    path = json.loads((resumed / "best.json").read_text())["decision_path"]
+    assert [("reused trial" in s["reason"]) for s in path[:3]] == [True, True, False]

@@ -1,0 +1,201 @@
+"""What every exporter shares: the tuned knobs read from best.json, the key-mapping table and
+the header that says where a file came from and what it could not express.
+
+Like Accelerate's FSDP1-to-FSDP2 converter, each exporter records one `KnobMapping` per tuned
+knob: `mapped` (the stack expresses it exactly), `approximated` (the closest thing it has, with
+what differs) or `unsupported` (left to the user). Anything not `mapped` becomes a warning, in
+the file and in `Export.warnings`: an export never changes what was tuned silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from autotune.config import ac_every
+from autotune.errors import UsageError
+
+Status = Literal["mapped", "approximated", "unsupported"]
+
+# The knobs autotune tunes or fixes; every exporter accounts for each of them.
+KNOBS: tuple[str, ...] = (
+    "precision", "reduce_dtype", "activation_checkpointing", "cpu_offload", "reshard_after_forward",
+    "micro_batch_size", "grad_accum_steps", "wrap", "world_size", "state_dict_type",
+)
+
+
+@dataclass(frozen=True)
+class KnobMapping:
+    knob: str
+    status: Status
+    key: str
+    """Where the knob lands in the stack ('' when unsupported)."""
+    note: str = ""
+    """What differs from the tuned configuration (required unless mapped)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Export:
+    """One exported file: its text, where it should go, and what it could not express."""
+
+    format: str
+    filename: str
+    text: str
+    target: str
+    """The stack and the version the file was written for."""
+    mappings: tuple[KnobMapping, ...]
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tuned:
+    """The winning configuration, read from a best.json document."""
+
+    run_id: str
+    tool: str
+    model_name: str
+    model_type: str
+    model_config: dict[str, Any]
+    num_layers: int
+    wrap: str
+    gpus: int
+    nodes: int
+    seq_len: int
+    precision: str
+    param_dtype: str
+    reduce_dtype: str
+    activation_checkpointing: str
+    cpu_offload: bool
+    reshard_after_forward: bool
+    micro_batch_size: int
+    grad_accum_steps: int
+    global_tokens: int
+    state_dict_type: Literal["full", "sharded"]
+    state_dict_reason: str
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.gpus // self.nodes
+
+    @property
+    def ac_every(self) -> int | None:
+        return ac_every(self.activation_checkpointing)
+
+    @property
+    def checkpointed_blocks(self) -> int:
+        every = self.ac_every
+        return 0 if every is None else len(range(0, self.num_layers, every))
+
+    @property
+    def sharding_strategy(self) -> str:
+        """FSDP1's name for reshard_after_forward (FULL_SHARD = ZeRO-3, SHARD_GRAD_OP = ZeRO-2)."""
+        return "FULL_SHARD" if self.reshard_after_forward else "SHARD_GRAD_OP"
+
+    @property
+    def state_dict_enum(self) -> str:
+        """The recommended checkpoint form as a StateDictType member name."""
+        return "SHARDED_STATE_DICT" if self.state_dict_type == "sharded" else "FULL_STATE_DICT"
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step, all ranks together."""
+        return self.micro_batch_size * self.gpus * self.grad_accum_steps
+
+    @classmethod
+    def from_result(cls, result: dict[str, Any]) -> "Tuned":
+        try:
+            fsdp, model = result["fsdp"], result["model"]
+            plan = result.get("checkpoint") or _plan(result)
+            return cls(
+                run_id=str(result.get("run_id") or "(unnamed run)"),
+                tool=str(result.get("provenance", {}).get("tool", "autotune")),
+                model_name=model["name"], model_type=model["model_type"],
+                model_config=dict(model.get("config") or {}), num_layers=int(model["num_layers"]),
+                wrap=fsdp["wrap"], gpus=int(result["gpus"]), nodes=int(result.get("nodes", 1)),
+                seq_len=int(result["seq_len"]), precision=result["precision"],
+                param_dtype=fsdp["param_dtype"], reduce_dtype=fsdp["reduce_dtype"],
+                activation_checkpointing=fsdp["activation_checkpointing"],
+                cpu_offload=bool(fsdp["cpu_offload"]),
+                reshard_after_forward=bool(fsdp["reshard_after_forward"]),
+                micro_batch_size=int(result["micro_batch_size"]),
+                grad_accum_steps=int(result["grad_accum_steps"]),
+                global_tokens=int(result["global_tokens"]),
+                state_dict_type=plan["recommended"], state_dict_reason=plan["reason"],
+            )
+        except (KeyError, TypeError) as exc:
+            raise UsageError(f"not an autotune result (best.json): missing or malformed field {exc}; "
+                             "pass runs/<run-id>/best.json") from None
+
+
+def _plan(result: dict[str, Any]) -> dict[str, Any]:
+    from autotune.checkpoint_plan import plan_checkpoint
+
+    return plan_checkpoint(result)
+
+
+@dataclass
+class Mapper:
+    """Collects one KnobMapping per knob while an exporter writes its keys."""
+
+    mappings: list[KnobMapping] = field(default_factory=list)
+    extra_warnings: list[str] = field(default_factory=list)
+
+    def mapped(self, knob: str, key: str, note: str = "") -> None:
+        self.mappings.append(KnobMapping(knob, "mapped", key, note))
+
+    def approximated(self, knob: str, key: str, note: str) -> None:
+        self.mappings.append(KnobMapping(knob, "approximated", key, note))
+
+    def unsupported(self, knob: str, note: str) -> None:
+        self.mappings.append(KnobMapping(knob, "unsupported", "", note))
+
+    def warn(self, message: str) -> None:
+        self.extra_warnings.append(message)
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        lost = [f"{m.knob}: {m.status}: {m.note}" for m in self.mappings if m.status != "mapped"]
+        return tuple(lost + self.extra_warnings)
+
+    def check_complete(self) -> None:
+        missing = set(KNOBS) - {m.knob for m in self.mappings}
+        assert not missing, f"exporter left knobs unaccounted for: {sorted(missing)}"
+
+
+def build_export(*, fmt: str, filename: str, target: str, tuned: Tuned, mapper: Mapper, body: str,
+                 prologue: str = "") -> Export:
+    """Assemble the file: optional prologue (shebang), the header comment, then the body."""
+    mapper.check_complete()
+    text = prologue + header(tuned=tuned, target=target, mapper=mapper) + "\n" + body.lstrip("\n")
+    return Export(format=fmt, filename=filename, text=text, target=target,
+                  mappings=tuple(mapper.mappings), warnings=mapper.warnings)
+
+
+def header(*, tuned: Tuned, target: str, mapper: Mapper) -> str:
+    """The comment block at the top of every export ('#' comments: Python, YAML, TOML, shell)."""
+    lines = [
+        f"Generated by {tuned.tool} from run {tuned.run_id}: {tuned.model_name} on {tuned.gpus} GPUs "
+        f"({tuned.nodes} node{'s' if tuned.nodes > 1 else ''}).",
+        f"Targets: {target}.",
+        f"Tuned: {tuned.precision} params, {tuned.reduce_dtype} gradient reduction, "
+        f"activation checkpointing {tuned.activation_checkpointing}, cpu_offload {tuned.cpu_offload}, "
+        f"reshard_after_forward {tuned.reshard_after_forward}, micro-batch {tuned.micro_batch_size}, "
+        f"grad accumulation {tuned.grad_accum_steps}, seq_len {tuned.seq_len}.",
+        f"Checkpoints: {tuned.state_dict_type} state dict ({tuned.state_dict_reason}).",
+        "",
+        "Knob mapping (mapped = exact; approximated / unsupported = differs from what was tuned):",
+    ]
+    width = max(len(m.knob) for m in mapper.mappings)
+    for m in mapper.mappings:
+        where = f" -> {m.key}" if m.key else ""
+        note = f"  [{m.note}]" if m.note and m.status == "mapped" else ""
+        lines.append(f"  {m.knob:<{width}}  {m.status}{where}{note}")
+    if mapper.warnings:
+        lines += ["", "WARNINGS (this file cannot express everything that was tuned):"]
+        lines += [f"  - {w}" for w in mapper.warnings]
+    return "".join(f"# {line}".rstrip() + "\n" for line in lines)
+
+
+def block_import(tuned: Tuned) -> str:
+    """Python import of the decoder block class that FSDP wraps, from the transformers model."""
+    return f"from transformers.models.{tuned.model_type}.modeling_{tuned.model_type} import {tuned.wrap}"

@@ -1,0 +1,216 @@
+"""PyTorch FSDP2: a runnable training script (torchrun; gloo on CPUs, nccl on GPUs).
+
+The wrapping and the training step are not written here: the exporter copies the source of
+`autotune.parallel` (the function real trials apply and the simulator traces) and of
+`autotune.training.train_step` into the script with `inspect.getsource`, so there is one
+source of truth for what was tuned.
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+
+import torch
+
+from autotune import config as _config
+from autotune import parallel as _parallel
+from autotune import training as _training
+from autotune.export._base import Export, Mapper, Tuned, build_export
+
+TARGET = f"PyTorch FSDP2 (torch.distributed.fsdp.fully_shard), torch {torch.__version__.split('+')[0]}"
+
+# Copied verbatim, in dependency order.
+_SOURCES = (
+    _config.ac_every, _config.is_checkpointed,
+    _parallel.Blocks, _parallel.find_decoder_blocks, _parallel._unwrap, _parallel.mixed_precision_policy,
+    _parallel.apply_ac, _parallel.apply_fsdp, _parallel.parallelize,
+    _training.make_optimizer, _training.token_batches, _training.train_step,
+)
+
+
+def copied_sources() -> str:
+    """The source of the wrapping and training functions, as the script embeds them."""
+    return "\n\n".join(textwrap.dedent(inspect.getsource(obj)).rstrip() for obj in _SOURCES)
+
+
+def export_fsdp2(tuned: Tuned) -> Export:
+    m = Mapper()
+    m.mapped("precision", "MixedPrecisionPolicy(param_dtype=...)")
+    m.mapped("reduce_dtype", "MixedPrecisionPolicy(reduce_dtype=torch.float32)")
+    m.mapped("activation_checkpointing", "apply_ac (checkpoint_wrapper, NO_REENTRANT)")
+    m.mapped("cpu_offload", "CPUOffloadPolicy(pin_memory=True)",
+             "applied on GPUs only: pinning host memory needs an accelerator")
+    m.mapped("reshard_after_forward", "fully_shard(reshard_after_forward=...)")
+    m.mapped("micro_batch_size", "TUNED.micro_batch_size")
+    m.mapped("grad_accum_steps", "GRAD_ACCUM_STEPS")
+    m.mapped("wrap", "fully_shard per block (find_decoder_blocks), then the root")
+    m.mapped("world_size", f"torchrun --nnodes {tuned.nodes} --nproc_per_node {tuned.gpus_per_node}")
+    m.mapped("state_dict_type", f"save_checkpoint ({tuned.state_dict_type})")
+    return build_export(fmt="fsdp2", filename="train_fsdp2.py", target=TARGET, tuned=tuned, mapper=m,
+                        prologue="#!/usr/bin/env python\n", body=_script(tuned))
+
+
+def _model_config(t: Tuned) -> dict:
+    return {k: v for k, v in t.model_config.items() if k not in ("model_type", "transformers_version")}
+
+
+def _script(t: Tuned) -> str:
+    launch = (f"torchrun --nnodes {t.nodes} --nproc_per_node {t.gpus_per_node} train_fsdp2.py --steps 10"
+              if t.nodes == 1 else
+              f"torchrun --nnodes {t.nodes} --nproc_per_node {t.gpus_per_node} --rdzv_backend c10d "
+              "--rdzv_endpoint HOST:29500 train_fsdp2.py --steps 10")
+    dtypes = ", ".join(f"{k!r}: torch.{str(v).removeprefix('torch.')}" for k, v in _parallel.PARAM_DTYPES.items())
+    return f'''"""The tuned FSDP2 configuration as a training script, on random tokens.
+
+Run: {launch}
+(on CPUs: torchrun --standalone --nproc_per_node 2 train_fsdp2.py --steps 2). Replace
+build_model() and token_batches() with your model loading and data; keep parallelize(),
+make_optimizer() and train_step(), which are the code autotune measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+# ---- The tuned configuration -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The knobs autotune tuned (the fields of autotune.config.TrainConfig)."""
+
+    precision: str
+    activation_checkpointing: str
+    cpu_offload: bool
+    reshard_after_forward: bool
+    micro_batch_size: int
+
+
+TUNED = TrainConfig(precision={t.precision!r}, activation_checkpointing={t.activation_checkpointing!r},
+                    cpu_offload={t.cpu_offload!r}, reshard_after_forward={t.reshard_after_forward!r},
+                    micro_batch_size={t.micro_batch_size!r})
+GRAD_ACCUM_STEPS = {t.grad_accum_steps}
+SEQ_LEN = {t.seq_len}
+WORLD_SIZE = {t.gpus}
+MODEL_TYPE = {t.model_type!r}
+MODEL_CONFIG = {_model_config(t)!r}
+STATE_DICT_TYPE = {t.state_dict_type!r}  # {t.state_dict_reason}
+# As tuned: gradients are reduce-scattered after every micro-batch. True would call
+# model.set_requires_gradient_sync(False) on all but the last micro-batch: fewer reduce-scatters,
+# but unsharded gradients of every block are kept until then (more memory than was tuned).
+DEFER_GRAD_SYNC = False
+
+# ---- Copied from autotune.config, autotune.parallel and autotune.training ----------------
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+SUPPORTED_FAMILIES = {_parallel.SUPPORTED_FAMILIES!r}
+PARAM_DTYPES = {{{dtypes}}}
+
+
+{copied_sources()}
+
+# ---- Model, checkpoint and main loop -----------------------------------------------------
+
+
+def build_model() -> nn.Module:
+    """The model from its transformers config, fp32 master weights (FSDP casts for compute).
+    fully_shard moves each rank's shard to the mesh's device; for models whose fp32 copy does
+    not fit in host memory once per rank, build on the meta device and load a checkpoint after
+    parallelize()."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(MODEL_TYPE, **MODEL_CONFIG)
+    config._attn_implementation = "sdpa"
+    config.use_cache = False
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, folder: str) -> None:
+    """Save in the form autotune recommends for this run (see the header)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    if STATE_DICT_TYPE == "sharded":
+        import torch.distributed.checkpoint as dcp
+
+        # Each rank writes its own shards: no all-gather, no full copy on any host.
+        state = {{"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}}
+        dcp.save(state, checkpoint_id=folder)
+    else:
+        # One tensor gathered at a time, copied to rank 0's host memory.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = {{"model": get_model_state_dict(model, options=options),
+                 "optim": get_optimizer_state_dict(model, optimizer, options=options)}}
+        if dist.get_rank() == 0:
+            os.makedirs(folder, exist_ok=True)
+            torch.save(state, os.path.join(folder, "full_state_dict.pt"))
+        dist.barrier()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Train with the FSDP2 configuration autotune found.")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps to run")
+    parser.add_argument("--save", help="folder to save a checkpoint to after the last step")
+    args = parser.parse_args(argv)
+
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world != WORLD_SIZE and rank == 0:
+        print(f"note: tuned for {{WORLD_SIZE}} ranks, running on {{world}}: memory and speed will differ")
+    mesh = init_device_mesh(device.type, (world,))
+
+    model = build_model()
+    parallelize(model, mesh, TUNED, allow_offload=use_cuda)
+    optimizer = make_optimizer(model)
+    scaler = None
+    if TUNED.precision == "fp16":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler()
+    batches = token_batches(vocab_size=MODEL_CONFIG["vocab_size"], micro_batch_size=TUNED.micro_batch_size,
+                            seq_len=SEQ_LEN, device=device, seed=rank)
+    tokens_per_step = TUNED.micro_batch_size * SEQ_LEN * GRAD_ACCUM_STEPS * world
+    for step in range(args.steps):
+        start = time.perf_counter()
+        loss = train_step(model, optimizer, batches, grad_accum_steps=GRAD_ACCUM_STEPS, scaler=scaler,
+                          defer_grad_sync=DEFER_GRAD_SYNC)
+        dist.all_reduce(loss)
+        elapsed = time.perf_counter() - start
+        if rank == 0:
+            print(f"step {{step}} loss {{loss.item() / world:.4f}} "
+                  f"tokens/s {{tokens_per_step / elapsed:.0f}} (measured here)", flush=True)
+    if args.save:
+        save_checkpoint(model, optimizer, args.save)
+        if rank == 0:
+            print(f"saved {{STATE_DICT_TYPE}} checkpoint to {{args.save}}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+'''
