@@ -1,0 +1,253 @@
+"""The analytic backend: closed-form FSDP2 memory and roofline throughput, every figure estimated.
+
+Memory per rank is the largest of the moments where FSDP2 training peaks (docs/COSTMODEL.md):
+
+* the loss backward: every block's saved activations plus the fp32 logits, their
+  log-softmax and two fp32 gradients of them (12 bytes x tokens x vocab);
+* the backward of decoder block i (each i): saved activations of blocks 0..i, the block's
+  recomputed activations when it is checkpointed, its gathered parameters and gradient
+  temporaries, the next block's prefetched all-gather, the previous block's fp32 reduce-scatter
+  input and the sharded gradients reduced so far;
+* the optimizer step: parameters, gradients and AdamW state, all sharded.
+
+Per-layer activation bytes follow Korthikanti et al. 2022 ("Reducing Activation Recomputation
+in Large Transformer Models", sbh(34 + 5as/h) for GPT), re-derived for the Hugging Face Llama
+block as autograd saves it: fp32 RMSNorm inputs, SwiGLU's four ffn-wide tensors, grouped K/V,
+and fused SDPA, which keeps no s x s matrix (only a per-head logsumexp).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+
+from autotune import costmodel
+from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
+from autotune.config import TrialSpec, is_checkpointed
+from autotune.catalog.models import ModelSpec
+
+__all__ = ["AnalyticBackend", "ModelShape", "model_shape", "MemoryEstimate", "estimate_memory",
+           "activation_bytes_per_token", "step_work"]
+
+PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+REDUCE_BYTES = 4  # gradients are reduce-scattered in fp32 in every precision (parallel.py)
+ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+MASTER_BYTES = 4  # sharded parameters and gradients are fp32
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The numbers the closed form needs, from a model config and one meta-built block."""
+
+    hidden: int
+    intermediate: int
+    num_layers: int
+    num_heads: int
+    kv_width: int
+    """num_key_value_heads * head_dim."""
+    vocab: int
+    block_params: int
+    root_params: int
+    """Parameters outside the decoder blocks: embeddings, final norm, LM head (once if tied)."""
+
+    @property
+    def num_parameters(self) -> int:
+        return self.root_params + self.num_layers * self.block_params
+
+
+@lru_cache(maxsize=64)
+def _shape_from_config(model_type: str, config_json: str, trust_remote_code: bool) -> ModelShape:
+    import torch
+
+    from autotune.parallel import find_decoder_blocks
+    from autotune.training import build_model
+
+    config = json.loads(config_json)
+    spec = ModelSpec(name="shape", model_type=model_type, config_dict=config, default_seq_len=1,
+                     source="", trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = build_model(spec, num_layers=1)
+    block_params = sum(p.numel() for p in find_decoder_blocks(model).layers[0].parameters())
+    total_params = sum(p.numel() for p in model.parameters())
+    hf = model.config  # the config as transformers completed it, defaults included
+    hidden, heads = int(hf.hidden_size), int(hf.num_attention_heads)
+    head_dim = int(getattr(hf, "head_dim", None) or hidden // heads)
+    kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
+    return ModelShape(hidden=hidden, intermediate=int(hf.intermediate_size),
+                      num_layers=int(config["num_hidden_layers"]), num_heads=heads,
+                      kv_width=kv_heads * head_dim, vocab=int(hf.vocab_size), block_params=block_params,
+                      root_params=total_params - block_params)
+
+
+def model_shape(model: ModelSpec) -> ModelShape:
+    """The model's shape; exact parameter counts from a 1-layer meta build, cached per config."""
+    key = json.dumps(model.config_dict, sort_keys=True, default=str)
+    return _shape_from_config(model.model_type, key, model.trust_remote_code)
+
+
+def activation_bytes_per_token(shape: ModelShape, param_bytes: int) -> float:
+    """Bytes one decoder block saves for backward per token (no checkpointing).
+
+    Two RMSNorms: fp32 input + normalised + weighted output (4h + 2dh each); attention: rotated
+    q, SDPA output and the o_proj input (3dh), rotated k and v (2d * kv width), fp32 logsumexp
+    per head; SwiGLU MLP: gate, silu(gate), up and their product (4d * ffn). d is the compute
+    dtype's size. Matches a fake-tensor trace of the transformers Llama block to 0.1%.
+    """
+    h, d = shape.hidden, param_bytes
+    norms = 2 * (4 * h + 2 * d * h)
+    attention = 3 * d * h + 2 * d * shape.kv_width + 4 * shape.num_heads
+    mlp = 4 * d * shape.intermediate
+    return norms + attention + mlp
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Per-rank device bytes at the peak, by category, plus what the host must hold."""
+
+    breakdown: dict[str, int]
+    tensor_peak_bytes: int
+    peak_bytes: int
+    """Tensors plus runtime overhead."""
+    host_bytes_per_node: int
+    peak_at: str
+    """Which moment of the step peaks: 'loss backward', 'backward of block i', 'optimizer step'."""
+
+
+def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
+    """Closed-form per-rank memory of one FSDP2 training step (see the module docstring)."""
+    shape = model_shape(spec.model)
+    train, world = spec.train, spec.cluster.num_gpus
+    d = PARAM_BYTES[train.precision]
+    tokens = train.micro_batch_size * spec.seq_len
+    num_layers, block = shape.num_layers, shape.block_params
+    total = shape.num_parameters
+
+    # Model states (sharded, fp32): on the host instead when offloading.
+    states_on_device = 0 if train.cpu_offload else 1
+    sharded_params = states_on_device * MASTER_BYTES * total / world
+    optimizer = states_on_device * ADAM_STATE_BYTES * total / world
+    accumulated_grads = states_on_device * MASTER_BYTES * total / world if spec.grad_accum_steps > 1 else 0.0
+    block_grad_shard = states_on_device * MASTER_BYTES * block / world
+    # Offloaded shards are copied to the device (fp32) before each all-gather.
+    h2d_staging = (1 - states_on_device) * MASTER_BYTES * block / world
+
+    root_gathered = shape.root_params * d  # the root is never resharded after forward
+    head_grad = shape.vocab * shape.hidden * d  # LM head (or tied embedding) gradient, unsharded
+    block_gathered = block * d
+    per_layer = activation_bytes_per_token(shape, d) * tokens
+    checkpoint_input = shape.hidden * d * tokens
+    saved = [checkpoint_input if is_checkpointed(train.activation_checkpointing, i) else per_layer
+             for i in range(num_layers)]
+    final_norm = (4 * shape.hidden + 2 * d * shape.hidden) * tokens
+    logits = 12 * tokens * shape.vocab  # fp32 log-softmax output + two fp32 gradients
+    # Gradients of the block's input and of two ffn-wide tensors, plus the unsharded gradient
+    # of its largest weight in flight (fitted to traces: docs/COSTMODEL.md).
+    backward_temps = 2 * d * (shape.hidden + shape.intermediate) * tokens + d * shape.hidden * shape.intermediate
+    inputs = 16 * tokens  # int64 input ids and labels
+
+    candidates: list[tuple[str, dict[str, float]]] = []
+    if train.reshard_after_forward:
+        kept_blocks, prefetch = 0, block_gathered
+    else:
+        kept_blocks, prefetch = num_layers * block_gathered, 0.0
+    candidates.append(("loss backward", dict(
+        parameters=sharded_params + root_gathered + kept_blocks,
+        gradients=accumulated_grads,
+        optimizer_state=optimizer,
+        activations=sum(saved) + final_norm + logits,
+        communication_buffers=prefetch,
+        other=inputs + h2d_staging,
+    )))
+    for i in reversed(range(num_layers)):
+        done = num_layers - 1 - i
+        gathered = block_gathered * (1 if train.reshard_after_forward else i + 1)
+        recompute = per_layer if is_checkpointed(train.activation_checkpointing, i) else 0.0
+        candidates.append((f"backward of block {i}", dict(
+            parameters=sharded_params + root_gathered + gathered,
+            gradients=max(accumulated_grads, done * block_grad_shard) + head_grad,
+            optimizer_state=optimizer,
+            activations=sum(saved[: i + 1]) + recompute + backward_temps,
+            communication_buffers=(prefetch if i > 0 else 0.0) + (block * REDUCE_BYTES if done else 0.0),
+            other=inputs + h2d_staging,
+        )))
+    candidates.append(("optimizer step", dict(
+        parameters=sharded_params, gradients=states_on_device * MASTER_BYTES * total / world,
+        optimizer_state=optimizer, other=2 * MASTER_BYTES * block / world,
+    )))
+
+    peak_at, parts = max(candidates, key=lambda item: sum(item[1].values()))
+    breakdown = dict.fromkeys(MEMORY_CATEGORIES, 0) | {name: int(value) for name, value in parts.items()}
+    tensor_peak = sum(breakdown.values())
+    breakdown["runtime_overhead"] = costmodel.runtime_overhead_bytes(
+        spec.cluster.gpu, num_gpus=world, tensor_peak_bytes=tensor_peak)
+
+    per_rank_host = costmodel.HOST_PROCESS_BYTES
+    if train.cpu_offload:
+        per_rank_host += (2 * MASTER_BYTES + ADAM_STATE_BYTES) * total / world
+    return MemoryEstimate(breakdown=breakdown, tensor_peak_bytes=tensor_peak,
+                          peak_bytes=sum(breakdown.values()),
+                          host_bytes_per_node=int(per_rank_host * spec.cluster.gpus_per_node),
+                          peak_at=peak_at)
+
+
+def step_work(spec: TrialSpec) -> costmodel.StepWork:
+    """FLOPs, collective and offload bytes of one optimizer step on one GPU."""
+    from autotune.training import model_flops_per_token
+
+    shape = model_shape(spec.model)
+    train = spec.train
+    tokens_per_gpu = train.micro_batch_size * spec.seq_len * spec.grad_accum_steps
+    model_flops = model_flops_per_token(spec.model, spec.seq_len, num_parameters=shape.num_parameters)
+    # A checkpointed block runs its forward again: 2 FLOPs per parameter plus attention's 4*h*s.
+    num_checkpointed = sum(is_checkpointed(train.activation_checkpointing, i) for i in range(shape.num_layers))
+    recompute = num_checkpointed * (2 * shape.block_params + 4 * shape.hidden * spec.seq_len)
+    return costmodel.fsdp_step_work(
+        flops_per_gpu=tokens_per_gpu * (model_flops + recompute), model_flops_per_gpu=tokens_per_gpu * model_flops,
+        tokens_per_gpu_step=tokens_per_gpu, num_gpus=spec.cluster.num_gpus, block_params=shape.block_params,
+        num_blocks=shape.num_layers, root_params=shape.root_params, param_bytes=PARAM_BYTES[train.precision],
+        reshard_after_forward=train.reshard_after_forward, cpu_offload=train.cpu_offload,
+        num_microbatches=spec.grad_accum_steps)
+
+
+class AnalyticBackend(TrialBackend):
+    """Closed-form estimates: instant, for exploring before a trace or a real run confirms."""
+
+    name = "analytic"
+    memory_source = "estimated"
+    throughput_source = "estimated"
+
+    def evaluate(self, spec: TrialSpec) -> TrialResult:
+        started = time.perf_counter()
+        try:
+            memory = estimate_memory(spec)
+            step = costmodel.estimate_step_time(step_work(spec), spec.cluster)
+        except (KeyError, TypeError, ValueError) as exc:  # a config the closed form cannot read
+            return TrialResult(status="error", message=f"analytic estimate failed: {type(exc).__name__}: {exc}",
+                               duration_s=time.perf_counter() - started)
+        gpu = spec.cluster.gpu.name
+        host = Figure(memory.host_bytes_per_node, "estimated", costmodel.ESTIMATE_BASIS["host_memory"])
+        status, message = "ok", f"peak at the {memory.peak_at}"
+        host_limit = spec.cluster.host_memory_bytes
+        if host_limit is not None and memory.host_bytes_per_node > host_limit:
+            status = "oom"
+            message = (f"host memory: a node needs {memory.host_bytes_per_node / 2**30:.1f} GiB "
+                       f"(offloaded state of {spec.cluster.gpus_per_node} ranks), it has "
+                       f"{host_limit / 2**30:.1f} GiB")
+        elif memory.peak_bytes > spec.limit_bytes:
+            status = "oom"
+            message = (f"GPU memory: {memory.peak_bytes / 2**30:.1f} GiB per GPU at the {memory.peak_at} "
+                       f"exceeds the {spec.limit_bytes / 2**30:.1f} GiB limit")
+        return TrialResult(
+            status=status,
+            peak_memory=Figure(memory.peak_bytes, "estimated",
+                               f"{costmodel.ESTIMATE_BASIS['memory']} ({gpu})"),
+            memory_breakdown=memory.breakdown,
+            tokens_per_sec=Figure(step.tokens_per_sec, "estimated", step.basis),
+            host_memory_per_node=host,
+            message=message,
+            extras=dict(step_time=step.to_dict(), mfu=step.mfu, tensor_peak_bytes=memory.tensor_peak_bytes,
+                        peak_at=memory.peak_at),
+            duration_s=time.perf_counter() - started,
+        )

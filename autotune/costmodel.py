@@ -1,0 +1,320 @@
+"""Hardware time and memory margins: the one cost model the analytic backend and the simulator share.
+
+Everything here is an *estimate* built from catalog figures (`GPUSpec`) and a few explicit
+constants, each documented below and in docs/COSTMODEL.md with the public measurements it was
+calibrated against. Callers count the work (FLOPs, collective bytes, offload copies) in a
+`StepWork`; `estimate_step_time` turns it into seconds with a roofline:
+
+    compute  = flops / (peak_tflops * matmul efficiency)
+    comm     = collective bytes * (n-1)/n / (link bandwidth * bus efficiency)
+    exposed  = comm that does not fit under compute, plus the first all-gather and last
+               reduce-scatter of each micro-batch, which nothing can hide
+    offload  = host<->device copies over PCIe (they share the copy streams with collectives)
+    step     = compute + exposed (comm + offload) + CPU AdamW step when offloading
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autotune.catalog.gpus import GPUSpec
+from autotune.config import Cluster
+
+__all__ = [
+    "CollectiveVolume", "PublishedRun", "StepTime", "StepWork",
+    "collective_bytes", "estimate_basis", "estimate_step_time", "fsdp_step_work", "host_link_gbps",
+    "matmul_efficiency", "offload_bytes", "runtime_overhead_bytes",
+    "ESTIMATE_BASIS", "PUBLISHED_RUNS",
+    "MATMUL_EFFICIENCY", "DEFAULT_MATMUL_EFFICIENCY", "HALF_EFFICIENCY_TOKENS",
+    "INTRA_NODE_BUS_EFFICIENCY", "INTER_NODE_BUS_EFFICIENCY", "CPU_ADAM_PARAMS_PER_S_PER_NODE",
+    "CUDA_CONTEXT_BYTES", "NCCL_BASE_BYTES", "NCCL_BYTES_PER_PEER", "FRAGMENTATION_FRACTION",
+    "HOST_PROCESS_BYTES",
+]
+
+GiB = 2**30
+MiB = 2**20
+
+# --- Throughput constants (calibration and sources: docs/COSTMODEL.md) -------------------------
+MATMUL_EFFICIENCY = {"a100-80gb": 0.74, "a100-40gb": 0.74, "h100-80gb": 0.42, "h200-141gb": 0.42}
+"""Fraction of the data-sheet dense peak that an eager FSDP transformer step's FLOPs (recompute
+included) run at on large micro-batches, by GPU. Fitted to published torchtitan and PyTorch/IBM
+FSDP runs (docs/COSTMODEL.md): A100s reach ~2/3 of peak, H100s well under half (eager kernels
+and flash attention lag the 3x faster tensor cores)."""
+DEFAULT_MATMUL_EFFICIENCY = 0.50
+"""For catalog GPUs without a published FSDP figure: unvalidated."""
+HALF_EFFICIENCY_TOKENS = 256
+"""Tokens per GPU per micro-batch at which the matmul efficiency is half its maximum: small
+micro-batches launch small kernels (efficiency = max * t / (t + this))."""
+INTRA_NODE_BUS_EFFICIENCY = 0.80
+"""Fraction of nominal NVLink/PCIe bandwidth a ring collective reaches (NCCL busbw on NVLink 3/4
+is ~75-80% of the one-direction data-sheet figure)."""
+INTER_NODE_BUS_EFFICIENCY = 0.90
+"""Fraction of the per-GPU NIC line rate a ring collective across nodes reaches (NCCL busbw on
+HDR/NDR InfiniBand is ~90%)."""
+_PCIE_GBPS = {"h100-80gb": 50.0, "h200-141gb": 50.0}
+"""Host<->device copy bandwidth achieved from pinned memory, GB/s: PCIe Gen5 x16 parts here;
+every other catalog part is Gen4 x16 at 25 GB/s."""
+_PCIE_GEN4_GBPS = 25.0
+CPU_ADAM_PARAMS_PER_S_PER_NODE = 1.0e9
+"""fp32 AdamW parameters a node's CPUs step per second with torch.optim.AdamW (all ranks of the
+node together; memory-bandwidth bound: ~16 bytes read + 12 written per parameter)."""
+
+# --- Memory margins (estimated; to be calibrated by real GPU runs) ---------------------------------
+CUDA_CONTEXT_BYTES = 600 * MiB
+"""CUDA context + cuBLAS/cuDNN workspaces per process, before any tensor."""
+NCCL_BASE_BYTES = 256 * MiB
+"""NCCL communicator state and its internal buffers for a process group."""
+NCCL_BYTES_PER_PEER = 8 * MiB
+"""NCCL channel buffers that grow with the number of ranks (capped at 64 peers)."""
+FRAGMENTATION_FRACTION = 0.08
+"""Caching-allocator reserved-but-unallocated memory, as a fraction of the tensor peak."""
+HOST_PROCESS_BYTES = 3 * GiB
+"""Host memory of one GPU training process before offloaded state: Python, torch, CUDA and NCCL
+libraries, pinned staging buffers."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PublishedRun:
+    """A public, measured FSDP training throughput the constants above are checked against."""
+
+    model: str
+    """Catalog name with the same shapes."""
+    gpu: str
+    num_gpus: int
+    num_nodes: int
+    seq_len: int
+    micro_batch_size: int
+    activation_checkpointing: str
+    """The nearest autotune mode (in FLOPs) to what the run used; `note` says what it used."""
+    tokens_per_sec_per_gpu: float
+    source: str
+    note: str = ""
+    full_shard: bool = True
+    """False where the run used HSDP, whose collectives autotune does not model."""
+
+
+PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
+    PublishedRun(model="llama3-8b", gpu="h100-80gb", num_gpus=8, num_nodes=1, seq_len=8192,
+                 micro_batch_size=2, activation_checkpointing="every:2", tokens_per_sec_per_gpu=5762,
+                 source="torchtitan, arXiv 2410.06511 / docs/performance.md, Table 1 (FSDP, eager)",
+                 note="selective op AC; H100 96 GB HBM2e at a 500 W power limit"),
+    PublishedRun(model="llama3-8b", gpu="a100-80gb", num_gpus=64, num_nodes=8, seq_len=8192,
+                 micro_batch_size=1, activation_checkpointing="every:2", tokens_per_sec_per_gpu=2904,
+                 source="torchtitan docs/performance.md (2024), Llama 3 on 64 A100, FSDP2",
+                 note="selective layer AC; 56.8% MFU reported"),
+    PublishedRun(model="llama3-70b", gpu="a100-80gb", num_gpus=64, num_nodes=8, seq_len=8192,
+                 micro_batch_size=1, activation_checkpointing="full", tokens_per_sec_per_gpu=331,
+                 source="torchtitan docs/performance.md (2024), Llama 3 on 64 A100, FSDP2",
+                 note="full AC; 51.7% MFU reported"),
+    PublishedRun(model="llama-7b", gpu="a100-80gb", num_gpus=128, num_nodes=16, seq_len=4096,
+                 micro_batch_size=2, activation_checkpointing="none", tokens_per_sec_per_gpu=3760,
+                 source="foundation-model-stack/fms-fsdp README (PyTorch/IBM FSDP1, 128 A100)",
+                 note="HSDP (sharded within a node), no AC", full_shard=False),
+    PublishedRun(model="llama-13b", gpu="a100-80gb", num_gpus=128, num_nodes=16, seq_len=4096,
+                 micro_batch_size=1, activation_checkpointing="none", tokens_per_sec_per_gpu=1700,
+                 source="foundation-model-stack/fms-fsdp README (PyTorch/IBM FSDP1, 128 A100)",
+                 note="HSDP (sharded within a node), no AC", full_shard=False),
+    PublishedRun(model="llama-70b", gpu="a100-80gb", num_gpus=128, num_nodes=16, seq_len=4096,
+                 micro_batch_size=6, activation_checkpointing="full", tokens_per_sec_per_gpu=380,
+                 source="foundation-model-stack/fms-fsdp README (PyTorch/IBM FSDP1, 128 A100)",
+                 note="FSDP with activation checkpointing"),
+)
+"""Measured FSDP throughputs; docs/COSTMODEL.md shows how far the estimate is from each."""
+
+
+def estimate_basis(gpu: GPUSpec) -> str:
+    """What an estimated figure is and on what, for `Figure.basis`."""
+    efficiency = MATMUL_EFFICIENCY.get(gpu.name, DEFAULT_MATMUL_EFFICIENCY)
+    return (f"estimated: roofline on {gpu.name} data-sheet figures ({gpu.peak_tflops:g} TFLOP/s, "
+            f"{gpu.intra_node_gbps:g}/{gpu.inter_node_gbps:g} GB/s intra/inter-node) at "
+            f"{efficiency:.0%} compute efficiency")
+
+
+ESTIMATE_BASIS = {
+    "time": "estimated: roofline (compute at calibrated matmul efficiency, ring collectives, "
+            "overlap, PCIe offload, CPU AdamW) on the GPU catalog's data-sheet figures",
+    "memory": "estimated: closed-form FSDP2 memory per rank (model states, gathered blocks, "
+              "activations, logits) plus runtime overhead margins",
+    "runtime_overhead": "estimated: CUDA context + NCCL buffers + allocator fragmentation "
+                        "margins (constants in autotune/costmodel.py, not yet calibrated on GPUs)",
+    "host_memory": "estimated: offloaded fp32 parameters, gradients and AdamW state of every "
+                   "rank on the node, plus pinned staging",
+}
+"""Basis strings for `Figure(basis=...)`, by what the figure is."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepWork:
+    """The work of one optimizer step on one GPU, as counted by a backend."""
+
+    flops_per_gpu: float
+    """FLOPs per optimizer step, recomputation included."""
+    tokens_per_step: int
+    """Global tokens per optimizer step (all GPUs, all micro-batches)."""
+    num_microbatches: int = 1
+    allgather_bytes_per_gpu: float = 0.0
+    """Unsharded bytes each GPU all-gathers per step (the (n-1)/n ring factor is applied later)."""
+    reduce_scatter_bytes_per_gpu: float = 0.0
+    """Unsharded gradient bytes each GPU reduce-scatters per step."""
+    host_to_device_bytes: float = 0.0
+    device_to_host_bytes: float = 0.0
+    cpu_optimizer_params: int = 0
+    """Parameters this GPU's rank steps on the host (CPU offload), 0 otherwise."""
+    model_flops_per_gpu: float | None = None
+    """FLOPs without recomputation, for MFU; None means `flops_per_gpu` (then MFU is HFU)."""
+    num_fsdp_units: int | None = None
+    """FSDP groups per micro-batch (blocks + root). Their first all-gather and last
+    reduce-scatter cannot overlap compute; None leaves that term out."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTime:
+    """Estimated time of one optimizer step and what it is made of (seconds)."""
+
+    seconds: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    offload_s: float
+    cpu_optimizer_s: float
+    tokens_per_sec: float
+    """Whole-job tokens per second."""
+    mfu: float
+    """Model FLOPs utilisation against the data-sheet peak."""
+    basis: str
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveVolume:
+    """FSDP2 bytes per GPU per optimizer step, unsharded sizes (before the ring factor)."""
+
+    allgather_bytes: float
+    reduce_scatter_bytes: float
+
+
+def collective_bytes(*, block_params: int, num_blocks: int, root_params: int, param_bytes: int,
+                     reduce_bytes: int = 4, reshard_after_forward: bool = True,
+                     num_microbatches: int = 1) -> CollectiveVolume:
+    """FSDP2 collective volume per GPU per optimizer step.
+
+    Per micro-batch: forward all-gathers every block and the root in the parameter dtype;
+    backward all-gathers the blocks again when they were resharded after forward (the root
+    never is); backward reduce-scatters every gradient in `reduce_bytes` (fp32 here). Gradients
+    are reduced after every micro-batch (no deferred sync), so all of it repeats per micro-batch.
+    Activation checkpointing adds no collective: recomputation runs while the backward
+    all-gather holds the block's parameters.
+    """
+    if min(block_params, num_blocks, root_params) < 0 or num_microbatches < 1:
+        raise ValueError("parameter counts must be >= 0 and num_microbatches >= 1")
+    blocks = block_params * num_blocks
+    gathers_per_block = 2 if reshard_after_forward else 1
+    allgather = (blocks * gathers_per_block + root_params) * param_bytes
+    reduce_scatter = (blocks + root_params) * reduce_bytes
+    return CollectiveVolume(allgather_bytes=float(allgather * num_microbatches),
+                            reduce_scatter_bytes=float(reduce_scatter * num_microbatches))
+
+
+def offload_bytes(*, block_params: int, num_blocks: int, root_params: int, num_gpus: int,
+                  reshard_after_forward: bool = True, num_microbatches: int = 1) -> tuple[float, float]:
+    """(host->device, device->host) bytes per GPU per step under FSDP2's CPUOffloadPolicy.
+
+    The fp32 shard is copied to the device before every all-gather of it and the fp32 reduced
+    gradient shard back after every reduce-scatter.
+    """
+    blocks = block_params * num_blocks
+    gathers_per_block = 2 if reshard_after_forward else 1
+    h2d = (blocks * gathers_per_block + root_params) * 4 / num_gpus
+    d2h = (blocks + root_params) * 4 / num_gpus
+    return float(h2d * num_microbatches), float(d2h * num_microbatches)
+
+
+def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_per_gpu_step: int,
+                   num_gpus: int, block_params: int, num_blocks: int, root_params: int, param_bytes: int,
+                   reshard_after_forward: bool = True, cpu_offload: bool = False,
+                   num_microbatches: int = 1) -> StepWork:
+    """The `StepWork` of a full-sharded FSDP2 step from what a backend counted: FLOPs, sizes."""
+    sizes = dict(block_params=block_params, num_blocks=num_blocks, root_params=root_params,
+                 reshard_after_forward=reshard_after_forward, num_microbatches=num_microbatches)
+    volume = collective_bytes(param_bytes=param_bytes, **sizes)
+    h2d, d2h = offload_bytes(num_gpus=num_gpus, **sizes) if cpu_offload else (0.0, 0.0)
+    total_params = root_params + num_blocks * block_params
+    return StepWork(
+        flops_per_gpu=flops_per_gpu, model_flops_per_gpu=model_flops_per_gpu,
+        tokens_per_step=tokens_per_gpu_step * num_gpus, num_microbatches=num_microbatches,
+        allgather_bytes_per_gpu=volume.allgather_bytes, reduce_scatter_bytes_per_gpu=volume.reduce_scatter_bytes,
+        host_to_device_bytes=h2d, device_to_host_bytes=d2h,
+        cpu_optimizer_params=-(-total_params // num_gpus) if cpu_offload else 0,
+        num_fsdp_units=num_blocks + 1,
+    )
+
+
+def host_link_gbps(gpu: GPUSpec) -> float:
+    """Achieved pinned host<->device bandwidth, GB/s one direction."""
+    return _PCIE_GBPS.get(gpu.name, _PCIE_GEN4_GBPS)
+
+
+def matmul_efficiency(gpu: GPUSpec, tokens_per_microbatch: float) -> float:
+    """Fraction of peak FLOP/s reached with this many tokens per GPU per micro-batch."""
+    top = MATMUL_EFFICIENCY.get(gpu.name, DEFAULT_MATMUL_EFFICIENCY)
+    return top * tokens_per_microbatch / (tokens_per_microbatch + HALF_EFFICIENCY_TOKENS)
+
+
+def _ring_gbps(cluster: Cluster) -> float:
+    """Achieved per-GPU bandwidth of the slowest hop of a ring over the cluster, GB/s."""
+    gpu = cluster.gpu
+    if cluster.num_nodes > 1:
+        return gpu.inter_node_gbps * INTER_NODE_BUS_EFFICIENCY
+    return gpu.intra_node_gbps * INTRA_NODE_BUS_EFFICIENCY
+
+
+def estimate_step_time(work: StepWork, cluster: Cluster) -> StepTime:
+    """Roofline time of one optimizer step on `cluster` (see the module docstring)."""
+    gpu = cluster.gpu
+    n = cluster.num_gpus
+    tokens_per_microbatch = work.tokens_per_step / (work.num_microbatches * n)
+    compute_s = work.flops_per_gpu / (gpu.peak_tflops * 1e12 * matmul_efficiency(gpu, tokens_per_microbatch))
+
+    comm_s = 0.0
+    if n > 1:
+        ring_bytes = (work.allgather_bytes_per_gpu + work.reduce_scatter_bytes_per_gpu) * (n - 1) / n
+        comm_s = ring_bytes / (_ring_gbps(cluster) * 1e9)
+    offload_s = (work.host_to_device_bytes + work.device_to_host_bytes) / (host_link_gbps(gpu) * 1e9)
+
+    # Collectives and offload copies run on side streams under compute. What cannot hide: the
+    # excess over compute, and each micro-batch's first all-gather and last reduce-scatter.
+    side_s = comm_s + offload_s
+    unhideable_s = 0.0
+    if work.num_fsdp_units:
+        unhideable_s = side_s / work.num_fsdp_units
+    exposed_s = min(side_s, max(side_s - compute_s, 0.0) + unhideable_s)
+    exposed_comm_s = exposed_s * (comm_s / side_s) if side_s else 0.0
+
+    cpu_optimizer_s = 0.0
+    if work.cpu_optimizer_params:
+        node_params = work.cpu_optimizer_params * cluster.gpus_per_node
+        cpu_optimizer_s = node_params / CPU_ADAM_PARAMS_PER_S_PER_NODE
+
+    seconds = compute_s + exposed_s + cpu_optimizer_s
+    model_flops = work.flops_per_gpu if work.model_flops_per_gpu is None else work.model_flops_per_gpu
+    return StepTime(
+        seconds=seconds, compute_s=compute_s, comm_s=comm_s, exposed_comm_s=exposed_comm_s,
+        offload_s=offload_s, cpu_optimizer_s=cpu_optimizer_s,
+        tokens_per_sec=work.tokens_per_step / seconds if seconds > 0 else 0.0,
+        mfu=model_flops / (seconds * gpu.peak_tflops * 1e12) if seconds > 0 else 0.0,
+        basis=estimate_basis(gpu) + (f" on {cluster.num_nodes} nodes" if cluster.num_nodes > 1 else ""),
+    )
+
+
+def runtime_overhead_bytes(gpu: GPUSpec, *, num_gpus: int, tensor_peak_bytes: int) -> int:
+    """GPU memory that is not tensors: CUDA context, NCCL buffers, allocator fragmentation.
+
+    Estimated margins (constants above), not measurements; real GPU runs calibrate them.
+    `gpu` is accepted so part-specific figures can be added without changing callers.
+    """
+    if num_gpus < 1 or tensor_peak_bytes < 0:
+        raise ValueError("num_gpus must be >= 1 and tensor_peak_bytes >= 0")
+    nccl = 0 if num_gpus == 1 else NCCL_BASE_BYTES + NCCL_BYTES_PER_PEER * min(num_gpus - 1, 64)
+    return int(CUDA_CONTEXT_BYTES + nccl + FRAGMENTATION_FRACTION * tensor_peak_bytes)
