@@ -49,6 +49,22 @@ def plan_global_batch(*, target_tokens: int, num_gpus: int, seq_len: int, micro_
     return GlobalBatch(micro_batch_size, best, best * per_step, target_tokens)
 
 
+def check_reachable(*, target_tokens: int, num_gpus: int, seq_len: int, tolerance: float) -> None:
+    """Refuse a target no micro-batch can reach within tolerance. Micro-batch 1 has the finest
+    granularity (multiples of GPUs x seq_len), so if it misses, every micro-batch misses."""
+    finest = plan_global_batch(target_tokens=target_tokens, num_gpus=num_gpus, seq_len=seq_len,
+                               micro_batch_size=1)
+    if not within_tolerance(finest, tolerance):
+        unit = num_gpus * seq_len
+        below, above = (target_tokens // unit) * unit, (target_tokens // unit + 1) * unit
+        nearest = ", ".join(f"{t:,}" for t in (below, above) if t > 0)
+        raise UsageError(
+            f"--global-tokens {target_tokens:,} cannot be reached within {tolerance:.1%}: global batches "
+            f"come in steps of {num_gpus} GPUs x {seq_len} seq_len = {unit:,} tokens; use {nearest} or "
+            f"raise --global-tolerance (closest now {finest.deviation:+.2%})"
+        )
+
+
 def within_tolerance(batch: GlobalBatch, tolerance: float = DEFAULT_TOLERANCE) -> bool:
     return abs(batch.deviation) <= tolerance + 1e-12
 

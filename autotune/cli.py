@@ -77,8 +77,13 @@ def _add_problem_options(parser: argparse.ArgumentParser, *, model_required: boo
                        help="how trials run: sim (fake-tensor trace: memory predicted, time estimated), "
                             "analytic (closed form, estimated), cpu (real gloo trials), cuda (real "
                             "GPU trials); auto = cuda when the GPUs are here, else sim")
-    group.add_argument("--timeout", type=_duration, default=600.0,
-                       help="real trials: kill a trial after this long (default 600s)")
+    real = parser.add_argument_group("real trials (cpu, cuda backends)")
+    real.add_argument("--timeout", type=_duration, default=600.0,
+                      help="kill a trial after this long (default 600s)")
+    real.add_argument("--node-rank", type=int, default=0,
+                      help="multi-node cuda trials: this node's rank (run autotune on every node)")
+    real.add_argument("--rdzv-endpoint", help="multi-node cuda trials: HOST:PORT every node reaches "
+                                              "(torchrun rendezvous)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,8 +200,11 @@ def _choose_backend(name: str, cluster) -> tuple[str, str]:
 def _make_backend(name: str, args: argparse.Namespace):
     from autotune.backends import get_backend
 
-    if name in ("cpu", "cuda"):
+    if name == "cpu":  # every rank on this machine
         return get_backend(name, timeout_s=args.timeout)
+    if name == "cuda":
+        return get_backend(name, timeout_s=args.timeout, nnodes=args.nodes, node_rank=args.node_rank,
+                           rdzv_endpoint=args.rdzv_endpoint)
     return get_backend(name)
 
 
@@ -211,25 +219,27 @@ def _predictor_for(name: str):
 
 # -- commands -----------------------------------------------------------------------------------------
 def cmd_tune(args: argparse.Namespace, console) -> int:
-    from autotune.batch import DEFAULT_TOLERANCE, check_target
+    from autotune.batch import DEFAULT_TOLERANCE, check_reachable, check_target
     from autotune.controller import DEFAULT_HEADROOM, Controller, TuneRequest
     from autotune.result import build_result, dumps
     from autotune.search_space import load_space
     from autotune.store import (RunLog, TrialStore, default_storage, ensure_writable, new_run_id,
                                 step_record, study_name, trials_frame, write_atomic)
-    from autotune.units import parse_count
+    from autotune.units import format_bytes, parse_count
 
     target = parse_count(args.global_tokens, what="--global-tokens")
     if target < 1:
         raise UsageError("--global-tokens must be positive, e.g. 4M")
     model, cluster, seq_len, gpu_note = _resolve_problem(args)
     check_target(target_tokens=target, num_gpus=cluster.num_gpus, seq_len=seq_len)
+    tolerance = DEFAULT_TOLERANCE if args.global_tolerance is None else args.global_tolerance
+    check_reachable(target_tokens=target, num_gpus=cluster.num_gpus, seq_len=seq_len, tolerance=tolerance)
     space = load_space(args.space)
     formats = _parse_formats(args.export) if args.export else []
     runs_dir = ensure_writable(Path(args.runs_dir))
     backend_name, backend_why = _choose_backend(args.backend, cluster)
     request = TuneRequest(model=model, cluster=cluster, seq_len=seq_len, target_tokens=target,
-                          tolerance=DEFAULT_TOLERANCE if args.global_tolerance is None else args.global_tolerance,
+                          tolerance=tolerance,
                           headroom=DEFAULT_HEADROOM if args.headroom is None else args.headroom,
                           space=space, max_trials=args.max_trials, time_budget_s=args.time_budget)
     store = TrialStore(args.storage or default_storage(runs_dir), args.study or study_name(request, backend_name))
@@ -265,7 +275,7 @@ def cmd_tune(args: argparse.Namespace, console) -> int:
         log(f"note: {note}")
     console.trial_table(outcome.steps, request)
     if outcome.winner is None:
-        console.error_line(f"no configuration fits within {request.memory_limit_bytes / 2**30:.2f} GiB per GPU "
+        console.error_line(f"no configuration fits within {format_bytes(request.memory_limit_bytes)} per GPU "
                            f"(capacity less {request.headroom:.0%} headroom); trials are in {run_dir}")
         log.close()
         return EXIT_NOTHING_FITS

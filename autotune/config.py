@@ -50,6 +50,12 @@ def is_checkpointed(ac: str, block_index: int) -> bool:
     return every is not None and block_index % every == 0
 
 
+def checkpointed_blocks(ac: str, num_layers: int) -> frozenset[int]:
+    """The blocks a mode checkpoints in a model of `num_layers`: on a 2-layer model every:2 and
+    every:4 are the same configuration."""
+    return frozenset(i for i in range(num_layers) if is_checkpointed(ac, i))
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """The knobs the controller tunes."""

@@ -13,7 +13,7 @@ from rich.console import Console as RichConsole
 from rich.table import Table
 from rich.text import Text
 
-from autotune.units import format_bytes
+from autotune.units import format_bytes, format_count
 
 
 def _figure(figure, fmt) -> str:
@@ -59,7 +59,7 @@ class Console:
 
     def header(self, request, backend_name, backend_why, backend_description, store, finished, run_dir: Path) -> None:
         model, cluster = request.model, request.cluster
-        self.out.print(f"[bold]autotune[/bold] {model.name} ({model.num_parameters / 1e9:.2f} B parameters, "
+        self.out.print(f"[bold]autotune[/bold] {model.name} ({format_count(model.num_parameters)} parameters, "
                        f"{model.num_layers} × {model.block_class}) on {cluster.num_gpus} × {cluster.gpu.name}"
                        f" ({cluster.num_nodes} node{'s' if cluster.num_nodes > 1 else ''}), seq_len {request.seq_len}")
         self.note(f"backend: {backend_name} ({backend_why})")
@@ -96,11 +96,13 @@ class Console:
         figures = f"peak {_figure(result.peak_memory, format_bytes)}"
         if result.tokens_per_sec is not None and result.tokens_per_sec.value is not None:
             figures += f", {_figure(result.tokens_per_sec, _tps)}"
+        if step.prediction_error is not None:
+            figures += f" [dim](tensor peak predicted {step.prediction_error:+.2%} off)[/dim]"
         self.out.print(f"[bold]{step.step:>2}[/bold] {step.stage:<13} {step.train.label():<38} "
                        f"[{style}]{verdict:<7}[/{style}] {figures}{reused}")
-        self.out.print(f"   [dim]why: {step.reason}[/dim]")
+        self.out.print(Text(f"   why: {step.reason}", style="dim"))
         if result.message and result.status != "ok":
-            self.out.print(f"   [dim]{result.message}[/dim]", markup=False)
+            self.out.print(Text(f"   {result.message}", style="dim"))
 
     # -- summaries ---------------------------------------------------------------------------------
     def trial_table(self, steps, request) -> None:
@@ -134,9 +136,14 @@ class Console:
         if tps is not None:
             self.out.print(f"   {tps:,.0f} tokens/s "
                            f"({_basis(document['throughput_source'], document['throughput_basis'])})", markup=False)
+        error = document.get("prediction_error")
+        if error:
+            self.out.print(f"   simulator vs measured tensor peak over {error['trials']} trials: median "
+                           f"{error['median_abs']:.2%}, worst {error['max_abs']:.2%} off")
         checkpoint = document.get("checkpoint") or {}
-        if checkpoint.get("recommendation"):
-            self.out.print(f"   checkpoint: {checkpoint['recommendation']}", markup=False)
+        if checkpoint.get("recommended"):
+            self.out.print(f"   checkpoint: save {checkpoint['recommended']} ({checkpoint['state_dict_type']}): "
+                           f"{checkpoint['reason']} (estimated)", markup=False)
         self.out.print(f"   wrote {run_dir / 'best.json'}" + (f" and {out}" if out else ""))
 
     def exported(self, fmt: str, path: Path, warnings: list[str]) -> None:

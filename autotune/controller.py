@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from autotune.backends.base import TrialBackend, TrialResult
 from autotune.batch import DEFAULT_TOLERANCE, GlobalBatch, plan_global_batch, within_tolerance
 from autotune.catalog.models import ModelSpec
-from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.config import Cluster, TrainConfig, TrialSpec, checkpointed_blocks
 from autotune.search_space import SearchSpace
 
 DEFAULT_HEADROOM = 0.10
@@ -80,6 +80,29 @@ class Step:
     @property
     def selectable(self) -> bool:
         return self.fits
+
+    @property
+    def prediction_error(self) -> float | None:
+        """(predicted - measured) / measured tensor-level peak, where a trial has both."""
+        if self.predicted is None or self.result.status != "ok" or self.result.peak_memory is None:
+            return None
+        if self.result.peak_memory.source != "measured":
+            return None
+        measured = self.result.extras.get("tensor_peak_bytes")
+        predicted = self.predicted.extras.get("tensor_peak_bytes")
+        if not measured or predicted is None:
+            return None
+        return (predicted - measured) / measured
+
+
+def prediction_summary(steps: list[Step]) -> dict | None:
+    """How far the simulator's tensor peaks were from the measured ones over a run."""
+    errors = [s.prediction_error for s in steps if s.prediction_error is not None]
+    if not errors:
+        return None
+    ordered = sorted(abs(e) for e in errors)
+    return {"trials": len(errors), "median_abs": ordered[len(ordered) // 2], "max_abs": ordered[-1],
+            "what": "relative error of the predicted tensor-level peak against the measured one"}
 
 
 def config_key(train: TrainConfig, *, grad_accum_steps: int, backend: str) -> str:
@@ -255,21 +278,32 @@ class Controller:
                      f"{self.request.global_batch(largest.micro_batch_size).deviation:+.2%}: "
                      f"{m} is the largest within {self.request.tolerance:.1%}")
 
+    def _distinct_ac_modes(self, modes: list[str], *, exclude: tuple[str, ...] = ()) -> list[str]:
+        """Drop modes that checkpoint the same blocks as an earlier one (or an excluded one)."""
+        layers = self.request.model.num_layers
+        seen = {checkpointed_blocks(m, layers) for m in exclude}
+        distinct = []
+        for mode in modes:
+            blocks = checkpointed_blocks(mode, layers)
+            if blocks not in seen:
+                seen.add(blocks)
+                distinct.append(mode)
+        return distinct
+
     def _explore(self, mode: TrainConfig, largest: TrainConfig) -> None:
         space = self.request.space
         ceiling = self.request.max_micro_batch
+        lighter_first = [f"every:{k}" for k in sorted(space.lighter_every, reverse=True)]  # least recompute first
         if mode.activation_checkpointing == "full" and not mode.cpu_offload:
-            for k in sorted(space.lighter_every, reverse=True):  # lightest first
-                lighter = largest.with_(activation_checkpointing=f"every:{k}")
-                step = self.run("explore", lighter, f"memory allows? checkpoint every {k}th block only: "
-                                "less recompute")
+            for ac in self._distinct_ac_modes(lighter_first, exclude=("full",)):
+                step = self.run("explore", largest.with_(activation_checkpointing=ac),
+                                f"memory allows? checkpoint only blocks {ac.split(':')[1]} apart: less recompute")
                 if step.fits:
                     break
         if (mode.activation_checkpointing == "none" and space.checkpointing
                 and space.explore_checkpointed_larger_micro_batch and largest.micro_batch_size < ceiling):
             bigger = min(ceiling, largest.micro_batch_size * 2)
-            for k in [*sorted(space.lighter_every, reverse=True), 1]:  # least recompute first
-                ac = "full" if k == 1 else f"every:{k}"
+            for ac in self._distinct_ac_modes([*lighter_first, "full"]):
                 step = self.run("explore", largest.with_(activation_checkpointing=ac, micro_batch_size=bigger),
                                 f"checkpointing ({ac}) may allow micro-batch {bigger}, beyond the no-checkpointing "
                                 f"limit of {largest.micro_batch_size}")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import autotune
-from autotune.controller import Step, TuneRequest
+from autotune.controller import Step, TuneRequest, prediction_summary
 from autotune.parallel import PARAM_DTYPES
 
 SCHEMA_VERSION = 1
@@ -111,6 +111,7 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
         "throughput_basis": tps.basis if tps else "no throughput figure from this backend",
         "mfu": result.extras.get("mfu"),
         "predicted": winner.predicted.to_dict() if winner.predicted else None,
+        "prediction_error": prediction_summary(steps),
         "decision_path": decision_path(steps),
         "notes": notes,
         "backend": backend,

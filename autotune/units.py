@@ -48,15 +48,20 @@ def parse_bytes(text: str | int, *, what: str = "memory") -> int:
 
 
 def format_bytes(num_bytes: float | None) -> str:
+    """Binary units, scaled to the size: 36.64 GiB, 2.31 MiB, 812 B."""
     if num_bytes is None:
         return "-"
-    return f"{num_bytes / 2**30:.2f} GiB"
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(num_bytes) >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes:.0f} B"
 
 
 def format_count(value: float | None) -> str:
+    """Decimal units for counts: 6.74 B, 7.26 M, 950."""
     if value is None:
         return "-"
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(value) >= scale:
-            return f"{value / scale:.2f}{unit}"
+            return f"{value / scale:.2f} {unit}"
     return f"{value:.0f}"

@@ -162,3 +162,11 @@ def test_fp16_where_the_gpu_has_no_bf16():
     outcome = Controller(request, FormulaBackend()).tune()
     assert outcome.steps[0].train.precision == "fp16"
     assert any("fp16" in note for note in outcome.notes)
+
+
+def test_explore_skips_checkpointing_modes_that_are_the_same_blocks():
+    # micro-llama has 2 decoder blocks: every:2 and every:4 both checkpoint block 0 only.
+    request = replace(request_for(25), model=resolve_model("micro-llama"))
+    outcome = Controller(request, FormulaBackend()).tune()
+    modes = [s.train.activation_checkpointing for s in outcome.steps if s.stage == "explore"]
+    assert not ("every:2" in modes and "every:4" in modes)

@@ -2,9 +2,9 @@
 
 import pytest
 
-from autotune.batch import exact_micro_batches, plan_global_batch, within_tolerance
+from autotune.batch import check_reachable, exact_micro_batches, plan_global_batch, within_tolerance
 from autotune.errors import UsageError
-from autotune.units import parse_bytes, parse_count
+from autotune.units import format_bytes, format_count, parse_bytes, parse_count
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -60,3 +60,19 @@ def test_target_smaller_than_one_sequence_per_gpu_is_refused():
 def test_exact_micro_batches():
     assert exact_micro_batches(target_tokens=4 * 2**20, num_gpus=8, seq_len=4096, limit=10) == [1, 2, 4, 8]
     assert exact_micro_batches(target_tokens=4_000_000, num_gpus=8, seq_len=4096, limit=10) == []
+
+
+def test_unreachable_target_is_refused_with_the_nearest_values():
+    # 2 GPUs x 64 tokens: batches come in steps of 128; 2,000 is 2.4% from 2,048.
+    with pytest.raises(UsageError, match="use 1,920, 2,048"):
+        check_reachable(target_tokens=2000, num_gpus=2, seq_len=64, tolerance=0.01)
+    check_reachable(target_tokens=2000, num_gpus=2, seq_len=64, tolerance=0.03)
+    check_reachable(target_tokens=4_000_000, num_gpus=8, seq_len=4096, tolerance=0.01)
+
+
+def test_formatting_scales_units():
+    assert format_bytes(36.64 * 2**30) == "36.64 GiB"
+    assert format_bytes(3 * 2**20) == "3.00 MiB"
+    assert format_bytes(812) == "812 B"
+    assert format_count(6_738_415_616) == "6.74 B"
+    assert format_count(950) == "950"

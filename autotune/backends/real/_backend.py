@@ -1,0 +1,302 @@
+"""RealBackend: real FSDP2 training steps launched with torchrun, every figure measured."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import statistics
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from autotune.backends.base import Figure, TrialBackend, TrialResult
+from autotune.backends.real._capacity import host_memory_available_bytes
+from autotune.backends.real._launcher import Launch, LaunchOptions, TrialOutcome
+from autotune.config import TrialSpec
+from autotune.errors import UsageError
+from autotune.training import model_flops_per_token
+
+DEVICES = ("cpu", "cuda")
+RANK_PROCESS_BYTES = 600 * 2**20
+"""Host memory of one CPU trial rank besides its tensors (Python, torch, transformers): an
+estimate, above the ~475 MiB peak RSS measured for a micro-llama rank."""
+SCREEN_FACTOR = 4
+
+
+class RealBackend(TrialBackend):
+    """Real distributed trials: `device='cuda'` (NCCL, one process per GPU) or `'cpu'` (gloo,
+    one process per simulated rank, `spec.limit_bytes` as each rank's capacity).
+
+    `persistent=True` keeps one launch for every trial, across `evaluate` calls, until
+    `close()` (a trial that ends the launch is recorded and the rest continue in a fresh one);
+    `False` launches once per trial.
+    `nnodes`/`node_rank`/`rdzv_endpoint` are passed to torchrun for multi-node runs.
+    """
+
+    memory_source = "measured"
+    throughput_source = "measured"
+
+    def __init__(self, *, device: str = "cpu", timeout_s: float = 300.0, persistent: bool = True,
+                 warmup_steps: int = 1, timed_steps: int = 2, nnodes: int = 1, node_rank: int = 0,
+                 rdzv_endpoint: str | None = None, log_dir: Path | str | None = None,
+                 startup_timeout_s: float = 180.0, seed: int = 0, host_check: bool = True) -> None:
+        if device not in DEVICES:
+            raise UsageError(f"real-trial device {device!r} is not one of {', '.join(DEVICES)}")
+        if not timeout_s > 0 or not startup_timeout_s > 0:
+            raise UsageError(f"--timeout must be a positive number of seconds, got {timeout_s!r}")
+        if warmup_steps < 0 or timed_steps < 1:
+            raise UsageError(f"a trial needs warm-up steps >= 0 and timed steps >= 1, got {warmup_steps} "
+                             f"and {timed_steps}")
+        if nnodes < 1 or not 0 <= node_rank < nnodes:
+            raise UsageError(f"--node-rank {node_rank} must be in 0..{nnodes - 1} for --nnodes {nnodes}")
+        if nnodes > 1 and not rdzv_endpoint:
+            raise UsageError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (a host every node reaches)")
+        self.name = device
+        self.device = device
+        self.timeout_s = float(timeout_s)
+        self.startup_timeout_s = float(startup_timeout_s)
+        self.persistent = persistent
+        self.warmup_steps = warmup_steps
+        self.timed_steps = timed_steps
+        self.nnodes = nnodes
+        self.node_rank = node_rank
+        self.rdzv_endpoint = rdzv_endpoint
+        self.seed = seed
+        self.host_check = host_check
+        self._owns_root = log_dir is None
+        self.log_dir = Path(tempfile.mkdtemp(prefix="autotune-real-")) if log_dir is None else Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._launches = 0
+        self._trials = 0
+        self._launch: Launch | None = None
+        self._host_need_cache: dict[str, tuple[int | None, str]] = {}
+
+    @property
+    def launches(self) -> int:
+        """How many torchrun launches this backend has started so far."""
+        return self._launches
+
+    def describe(self) -> str:
+        mode = "persistent launches" if self.persistent else "one launch per trial"
+        where = "GPUs (NCCL)" if self.device == "cuda" else f"CPU ranks (gloo) on {_host_description()}"
+        return (f"{self.device}: real FSDP2 steps via torchrun on {where}, {mode}; memory and throughput "
+                "measured")
+
+    def evaluate(self, spec: TrialSpec) -> TrialResult:
+        return self.evaluate_many([spec])[0]
+
+    def evaluate_many(self, specs: Iterable[TrialSpec]) -> list[TrialResult]:
+        """Evaluate specs in order; with `persistent`, in the launch kept from earlier calls."""
+        specs = list(specs)
+        results: list[TrialResult | None] = [None] * len(specs)
+        runnable: list[int] = []
+        for index, spec in enumerate(specs):
+            self._check_usage(spec)
+            refusal = self._refusal(spec)
+            if refusal is not None:
+                results[index] = refusal
+            else:
+                runnable.append(index)
+        first = self._trials
+        self._trials += len(specs)
+        for group in self._launch_groups(runnable, specs):
+            # Trial numbers count every spec this backend was given (AUTOTUNE_FAULT's trial=N).
+            for outcome in self._run([(first + i, specs[i].to_dict()) for i in group], self._options(specs[group[0]])):
+                index = outcome.index - first
+                results[index] = self._result(outcome, specs[index])
+        assert all(result is not None for result in results)
+        return results  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Stop the persistent launch (its ranks exit between trials) and remove temporary logs."""
+        if self._launch is not None:
+            self._launch.stop()
+            self._launch = None
+        if self._owns_root:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    # -- launching ----------------------------------------------------------------------------
+
+    def _run(self, items: list[tuple[int, dict[str, Any]]], options: LaunchOptions) -> list[TrialOutcome]:
+        """Run trials in the live launch when it fits, else in fresh ones, until all are settled."""
+        outcomes: list[TrialOutcome] = []
+        while items:
+            launch = self._launch_for(options)
+            finished = launch.run(items)
+            if not self.persistent:
+                launch.stop()
+            outcomes.extend(finished)
+            items = items[len(finished):]
+        return outcomes
+
+    def _launch_for(self, options: LaunchOptions) -> Launch:
+        if self._launch is not None and self._launch.alive and self._launch.options == options:
+            return self._launch
+        if self._launch is not None:
+            self._launch.stop()
+        self._launch = Launch(options, self.log_dir / f"launch-{self._launches}", number=self._launches)
+        self._launches += 1
+        return self._launch
+
+    def _launch_groups(self, indices: list[int], specs: list[TrialSpec]) -> list[list[int]]:
+        """Consecutive specs with the same world share a launch (one launch each when not persistent)."""
+        groups: list[list[int]] = []
+        for index in indices:
+            if self.persistent and groups and _world(specs[groups[-1][-1]]) == _world(specs[index]):
+                groups[-1].append(index)
+            else:
+                groups.append([index])
+        return groups
+
+    def _options(self, spec: TrialSpec) -> LaunchOptions:
+        return LaunchOptions(device=self.device, nproc_per_node=spec.cluster.num_gpus // self.nnodes,
+                             nnodes=self.nnodes, node_rank=self.node_rank, rdzv_endpoint=self.rdzv_endpoint,
+                             timeout_s=self.timeout_s, startup_timeout_s=self.startup_timeout_s,
+                             warmup_steps=self.warmup_steps, timed_steps=self.timed_steps, seed=self.seed)
+
+    def _check_usage(self, spec: TrialSpec) -> None:
+        if spec.cluster.num_gpus % self.nnodes:
+            raise UsageError(f"--gpus {spec.cluster.num_gpus} is not divisible by --nnodes {self.nnodes}")
+        if self.device == "cuda":
+            import torch
+
+            if spec.cluster.num_nodes != self.nnodes:
+                raise UsageError(f"the cluster has {spec.cluster.num_nodes} node(s) and the cuda backend was set "
+                                 f"up for {self.nnodes}: give every node's launch --nnodes "
+                                 f"{spec.cluster.num_nodes} and --rdzv-endpoint HOST:PORT (docs/REAL_TRIALS.md)")
+            visible = torch.cuda.device_count()
+            per_node = spec.cluster.num_gpus // self.nnodes
+            if visible < per_node:
+                raise UsageError(f"--backend cuda needs {per_node} GPUs on this node and {visible} are "
+                                 "visible: use --backend sim (predictions) or --backend cpu (tiny models)")
+
+    def _refusal(self, spec: TrialSpec) -> TrialResult | None:
+        """A cpu trial whose simulated host need exceeds this machine's free memory is not launched."""
+        if self.device != "cpu" or not self.host_check:
+            return None
+        need, basis = self._host_need(spec)
+        available = host_memory_available_bytes()
+        if need is None or available is None or need <= available:
+            return None
+        return TrialResult(
+            status="error", message=(
+                f"refused before launch: {spec.cluster.num_gpus} CPU ranks of {spec.model.name} need about "
+                f"{need / 2**30:.1f} GiB of host memory ({basis}) and this machine has {available / 2**30:.1f} "
+                "GiB available: use --backend sim for models this size, or fewer --gpus"),
+            host_memory_per_node=Figure(need, "predicted", basis),
+            extras=dict(tensor_peak_bytes=None, refused=True, host_available_bytes=available))
+
+    def _host_need(self, spec: TrialSpec) -> tuple[int | None, str]:
+        key = json.dumps(spec.to_dict(), sort_keys=True)
+        if key not in self._host_need_cache:
+            self._host_need_cache[key] = predicted_host_need(spec)
+        return self._host_need_cache[key]
+
+    # -- results ------------------------------------------------------------------------------
+
+    def _result(self, outcome: TrialOutcome, spec: TrialSpec) -> TrialResult:
+        extras: dict[str, Any] = dict(launch=outcome.launch, tensor_peak_bytes=None, rss_peak_bytes=None,
+                                      mfu=None, loss=None)
+        if self.device == "cpu" and self.host_check:
+            extras["host_check"] = self._host_need(spec)[1]
+        if outcome.status != "ok":
+            extras["failed_rank"] = outcome.failed_rank
+            return TrialResult(status=outcome.status, message=outcome.message, extras=extras,  # type: ignore[arg-type]
+                               duration_s=outcome.duration_s)
+        return self._measured_result(outcome, spec, extras)
+
+    def _measured_result(self, outcome: TrialOutcome, spec: TrialSpec, extras: dict[str, Any]) -> TrialResult:
+        figures = outcome.figures or {}
+        ranks = figures["ranks"]
+        world = figures["world_size"]
+        on_cuda = self.device == "cuda"
+        where = (f"{world} NCCL ranks on {figures['device']}" if on_cuda
+                 else f"{world} gloo ranks on {figures['device']}")
+        worst = max(ranks, key=lambda r: r["tensor_peak_bytes"])
+        slowest_s = max(sum(r["step_times"]) for r in ranks)
+        timed_steps = len(worst["step_times"])
+        tokens = sum(r["tokens_per_step"] for r in ranks) * timed_steps
+        tokens_per_sec = tokens / slowest_s if slowest_s > 0 else None
+        losses = [r["losses"][-1] for r in ranks]
+        rss_by_node: dict[str, int] = {}
+        for r in ranks:
+            rss_by_node[r["node"]] = rss_by_node.get(r["node"], 0) + int(r["rss_peak_bytes"] or 0)
+        notes = sorted({note for r in ranks for note in r["notes"]})
+        if worst["grad_accum"] < spec.grad_accum_steps:
+            notes.append(f"ran {worst['grad_accum']} of {spec.grad_accum_steps} micro-batches per step "
+                         "(a short trial; tokens/s counts the micro-batches run)")
+        extras.update(
+            tensor_peak_bytes=int(worst["tensor_peak_bytes"]),
+            rss_peak_bytes=max(int(r["rss_peak_bytes"] or 0) for r in ranks),
+            loss=statistics.fmean(losses),
+            per_rank_tensor_peak_bytes=[int(r["tensor_peak_bytes"]) for r in ranks],
+            step_times_s=[r["step_times"] for r in ranks],
+            warmup_steps=self.warmup_steps, timed_steps=timed_steps, grad_accum_run=worst["grad_accum"],
+            world_size=world)
+        if on_cuda:
+            reserved = max(int(r["reserved_peak_bytes"]) for r in ranks)
+            extras.update(allocated_peak_bytes=extras["tensor_peak_bytes"],
+                          device_capacity_bytes=min(int(r["device_capacity_bytes"]) for r in ranks))
+            peak = Figure(reserved, "measured", f"torch.cuda.max_memory_reserved, max over {where}")
+            if tokens_per_sec is not None:
+                flops = model_flops_per_token(spec.model, spec.seq_len) * tokens_per_sec
+                extras["mfu"] = flops / (world * spec.cluster.gpu.peak_tflops * 1e12)
+                extras["mfu_basis"] = (f"PaLM 6N+12LHQT FLOPs per token over {spec.cluster.gpu.name} "
+                                       "nominal dense peak (catalog)")
+        else:
+            peak = Figure(extras["tensor_peak_bytes"], "measured",
+                          f"tensor-level peak (torch MemTracker), max over {where}")
+        status, message = "ok", "; ".join(notes)
+        if not all(r["finite"] for r in ranks):
+            status, message = "error", f"non-finite loss {losses} (diverged in {timed_steps + self.warmup_steps} steps)"
+        elif on_cuda and peak.value > spec.limit_bytes:
+            status, message = "oom", (f"reserved peak {peak.value:,} bytes is over the usable limit "
+                                      f"{spec.limit_bytes:,} bytes per GPU")
+        return TrialResult(
+            status=status, peak_memory=peak, memory_breakdown=dict(worst["breakdown"]),
+            tokens_per_sec=Figure(tokens_per_sec, "measured",
+                                  f"global tokens over the slowest rank's {timed_steps} timed steps, {where}"),
+            host_memory_per_node=Figure(max(rss_by_node.values()), "measured",
+                                        "peak RSS summed over a node's ranks"),
+            message=message, extras=extras, duration_s=outcome.duration_s)
+
+
+def predicted_host_need(spec: TrialSpec) -> tuple[int | None, str]:
+    """Host bytes a cpu trial of `spec` needs: the simulator's per-rank tensor peak plus a
+    per-process allowance, times the ranks. (None, why) when the simulator cannot say.
+
+    A trace costs seconds even for a tiny model, so the closed-form estimate screens first: a
+    trial it puts under 1/SCREEN_FACTOR of the free memory is not traced."""
+    from autotune.backends.analytic import AnalyticBackend
+
+    ranks = spec.cluster.num_gpus
+    estimate = AnalyticBackend().evaluate(spec).extras.get("tensor_peak_bytes")
+    available = host_memory_available_bytes()
+    if estimate is not None and available is not None:
+        need = ranks * (int(estimate) + RANK_PROCESS_BYTES)
+        if need * SCREEN_FACTOR < available:
+            return need, (f"estimated (closed form) {need / 2**30:.2f} GiB for {ranks} ranks, under "
+                          f"1/{SCREEN_FACTOR} of the {available / 2**30:.1f} GiB available: not traced")
+    try:
+        from autotune.backends.sim import SimBackend
+    except ImportError as exc:
+        return None, f"host check skipped: simulator unavailable ({exc})"
+    result = SimBackend(device_kind="cpu").evaluate(spec)
+    per_rank = result.extras.get("tensor_peak_bytes")
+    if per_rank is None:
+        return None, f"host check skipped: the simulator gave no tensor peak ({result.status}: {result.message})"
+    return ranks * (int(per_rank) + RANK_PROCESS_BYTES), (
+        f"simulated tensor peak {int(per_rank) / 2**30:.2f} GiB per rank plus an estimated "
+        f"{RANK_PROCESS_BYTES / 2**30:.2f} GiB per process, x {ranks} ranks")
+
+
+def _world(spec: TrialSpec) -> tuple[int, int]:
+    return spec.cluster.num_gpus, spec.cluster.num_nodes
+
+
+def _host_description() -> str:
+    import os
+
+    return f"host {platform.machine()}, {os.cpu_count()} cores"

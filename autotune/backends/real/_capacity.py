@@ -1,0 +1,95 @@
+"""Memory on CPUs: a per-rank capacity for tensor memory, and the host's own memory.
+
+On the cpu backend a rank has no device limit of its own, so `CapacityTracker` gives it one:
+torch's `MemTracker` counts every tensor storage as it is created or resized, and this
+subclass raises `torch.OutOfMemoryError` from the very update that takes the count over the
+capacity, i.e. at the allocation that crosses it, as a GPU's allocator would.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+_TOTAL = "Total"
+
+# MemTracker's reference types -> autotune.backends.base.MEMORY_CATEGORIES.
+TRACKER_CATEGORIES = {
+    _MemRefType.PARAM: "parameters",
+    _MemRefType.GRAD: "gradients",
+    _MemRefType.OPT: "optimizer_state",
+    _MemRefType.ACT: "activations",
+    _MemRefType.TEMP: "activations",
+    _MemRefType.BUFFER: "other",
+    _MemRefType.OTH: "other",
+}
+
+
+class CapacityTracker(MemTracker):
+    """A MemTracker that raises torch.OutOfMemoryError when tracked memory on a device
+    exceeds `capacity_bytes` (None: no limit, tracking only)."""
+
+    def __init__(self, *, capacity_bytes: int | None, rank: int = 0) -> None:
+        super().__init__()
+        self.capacity_bytes = capacity_bytes
+        self.rank = rank
+
+    # Every increase of tracked memory (a new storage, a resize) goes through _update_snap.
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+        super()._update_snap(u_type, winfo, old_mem_consumed=old_mem_consumed, old_reftype=old_reftype)
+        if self.capacity_bytes is None:
+            return
+        total = self._curr_mem_snap.get(winfo.device, {}).get(_TOTAL, 0)
+        if total > self.capacity_bytes:
+            raise torch.OutOfMemoryError(
+                f"CPU capacity emulation: tracked tensor memory on rank {self.rank} reached {total:,} "
+                f"bytes, over the per-rank capacity of {self.capacity_bytes:,} bytes (the trial's "
+                "memory limit)")
+
+    def peak_bytes(self) -> int:
+        """Tracked peak since entering, over devices."""
+        return max(self._peak_mem.values(), default=0)
+
+    def peak_breakdown(self) -> dict[str, int]:
+        """Bytes per autotune memory category at the peak."""
+        snapshot = self.get_tracker_snapshot("peak")
+        if not snapshot:
+            return {}
+        device_snap = max(snapshot.values(), key=lambda snap: snap.get(_TOTAL, 0))
+        breakdown: dict[str, int] = {}
+        for reftype, category in TRACKER_CATEGORIES.items():
+            breakdown[category] = breakdown.get(category, 0) + int(device_snap.get(reftype, 0))
+        return breakdown
+
+
+def host_memory_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable from /proc/meminfo (what can still be used without swapping), or None."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def reset_rss_peak() -> None:
+    """Reset this process's peak RSS (VmHWM) so it covers one trial only (Linux >= 4.0)."""
+    try:
+        Path(f"/proc/{os.getpid()}/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def rss_peak_bytes() -> int | None:
+    """This process's peak resident set size (VmHWM) since the last reset."""
+    try:
+        for line in Path(f"/proc/{os.getpid()}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

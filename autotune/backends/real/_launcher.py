@@ -1,0 +1,311 @@
+"""Launch torchrun for a list of trials, watch it, and end it cleanly whatever the trials do.
+
+A `Launch` is one torchrun run of the worker; trials are queued to it as files and it keeps
+running between them (persistent mode), until stopped or ended by a trial. The launcher reads
+the worker's files (see worker.py) as they appear; each trial gets its own timeout, counted
+from its start. A trial that ends the launch (out of memory, crash, hang) is classified, and
+the backend sends the trials after it to a fresh launch.
+
+Process hygiene: torchrun starts in a new session, and every process of a launch carries an
+environment marker. Ending a launch kills torchrun's process group, then every process that
+carries the marker (torchrun puts its workers in sessions of their own, so the group alone
+would miss them), and checks /proc until none is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+LAUNCH_MARKER_ENV = "AUTOTUNE_REAL_LAUNCH"
+AGENT_FAILURES_ENV = "AUTOTUNE_AGENT_FAILURES"  # where _torchrun writes the agent's failed ranks
+STDERR_TAIL_LINES = 20
+_POLL_S = 0.1
+_KILL_GRACE_S = 10.0
+_EXIT_GRACE_S = 3.0
+_STOPPED_BY_AGENT = {"SIGTERM", "SIGKILL"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchOptions:
+    """How to start torchrun and how long to wait for it."""
+
+    device: str
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "autotune"
+    timeout_s: float = 300.0
+    startup_timeout_s: float = 180.0
+    warmup_steps: int = 1
+    timed_steps: int = 2
+    seed: int = 0
+
+    def torchrun_args(self, *, log_dir: Path) -> list[str]:
+        args = [f"--nproc-per-node={self.nproc_per_node}", f"--log-dir={log_dir}", "--redirects=3",
+                "--max-restarts=0"]
+        if self.nnodes == 1 and self.rdzv_endpoint is None:
+            return ["--standalone", *args]
+        return [f"--nnodes={self.nnodes}", f"--node-rank={self.node_rank}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={self.rdzv_endpoint}", f"--rdzv-id={self.rdzv_id}", *args]
+
+
+@dataclass(kw_only=True)
+class TrialOutcome:
+    """What one trial of a launch came to; the backend turns it into a TrialResult."""
+
+    index: int
+    status: str  # ok | oom | error | timeout
+    message: str = ""
+    figures: dict[str, Any] | None = None  # the worker's results file, for status ok
+    failed_rank: int | None = None
+    launch: int = 0
+    duration_s: float = 0.0
+
+
+def torchrun_command(options: LaunchOptions, *, job: Path, out: Path, log_dir: Path) -> list[str]:
+    """The command line of one launch (torch's launcher, run through _torchrun to keep exit codes)."""
+    return [sys.executable, "-m", "autotune.backends.real._torchrun", *options.torchrun_args(log_dir=log_dir),
+            "-m", "autotune.backends.real.worker", "--job", str(job), "--out", str(out)]
+
+
+class Launch:
+    """One torchrun launch that takes trials as they are submitted, until stopped or ended by a
+    trial. The ranks wait between trials (polling the queue folder) outside any collective."""
+
+    def __init__(self, options: LaunchOptions, folder: Path, *, number: int) -> None:
+        self.options = options
+        self.folder = folder
+        self.number = number
+        self.marker = uuid.uuid4().hex
+        self.out = folder / "out"
+        self.logs = folder / "logs"
+        self.agent_failures = folder / "agent_failures.json"
+        self.ended = False
+        self._submitted = 0
+        self._started_any = False
+        self._proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def alive(self) -> bool:
+        return not self.ended and self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> None:
+        (self.out / "queue").mkdir(parents=True, exist_ok=True)
+        job = self.folder / "job.json"
+        job.write_text(json.dumps(dict(
+            device=self.options.device, warmup_steps=self.options.warmup_steps,
+            timed_steps=self.options.timed_steps, seed=self.options.seed,
+            launcher_pid=os.getpid(), launcher_host=platform.node(),
+            # Collectives give up on their own well after the launcher would have killed them.
+            collective_timeout_s=self.options.timeout_s + self.options.startup_timeout_s)))
+        env = dict(os.environ, **{LAUNCH_MARKER_ENV: self.marker, AGENT_FAILURES_ENV: str(self.agent_failures)})
+        command = torchrun_command(self.options, job=job, out=self.out, log_dir=self.logs)
+        self._log = open(self.folder / "torchrun.log", "wb")
+        self._proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+
+    def run(self, items: list[tuple[int, dict[str, Any]]]) -> list[TrialOutcome]:
+        """Queue (index, spec dict) pairs and wait for them. Returns the outcomes of a prefix of
+        `items`: all of them, or up to the one that ended the launch."""
+        if self._proc is None:
+            self.start()
+        assert self.alive, "run() on a launch that has ended"
+        for index, spec in items:
+            write_json(self.out / "queue" / f"{self._submitted}.json", dict(index=index, spec=spec))
+            self._submitted += 1
+        try:
+            outcomes = self._watch([index for index, _ in items])
+        except BaseException:
+            self.end()
+            raise
+        if len(outcomes) < len(items) or not self.alive:
+            self.end()
+        return outcomes
+
+    def stop(self) -> None:
+        """Ask the ranks to finish (they exit between trials), then make sure they have."""
+        if self.alive:
+            write_json(self.out / "queue" / "stop", True)
+            try:
+                self._proc.wait(timeout=_EXIT_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        self.end()
+
+    def end(self) -> None:
+        """Kill whatever of the launch is left and verify that nothing is."""
+        if self._proc is not None:
+            end_launch(self._proc, self.marker)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        self.ended = True
+
+    def _watch(self, pending: list[int]) -> list[TrialOutcome]:
+        finished: list[TrialOutcome] = []
+        clock = deadline_from = time.monotonic()  # when the current trial (or the start-up) began
+        current_started = False
+        while pending:
+            returncode = self._proc.poll()
+            index = pending[0]
+            result = self.out / "results" / f"{index}.json"
+            if result.exists():
+                figures = json.loads(result.read_text())
+                now = time.monotonic()
+                finished.append(TrialOutcome(index=index, status="ok", figures=figures, launch=self.number,
+                                             duration_s=now - clock))
+                pending.pop(0)
+                clock = deadline_from = now
+                current_started = False
+                continue
+            if not current_started and (self.out / "started" / str(index)).exists():
+                current_started = self._started_any = True
+                deadline_from = time.monotonic()  # the trial's timeout counts from its start
+            if returncode is not None:
+                # Rank 0 writes results before the launch can exit: a last look, then classify.
+                if result.exists():
+                    continue
+                return finished + self._failed(pending, returncode, current_started, clock)
+            limit = self.options.timeout_s + (0 if self._started_any else self.options.startup_timeout_s)
+            if time.monotonic() - deadline_from > limit:
+                self.end()
+                return finished + self._timed_out(pending, current_started, clock, limit)
+            time.sleep(_POLL_S)
+        return finished
+
+    def _timed_out(self, pending: list[int], started: bool, clock: float, limit: float) -> list[TrialOutcome]:
+        what = f"trial made no progress for {limit:.0f} s" if started else \
+            f"the launch did not start trial {pending[0]} within {limit:.0f} s"
+        outcome = TrialOutcome(index=pending[0], status="timeout", launch=self.number,
+                               duration_s=time.monotonic() - clock,
+                               message=f"{what} (a rank hung, e.g. in a collective); every process of the "
+                                       f"launch was killed. Logs: {self.logs}")
+        if started:
+            return [outcome]
+        return [outcome] + [TrialOutcome(index=index, status="error", launch=self.number,
+                                         message=f"not run: the launch timed out in start-up ({what})")
+                            for index in pending[1:]]
+
+    def _failed(self, pending: list[int], returncode: int, started: bool, clock: float) -> list[TrialOutcome]:
+        duration = time.monotonic() - clock
+        # Another rank can fail in the trial before rank 0 has marked it started.
+        started = started or any((self.out / "failures").glob(f"{pending[0]}.rank*.json"))
+        if not started:
+            # Nothing trial-specific ran: start-up failed, and would fail again for the rest.
+            reason = self._root_cause("setup") or TrialOutcome(
+                index=-1, status="error", message=f"torchrun exited with code {returncode} before any "
+                f"trial started; last lines of its log:\n{_tail(self.folder / 'torchrun.log')}")
+            return [TrialOutcome(index=index, status="error", launch=self.number, duration_s=duration,
+                                 failed_rank=reason.failed_rank,
+                                 message=f"the launch failed before the trial started: {reason.message}")
+                    for index in pending]
+        index = pending[0]
+        outcome = self._root_cause(str(index)) or TrialOutcome(
+            index=index, status="error", message=f"torchrun exited with code {returncode} during the trial "
+            f"and no rank reported why; last lines of its log:\n{_tail(self.folder / 'torchrun.log')}")
+        outcome.index, outcome.launch, outcome.duration_s = index, self.number, duration
+        return [outcome]
+
+    def _root_cause(self, index: str) -> TrialOutcome | None:
+        """The first failure of a trial: an out-of-memory anywhere, else a rank that died without
+        an exception (its exit code or signal, as the agent saw it), else the earliest exception."""
+        reports = [json.loads(p.read_text()) for p in sorted((self.out / "failures").glob(f"{index}.rank*.json"))]
+        ooms = sorted((r for r in reports if r["oom"]), key=lambda r: r["time"])
+        if ooms:
+            root = ooms[0]
+            return TrialOutcome(index=-1, status="oom", failed_rank=root["rank"],
+                                message=f"out of memory on rank {root['rank']}: {root['type']}: {root['message']}")
+        reported = {r["rank"] for r in reports}
+        silent = [f for f in self._agent_failures()
+                  if f["rank"] not in reported and f.get("signal") not in _STOPPED_BY_AGENT]
+        if silent:
+            root = min(silent, key=lambda f: (f["timestamp"], f["rank"]))
+            how = f"killed by {root['signal']}" if root.get("signal") else f"exited with code {root['exitcode']}"
+            return TrialOutcome(index=-1, status="error", failed_rank=root["rank"],
+                                message=f"rank {root['rank']} {how} without a Python exception; last lines "
+                                        f"of its stderr:\n{self._stderr_tail(root['rank'])}")
+        if reports:
+            root = min(reports, key=lambda r: r["time"])
+            return TrialOutcome(index=-1, status="error", failed_rank=root["rank"],
+                                message=f"rank {root['rank']} raised {root['type']}: {root['message']}\nlast "
+                                        f"lines of its stderr:\n{self._stderr_tail(root['rank'])}")
+        return None
+
+    def _agent_failures(self) -> list[dict[str, Any]]:
+        try:
+            return json.loads(self.agent_failures.read_text())
+        except (OSError, json.JSONDecodeError):
+            return []
+
+    def _stderr_tail(self, rank: int) -> str:
+        local_rank = rank - self.options.node_rank * self.options.nproc_per_node
+        logs = sorted(self.logs.glob(f"*/attempt_*/{local_rank}/stderr.log"))
+        return _tail(logs[-1]) if logs else "(no stderr log on this node)"
+
+
+def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write atomically: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def marked_processes(marker: str) -> list[int]:
+    """Live processes whose environment carries this launch's marker (zombies have none)."""
+    needle = f"{LAUNCH_MARKER_ENV}={marker}".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            environ = Path(f"/proc/{name}/environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(name))
+    return found
+
+
+def end_launch(proc: subprocess.Popen, marker: str) -> None:
+    """Kill torchrun's process group and every process of the launch; verify none is left."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + _KILL_GRACE_S
+    while survivors := marked_processes(marker):
+        for pid in survivors:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if time.monotonic() > deadline:
+            # Not the controller's problem to die of; say so loudly (a process stuck in the kernel).
+            warnings.warn(f"processes {survivors} of a trial launch survived SIGKILL for {_KILL_GRACE_S} s",
+                          RuntimeWarning, stacklevel=2)
+            break
+        time.sleep(0.05)
+    proc.wait()

@@ -1,0 +1,158 @@
+"""One real trial on one rank: build on meta, shard, materialise, train, measure.
+
+Runs inside a torchrun worker (see worker.py); returns this rank's figures as a plain dict.
+The ranks' dicts are gathered and reduced by rank 0 (worst peak, slowest rank).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autotune.backends.real._capacity import CapacityTracker, reset_rss_peak, rss_peak_bytes
+from autotune.backends.real._faults import Fault, inject_faults
+from autotune.config import TrialSpec
+from autotune.parallel import parallelize
+from autotune.training import build_model, make_optimizer, token_batches, train_step
+
+# A short trial accumulates at most this many micro-batches per step: the per-step memory
+# pattern (reduce-scatter after every micro-batch) is the same from the second one on.
+MAX_TRIAL_GRAD_ACCUM = 2
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, *, seed: int) -> None:
+    """Initialise the materialised (sharded) weights in place with the model's own HF init,
+    which also recomputes RoPE buffers such as `inv_freq` that `to_empty` left as garbage."""
+    torch.manual_seed(seed)
+    init_module = getattr(model, "_init_weights", None)
+    with warnings.catch_warnings():
+        # DTensor warns that its random ops are incomplete on CPU meshes: each rank then fills
+        # its own shard from its own seeded generator, which is all a trial needs.
+        warnings.simplefilter("ignore", UserWarning)
+        for module in model.modules():
+            if init_module is not None:
+                init_module(module)
+            elif hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+
+
+def make_grad_scaler(precision: str, device: torch.device):
+    """fp16 needs loss scaling. ShardedGradScaler unscales FSDP2's DTensor gradient shards and
+    all-reduces the found-inf flag, so every rank skips or takes the same steps."""
+    if precision != "fp16":
+        return None
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(device=device.type)
+
+
+def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_steps: int,
+              timed_steps: int, seed: int, faults: list[Fault], trial_index: int) -> dict[str, Any]:
+    """Train `warmup_steps + timed_steps` steps of `spec` on this rank; return its figures."""
+    model, notes = materialise(spec, mesh=mesh, device=device, seed=seed)
+    optimizer = make_optimizer(model)
+    scaler = make_grad_scaler(spec.train.precision, device)
+    grad_accum = min(spec.grad_accum_steps, MAX_TRIAL_GRAD_ACCUM)
+    batches = token_batches(vocab_size=int(spec.model.config_dict["vocab_size"]),
+                            micro_batch_size=spec.train.micro_batch_size, seq_len=spec.seq_len,
+                            device=device, seed=seed + rank)
+    inject_faults(faults, rank=rank, trial=trial_index)
+
+    on_cuda = device.type == "cuda"
+    if on_cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    reset_rss_peak()
+    # On CPUs the tracker is the device: it counts tensor memory and enforces the capacity.
+    tracker = None if on_cuda else CapacityTracker(capacity_bytes=spec.limit_bytes, rank=rank)
+    if tracker is not None:
+        tracker.track_external(model, optimizer)
+        batches = _reset_before_each_forward(batches, tracker)
+    step_times: list[float] = []
+    losses: list[float] = []
+    with tracker if tracker is not None else nullcontext():
+        for step in range(warmup_steps + timed_steps):
+            timed = step >= warmup_steps
+            if timed:
+                _synchronize(device)
+                dist.barrier(device_ids=[device.index] if on_cuda else None)
+                start = time.perf_counter()
+            loss = train_step(model, optimizer, batches, grad_accum_steps=grad_accum, scaler=scaler)
+            if timed:
+                _synchronize(device)
+                step_times.append(time.perf_counter() - start)
+            losses.append(float(loss))
+
+    figures: dict[str, Any] = dict(
+        rank=rank, losses=losses, step_times=step_times, grad_accum=grad_accum,
+        tokens_per_step=spec.train.micro_batch_size * spec.seq_len * grad_accum,
+        rss_peak_bytes=rss_peak_bytes(), notes=notes, finite=all(math.isfinite(x) for x in losses))
+    if on_cuda:
+        figures.update(tensor_peak_bytes=torch.cuda.max_memory_allocated(device),
+                       reserved_peak_bytes=torch.cuda.max_memory_reserved(device),
+                       device_capacity_bytes=torch.cuda.get_device_properties(device).total_memory,
+                       breakdown={})
+    else:
+        figures.update(tensor_peak_bytes=tracker.peak_bytes(), breakdown=tracker.peak_breakdown())
+    del model, optimizer, scaler, tracker, batches
+    release_memory(device)
+    return figures
+
+
+def materialise(spec: TrialSpec, *, mesh, device: torch.device, seed: int) -> tuple[nn.Module, list[str]]:
+    """Build on meta, apply THE wrapping function, allocate only this rank's shards, initialise.
+    Returns the model and notes on what could not be applied here."""
+    notes: list[str] = []
+    offload = spec.train.cpu_offload and device.type == "cuda"
+    with torch.device("meta"):
+        model = build_model(spec.model, seed=seed)
+    if spec.train.cpu_offload and not offload:
+        notes.append("cpu_offload requested but not applied: CPUOffloadPolicy needs an accelerator")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the offload warning is in the notes
+        parallelize(model, mesh, spec.train, allow_offload=device.type == "cuda")
+    # Offloaded shards live on the host (as in torchtitan); FSDP2 moves them for compute.
+    model.to_empty(device="cpu" if offload else device)
+    init_weights(model, seed=seed)
+    if offload:
+        _move_buffers(model, device)
+    return model, notes
+
+
+def _reset_before_each_forward(batches: Iterator[torch.Tensor], tracker: CapacityTracker) -> Iterator[torch.Tensor]:
+    """MemTracker refuses a second forward of the root (the next micro-batch or step) unless its
+    module stats are reset first; train_step takes a batch right before each forward. The
+    peak and the capacity are unaffected."""
+    for number, batch in enumerate(batches):
+        if number:
+            tracker.reset_mod_stats()
+        yield batch
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Buffers (RoPE frequencies) are not FSDP-managed: they go where compute runs."""
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            module._buffers[name] = buffer.to(device)
+
+
+def release_memory(device: torch.device) -> None:
+    """Free what the trial left so the next trial in a persistent launch starts clean."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

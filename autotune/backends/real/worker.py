@@ -1,0 +1,160 @@
+"""The per-rank entry point torchrun runs: `-m autotune.backends.real.worker --job J --out D`.
+
+One launch evaluates trials one after another on one process group (persistent mode). The
+launcher and the ranks talk through the out folder:
+
+    D/queue/<n>.json                 the launcher: the n-th trial of this launch (index, spec)
+    D/queue/stop                     the launcher: no more trials, exit
+    D/started/<index>                rank 0 began trial <index> (starts its timeout)
+    D/results/<index>.json           rank 0: every rank's figures for a finished trial
+    D/failures/<index>.rank<r>.json  rank r raised in trial <index> (type, message, time)
+
+Between trials every rank polls the queue, outside any collective. A rank that raises (out of
+memory included) writes its failure file and exits with the exception: torchrun then stops
+the other ranks, wherever they wait, and the launcher sends the trials after it to a fresh
+launch. No rank is ever left waiting in a collective. Ranks also exit when the launching
+process is gone, so a killed controller leaves no workers behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import platform
+import time
+import traceback
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from autotune.backends.real._launcher import write_json
+
+SETUP = "setup"  # the trial index used for failures outside any trial
+_QUEUE_POLL_S = 0.02
+_PARENT_CHECK_S = 2.0
+
+
+def failure_record(exc: BaseException, *, rank: int) -> dict[str, Any]:
+    import torch
+
+    return dict(rank=rank, type=type(exc).__name__, message=str(exc)[:4000], time=time.time(),
+                oom=isinstance(exc, torch.OutOfMemoryError),
+                traceback="".join(traceback.format_exception(exc))[-4000:])
+
+
+def describe_device(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU (host {platform.machine()}, {os.cpu_count()} cores)"
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="one rank of a real autotune trial launch")
+    parser.add_argument("--job", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    faulthandler.enable()  # a hard crash still leaves a stack in this rank's stderr
+    job = json.loads(args.job.read_text())
+    rank = int(os.environ["RANK"])
+    index: int | str = SETUP
+    try:
+        import torch.distributed as dist
+
+        device, mesh, faults = _setup(job)
+        # The launcher's pid means something only on the launcher's host (multi-node: node 0).
+        launcher_pid = job["launcher_pid"] if job.get("launcher_host") == platform.node() else None
+        for item in _queued_trials(args.out / "queue", launcher_pid=launcher_pid):
+            index = item["index"]
+            _run_one(item, job=job, out=args.out, rank=rank, device=device, mesh=mesh, faults=faults)
+        index = SETUP
+        dist.destroy_process_group()
+    except BaseException as exc:
+        write_json(args.out / "failures" / f"{index}.rank{rank}.json", failure_record(exc, rank=rank))
+        raise
+
+
+def _queued_trials(queue: Path, *, launcher_pid: int | None) -> Iterator[dict[str, Any]]:
+    """The launch's trials in order, as the launcher queues them; ends on `stop` or when the
+    launching process (if known here) has gone."""
+    number = 0
+    last_check = time.monotonic()
+    while True:
+        item = queue / f"{number}.json"
+        if item.exists():
+            yield json.loads(item.read_text())
+            number += 1
+            continue
+        if (queue / "stop").exists():
+            return
+        if time.monotonic() - last_check > _PARENT_CHECK_S:
+            last_check = time.monotonic()
+            if launcher_pid is not None and not _alive(launcher_pid):
+                return
+        time.sleep(_QUEUE_POLL_S)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _setup(job: dict[str, Any]):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autotune.backends.real._faults import FAULT_ENV, parse_faults
+
+    if job["device"] == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    faults = parse_faults(os.environ.get(FAULT_ENV))
+    dist.init_process_group(backend, timeout=timedelta(seconds=float(job["collective_timeout_s"])))
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    return device, mesh, faults
+
+
+def _run_one(item: dict[str, Any], *, job: dict[str, Any], out: Path, rank: int, device, mesh,
+             faults) -> None:
+    import torch.distributed as dist
+
+    from autotune.backends.real._trial import run_trial
+    from autotune.config import TrialSpec
+
+    index = item["index"]
+    spec = TrialSpec.from_dict(item["spec"])
+    world_size = dist.get_world_size()
+    assert spec.cluster.num_gpus == world_size, (spec.cluster.num_gpus, world_size)
+    if rank == 0:
+        write_json(out / "started" / str(index), time.time())
+    figures = run_trial(spec, mesh=mesh, device=device, rank=rank, warmup_steps=job["warmup_steps"],
+                        timed_steps=job["timed_steps"], seed=job["seed"], faults=faults,
+                        trial_index=index)
+    figures["node"] = platform.node()
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, figures)
+    if rank == 0:
+        write_json(out / "results" / f"{index}.json",
+                   dict(index=index, world_size=world_size, backend=dist.get_backend(),
+                        device=describe_device(device), ranks=gathered))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Real 2-rank gloo trials of micro-llama on CPUs: fit, OOM via the capacity, hang, crash,
+persistent mode. Every launching test checks that no trial process is left behind."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from autotune.backends.real import FAULT_ENV, RealBackend, parse_faults
+from autotune.backends.real._capacity import host_memory_available_bytes
+from autotune.backends.real._faults import Fault
+from autotune.catalog.models import resolve_model
+from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.errors import UsageError
+
+pytestmark = pytest.mark.slow
+
+MODEL = resolve_model("micro-llama")
+WORLD = 2
+# Counted from the trial's start: longer than building micro-llama on 2 busy cores (~5 s).
+HANG_TIMEOUT_S = 10.0
+
+
+def make_spec(*, limit: int | None = None, **train) -> TrialSpec:
+    return TrialSpec(model=MODEL, cluster=Cluster(num_gpus=WORLD), seq_len=64,
+                     train=TrainConfig(micro_batch_size=2, **train), memory_limit_bytes=limit)
+
+
+def leftover_trial_processes(log_dir: Path) -> list[str]:
+    """Trial processes still alive: children of this test process, and any process of a launch
+    under `log_dir` (torchrun and its workers name their job file on the command line)."""
+    import psutil
+
+    found = [f"{p.pid} {p.name()}" for p in psutil.Process().children(recursive=True)
+             if p.status() != psutil.STATUS_ZOMBIE]
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "autotune.backends.real" in cmdline and str(log_dir) in cmdline:
+            found.append(f"{pid} {cmdline[:120]}")
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_fault_env(monkeypatch):
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+
+
+@pytest.fixture(scope="module")
+def single_result(tmp_path_factory):
+    """One fitting trial in a launch of its own (shared by the fit and persistence tests)."""
+    log_dir = tmp_path_factory.mktemp("single")
+    with RealBackend(device="cpu", persistent=False, timed_steps=1, log_dir=log_dir) as backend:
+        result = backend.evaluate(make_spec())
+        assert backend.launches == 1
+    assert leftover_trial_processes(log_dir) == []
+    return result
+
+
+def test_fitting_trial_has_plausible_measured_figures(single_result):
+    result = single_result
+    assert result.status == "ok", result.message
+    param_bytes = MODEL.num_parameters * 4  # fp32 master parameters, sharded over the ranks
+    assert result.extras["tensor_peak_bytes"] > param_bytes / WORLD
+    assert result.peak_memory.value == result.extras["tensor_peak_bytes"]
+    assert result.peak_memory.source == "measured" and "gloo ranks" in result.peak_memory.basis
+    assert result.tokens_per_sec.value > 0 and result.tokens_per_sec.source == "measured"
+    assert 0 < result.extras["loss"] < 20  # ln(vocab 512) = 6.2 at initialisation
+    assert result.extras["rss_peak_bytes"] > result.extras["tensor_peak_bytes"]
+    assert result.host_memory_per_node.value >= WORLD * 100 * 2**20
+    assert result.memory_breakdown["parameters"] > 0 and result.memory_breakdown["optimizer_state"] > 0
+    assert sum(result.memory_breakdown.values()) == result.extras["tensor_peak_bytes"]
+    assert result.extras["mfu"] is None  # no accelerator peak to compare with on CPUs
+
+
+def test_persistent_mode_one_launch_continues_after_oom(single_result, tmp_path):
+    """A (one evaluate call), then A with full AC and an OOM via the capacity (one
+    evaluate_many call) share one launch; the OOM ends it and the last spec runs in a fresh
+    launch, with the same figures as the launch of its own."""
+    fitting = single_result
+    tight = fitting.extras["tensor_peak_bytes"] // 2
+    with RealBackend(device="cpu", persistent=True, timed_steps=1, log_dir=tmp_path) as backend:
+        first = backend.evaluate(make_spec())
+        checkpointed, fp16_accum, oom, after = backend.evaluate_many(
+            [make_spec(activation_checkpointing="full"),
+             replace(make_spec(precision="fp16"), grad_accum_steps=4),
+             make_spec(limit=tight), make_spec()])
+        assert backend.launches == 2
+    results = (first, checkpointed, fp16_accum, oom, after)
+    assert [r.extras["launch"] for r in results] == [0, 0, 0, 0, 1]
+    assert [r.status for r in results] == ["ok", "ok", "ok", "oom", "ok"], [r.message for r in results]
+    # fp16 with a loss scaler, two micro-batches per step (MemTracker reset before each forward).
+    assert fp16_accum.extras["grad_accum_run"] == 2 and "2 of 4 micro-batches" in fp16_accum.message
+    assert 0 < fp16_accum.extras["loss"] < 20
+    assert "OutOfMemoryError" in oom.message and f"{tight:,}" in oom.message
+    # Deterministic figures: the same in a shared launch, a fresh launch and a launch of its own.
+    for result in (first, after):
+        assert result.extras["tensor_peak_bytes"] == fitting.extras["tensor_peak_bytes"]
+        assert result.extras["loss"] == pytest.approx(fitting.extras["loss"], rel=1e-6)
+    assert checkpointed.extras["tensor_peak_bytes"] < first.extras["tensor_peak_bytes"]
+    assert checkpointed.extras["loss"] == pytest.approx(first.extras["loss"], rel=1e-4)
+    assert leftover_trial_processes(tmp_path) == []
+
+
+def test_hang_is_ended_by_the_timeout(tmp_path, monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "hang:rank=1")
+    with RealBackend(device="cpu", timeout_s=HANG_TIMEOUT_S, timed_steps=1, log_dir=tmp_path) as backend:
+        result = backend.evaluate(make_spec())
+    assert result.status == "timeout", result.message
+    assert f"{HANG_TIMEOUT_S:.0f} s" in result.message
+    assert leftover_trial_processes(tmp_path) == []
+
+
+def test_crashing_rank_is_an_error_with_its_stderr(tmp_path, monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "crash:rank=1")
+    with RealBackend(device="cpu", timeout_s=120, timed_steps=1, log_dir=tmp_path) as backend:
+        result = backend.evaluate(make_spec())
+    assert result.status == "error"
+    assert result.extras["failed_rank"] == 1
+    assert "rank 1 exited with code 70" in result.message
+    assert "autotune fault injection: crash on rank 1" in result.message  # from its stderr log
+    assert leftover_trial_processes(tmp_path) == []
+
+
+def test_fault_specs_parse_and_reject_typos():
+    assert parse_faults("hang:rank=1, oom:trial=2") == [Fault(kind="hang", rank=1), Fault(kind="oom", trial=2)]
+    assert parse_faults("") == []
+    with pytest.raises(ValueError, match="hung"):
+        parse_faults("hung:rank=1")
+    with pytest.raises(ValueError, match="rank=x"):
+        parse_faults("crash:rank=x")
+
+
+def test_bad_backend_options_are_usage_errors(tmp_path):
+    with pytest.raises(UsageError, match="rdzv-endpoint"):
+        RealBackend(device="cpu", nnodes=2, log_dir=tmp_path)
+    with pytest.raises(UsageError, match="timed steps"):
+        RealBackend(device="cpu", timed_steps=0, log_dir=tmp_path)
+
+
+def test_host_memory_is_read_from_proc_meminfo():
+    import psutil
+
+    available = host_memory_available_bytes()
+    assert available == pytest.approx(psutil.virtual_memory().available, rel=0.2)
+
+
+def test_cpu_backend_refuses_a_model_too_big_for_this_host(tmp_path):
+    pytest.importorskip("autotune.backends.sim", reason="the simulator backend is not in this tree yet")
+    spec = TrialSpec(model=resolve_model("llama-70b"), cluster=Cluster(num_gpus=WORLD), seq_len=512,
+                     train=TrainConfig(micro_batch_size=1))
+    with RealBackend(device="cpu", log_dir=tmp_path) as backend:
+        result = backend.evaluate(spec)
+        assert backend.launches == 0
+    assert result.status == "error" and "refused before launch" in result.message
+    assert result.host_memory_per_node.source == "predicted"
+    assert result.host_memory_per_node.value > host_memory_available_bytes()
