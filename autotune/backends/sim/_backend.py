@@ -1,0 +1,217 @@
+"""The `sim` backend: per-GPU memory predicted by tracing the real model with fake tensors,
+step time estimated from the traced FLOPs and FSDP's collective volumes (docs/SIMULATOR.md)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from autotune import costmodel
+from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
+from autotune.backends.sim import _offload
+from autotune.backends.sim._extrapolate import extrapolate, shallow_depths
+from autotune.backends.sim._fakepg import fake_mesh, release_fake_group
+from autotune.backends.sim._trace import REFTYPE_CATEGORIES, StepTrace, Tracer, period_of
+from autotune.config import TrialSpec
+from autotune.errors import AutotuneError
+from autotune.training import model_flops_per_token
+
+GiB = 2**30
+_PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_MB_BASE = (2, 3)
+"""Micro-batches larger than these are extrapolated from them (see _extrapolate)."""
+
+
+class SimBackend(TrialBackend):
+    """Simulated trials. `device_kind="cuda"` predicts a GPU run on `spec.cluster.gpu` (tensor
+    peak plus an estimated runtime margin, estimated tokens/s); `"cpu"` predicts the cpu
+    backend's gloo run with `num_gpus` ranks (tensor peak only, no throughput).
+
+    `extrapolate` traces shallow copies and extrapolates in depth (and, with
+    `extrapolate_micro_batch`, micro-batches over 3 from micro-batches 2 and 3 when the same
+    configuration was evaluated before at another micro-batch); False traces every model whole.
+    """
+
+    name = "sim"
+    memory_source = "predicted"
+    throughput_source = "estimated"
+
+    def __init__(self, *, device_kind: Literal["cuda", "cpu"] = "cuda", extrapolate: bool = True,
+                 extrapolate_micro_batch: bool = True, max_cached_models: int = 24) -> None:
+        if device_kind not in ("cuda", "cpu"):
+            raise ValueError(f"device_kind must be 'cuda' or 'cpu', got {device_kind!r}")
+        self.device_kind = device_kind
+        self.extrapolate = extrapolate
+        self.extrapolate_micro_batch = extrapolate_micro_batch
+        self._tracer = Tracer(max_cached_models=max_cached_models)
+        self._traces: dict[tuple, StepTrace] = {}
+        self._families: set[tuple] = set()
+        self._mesh_in_use = None
+
+    def describe(self) -> str:
+        what = "a GPU run (tensor peak + estimated runtime margin)" if self.device_kind == "cuda" \
+            else "a CPU gloo run (tensor peak)"
+        return (f"sim: memory predicted by tracing the real model with fake tensors "
+                f"({'depth-extrapolated' if self.extrapolate else 'full depth'}) for {what}; "
+                f"throughput {'estimated (roofline)' if self.device_kind == 'cuda' else 'not estimated'}")
+
+    def close(self) -> None:
+        self._tracer.clear()
+        self._traces.clear()
+        self._families.clear()
+        self._mesh_in_use = None
+        release_fake_group()
+
+    def evaluate(self, spec: TrialSpec) -> TrialResult:
+        start = time.perf_counter()
+        try:
+            result = self._evaluate(spec)
+        except AutotuneError:
+            raise  # the user's to fix (unsupported model, a real process group in the way)
+        except Exception as exc:  # an estimate that failed is an error trial, never a fit
+            result = TrialResult(status="error", message=f"simulation failed: {type(exc).__name__}: {exc}")
+        result.duration_s = time.perf_counter() - start
+        return result
+
+    # --- tracing ---------------------------------------------------------------------------------
+
+    def _mesh(self, world_size: int):
+        mesh = fake_mesh(world_size)
+        if mesh is not self._mesh_in_use:
+            self._tracer.clear()  # sharded models belong to the previous group's mesh
+            self._mesh_in_use = mesh
+        return mesh
+
+    def _trace_key(self, spec: TrialSpec, *, depth: int, micro_batch_size: int, keep_middle: bool) -> tuple:
+        train = spec.train.with_(micro_batch_size=micro_batch_size, cpu_offload=False)
+        return (spec.model.name, repr(sorted(spec.model.config_dict.items())), depth, spec.cluster.num_gpus,
+                spec.seq_len, train, spec.grad_accum_steps > 1, keep_middle, self.device_kind)
+
+    def _trace(self, spec: TrialSpec, *, depth: int, micro_batch_size: int, keep_middle: bool) -> StepTrace:
+        train = spec.train.with_(micro_batch_size=micro_batch_size, cpu_offload=False)
+        world_size = spec.cluster.num_gpus
+        key = self._trace_key(spec, depth=depth, micro_batch_size=micro_batch_size, keep_middle=keep_middle)
+        if key not in self._traces:
+            mesh = self._mesh(world_size)
+            self._traces[key] = self._tracer.trace(
+                spec.model, depth=depth, mesh=mesh, world_size=world_size, train=train, seq_len=spec.seq_len,
+                grad_accum_steps=spec.grad_accum_steps, keep_middle=keep_middle,
+                gloo=self.device_kind == "cpu")
+        return self._traces[key]
+
+    def _sites(self, spec: TrialSpec) -> tuple[dict, StepTrace, dict[str, Any]]:
+        """Sites of the full model at the spec's micro-batch, a trace for shapes, and notes."""
+        num_layers = spec.model.num_layers
+        mb = spec.train.micro_batch_size
+        period = period_of(spec.train)
+        depths = shallow_depths(num_layers, period) if self.extrapolate else None
+        if depths is None:
+            trace = self._trace(spec, depth=num_layers, micro_batch_size=mb, keep_middle=True)
+            return trace.sites, trace, dict(traced_layers=[num_layers], extrapolated=False,
+                                            flops_per_microbatch=trace.flops)
+        # A configuration seen before at another micro-batch is being grown: trace micro-batches
+        # 2 and 3 once, then every larger one is free. A first look traces the one asked for.
+        family = self._trace_key(spec, depth=0, micro_batch_size=1, keep_middle=False)
+        mbs = (mb,)
+        if self.extrapolate_micro_batch and mb > max(_MB_BASE) and family in self._families:
+            mbs = _MB_BASE
+        self._families.add(family)
+        traces = {(d, m): self._trace(spec, depth=d, micro_batch_size=m, keep_middle=False)
+                  for d in depths for m in mbs}
+        combined = extrapolate(traces, num_layers=num_layers, micro_batch_size=mb, period=period)
+        notes = dict(traced_layers=list(depths), traced_micro_batches=list(mbs), extrapolated=True,
+                     flops_per_microbatch=combined.flops, dropped_sites=combined.dropped_sites)
+        return combined.sites, traces[depths[0], mbs[0]], notes
+
+    # --- the result ------------------------------------------------------------------------------
+
+    def _evaluate(self, spec: TrialSpec) -> TrialResult:
+        world_size = spec.cluster.num_gpus
+        sites, trace, notes = self._sites(spec)
+        offload = spec.train.cpu_offload
+        host_per_node = None
+        if offload:
+            host_per_rank = _offload.host_bytes_per_rank(sites, trace, num_layers=spec.model.num_layers)
+            host_per_node = host_per_rank * spec.cluster.gpus_per_node
+            sites = _offload.device_sites(sites, staging_bytes=_offload.staging_bytes(trace, num_gpus=world_size))
+        peak_key, peak_cats = max(sites.items(), key=lambda item: sum(item[1].values()))
+        tensor_peak = sum(peak_cats.values())
+        overhead = 0
+        if self.device_kind == "cuda":
+            overhead = costmodel.runtime_overhead_bytes(spec.cluster.gpu, num_gpus=world_size,
+                                                        tensor_peak_bytes=tensor_peak)
+        total = tensor_peak + overhead
+        breakdown = dict.fromkeys(MEMORY_CATEGORIES, 0)
+        for reftype, nbytes in peak_cats.items():
+            breakdown[REFTYPE_CATEGORIES[reftype]] += nbytes
+        breakdown["runtime_overhead"] = overhead
+
+        basis = f"tensor peak traced exactly with fake tensors at world size {world_size}"
+        if notes["extrapolated"]:
+            basis += (f", extrapolated from {notes['traced_layers'][0]} and {notes['traced_layers'][1]} "
+                      f"blocks to {spec.model.num_layers}")
+            if len(notes["traced_micro_batches"]) == 2:
+                basis += f" and from micro-batches {_MB_BASE[0]} and {_MB_BASE[1]}"
+        if overhead:
+            basis += f" (+ {overhead / GiB:.2f} GiB runtime margin, estimated)"
+        if offload:
+            basis += "; " + _offload.OFFLOAD_BASIS
+        peak = Figure(total, "estimated" if offload else "predicted", basis)
+
+        extras: dict[str, Any] = dict(tensor_peak_bytes=int(tensor_peak), runtime_overhead_bytes=int(overhead),
+                                      peak_site=" / ".join(str(part) for part in peak_key), **notes)
+        throughput, message = self._throughput(spec, trace, notes["flops_per_microbatch"], extras)
+        host_figure = None
+        if host_per_node is not None:
+            host_figure = Figure(host_per_node, "estimated",
+                                 f"{_offload.OFFLOAD_BASIS}; per rank {host_per_node / spec.cluster.gpus_per_node / GiB:.2f} "
+                                 f"GiB x {spec.cluster.gpus_per_node} ranks per node, "
+                                 f"{_offload.HOST_PROCESS_BYTES / GiB:.0f} GiB process memory each")
+
+        status, reasons = "ok", []
+        if total > spec.limit_bytes:
+            status = "oom"
+            reasons.append(f"predicted peak {total / GiB:.2f} GiB per GPU is over the limit "
+                           f"{spec.limit_bytes / GiB:.2f} GiB")
+        host_limit = spec.cluster.host_memory_bytes
+        if host_per_node is not None and host_limit is not None and host_per_node > host_limit:
+            status = "oom"
+            reasons.append(f"CPU offload needs {host_per_node / GiB:.1f} GiB of host memory per node, over "
+                           f"--host-memory {host_limit / GiB:.1f} GiB")
+        return TrialResult(status=status, peak_memory=peak, memory_breakdown=breakdown,
+                           tokens_per_sec=throughput, host_memory_per_node=host_figure,
+                           message="; ".join(reasons + ([message] if message else [])), extras=extras)
+
+    def _throughput(self, spec: TrialSpec, trace: StepTrace, flops_per_microbatch: float,
+                    extras: dict[str, Any]) -> tuple[Figure | None, str]:
+        accum = spec.grad_accum_steps
+        world_size = spec.cluster.num_gpus
+        tokens_per_gpu_step = spec.train.micro_batch_size * spec.seq_len * accum
+        extras["flops_per_gpu_per_step"] = flops_per_microbatch * accum
+        if self.device_kind == "cpu":
+            return None, "throughput not estimated for a CPU run (no CPU roofline)"
+        num_layers = spec.model.num_layers
+        volume = costmodel.collective_bytes(
+            block_params=trace.block_params, num_blocks=num_layers, root_params=trace.root_params,
+            param_bytes=_PARAM_BYTES[spec.train.precision],
+            reshard_after_forward=spec.train.reshard_after_forward, num_microbatches=accum)
+        h2d = d2h = 0.0
+        cpu_params = 0
+        if spec.train.cpu_offload:
+            h2d, d2h = costmodel.offload_bytes(
+                block_params=trace.block_params, num_blocks=num_layers, root_params=trace.root_params,
+                num_gpus=world_size, reshard_after_forward=spec.train.reshard_after_forward,
+                num_microbatches=accum)
+            cpu_params = -(-(trace.root_params + num_layers * trace.block_params) // world_size)
+        work = costmodel.StepWork(
+            flops_per_gpu=flops_per_microbatch * accum, tokens_per_step=tokens_per_gpu_step * world_size,
+            num_microbatches=accum, allgather_bytes_per_gpu=volume.allgather_bytes,
+            reduce_scatter_bytes_per_gpu=volume.reduce_scatter_bytes, host_to_device_bytes=h2d,
+            device_to_host_bytes=d2h, cpu_optimizer_params=cpu_params,
+            model_flops_per_gpu=model_flops_per_token(spec.model, spec.seq_len) * tokens_per_gpu_step,
+            num_fsdp_units=num_layers + 1)
+        step = costmodel.estimate_step_time(work, spec.cluster)
+        extras["step_time"] = step.to_dict()
+        extras["mfu_estimated"] = step.mfu
+        basis = f"{step.basis}; FLOPs counted in the trace (recomputation included)"
+        return Figure(step.tokens_per_sec, "estimated", basis), ""

@@ -1,0 +1,83 @@
+"""From shallow traces to the full model: exact affine extrapolation per site and category.
+
+At a fixed site (see `_trace`), every extra *period* of blocks (k blocks for 'every:k'
+checkpointing, else 1) adds the same bytes of each category: its sharded parameters, optimizer
+state, gradients and saved activations. So memory at a site is affine in the number of periods.
+It is also affine in the micro-batch size: activations scale with it, model states do not.
+Two depths (d1, d1 + k) and two micro-batch sizes (2, 3) pin down this bilinear form exactly;
+(micro-batch 1 runs a slightly different sequence of ops, some shape checks short-cut, so it
+is traced, never used to extrapolate);
+the peak of the full model is the largest extrapolated site, not the extrapolated peak of the
+shallow copies (whose peak may sit elsewhere). Depths are chosen with d1 = L (mod k), so the
+top blocks have the same checkpointing pattern as the full model's, and d1 >= 2k so that the
+bottom and top k blocks are distinct (the first and last blocks behave differently: nothing to
+prefetch below the first, nothing gathered before the last).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autotune.backends.sim._trace import SiteKey, StepTrace
+
+__all__ = ["Extrapolated", "shallow_depths", "extrapolate"]
+
+
+def shallow_depths(num_layers: int, period: int) -> tuple[int, int] | None:
+    """(d1, d2) to trace for a model of `num_layers` blocks, or None: trace it whole.
+
+    d1 is the smallest depth >= period + 2 congruent to `num_layers` mod period: every named
+    block position (b0..b(period), t0..t(period), see `_trace`) then exists, and a block named
+    from one end is never the other end's special block."""
+    d1 = period + 2
+    d1 += (num_layers - d1) % period
+    d2 = d1 + period
+    return (d1, d2) if d2 < num_layers else None
+
+
+@dataclass(frozen=True)
+class Extrapolated:
+    sites: dict[SiteKey, dict[str, int]]
+    flops: float
+    dropped_sites: int
+    """Sites seen in some shallow traces only, left out: the optimizer's steps of the deeper
+    copy's extra blocks (which repeat the steps of blocks both copies have)."""
+
+
+def _affine(v11: int, v21: int, v12: int, v22: int, x: int, y: int) -> int:
+    """Bilinear in x (periods beyond d1) and y (micro-batch beyond 1), integer-exact."""
+    return v11 + x * (v21 - v11) + y * (v12 - v11) + x * y * (v22 - v21 - v12 + v11)
+
+
+def extrapolate(traces: dict[tuple[int, int], StepTrace], *, num_layers: int, micro_batch_size: int,
+                period: int) -> Extrapolated:
+    """Combine traces keyed (depth, micro_batch) into the full model at `micro_batch_size`.
+
+    `traces` holds two depths d1 < d2 = d1 + period and either the target micro-batch alone or
+    two consecutive micro-batches m and m + 1 (then the micro-batch is extrapolated too).
+    """
+    depths = sorted({d for d, _ in traces})
+    mbs = sorted({m for _, m in traces})
+    if len(depths) != 2 or depths[1] - depths[0] != period or (num_layers - depths[0]) % period:
+        raise ValueError(f"extrapolation needs depths d1 and d1+{period} congruent to {num_layers} "
+                         f"mod {period}, got {depths}")
+    d1, d2 = depths
+    if mbs == [micro_batch_size]:
+        m1 = m2 = micro_batch_size
+    elif len(mbs) == 2 and mbs[1] == mbs[0] + 1:
+        m1, m2 = mbs
+    else:
+        raise ValueError(f"extrapolation needs micro-batch {micro_batch_size} or two consecutive ones, got {mbs}")
+    x = (num_layers - d1) // period
+    y = micro_batch_size - m1 if m2 != m1 else 0
+    corners = [traces[d1, m1], traces[d2, m1], traces[d1, m2], traces[d2, m2]]
+    common = set(corners[0].sites)
+    for trace in corners[1:]:
+        common &= set(trace.sites)
+    every = set().union(*(t.sites for t in corners))
+    sites = {}
+    for key in common:
+        cats = set().union(*(t.sites[key] for t in corners))
+        sites[key] = {cat: _affine(*(t.sites[key].get(cat, 0) for t in corners), x, y) for cat in cats}
+    flops = _affine(*(int(t.flops) for t in corners), x, y)
+    return Extrapolated(sites=sites, flops=float(flops), dropped_sites=len(every - common))

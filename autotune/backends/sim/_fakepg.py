@@ -1,0 +1,42 @@
+"""The fake process group the simulator traces under: process-global, so managed in one place.
+
+`torch.distributed` holds one default group per process. The simulator needs the "fake"
+backend (collectives that move no data) at the trial's world size; it re-initialises it when
+the world size changes and never replaces a real group somebody else initialised.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from autotune.errors import TrialError
+
+_FAKE_BACKEND = "fake"
+_mesh_cache: dict[int, object] = {}
+
+
+def fake_mesh(world_size: int):
+    """A 1-D CPU device mesh over a fake process group of `world_size` ranks (this is rank 0)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    # Importing fake_pg registers the "fake" backend with torch.distributed.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if dist.get_backend() != _FAKE_BACKEND:
+            raise TrialError(
+                f"a real process group ({dist.get_backend()}) is initialised in this process; the "
+                "simulator needs the fake one and will not replace it: run the sim backend in a "
+                "process of its own")
+        if dist.get_world_size() == world_size and world_size in _mesh_cache:
+            return _mesh_cache[world_size]
+        release_fake_group()
+    dist.init_process_group(_FAKE_BACKEND, store=FakeStore(), rank=0, world_size=world_size)
+    _mesh_cache[world_size] = init_device_mesh("cpu", (world_size,))
+    return _mesh_cache[world_size]
+
+
+def release_fake_group() -> None:
+    """Destroy the fake group if it is the one initialised (a real group is left alone)."""
+    _mesh_cache.clear()
+    if dist.is_initialized() and dist.get_backend() == _FAKE_BACKEND:
+        dist.destroy_process_group()

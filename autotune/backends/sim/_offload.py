@@ -1,0 +1,63 @@
+"""CPU offload, modelled from a trace of the same configuration without it.
+
+FSDP2's `CPUOffloadPolicy(pin_memory=True)` cannot be applied without an accelerator (it pins
+host memory), so the simulator traces the configuration without offload and moves memory:
+
+- off the device: sharded parameters, sharded gradients and optimizer state (they live on
+  the host; the AdamW step runs there);
+- onto the device: before each all-gather, the fp32 shard of one FSDP group is copied up and
+  cast into the all-gather buffer. The largest group's shard is charged at every forward and
+  backward site (an upper bound: the copy lives only while the all-gather is issued);
+- on the host, per rank: parameters and gradients in pinned memory (PyTorch's pinned host
+  allocator rounds each allocation up to a power of two), optimizer state and the step's
+  temporaries in pageable memory, plus the process's own host memory (estimated constant).
+
+Assumptions: gradients are copied to the host after every reduce-scatter (no accumulation on
+the device); nothing else changes place. Figures built this way are `estimated`.
+"""
+
+from __future__ import annotations
+
+from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+
+from autotune.backends.sim._trace import SiteKey, StepTrace
+
+__all__ = ["HOST_PROCESS_BYTES", "OFFLOAD_BASIS", "device_sites", "host_bytes_per_rank", "staging_bytes"]
+
+GiB = 2**30
+HOST_PROCESS_BYTES = 3 * GiB
+"""Host memory of one training process before any offloaded tensor: Python, torch and CUDA
+libraries, the CUDA context's host side, NCCL and dataloader buffers (estimated)."""
+
+_ON_HOST = (_FSDPRefType.SHARDED_PARAM.name, _FSDPRefType.SHARDED_GRAD.name, _FSDPRefType.OPT.name)
+_STAGING = _FSDPRefType.ALL_GATHER.name
+
+OFFLOAD_BASIS = ("CPU offload modelled from the trace without it: sharded parameters, gradients "
+                 "and optimizer state moved to the host, one group's fp32 shard staged on the "
+                 "device per all-gather (docs/SIMULATOR.md)")
+
+
+def device_sites(sites: dict[SiteKey, dict[str, int]], *, staging_bytes: int) -> dict[SiteKey, dict[str, int]]:
+    """Device memory per site under CPU offload."""
+    moved = {}
+    for key, cats in sites.items():
+        device = {cat: (0 if cat in _ON_HOST else n) for cat, n in cats.items()}
+        if key[0] != "opt":
+            device[_STAGING] = device.get(_STAGING, 0) + staging_bytes
+        moved[key] = device
+    return moved
+
+
+def staging_bytes(trace: StepTrace, *, num_gpus: int) -> int:
+    """fp32 bytes of the largest FSDP group's shard on one rank."""
+    largest = max(trace.block_params, trace.root_params)
+    return -(-largest // num_gpus) * 4
+
+
+def host_bytes_per_rank(sites: dict[SiteKey, dict[str, int]], trace: StepTrace, *, num_layers: int) -> int:
+    """Host memory one rank needs: pinned fp32 parameter and gradient shards, optimizer state
+    and step temporaries (the optimizer site's), and the process itself."""
+    pinned_shards = trace.pinned_param_bytes["root"] + num_layers * trace.pinned_param_bytes["block"]
+    optimizer = max((cats.get(_FSDPRefType.OPT.name, 0) for key, cats in sites.items() if key[0] == "opt"),
+                    default=0)
+    return 2 * pinned_shards + optimizer + HOST_PROCESS_BYTES

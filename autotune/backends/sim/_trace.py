@@ -1,0 +1,379 @@
+"""Trace one training step of the real model with fake tensors and record memory per *site*.
+
+A site is one point of the step that exists at every depth of the model: the n-th tracked op
+after one of FSDP's hooks (pre/post forward, pre/post backward) of one FSDP unit, in one
+phase (forward, backward, optimizer). Units are named by position: the root, blocks from the
+bottom (b0, b1, ...) or from the top (t0 = last block), so the same site is found in a
+2-block and a 32-block copy. Memory at a fixed site grows linearly with depth (every block
+adds the same parameters, gradients, optimizer state and saved activations), which
+`_extrapolate` uses. FSDP's hooks anchor the sites because they fire reliably; module
+backward hooks do not (a module whose inputs need no gradient never leaves the stack).
+
+The traced step is the *steady state* of training, what every step after the first sees:
+optimizer state and FSDP's reusable buffers exist before the step starts (a short warm-up
+step outside the tracker creates them), and with gradient accumulation the sharded gradients of the previous micro-batch
+exist throughout forward and backward (added per site from the exact reduce-scatter outputs).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+from torch.utils.flop_counter import flop_registry
+
+from autotune.catalog.models import ModelSpec
+from autotune.config import TrainConfig, ac_every
+from autotune.parallel import Blocks, parallelize
+from autotune.training import build_model, make_optimizer, token_batches, train_step
+
+__all__ = ["REFTYPE_CATEGORIES", "SiteKey", "StepTrace", "Tracer", "period_of"]
+
+_TOTAL = "Total"
+_CPU = torch.device("cpu")
+_WARM_UP_TOKENS = 8
+_REDUCE_SCATTER = torch.ops.c10d._reduce_scatter_base_.default
+
+# FSDPMemTracker's reference types -> autotune.backends.base.MEMORY_CATEGORIES.
+REFTYPE_CATEGORIES: dict[str, str] = {
+    _FSDPRefType.SHARDED_PARAM.name: "parameters",
+    _FSDPRefType.UNSHARDED_PARAM.name: "parameters",
+    _FSDPRefType.SHARDED_GRAD.name: "gradients",
+    _FSDPRefType.UNSHARDED_GRAD.name: "gradients",
+    _FSDPRefType.OPT.name: "optimizer_state",
+    _FSDPRefType.ACT.name: "activations",
+    _FSDPRefType.TEMP.name: "activations",
+    _FSDPRefType.ALL_GATHER.name: "communication_buffers",
+    _FSDPRefType.REDUCE_SCATTER.name: "communication_buffers",
+    _FSDPRefType.BUFFER.name: "other",
+    _FSDPRefType.INP.name: "other",
+}
+PENDING_GRAD = _FSDPRefType.SHARDED_GRAD.name
+"""Gradients of earlier micro-batches are sharded gradients: the steady-state adjustment adds here."""
+
+SiteKey = tuple  # (phase, FSDP hook, unit position, ops since the hook)
+
+
+def period_of(train: TrainConfig) -> int:
+    """Blocks per repeating pattern: k for 'every:k', else 1."""
+    every = ac_every(train.activation_checkpointing)
+    return every if every and every > 1 else 1
+
+
+@dataclass
+class StepTrace:
+    """What one traced step at one depth recorded."""
+
+    depth: int
+    sites: dict[SiteKey, dict[str, int]]
+    """Per site, bytes per tracker reference type (`_FSDPRefType.name`) at the site's peak."""
+    flops: float
+    """FLOPs of forward + backward of one micro-batch on one rank, recomputation included."""
+    tensor_peak_bytes: int
+    """Max over the recorded sites: the step's tensor-level peak (steady state) when middle
+    blocks were kept, else the peak over the ends."""
+    block_params: int
+    root_params: int
+    pinned_param_bytes: dict[str, int] = field(default_factory=dict)
+    """Host bytes a pinned copy of one rank's fp32 shards takes ('block', 'root'): the pinned
+    host allocator rounds every allocation up to a power of two."""
+    duration_s: float = 0.0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+@functools.cache
+def _returns_tensor(func) -> bool:
+    return any("Tensor" in str(ret.type) for ret in func._schema.returns)
+
+
+class _SiteTracker(FSDPMemTracker):
+    """FSDPMemTracker that also keeps the memory at every site, and counts reduced gradients.
+
+    Sites are anchored on FSDP's own hooks (pre/post forward, pre/post backward of each FSDP
+    unit), which fire reliably; a site is (phase, hook, unit position, ops since the hook)."""
+
+    def __init__(self, model: nn.Module, optimizer, *, position_of: Callable[[nn.Module], tuple[str, ...]],
+                 gloo: bool) -> None:
+        super().__init__(model, optimizer)
+        self._gloo = gloo
+        self._transient = 0
+        self.count_flops = False
+        self.flops = 0
+        self._optimizer_ops: list[dict[str, int]] = []
+        self._position_of = position_of
+        self.sites: dict[SiteKey, tuple[int, dict, int]] = {}
+        self.reduced_grad_bytes = 0
+        self._anchors: tuple[tuple[str, str], ...] = (("start", "-"),)
+        self._ordinal = 0
+        self._counts_as_op = True
+
+    def optimizer_sites(self) -> dict[SiteKey, dict[str, int]]:
+        """The optimizer step's ops as sites. AdamW steps one parameter after another, in model
+        order: the first half of its ops (embeddings, bottom blocks) is counted from the start,
+        the second half (top blocks, final norm, output layer) from the end, so that both ends
+        line up at any depth; the middle blocks' steps repeat the ends'."""
+        count = len(self._optimizer_ops)
+        return {("opt", "head", i) if i < count // 2 else ("opt", "tail", count - 1 - i): cats
+                for i, cats in enumerate(self._optimizer_ops)}
+
+    def _anchored(self, hook: str, fsdp_mod, inner):
+        anchors = tuple((hook, name) for name in self._position_of(fsdp_mod))
+
+        def anchored(*args: Any, **kwargs: Any):
+            self._anchors = anchors
+            self._ordinal = 0
+            return inner(*args, **kwargs)
+
+        return anchored
+
+    def _fsdp_state_pre_forward(self, fsdp_mod, orig):
+        return self._anchored("pre_fw", fsdp_mod, super()._fsdp_state_pre_forward(fsdp_mod, orig))
+
+    def _fsdp_state_post_forward(self, fsdp_mod, orig):
+        return self._anchored("post_fw", fsdp_mod, super()._fsdp_state_post_forward(fsdp_mod, orig))
+
+    def _fsdp_param_group_pre_backward(self, fsdp_mod, orig):
+        return self._anchored("pre_bw", fsdp_mod, super()._fsdp_param_group_pre_backward(fsdp_mod, orig))
+
+    def _fsdp_param_group_post_backward(self, fsdp_mod, orig):
+        inner = self._anchored("post_bw", fsdp_mod, super()._fsdp_param_group_post_backward(fsdp_mod, orig))
+
+        def counted(*args: Any, **kwargs: Any) -> None:
+            inner(*args, **kwargs)
+            group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+            storages = {}  # the group's gradients are views of one reduce-scatter output
+            for fsdp_param in group.fsdp_params if group else ():
+                grad = fsdp_param.sharded_param.grad
+                if grad is not None:
+                    storage = grad._local_tensor.untyped_storage()
+                    storages[storage._cdata] = storage.nbytes()
+            self.reduced_grad_bytes += sum(storages.values())
+
+        return counted
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # Metadata queries (prim.device, sym_size, ...) come and go with fake tensors' caches;
+        # only ops that return tensors advance a site's op count.
+        self._counts_as_op = _returns_tensor(func)
+        if self._gloo and func is _REDUCE_SCATTER:
+            # gloo's reduce-scatter works on a full-size copy of its input, freed when it returns.
+            self._transient = args[1].untyped_storage().nbytes()
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        # FLOPs from torch's flop-counter formulas, counted here: FlopCounterMode's module hooks
+        # would keep tensors alive under activation checkpointing and change the memory traced.
+        formula = flop_registry.get(func._overloadpacket) if self.count_flops and out is not NotImplemented else None
+        if formula is not None:
+            self.flops += formula(*args, **(kwargs or {}), out_val=out)
+        return out
+
+    def _update_peak_stats(self, peak_state) -> None:
+        # Called after every op. Replaces the per-module bookkeeping (unused here, a deepcopy
+        # per op) with one record per site.
+        snap = self._curr_mem_snap.get(_CPU)
+        if not self._counts_as_op:
+            return
+        self._ordinal += 1
+        if not snap:
+            return
+        if self._transient:
+            snap = dict(snap)
+            snap[_TOTAL] += self._transient
+            snap[_FSDPRefType.REDUCE_SCATTER] = snap.get(_FSDPRefType.REDUCE_SCATTER, 0) + self._transient
+            self._transient = 0
+        if snap[_TOTAL] > self._peak_mem.get(_CPU, 0):
+            self._peak_mem[_CPU] = snap[_TOTAL]
+        if self._in_opt:
+            self._optimizer_ops.append({ref.name: int(n) for ref, n in snap.items() if ref != _TOTAL})
+            return
+        if not self._anchors:
+            return
+        phase = "bw" if self._mod_tracker.is_bw else "fw"
+        # Steady state with accumulation: later micro-batches hold every gradient throughout.
+        reduced = self.reduced_grad_bytes
+        value = snap[_TOTAL] - reduced
+        cats = None
+        for anchor in self._anchors:  # a block near both ends is a site of each
+            site = (phase, *anchor, self._ordinal)
+            best = self.sites.get(site)
+            if best is None or value > best[0]:
+                cats = cats or {ref.name: int(n) for ref, n in snap.items() if ref != _TOTAL}
+                self.sites[site] = (value, cats, reduced)
+
+
+@dataclass
+class _Built:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    blocks: Blocks
+    block_params: int
+    root_params: int
+    pinned: dict[str, int]
+    optimizer_sites: dict[SiteKey, dict[str, int]] | None = None
+
+
+class _SkipStep:
+    """An optimizer whose step is skipped (its memory is known); zero_grad still frees gradients."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+
+class Tracer:
+    """Builds, shards and traces models under one FakeTensorMode, caching what does not depend
+    on the micro-batch (the sharded model and its warmed-up optimizer) per configuration."""
+
+    def __init__(self, *, max_cached_models: int = 24) -> None:
+        self._fake_mode = FakeTensorMode()
+        self._models: dict[tuple, _Built] = {}
+        self._max_cached_models = max_cached_models
+
+    def clear(self) -> None:
+        self._models.clear()
+
+    def trace(self, model_spec: ModelSpec, *, depth: int, mesh, world_size: int, train: TrainConfig,
+              seq_len: int, grad_accum_steps: int, count_flops: bool = True,
+              keep_middle: bool = True, gloo: bool = False) -> StepTrace:
+        """Trace one steady-state step of `model_spec` cut to `depth` blocks. `keep_middle=False`
+        records only the sites that exist at every depth (for extrapolation); `gloo` adds the
+        copy gloo's reduce-scatter makes (a CPU run), which NCCL does not."""
+        start = time.perf_counter()
+        built = self._built(model_spec, depth=depth, mesh=mesh, world_size=world_size, train=train)
+        period = period_of(train)
+        steady_accum = grad_accum_steps > 1
+        position_of = _position_namer(built.model, built.blocks, depth=depth, period=period,
+                                      keep_middle=keep_middle)
+        with self._fake_mode, _real_mask_decisions():
+            batches = token_batches(vocab_size=int(model_spec.config_dict["vocab_size"]),
+                                    micro_batch_size=train.micro_batch_size, seq_len=seq_len, device="cpu")
+            tracker = _SiteTracker(built.model, built.optimizer, position_of=position_of, gloo=gloo)
+            tracker.count_flops = count_flops
+            # The optimizer step sees the same parameters, gradients and state at every
+            # micro-batch size: traced once per model, then skipped.
+            optimizer = built.optimizer if built.optimizer_sites is None else _SkipStep(built.optimizer)
+            with tracker:
+                # One micro-batch: later ones repeat it; their gradients are added below.
+                train_step(built.model, optimizer, batches, grad_accum_steps=1)
+            total_grad = tracker.reduced_grad_bytes
+        sites = {}
+        for key, (_, cats, reduced) in tracker.sites.items():
+            cats = dict(cats)
+            if steady_accum:
+                cats[PENDING_GRAD] = cats.get(PENDING_GRAD, 0) + total_grad - reduced
+            sites[key] = cats
+        if built.optimizer_sites is None:
+            built.optimizer_sites = tracker.optimizer_sites()
+        sites.update(built.optimizer_sites)
+        flops = float(tracker.flops)
+        return StepTrace(depth=depth, sites=sites, flops=flops,
+                         tensor_peak_bytes=max(sum(c.values()) for c in sites.values()),
+                         block_params=built.block_params, root_params=built.root_params,
+                         pinned_param_bytes=dict(built.pinned), duration_s=time.perf_counter() - start)
+
+    def _built(self, model_spec: ModelSpec, *, depth: int, mesh, world_size: int, train: TrainConfig) -> _Built:
+        key = (model_spec.name, repr(sorted(model_spec.config_dict.items())), depth, world_size,
+               train.activation_checkpointing, train.reshard_after_forward, train.precision)
+        if key in self._models:
+            return self._models[key]
+        if len(self._models) >= self._max_cached_models:
+            self._models.pop(next(iter(self._models)))
+        with self._fake_mode, _real_mask_decisions():
+            model = build_model(model_spec, num_layers=depth)
+            blocks = parallelize(model, mesh, train.with_(cpu_offload=False), allow_offload=False)
+            optimizer = make_optimizer(model)
+            _warm_up(model, optimizer, vocab_size=int(model_spec.config_dict["vocab_size"]))
+        block_ids = {id(p) for p in blocks.layers.parameters()}
+        block_params = sum(p.numel() for p in blocks.layers[0].parameters())
+        root_params = sum(p.numel() for p in model.parameters() if id(p) not in block_ids)
+        pinned = {
+            "block": sum(_next_pow2(p.to_local().numel() * 4) for p in blocks.layers[0].parameters()),
+            "root": sum(_next_pow2(p.to_local().numel() * 4) for p in model.parameters() if id(p) not in block_ids),
+        }
+        built = _Built(model=model, optimizer=optimizer, blocks=blocks, block_params=block_params,
+                       root_params=root_params, pinned=pinned)
+        self._models[key] = built
+        return built
+
+
+def _warm_up(model: nn.Module, optimizer: torch.optim.Optimizer, *, vocab_size: int) -> None:
+    """One short training step, untracked, so that traces see the steady state: AdamW's state
+    exists and FSDP's first-use initialisation (all-gather buffers, lazy init) is done."""
+    batches = token_batches(vocab_size=vocab_size, micro_batch_size=1, seq_len=_WARM_UP_TOKENS, device="cpu")
+    train_step(model, optimizer, batches, grad_accum_steps=1)
+
+
+@contextmanager
+def _real_mask_decisions():
+    """Let transformers skip the causal mask as it does in a real run.
+
+    transformers cannot read a fake tensor's values, so under fake tensors it assumes packed
+    sequences and padding and materialises the causal mask (SDPA then takes its masked path)
+    where a real run finds neither and uses SDPA's `is_causal`. Our training batches hold one
+    unpadded sequence per row, starting at position 0: the trace tells transformers so.
+    """
+    try:
+        from transformers import masking_utils
+    except ImportError:  # no transformers masking helpers: nothing to correct
+        yield
+        return
+    find_packed, ignore_mask = masking_utils.find_packed_sequence_indices, masking_utils._ignore_causal_mask_sdpa
+
+    def not_packed(position_ids, *args, **kwargs):
+        return None if isinstance(position_ids, FakeTensor) else find_packed(position_ids, *args, **kwargs)
+
+    def as_in_a_real_run(padding_mask, q_length, kv_length, q_offset, kv_offset, *args, **kwargs):
+        if isinstance(padding_mask, FakeTensor):
+            padding_mask = None
+        if isinstance(q_offset, FakeTensor):
+            q_offset = 0
+        return ignore_mask(padding_mask, q_length, kv_length, q_offset, kv_offset, *args, **kwargs)
+
+    masking_utils.find_packed_sequence_indices = not_packed
+    masking_utils._ignore_causal_mask_sdpa = as_in_a_real_run
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = find_packed
+        masking_utils._ignore_causal_mask_sdpa = ignore_mask
+
+
+def _position_namer(model: nn.Module, blocks: Blocks, *, depth: int, period: int, keep_middle: bool):
+    """Names FSDP units by depth-independent positions: 'root'; the first period + 1 blocks from
+    the bottom (b0 = first) and the last period + 1 from the top (t0 = last); a block near both
+    ends has both names. b0 and t0 are special (nothing to prefetch below the first block in
+    backward; the last is the first one backward reaches); the blocks between them repeat with
+    the period, their memory at a site changing by the same amount per period, so its largest
+    values lie at the ends of that run: b1..b(period) and t1..t(period). Blocks further in are
+    not sites (no counterpart at another depth) unless `keep_middle` (a full-depth trace)."""
+    index_of = {id(layer): i for i, layer in enumerate(blocks.layers)}
+
+    def position_of(fsdp_mod: nn.Module) -> tuple[str, ...]:
+        if fsdp_mod is model:
+            return ("root",)
+        index = index_of[id(fsdp_mod)]
+        names = []
+        if index <= period:
+            names.append(f"b{index}")
+        if index >= depth - 1 - period:
+            names.append(f"t{depth - 1 - index}")
+        if not names and keep_middle:
+            names.append(f"m{index}")
+        return tuple(names)
+
+    return position_of

@@ -1,0 +1,184 @@
+"""Unit tests of the simulator (sim backend): verdicts, breakdown, extrapolation, offload, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch.distributed as dist
+from torch import nn
+
+from autotune.backends.base import MEMORY_CATEGORIES
+from autotune.backends.sim import SimBackend, shallow_depths
+from autotune.catalog.models import resolve_model
+from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.errors import TrialError, UnsupportedModelError
+
+GiB = 2**30
+
+
+def _spec(model: str = "micro-llama", *, gpus: int = 2, seq_len: int = 64, limit: int | None = None,
+          host: int | None = None, accum: int = 1, **train) -> TrialSpec:
+    spec_model = model if not isinstance(model, str) else resolve_model(model)
+    return TrialSpec(model=spec_model, cluster=Cluster(num_gpus=gpus, host_memory_bytes=host), seq_len=seq_len,
+                     train=TrainConfig(**train), grad_accum_steps=accum, memory_limit_bytes=limit)
+
+
+def _deeper(name: str, num_layers: int):
+    model = resolve_model(name)
+    return dataclasses.replace(model, config_dict={**model.config_dict, "num_hidden_layers": num_layers})
+
+
+@pytest.fixture(scope="module")
+def cpu_sim():
+    sim = SimBackend(device_kind="cpu")
+    yield sim
+    sim.close()
+
+
+@pytest.fixture(scope="module")
+def gpu_sim():
+    sim = SimBackend(device_kind="cuda")
+    yield sim
+    sim.close()
+
+
+def test_fits_under_the_limit_and_oom_over_it(cpu_sim):
+    fits = cpu_sim.evaluate(_spec(limit=1 * GiB))
+    assert fits.status == "ok", fits.message
+    peak = fits.extras["tensor_peak_bytes"]
+    over = cpu_sim.evaluate(_spec(limit=peak - 1))
+    assert over.status == "oom"
+    assert "over the limit" in over.message
+    assert cpu_sim.evaluate(_spec(limit=peak)).status == "ok"
+
+
+def test_breakdown_sums_to_the_peak_and_says_what_it_is(gpu_sim):
+    result = gpu_sim.evaluate(_spec(activation_checkpointing="every:2", micro_batch_size=2))
+    assert result.status == "ok", result.message
+    assert set(result.memory_breakdown) == set(MEMORY_CATEGORIES)
+    assert sum(result.memory_breakdown.values()) == result.peak_bytes
+    overhead = result.extras["runtime_overhead_bytes"]
+    assert overhead > 0 and result.memory_breakdown["runtime_overhead"] == overhead
+    assert result.peak_bytes == result.extras["tensor_peak_bytes"] + overhead
+    assert result.peak_memory.source == "predicted"
+    assert "fake tensors at world size 2" in result.peak_memory.basis
+    assert "runtime margin, estimated" in result.peak_memory.basis
+    assert result.tokens_per_sec.source == "estimated" and result.tokens_per_sec.value > 0
+    assert result.extras["flops_per_gpu_per_step"] > 0
+
+
+def test_cpu_prediction_has_no_margin_and_no_throughput(cpu_sim):
+    result = cpu_sim.evaluate(_spec())
+    assert result.extras["runtime_overhead_bytes"] == 0
+    assert result.peak_bytes == result.extras["tensor_peak_bytes"]
+    assert result.tokens_per_sec is None
+    assert "throughput not estimated" in result.message
+
+
+def test_checkpointing_lowers_the_peak(cpu_sim):
+    peaks = {ac: cpu_sim.evaluate(_spec(seq_len=256, micro_batch_size=2,
+                                        activation_checkpointing=ac)).extras["tensor_peak_bytes"]
+             for ac in ("none", "every:2", "full")}
+    assert peaks["full"] < peaks["every:2"] < peaks["none"]
+
+
+def test_extrapolated_equals_a_full_depth_trace_on_a_deep_model(cpu_sim):
+    # every:2 over 8 blocks: traced at 4 and 6 blocks and micro-batches 2 and 3, then
+    # extrapolated in depth and micro-batch; accumulation adds earlier micro-batches' gradients.
+    spec = _spec(_deeper("micro-llama", 8), accum=2, micro_batch_size=5, activation_checkpointing="every:2")
+    cpu_sim.evaluate(spec.with_train(spec.train.with_(micro_batch_size=2)))  # traced: larger ones may extrapolate
+    shallow = cpu_sim.evaluate(spec)
+    assert shallow.extras["extrapolated"] is True
+    assert shallow.extras["traced_layers"] == [4, 6] and shallow.extras["traced_micro_batches"] == [2, 3]
+    whole = SimBackend(device_kind="cpu", extrapolate=False)
+    try:
+        full = whole.evaluate(spec)
+    finally:
+        whole.close()
+    assert full.extras["extrapolated"] is False
+    assert shallow.extras["tensor_peak_bytes"] == full.extras["tensor_peak_bytes"]
+    assert shallow.extras["flops_per_gpu_per_step"] == full.extras["flops_per_gpu_per_step"]
+
+
+def test_extrapolation_finds_a_peak_next_to_the_first_block(cpu_sim):
+    # Full checkpointing, no accumulation: backward grows towards the bottom, and the peak is in
+    # the second block (the first has nothing to prefetch), a site the shallow copies must have.
+    spec = _spec(_deeper("micro-llama", 8), micro_batch_size=2, activation_checkpointing="full")
+    shallow = cpu_sim.evaluate(spec)
+    assert shallow.extras["traced_layers"] == [3, 4]
+    whole = SimBackend(device_kind="cpu", extrapolate=False)
+    try:
+        full = whole.evaluate(spec)
+    finally:
+        whole.close()
+    assert "/ b1 /" in full.extras["peak_site"]
+    assert shallow.extras["tensor_peak_bytes"] == full.extras["tensor_peak_bytes"]
+
+
+def test_shallow_depths_keep_the_checkpointing_pattern():
+    assert shallow_depths(32, 1) == (3, 4)
+    assert shallow_depths(32, 2) == (4, 6)
+    assert shallow_depths(32, 3) == (5, 8)  # 32 = 5 (mod 3): the top blocks match the model's
+    assert shallow_depths(32, 4) == (8, 12)
+    assert shallow_depths(4, 1) is None  # shallow enough to trace whole
+
+
+def test_world_size_changes_re_initialise_the_fake_group(cpu_sim):
+    two = cpu_sim.evaluate(_spec(gpus=2)).extras["tensor_peak_bytes"]
+    four = cpu_sim.evaluate(_spec(gpus=4))
+    assert four.status == "ok", four.message
+    assert dist.get_world_size() == 4
+    assert four.extras["tensor_peak_bytes"] < two  # model states are sharded four ways
+    assert SimBackend(device_kind="cpu").evaluate(_spec(gpus=2)).extras["tensor_peak_bytes"] == two
+
+
+def test_offload_lowers_the_device_peak_and_checks_host_memory(gpu_sim):
+    on_device = gpu_sim.evaluate(_spec("tiny-llama", seq_len=128))
+    offloaded = gpu_sim.evaluate(_spec("tiny-llama", seq_len=128, cpu_offload=True))
+    assert offloaded.status == "ok", offloaded.message
+    assert offloaded.extras["tensor_peak_bytes"] < on_device.extras["tensor_peak_bytes"]
+    assert offloaded.peak_memory.source == "estimated"
+    assert offloaded.memory_breakdown["optimizer_state"] == 0
+    host = offloaded.host_memory_per_node
+    assert host is not None and host.source == "estimated"
+    # The host holds what the device no longer does: at least both ranks' optimizer state.
+    assert host.value > 2 * on_device.memory_breakdown["optimizer_state"] > 0
+    too_small = gpu_sim.evaluate(_spec("tiny-llama", seq_len=128, cpu_offload=True, host=int(host.value) - 1))
+    assert too_small.status == "oom"
+    assert "host memory" in too_small.message
+    assert on_device.host_memory_per_node is None
+
+
+def test_unsupported_model_is_a_usage_error(cpu_sim, monkeypatch):
+    from autotune.backends.sim import _trace
+
+    monkeypatch.setattr(_trace, "build_model", lambda *args, **kwargs: nn.Sequential(nn.Linear(4, 4)))
+    with pytest.raises(UnsupportedModelError, match="supported families"):
+        SimBackend(device_kind="cpu").evaluate(_spec(gpus=3))
+
+
+def test_a_failed_estimate_is_an_error_trial_never_a_fit(monkeypatch):
+    from autotune.backends.sim import _trace
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("shape mismatch in the traced model")
+
+    monkeypatch.setattr(_trace.Tracer, "trace", broken)
+    result = SimBackend(device_kind="cpu").evaluate(_spec())
+    assert result.status == "error"
+    assert "shape mismatch" in result.message
+    assert result.peak_memory is None
+
+
+def test_never_replaces_a_real_process_group(tmp_path):
+    from autotune.backends.sim import release_fake_group
+
+    release_fake_group()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(TrialError, match="real process group"):
+            SimBackend(device_kind="cpu").evaluate(_spec(gpus=5))
+        assert dist.get_backend() == "gloo"
+    finally:
+        dist.destroy_process_group()
