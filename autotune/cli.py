@@ -259,8 +259,10 @@ def cmd_tune(args: argparse.Namespace, console) -> int:
         log(f"step {step.step} [{step.stage}] {step.train.label()} -> {step.result.status} "
             f"fits={step.fits} {json.dumps(step_record(step)['result'], default=str)} reason: {step.reason}")
 
-    controller = Controller(request, backend, predictor=predictor, finished=finished, on_step=on_step,
-                            on_start=console.trial_started)
+    from autotune.backends import get_backend
+
+    controller = Controller(request, backend, predictor=predictor, estimator=get_backend("analytic"),
+                            finished=finished, on_step=on_step, on_start=console.trial_started)
     try:
         with console.progress():
             outcome = controller.tune()

@@ -29,6 +29,14 @@ from autotune.search_space import SearchSpace
 DEFAULT_HEADROOM = 0.10
 """Fraction of GPU memory kept free: allocator fragmentation spikes, NCCL growth, a longer batch."""
 
+EXPLORE_MARGIN = 0.03
+"""Where throughput is only estimated, an exploration candidate whose closed-form estimate is
+this far below the best so far is not evaluated: it cannot win (estimates agree within ~1%)."""
+
+SATURATION_GAIN = 0.02
+"""Exploration stops doubling a micro-batch once a doubling gains less than this in tokens/sec
+while still below the best configuration found: throughput saturates with the micro-batch."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class TuneRequest:
@@ -125,12 +133,15 @@ class TuneOutcome:
 class Controller:
     def __init__(self, request: TuneRequest, backend: TrialBackend, *,
                  predictor: TrialBackend | None = None,
+                 estimator: TrialBackend | None = None,
                  finished: dict[str, dict] | None = None,
                  on_step: Callable[[Step], None] | None = None,
                  on_start: Callable[[str, TrainConfig, str], None] | None = None) -> None:
         self.request = request
         self.backend = backend
         self.predictor = predictor
+        # Only where the backend's own throughput is an estimate may a cheaper estimate skip work.
+        self.estimator = estimator if backend.throughput_source == "estimated" else None
         self.finished = finished or {}
         self.on_step = on_step or (lambda step: None)
         self.on_start = on_start or (lambda stage, train, reason: None)
@@ -178,6 +189,18 @@ class Controller:
         self.steps.append(step)
         self.on_step(step)
         return step
+
+    def _could_win(self, train: TrainConfig) -> bool:
+        """False if the estimator puts `train` clearly below the best so far (then noted)."""
+        best = self._choose()
+        if self.estimator is None or best is None or not best.result.throughput or self._find(train):
+            return True
+        estimate = self.estimator.evaluate(self.request.spec(train)).throughput
+        if estimate is None or estimate >= best.result.throughput * (1 - EXPLORE_MARGIN):
+            return True
+        self.notes.append(f"not explored: {train.label()} (estimated {estimate:,.0f} tokens/s, "
+                          f"{estimate / best.result.throughput - 1:+.1%} vs the best {best.train.label()})")
+        return False
 
     def _find(self, train: TrainConfig) -> Step | None:
         return next((s for s in self.steps if s.train == train and s.stage != "confirm"), None)
@@ -239,19 +262,39 @@ class Controller:
         return {"oom": "is out of memory", "pruned": "is predicted out of memory",
                 "error": "failed", "timeout": "timed out"}.get(step.result.status, "does not fit")
 
-    def _grow(self, mode: TrainConfig, *, stage: str) -> TrainConfig:
-        """Double the micro-batch while it fits, then bisect. Returns the largest fitting config."""
+    def _grow(self, mode: TrainConfig, *, stage: str, until_saturated: bool = False) -> TrainConfig:
+        """Double the micro-batch while it fits, then bisect. Returns the largest fitting config.
+
+        until_saturated (exploration): also stop once doubling no longer pays and the branch is
+        still slower than the best configuration so far."""
         limit = self.request.max_micro_batch
         last_fit, first_fail = mode, None
+        last_tps = self._find(mode).result.throughput if self._find(mode) else None
         size = mode.micro_batch_size
         while size < limit:
             size = min(size * 2, limit)
             step = self.run(stage, mode.with_(micro_batch_size=size),
                             f"micro-batch {last_fit.micro_batch_size} fits: try {size}")
+            best = self._choose()
             if not step.fits:
                 first_fail = size
+                # The failed size's throughput (where the backend still gives one) bounds the branch.
+                bound = step.result.throughput
+                if until_saturated and bound and best is not None and bound < (best.result.throughput or 0):
+                    self.notes.append(f"not bisecting {mode.activation_checkpointing} checkpointing below "
+                                      f"micro-batch {size}: even {size} would be slower than the best "
+                                      f"({best.train.label()})")
+                    return last_fit
                 break
             last_fit = step.train
+            tps = step.result.throughput
+            if (until_saturated and tps and last_tps and best is not None and tps < best.result.throughput
+                    and tps < last_tps * (1 + SATURATION_GAIN)):
+                self.notes.append(f"stopped growing {mode.activation_checkpointing} checkpointing at micro-batch "
+                                  f"{size}: doubling gained {tps / last_tps - 1:+.1%} tokens/s, still below "
+                                  f"the best ({best.train.label()})")
+                return last_fit
+            last_tps = tps
         if first_fail is not None and self.request.space.refine:
             low, high = last_fit.micro_batch_size, first_fail
             while high - low > 1:
@@ -296,6 +339,8 @@ class Controller:
         lighter_first = [f"every:{k}" for k in sorted(space.lighter_every, reverse=True)]  # least recompute first
         if mode.activation_checkpointing == "full" and not mode.cpu_offload:
             for ac in self._distinct_ac_modes(lighter_first, exclude=("full",)):
+                if not self._could_win(largest.with_(activation_checkpointing=ac)):
+                    continue
                 step = self.run("explore", largest.with_(activation_checkpointing=ac),
                                 f"memory allows? checkpoint only blocks {ac.split(':')[1]} apart: less recompute")
                 if step.fits:
@@ -304,14 +349,21 @@ class Controller:
                 and space.explore_checkpointed_larger_micro_batch and largest.micro_batch_size < ceiling):
             bigger = min(ceiling, largest.micro_batch_size * 2)
             for ac in self._distinct_ac_modes([*lighter_first, "full"]):
+                if not self._could_win(largest.with_(activation_checkpointing=ac, micro_batch_size=bigger)):
+                    continue
                 step = self.run("explore", largest.with_(activation_checkpointing=ac, micro_batch_size=bigger),
                                 f"checkpointing ({ac}) may allow micro-batch {bigger}, beyond the no-checkpointing "
                                 f"limit of {largest.micro_batch_size}")
                 if step.fits:
-                    self._align(self._grow(step.train, stage="explore"))
+                    largest_here = self._find(self._grow(step.train, stage="explore", until_saturated=True))
+                    best = self._choose()
+                    # A smaller micro-batch is slower still: align only a branch that could win.
+                    if best is None or (largest_here.result.throughput or 0) >= (best.result.throughput or 0):
+                        self._align(largest_here.train)
                     break
         best = self._choose()
-        if best is not None and space.explore_no_reshard and best.train.reshard_after_forward:
+        if (best is not None and space.explore_no_reshard and best.train.reshard_after_forward
+                and self._could_win(best.train.with_(reshard_after_forward=False))):
             self.run("explore", best.train.with_(reshard_after_forward=False),
                      "keep gathered parameters after forward (no reshard): saves an all-gather per block "
                      "in backward if memory allows")

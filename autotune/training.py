@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from autotune.catalog.models import ModelSpec
-from autotune.config import TrainConfig
 
 
 def build_model(model: ModelSpec, *, num_layers: int | None = None, seed: int = 0) -> nn.Module:

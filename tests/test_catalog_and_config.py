@@ -1,7 +1,6 @@
 """Model and GPU catalogs, configuration parsing, the search-space file."""
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -6,7 +6,6 @@ exercised end to end in test_cli.py and their own tests.
 
 from dataclasses import replace
 
-import pytest
 
 from autotune.backends.base import Figure, TrialBackend, TrialResult
 from autotune.catalog.gpus import GPUS
@@ -26,7 +25,7 @@ class FormulaBackend(TrialBackend):
 
     def __init__(self, *, states=20 * GiB, activation=10 * GiB, memory_source="estimated"):
         self.states, self.activation = states, activation
-        self.memory_source = memory_source
+        self.memory_source = self.throughput_source = memory_source
         self.calls: list[TrainConfig] = []
 
     def evaluate(self, spec):
@@ -170,3 +169,40 @@ def test_explore_skips_checkpointing_modes_that_are_the_same_blocks():
     outcome = Controller(request, FormulaBackend()).tune()
     modes = [s.train.activation_checkpointing for s in outcome.steps if s.stage == "explore"]
     assert not ("every:2" in modes and "every:4" in modes)
+
+
+def test_exploration_stops_when_throughput_saturates_below_the_best():
+    class Saturating(FormulaBackend):
+        """Checkpointed branches gain almost nothing from larger micro-batches."""
+
+        def evaluate(self, spec):
+            result = super().evaluate(spec)
+            if spec.train.activation_checkpointing != "none" and result.tokens_per_sec:
+                value = 500 * (1 + 0.005 * spec.train.micro_batch_size)
+                result.tokens_per_sec = Figure(value, "estimated", "formula")
+            return result
+
+    outcome = Controller(request_for(75, target=4 * 2**20), Saturating()).tune()
+    explored = [s.train.micro_batch_size for s in outcome.steps
+                if s.stage == "explore" and s.train.activation_checkpointing != "none"]
+    # The first checkpointed fit is at 2 x the no-checkpointing limit (5 -> 10); one doubling
+    # (20) shows saturation, and nothing beyond is tried, nor bisected, nor aligned.
+    assert max(explored) <= 20 and len(explored) <= 3, explored
+    assert any("stopped growing" in note or "not bisecting" in note for note in outcome.notes)
+
+
+def test_estimated_backends_skip_exploration_that_cannot_win():
+    # The estimator says checkpointed configurations are 20% slower: with an estimating backend
+    # they are not evaluated (and a note says why); with a measuring backend they still are.
+    class Pessimist(FormulaBackend):
+        def evaluate(self, spec):
+            result = super().evaluate(spec)
+            if spec.train.activation_checkpointing != "none":
+                result.tokens_per_sec = Figure(1.0, "estimated", "formula")
+            return result
+
+    estimated = Controller(request_for(75), FormulaBackend(), estimator=Pessimist()).tune()
+    assert not [s for s in estimated.steps if s.train.activation_checkpointing != "none"]
+    assert any(note.startswith("not explored") for note in estimated.notes)
+    measured = Controller(request_for(75), FormulaBackend(memory_source="measured"), estimator=Pessimist()).tune()
+    assert [s for s in measured.steps if s.train.activation_checkpointing != "none"]

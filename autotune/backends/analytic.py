@@ -59,26 +59,17 @@ class ModelShape:
 
 @lru_cache(maxsize=64)
 def _shape_from_config(model_type: str, config_json: str, trust_remote_code: bool) -> ModelShape:
-    import torch
-
-    from autotune.parallel import find_decoder_blocks
-    from autotune.training import build_model
-
     config = json.loads(config_json)
     spec = ModelSpec(name="shape", model_type=model_type, config_dict=config, default_seq_len=1,
                      source="", trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        model = build_model(spec, num_layers=1)
-    block_params = sum(p.numel() for p in find_decoder_blocks(model).layers[0].parameters())
-    total_params = sum(p.numel() for p in model.parameters())
-    hf = model.config  # the config as transformers completed it, defaults included
+    hf = spec.hf_config()  # the config as transformers completes it, defaults included
     hidden, heads = int(hf.hidden_size), int(hf.num_attention_heads)
     head_dim = int(getattr(hf, "head_dim", None) or hidden // heads)
     kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
     return ModelShape(hidden=hidden, intermediate=int(hf.intermediate_size),
                       num_layers=int(config["num_hidden_layers"]), num_heads=heads,
-                      kv_width=kv_heads * head_dim, vocab=int(hf.vocab_size), block_params=block_params,
-                      root_params=total_params - block_params)
+                      kv_width=kv_heads * head_dim, vocab=int(hf.vocab_size),
+                      block_params=spec.block_parameters, root_params=spec.root_parameters)
 
 
 def model_shape(model: ModelSpec) -> ModelShape:

@@ -149,9 +149,11 @@ class ModelSpec:
         return int(value) if value else None
 
     @cached_property
-    def _meta_summary(self) -> tuple[int, str]:
-        """Parameter count and decoder block class, from the model built on the meta device
-        (no memory used). Raises UnsupportedModelError if FSDP has no blocks to wrap."""
+    def _meta_summary(self) -> tuple[int, int, str]:
+        """(parameters outside the blocks, parameters per block, block class) from a 1-layer copy
+        built on the meta device: blocks are identical, so the counts are exact at any depth and
+        cost the same for a 70B model as for a tiny one. Raises UnsupportedModelError if FSDP has
+        no blocks to wrap."""
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -159,19 +161,32 @@ class ModelSpec:
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(
-                self.hf_config(), trust_remote_code=self.trust_remote_code
+                self.hf_config(num_layers=1), trust_remote_code=self.trust_remote_code
             )
-        return sum(p.numel() for p in model.parameters()), find_decoder_blocks(model).class_name
+        blocks = find_decoder_blocks(model)
+        block = sum(p.numel() for p in blocks.layers[0].parameters())
+        total = sum(p.numel() for p in model.parameters())
+        return total - block, block, blocks.class_name
+
+    @property
+    def root_parameters(self) -> int:
+        """Parameters outside the decoder blocks: embeddings, final norm, LM head (once if tied)."""
+        return self._meta_summary[0]
+
+    @property
+    def block_parameters(self) -> int:
+        """Parameters of one decoder block."""
+        return self._meta_summary[1]
 
     @property
     def num_parameters(self) -> int:
         """Exact parameter count."""
-        return self._meta_summary[0]
+        return self.root_parameters + self.num_layers * self.block_parameters
 
     @property
     def block_class(self) -> str:
         """The decoder block class FSDP wraps one by one, e.g. LlamaDecoderLayer."""
-        return self._meta_summary[1]
+        return self._meta_summary[2]
 
     def to_dict(self) -> dict[str, Any]:
         return dict(name=self.name, model_type=self.model_type, config=self.config_dict,
