@@ -223,7 +223,7 @@ def cmd_tune(args: argparse.Namespace, console) -> int:
     from autotune.controller import DEFAULT_HEADROOM, Controller, TuneRequest
     from autotune.result import build_result, dumps
     from autotune.search_space import load_space
-    from autotune.store import (RunLog, TrialStore, default_storage, ensure_writable, new_run_id,
+    from autotune.store import (RunLog, TrialStore, default_storage, ensure_writable, new_run_dir,
                                 step_record, study_name, trials_frame, write_atomic)
     from autotune.units import format_bytes, parse_count
 
@@ -244,8 +244,8 @@ def cmd_tune(args: argparse.Namespace, console) -> int:
                           space=space, max_trials=args.max_trials, time_budget_s=args.time_budget)
     store = TrialStore(args.storage or default_storage(runs_dir), args.study or study_name(request, backend_name))
     finished = store.finished()
-    run_id = new_run_id(request)
-    run_dir = runs_dir / run_id
+    run_dir = new_run_dir(request, runs_dir)
+    run_id = run_dir.name
     log = RunLog(run_dir / "autotune.log")
     backend = _make_backend(backend_name, args)
     predictor = _predictor_for(backend_name)

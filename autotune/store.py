@@ -161,10 +161,20 @@ def step_record(step: Step) -> dict[str, Any]:
     }
 
 
-def new_run_id(request: TuneRequest) -> str:
+def new_run_dir(request: TuneRequest, runs_dir: Path) -> Path:
+    """Create and claim runs/<run-id>/: a timestamp, the model and GPU count, and a suffix when
+    another run (a rerun, a sweep worker) started in the same second."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.model.name)
-    return f"{stamp}-{name}-{request.cluster.num_gpus}gpu"
+    base = f"{stamp}-{name}-{request.cluster.num_gpus}gpu"
+    for attempt in range(1, 1000):
+        candidate = runs_dir / (base if attempt == 1 else f"{base}-{attempt}")
+        try:
+            candidate.mkdir(parents=True)  # atomic: exactly one run gets each folder
+            return candidate
+        except FileExistsError:
+            continue
+    raise UsageError(f"cannot create a run folder under {str(runs_dir)!r}: too many runs named {base}")
 
 
 def trials_frame(records: list[dict[str, Any]]):

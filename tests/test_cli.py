@@ -141,31 +141,22 @@ def test_default_backend_without_gpus_is_the_simulator():
 
 def test_interrupted_run_keeps_finished_trials_and_resumes(tmp_path, capsys, monkeypatch):
     import autotune.cli as cli
-    from autotune.backends import get_backend
 
     real_make_backend = cli._make_backend
     calls = {"n": 0}
 
-    class InterruptedOnThird:
-        """The analytic backend, with Ctrl-C arriving during the third trial."""
+    from autotune.backends.analytic import AnalyticBackend
 
-        def __init__(self, inner):
-            self.inner = inner
-            self.name, self.memory_source = inner.name, inner.memory_source
+    class InterruptedOnThird(AnalyticBackend):
+        """The analytic backend, with Ctrl-C arriving during the third trial."""
 
         def evaluate(self, spec):
             calls["n"] += 1
             if calls["n"] == 3:
                 raise KeyboardInterrupt
-            return self.inner.evaluate(spec)
+            return super().evaluate(spec)
 
-        def describe(self):
-            return self.inner.describe()
-
-        def close(self):
-            self.inner.close()
-
-    monkeypatch.setattr(cli, "_make_backend", lambda name, args: InterruptedOnThird(get_backend("analytic")))
+    monkeypatch.setattr(cli, "_make_backend", lambda name, args: InterruptedOnThird())
     runs = tmp_path / "runs"
     argv = [*TINY, "--backend", "analytic", "--runs-dir", str(runs)]
     assert main(argv) == cli.EXIT_INTERRUPTED
@@ -181,3 +172,15 @@ def test_interrupted_run_keeps_finished_trials_and_resumes(tmp_path, capsys, mon
     resumed = [d for d in run_dirs(runs) if d != interrupted][0]
     path = json.loads((resumed / "best.json").read_text())["decision_path"]
     assert [("reused trial" in s["reason"]) for s in path[:3]] == [True, True, False]
+
+
+def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path):
+    from autotune.catalog.models import resolve_model
+    from autotune.config import Cluster
+    from autotune.controller import TuneRequest
+    from autotune.store import new_run_dir
+
+    request = TuneRequest(model=resolve_model("tiny-llama"), cluster=Cluster(num_gpus=2), seq_len=256,
+                          target_tokens=64_000)
+    folders = [new_run_dir(request, tmp_path) for _ in range(3)]
+    assert len(set(folders)) == 3 and all(folder.is_dir() for folder in folders)
