@@ -6,7 +6,7 @@ long the whole decision graph takes to plan on the sim backend.
     python benchmarks/bench_sim.py extrapolation --quick   # llama-7b only
 
 Figures are wall-clock seconds on this machine (say which when quoting them: the reference in
-docs/benchmarks/sim.md is a shared 2-core CPU without a GPU); CPU seconds are printed beside
+docs/BENCHMARKS.md is a shared 2-core CPU without a GPU); CPU seconds are printed beside
 them because other processes on a shared machine inflate wall time.
 """
 

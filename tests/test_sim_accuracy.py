@@ -4,7 +4,7 @@ One torchrun launch of the real cpu backend runs a matrix of small real models (
 multi-head attention, qwen2 with grouped-query attention) over checkpointing none/full/every:2,
 micro-batches 1-4 and reshard on/off at world size 2; the simulator, in its default mode
 (depth- and micro-batch-extrapolated where it applies: the 6-block copies), predicts each.
-Measured here: 4 bytes apart, the previous step's loss scalar (docs/benchmarks/sim.md).
+Measured here: 4 bytes apart, the previous step's loss scalar (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
