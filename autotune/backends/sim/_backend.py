@@ -194,7 +194,7 @@ class SimBackend(TrialBackend):
             host_figure = Figure(host_per_node, "estimated",
                                  f"{_offload.OFFLOAD_BASIS}; per rank {host_per_node / spec.cluster.gpus_per_node / GiB:.2f} "
                                  f"GiB x {spec.cluster.gpus_per_node} ranks per node, "
-                                 f"{_offload.HOST_PROCESS_BYTES / GiB:.0f} GiB process memory each")
+                                 f"{costmodel.HOST_PROCESS_BYTES / GiB:.0f} GiB process memory each")
 
         status, reasons = "ok", []
         if total > spec.limit_bytes:
@@ -218,26 +218,13 @@ class SimBackend(TrialBackend):
         extras["flops_per_gpu_per_step"] = flops_per_microbatch * accum
         if self.device_kind == "cpu":
             return None, "throughput not estimated for a CPU run (no CPU roofline)"
-        num_layers = spec.model.num_layers
-        volume = costmodel.collective_bytes(
-            block_params=trace.block_params, num_blocks=num_layers, root_params=trace.root_params,
-            param_bytes=_PARAM_BYTES[spec.train.precision],
-            reshard_after_forward=spec.train.reshard_after_forward, num_microbatches=accum)
-        h2d = d2h = 0.0
-        cpu_params = 0
-        if spec.train.cpu_offload:
-            h2d, d2h = costmodel.offload_bytes(
-                block_params=trace.block_params, num_blocks=num_layers, root_params=trace.root_params,
-                num_gpus=world_size, reshard_after_forward=spec.train.reshard_after_forward,
-                num_microbatches=accum)
-            cpu_params = -(-(trace.root_params + num_layers * trace.block_params) // world_size)
-        work = costmodel.StepWork(
-            flops_per_gpu=flops_per_microbatch * accum, tokens_per_step=tokens_per_gpu_step * world_size,
-            num_microbatches=accum, allgather_bytes_per_gpu=volume.allgather_bytes,
-            reduce_scatter_bytes_per_gpu=volume.reduce_scatter_bytes, host_to_device_bytes=h2d,
-            device_to_host_bytes=d2h, cpu_optimizer_params=cpu_params,
+        work = costmodel.fsdp_step_work(
+            flops_per_gpu=flops_per_microbatch * accum,
             model_flops_per_gpu=model_flops_per_token(spec.model, spec.seq_len) * tokens_per_gpu_step,
-            num_fsdp_units=num_layers + 1)
+            tokens_per_gpu_step=tokens_per_gpu_step, num_gpus=world_size, block_params=trace.block_params,
+            num_blocks=spec.model.num_layers, root_params=trace.root_params,
+            param_bytes=_PARAM_BYTES[spec.train.precision], reshard_after_forward=spec.train.reshard_after_forward,
+            cpu_offload=spec.train.cpu_offload, num_microbatches=accum)
         step = costmodel.estimate_step_time(work, spec.cluster)
         extras["step_time"] = step.to_dict()
         extras["mfu_estimated"] = step.mfu

@@ -20,14 +20,11 @@ from __future__ import annotations
 
 from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
 
+from autotune import costmodel
 from autotune.backends.sim._trace import SiteKey, StepTrace
 
-__all__ = ["HOST_PROCESS_BYTES", "OFFLOAD_BASIS", "device_sites", "host_bytes_per_rank", "staging_bytes"]
+__all__ = ["OFFLOAD_BASIS", "device_sites", "host_bytes_per_rank", "staging_bytes"]
 
-GiB = 2**30
-HOST_PROCESS_BYTES = 3 * GiB
-"""Host memory of one training process before any offloaded tensor: Python, torch and CUDA
-libraries, the CUDA context's host side, NCCL and dataloader buffers (estimated)."""
 
 _ON_HOST = (_FSDPRefType.SHARDED_PARAM.name, _FSDPRefType.SHARDED_GRAD.name, _FSDPRefType.OPT.name)
 _STAGING = _FSDPRefType.ALL_GATHER.name
@@ -60,4 +57,4 @@ def host_bytes_per_rank(sites: dict[SiteKey, dict[str, int]], trace: StepTrace, 
     pinned_shards = trace.pinned_param_bytes["root"] + num_layers * trace.pinned_param_bytes["block"]
     optimizer = max((cats.get(_FSDPRefType.OPT.name, 0) for key, cats in sites.items() if key[0] == "opt"),
                     default=0)
-    return 2 * pinned_shards + optimizer + HOST_PROCESS_BYTES
+    return 2 * pinned_shards + optimizer + costmodel.HOST_PROCESS_BYTES
