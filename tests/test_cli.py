@@ -184,3 +184,17 @@ def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path):
                           target_tokens=64_000)
     folders = [new_run_dir(request, tmp_path) for _ in range(3)]
     assert len(set(folders)) == 3 and all(folder.is_dir() for folder in folders)
+
+
+def test_trial_re_evaluates_a_result_file(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    assert main([*TINY, "--backend", "analytic", "--runs-dir", str(runs), "--json"]) == EXIT_OK
+    document = json.loads(capsys.readouterr().out)
+    (run,) = run_dirs(runs)
+    assert main(["trial", "--config", str(run / "best.json"), "--backend", "analytic"]) == EXIT_OK
+    again = json.loads(capsys.readouterr().out)
+    assert again["config"]["micro_batch_size"] == document["micro_batch_size"]
+    assert again["config"]["activation_checkpointing"] == document["fsdp"]["activation_checkpointing"]
+    assert again["grad_accum_steps"] == document["grad_accum_steps"]
+    assert again["peak_memory"]["value"] == document["peak_memory_bytes"]
+    assert main(["trial", "--config", str(tmp_path / "missing.json")]) == EXIT_USAGE
