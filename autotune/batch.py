@@ -25,10 +25,6 @@ class GlobalBatch:
         """Relative deviation of the achieved global tokens from the target."""
         return (self.global_tokens - self.target_tokens) / self.target_tokens
 
-    def describe(self) -> str:
-        return (f"{self.micro_batch_size} x GPUs x {self.grad_accum_steps} accum -> "
-                f"{self.global_tokens:,} tokens ({self.deviation:+.2%} vs target {self.target_tokens:,})")
-
 
 def check_target(*, target_tokens: int, num_gpus: int, seq_len: int) -> None:
     smallest = num_gpus * seq_len
@@ -67,11 +63,3 @@ def check_reachable(*, target_tokens: int, num_gpus: int, seq_len: int, toleranc
 
 def within_tolerance(batch: GlobalBatch, tolerance: float = DEFAULT_TOLERANCE) -> bool:
     return abs(batch.deviation) <= tolerance + 1e-12
-
-
-def exact_micro_batches(*, target_tokens: int, num_gpus: int, seq_len: int, limit: int) -> list[int]:
-    """Micro-batch sizes up to `limit` that divide the global batch exactly (deviation 0)."""
-    if target_tokens % (num_gpus * seq_len):
-        return []
-    sequences_per_gpu = target_tokens // (num_gpus * seq_len)
-    return [m for m in range(1, limit + 1) if sequences_per_gpu % m == 0]

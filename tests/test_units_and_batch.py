@@ -2,7 +2,7 @@
 
 import pytest
 
-from autotune.batch import check_reachable, exact_micro_batches, plan_global_batch, within_tolerance
+from autotune.batch import check_reachable, plan_global_batch, within_tolerance
 from autotune.errors import UsageError
 from autotune.units import format_bytes, format_count, parse_bytes, parse_count
 
@@ -55,11 +55,6 @@ def test_global_batch_never_drifts_with_micro_batch():
 def test_target_smaller_than_one_sequence_per_gpu_is_refused():
     with pytest.raises(UsageError, match="smaller than one sequence per GPU"):
         plan_global_batch(target_tokens=8 * 4096 - 1, num_gpus=8, seq_len=4096, micro_batch_size=1)
-
-
-def test_exact_micro_batches():
-    assert exact_micro_batches(target_tokens=4 * 2**20, num_gpus=8, seq_len=4096, limit=10) == [1, 2, 4, 8]
-    assert exact_micro_batches(target_tokens=4_000_000, num_gpus=8, seq_len=4096, limit=10) == []
 
 
 def test_unreachable_target_is_refused_with_the_nearest_values():
