@@ -224,7 +224,8 @@ def cmd_tune(args: argparse.Namespace, console) -> int:
     from autotune.result import build_result, dumps
     from autotune.search_space import load_space
     from autotune.store import (RunLog, TrialStore, default_storage, ensure_writable, new_run_dir,
-                                step_record, study_name, trials_frame, write_atomic)
+                                step_record, study_name, trials_frame)
+    from autotune.files import write_atomic
     from autotune.units import format_bytes, parse_count
 
     target = parse_count(args.global_tokens, what="--global-tokens")

@@ -51,7 +51,7 @@ def write_exports(result: dict[str, Any], formats: Iterable[str], out_dir: str |
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     exports = [export_result(result, fmt) for fmt in formats]  # all checked before any is written
-    from autotune.store import write_atomic
+    from autotune.files import write_atomic
 
     paths = []
     for exported in exports:

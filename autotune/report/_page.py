@@ -229,7 +229,7 @@ capacity, dashed: usable limit after headroom.</p>
 
 def write_report(run_dir: Path, result: dict[str, Any], trials: list[dict[str, Any]]) -> Path:
     """Write runs/<id>/report.html atomically; returns its path."""
-    from autotune.store import write_atomic
+    from autotune.files import write_atomic
 
     path = Path(run_dir) / "report.html"
     write_atomic(path, render_report(result, trials))

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autotune.files import write_json
+
 
 LAUNCH_MARKER_ENV = "AUTOTUNE_REAL_LAUNCH"
 AGENT_FAILURES_ENV = "AUTOTUNE_AGENT_FAILURES"  # where _torchrun writes the agent's failed ranks
@@ -262,14 +264,6 @@ def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Write atomically: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
 
 
 def marked_processes(marker: str) -> list[int]:

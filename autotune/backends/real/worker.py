@@ -32,7 +32,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from autotune.backends.real._launcher import write_json
+from autotune.files import write_json
 
 SETUP = "setup"  # the trial index used for failures outside any trial
 _QUEUE_POLL_S = 0.02
