@@ -86,10 +86,6 @@ class Step:
     reused_from: int | None = None
 
     @property
-    def selectable(self) -> bool:
-        return self.fits
-
-    @property
     def prediction_error(self) -> float | None:
         """(predicted - measured) / measured tensor-level peak, where a trial has both."""
         if self.predicted is None or self.result.status != "ok" or self.result.peak_memory is None:
@@ -152,9 +148,10 @@ class Controller:
 
     # -- one trial -------------------------------------------------------------------------------
     def run(self, stage: str, train: TrainConfig, reason: str, *, reuse: bool = True) -> Step:
-        """Evaluate `train` (or reuse a finished trial of the study) and record the step."""
-        known = self._find(train)
-        if known is not None and stage != "confirm":
+        """Evaluate `train` and record the step. With `reuse` (all but the confirmation), a
+        configuration already evaluated in this run, or finished in the study, is not run again."""
+        known = self._find(train) if reuse else None
+        if known is not None:
             return known
         request = self.request
         batch = request.global_batch(train.micro_batch_size)
@@ -224,7 +221,7 @@ class Controller:
                 confirmation = self.run("confirm", winner.train,
                                         f"confirm the winner (step {winner.step}) with a final real trial",
                                         reuse=False)
-                if confirmation.selectable:
+                if confirmation.fits:
                     winner = confirmation
                 else:
                     self.notes.append(f"confirmation trial did not reproduce the fit "
@@ -269,7 +266,8 @@ class Controller:
         still slower than the best configuration so far."""
         limit = self.request.max_micro_batch
         last_fit, first_fail = mode, None
-        last_tps = self._find(mode).result.throughput if self._find(mode) else None
+        evaluated = self._find(mode)
+        last_tps = evaluated.result.throughput if evaluated else None
         size = mode.micro_batch_size
         while size < limit:
             size = min(size * 2, limit)
@@ -370,7 +368,7 @@ class Controller:
 
     def _choose(self) -> Step | None:
         tolerance = self.request.tolerance
-        candidates = [s for s in self.steps if s.selectable and within_tolerance(s.batch, tolerance)]
+        candidates = [s for s in self.steps if s.fits and within_tolerance(s.batch, tolerance)]
         if not candidates:
             return None
         # Fastest first; among equals (or without a throughput figure) the smaller peak.
