@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     knobs.add_argument("--offload", action=argparse.BooleanOptionalAction, default=False)
     knobs.add_argument("--reshard", action=argparse.BooleanOptionalAction, default=True)
     knobs.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    knobs.add_argument("--optimizer-impl", default="fused", choices=("fused", "foreach", "for-loop"),
+                       help="AdamW implementation (default fused, as HF Trainer and torchtitan use on GPUs)")
     knobs.add_argument("--headroom", type=_fraction, default=None,
                        help="fraction of GPU memory kept free (default 0.10)")
 
@@ -343,10 +345,13 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
                             activation_checkpointing=document["fsdp"]["activation_checkpointing"],
                             cpu_offload=document["fsdp"]["cpu_offload"],
                             reshard_after_forward=document["fsdp"]["reshard_after_forward"],
-                            micro_batch_size=document["micro_batch_size"])
+                            micro_batch_size=document["micro_batch_size"],
+                            # results written before the knob existed ran the per-parameter loop
+                            optimizer_impl=document.get("optimizer", {}).get("impl", "for-loop"))
         grad_accum = document["grad_accum_steps"]
     else:
         train = TrainConfig(precision=args.precision, activation_checkpointing=args.ac,
+                            optimizer_impl=args.optimizer_impl,
                             cpu_offload=args.offload, reshard_after_forward=args.reshard,
                             micro_batch_size=args.micro_batch)
         grad_accum = args.grad_accum

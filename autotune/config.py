@@ -17,6 +17,10 @@ from autotune.errors import UsageError
 
 Precision = Literal["bf16", "fp16", "fp32"]
 PRECISIONS: tuple[str, ...] = ("bf16", "fp16", "fp32")
+OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")
+"""AdamW implementations: `fused` (one kernel per step: HF Trainer's and torchtitan's default on GPUs),
+`foreach` (torch.optim's default on CUDA: temporaries for a whole group of parameters at once),
+`for-loop` (one parameter at a time: the least memory)."""
 _EVERY = re.compile(r"^every[:\-](\d+)$")
 
 
@@ -70,10 +74,16 @@ class TrainConfig:
     """Free gathered block parameters after forward (ZeRO-3); False keeps them (ZeRO-2-like)."""
     micro_batch_size: int = 1
     """Sequences per GPU per forward/backward."""
+    optimizer_impl: str = "fused"
+    """AdamW implementation traced and run (see OPTIMIZER_IMPLS); exports pin it, so the memory a
+    user gets is the memory predicted."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise UsageError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.optimizer_impl not in OPTIMIZER_IMPLS:
+            raise UsageError(f"optimizer implementation {self.optimizer_impl!r} is not one of "
+                             f"{', '.join(OPTIMIZER_IMPLS)}")
         object.__setattr__(self, "activation_checkpointing", parse_ac(self.activation_checkpointing))
         if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
             raise UsageError(f"micro-batch size must be a positive integer, got {self.micro_batch_size!r}")
@@ -87,6 +97,8 @@ class TrainConfig:
             parts.append("offload")
         if not self.reshard_after_forward:
             parts.append("no-reshard")
+        if self.optimizer_impl != "fused":
+            parts.append(f"adamw={self.optimizer_impl}")
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:

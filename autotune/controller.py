@@ -236,7 +236,8 @@ class Controller:
         if precision == "bf16" and not cluster.gpu.supports_bf16:
             precision = "fp16"
             self.notes.append(f"{cluster.gpu.name} has no bf16: fp16 with a sharded grad scaler instead")
-        base = TrainConfig(precision=precision, reshard_after_forward=space.reshard_after_forward)
+        base = TrainConfig(precision=precision, reshard_after_forward=space.reshard_after_forward,
+                           optimizer_impl=space.optimizer_impl)
         step = self.run("baseline", base, f"start of the graph: {precision} mixed precision, micro-batch 1")
         if not step.fits and space.checkpointing:
             step = self.run("checkpointing", base.with_(activation_checkpointing="full"),

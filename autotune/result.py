@@ -47,6 +47,7 @@ def model_section(request: TuneRequest) -> dict[str, Any]:
         "hidden_size": config.get("hidden_size"),
         "vocab_size": config.get("vocab_size"),
         "source": model.source,
+        "attention_implementation": model.attention_implementation,
         "config": {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool)) or v is None},
     }
 
@@ -65,6 +66,28 @@ def decision_path(steps: list[Step]) -> list[dict[str, Any]]:
         "throughput_source": s.result.tokens_per_sec.source if s.result.tokens_per_sec else None,
         "reason": s.reason + (f" (reused trial #{s.reused_from})" if s.reused_from is not None else ""),
     } for s in steps]
+
+
+def loss_section(request: TuneRequest, winner: Step) -> dict[str, Any]:
+    """Which loss path the prediction traced, and what its logits weigh, so that a user whose stack
+    computes the loss differently (chunked or fused cross-entropy) knows how far the peak moves."""
+    train = winner.train
+    elements = train.micro_batch_size * request.seq_len * int(request.model.config_dict.get("vocab_size") or 0)
+    compute_bytes = PARAM_DTYPES[train.precision].itemsize
+    site = str(winner.result.extras.get("peak_site", ""))
+    return {
+        "path": "transformers ForCausalLMLoss: logits in the compute dtype, upcast to fp32, cross-entropy "
+                "over the whole vocabulary (log-probabilities kept for backward)",
+        "logits_bytes": elements * (compute_bytes + 4),
+        "logits_grad_bytes": elements * (compute_bytes + 4),
+        "source": "estimated",
+        "basis": f"micro-batch x seq_len x vocab = {elements:,} elements x ({compute_bytes} B logits + 4 B fp32 "
+                 "log-probabilities); their gradients the same in backward",
+        "peak_at_loss": site.split(" / ")[2] == "root" if site.count(" / ") >= 2 else None,
+        "peak_site": site or None,
+        "note": "a chunked or fused cross-entropy (torchtitan's ChunkedLossWrapper, Liger) keeps a fraction of "
+                "this; where peak_at_loss is true the peak falls by up to logits_bytes + logits_grad_bytes",
+    }
 
 
 def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backend: str, wrap: str,
@@ -99,6 +122,13 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
             "wrap": wrap,
             "sharded_grad_scaler": train.precision == "fp16",
         },
+        "optimizer": {
+            "name": "AdamW",
+            "impl": train.optimizer_impl,
+            "note": "the implementation traced and run; exports pin it (foreach allocates temporaries "
+                    "for a whole parameter group, see docs/SIMULATOR.md)",
+        },
+        "loss": loss_section(request, winner),
         "peak_memory_bytes": result.peak_bytes,
         "memory_source": peak.source if peak else "estimated",
         "memory_basis": peak.basis if peak else "",

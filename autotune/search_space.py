@@ -7,14 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.config import PRECISIONS
+from autotune.config import OPTIMIZER_IMPLS, PRECISIONS
 from autotune.errors import UsageError
 
 DEFAULT_SPACE = Path(__file__).resolve().parent.parent / "search_spaces" / "default.toml"
 
 # key -> (type, validator description). Everything the file may contain, nothing else.
 _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "baseline": {"precision": str, "reshard_after_forward": bool},
+    "baseline": {"precision": str, "reshard_after_forward": bool, "optimizer_impl": str},
     "checkpointing": {"enabled": bool, "lighter_every": list},
     "offload": {"enabled": bool},
     "micro_batch": {"max": int, "refine": bool},
@@ -28,6 +28,7 @@ class SearchSpace:
 
     precision: str = "bf16"
     reshard_after_forward: bool = True
+    optimizer_impl: str = "fused"
     checkpointing: bool = True
     lighter_every: tuple[int, ...] = (2, 4)
     offload: bool = True
@@ -81,6 +82,10 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
     if precision not in PRECISIONS:
         raise UsageError(f"search space {where!r}: baseline.precision must be one of "
                          f"{', '.join(PRECISIONS)}, got {precision!r}")
+    optimizer_impl = get("baseline", "optimizer_impl", "fused")
+    if optimizer_impl not in OPTIMIZER_IMPLS:
+        raise UsageError(f"search space {where!r}: baseline.optimizer_impl must be one of "
+                         f"{', '.join(OPTIMIZER_IMPLS)}, got {optimizer_impl!r}")
     lighter = get("checkpointing", "lighter_every", [2, 4])
     if not all(isinstance(k, int) and not isinstance(k, bool) and k >= 2 for k in lighter):
         raise UsageError(f"search space {where!r}: checkpointing.lighter_every must be a list of "
@@ -91,6 +96,7 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
     return SearchSpace(
         precision=precision,
         reshard_after_forward=get("baseline", "reshard_after_forward", True),
+        optimizer_impl=optimizer_impl,
         checkpointing=get("checkpointing", "enabled", True),
         lighter_every=tuple(sorted(set(lighter))),
         offload=get("offload", "enabled", True),

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from autotune.config import PRECISIONS, ac_every
+from autotune.config import OPTIMIZER_IMPLS, PRECISIONS, ac_every
 from autotune.controller import Step, TuneRequest, config_key
 from autotune.errors import UsageError
 
@@ -97,12 +97,14 @@ class TrialStore:
                   "checkpoint_every": ac_every(train.activation_checkpointing) or 0,
                   "cpu_offload": train.cpu_offload,
                   "reshard_after_forward": train.reshard_after_forward,
-                  "precision": train.precision}
+                  "precision": train.precision,
+                  "optimizer_impl": train.optimizer_impl}
         distributions = {"micro_batch_size": IntDistribution(1, 1 << 16),
                          "checkpoint_every": IntDistribution(0, 1 << 16),
                          "cpu_offload": CategoricalDistribution([False, True]),
                          "reshard_after_forward": CategoricalDistribution([True, False]),
-                         "precision": CategoricalDistribution(list(PRECISIONS))}
+                         "precision": CategoricalDistribution(list(PRECISIONS)),
+                         "optimizer_impl": CategoricalDistribution(list(OPTIMIZER_IMPLS))}
         value = step.result.throughput
         if step.fits:
             state, values = TrialState.COMPLETE, [float(value) if value is not None else 0.0]

@@ -27,10 +27,17 @@ def build_model(model: ModelSpec, *, num_layers: int | None = None, seed: int = 
     )
 
 
-def make_optimizer(model: nn.Module, *, lr: float = 1e-4) -> torch.optim.Optimizer:
-    # foreach=False: the per-parameter loop real large-model training uses by default with
-    # FSDP2 DTensors; see docs/SIMULATOR.md for what foreach=True adds and why.
-    return torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
+def make_optimizer(model: nn.Module, *, impl: str = "fused", lr: float = 1e-4) -> torch.optim.Optimizer:
+    """AdamW as `impl` ('fused', 'foreach' or 'for-loop'), spelled out: torch's own default
+    (foreach on CUDA, the loop elsewhere) would make the traced step differ from the run.
+    docs/SIMULATOR.md has what each costs in memory."""
+    if impl == "fused":
+        return torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    if impl == "foreach":
+        return torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
+    if impl == "for-loop":
+        return torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
+    raise ValueError(f"unknown AdamW implementation {impl!r}")
 
 
 def token_batches(*, vocab_size: int, micro_batch_size: int, seq_len: int, device: torch.device | str,

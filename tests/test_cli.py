@@ -198,3 +198,35 @@ def test_trial_re_evaluates_a_result_file(tmp_path, capsys):
     assert again["grad_accum_steps"] == document["grad_accum_steps"]
     assert again["peak_memory"]["value"] == document["peak_memory_bytes"]
     assert main(["trial", "--config", str(tmp_path / "missing.json")]) == EXIT_USAGE
+
+
+_BAD_CONFIGS = [
+    ({"model_type": "bert", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+      "vocab_size": 100, "intermediate_size": 128}, "not a decoder-only causal language model"),
+    ({"model_type": "t5", "num_hidden_layers": 2, "num_layers": 2, "d_model": 64, "vocab_size": 100},
+     "not a decoder-only causal language model"),
+    ({"model_type": "llama", "num_hidden_layers": 0, "hidden_size": 64, "num_attention_heads": 4,
+      "vocab_size": 100}, "num_hidden_layers must be a positive integer"),
+    ({"model_type": "llama", "num_hidden_layers": -3, "hidden_size": 64, "num_attention_heads": 4,
+      "vocab_size": 100}, "num_hidden_layers must be a positive integer"),
+    ({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 65, "num_attention_heads": 4,
+      "vocab_size": 100}, "not a multiple of the number of attention heads"),
+    ({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+      "vocab_size": "lots"}, "vocab_size"),
+]
+
+
+@pytest.mark.parametrize("backend", ["analytic", "sim"])
+@pytest.mark.parametrize("config, message", _BAD_CONFIGS, ids=[m for _, m in _BAD_CONFIGS])
+def test_bad_model_config_is_one_line_exit_2_nothing_written(tmp_path, capsys, config, message, backend):
+    """Refused before anything heavy runs, whatever the backend: never exit 1, never a run folder."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    runs = tmp_path / "runs"
+    argv = ["--model", str(path), "--gpus", "2", "--global-tokens", "64Ki", "--seq-len", "64",
+            "--backend", backend, "--runs-dir", str(runs)]
+    assert main(argv) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not runs.exists()

@@ -223,8 +223,9 @@ TORCHTITAN_KEYS = {
                     "fsdp_reshard_after_forward", "tensor_parallel_degree", "context_parallel_degree",
                     "pipeline_parallel_degree"},
     "activation_checkpoint": {"mode", "selective_ac_option", "per_op_sac_force_recompute_mm_shapes_by_fqns"},
-    "checkpoint": {"enable_checkpoint", "folder", "interval", "last_save_model_only", "export_dtype", "async_mode",
+    "checkpoint": {"enable", "folder", "interval", "last_save_model_only", "export_dtype", "async_mode",
                    "keep_latest_k", "load_step", "last_save_in_hf"},
+    "optimizer": {"name", "lr", "eps", "implementation"},
 }
 
 
@@ -271,7 +272,12 @@ def test_llama_cookbook_flags_are_its_config_fields(run_result, tmp_path):
     flags = {key.removeprefix("--"): value for key, value in flags.items() if key.startswith("--")}
     assert set(flags) <= COOKBOOK_KEYS
     assert all(flags[k] in ("True", "False") for k in flags if k in COOKBOOK_BOOL_KEYS)
-    assert ShardingStrategy[flags["sharding_strategy"]] == ShardingStrategy.SHARD_GRAD_OP
+    # llama-cookbook hands the flag's string to FSDP1 unconverted (KeyError: 'FULL_SHARD'): never written;
+    # SHARD_GRAD_OP is said to need an edit of its fsdp_config instead.
+    assert "sharding_strategy" not in flags
+    assert ShardingStrategy.FULL_SHARD.name == "FULL_SHARD"  # llama-cookbook's fsdp_config default
+    assert any(w.startswith("reshard_after_forward: approximated") and "SHARD_GRAD_OP" in w
+               for w in export_result(result, "llama-cookbook").warnings)
     assert flags["checkpoint_type"] == "StateDictType.SHARDED_STATE_DICT"  # the form check_fsdp_config accepts
     assert flags["fsdp_activation_checkpointing"] == "True" and flags["fsdp_cpu_offload"] == "False"
     assert int(flags["batch_size_training"]) == result["micro_batch_size"]
@@ -328,3 +334,73 @@ def test_fsdp2_script_trains_on_two_cpu_ranks_with_gloo(run_result, tmp_path):
     losses = [float(v) for v in re.findall(r"step \d+ loss (\S+)", output)]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses), output[-2000:]
     assert (checkpoint / ".metadata").exists()  # a sharded DCP checkpoint, as recommended
+
+
+@pytest.mark.parametrize("fmt", ["fsdp1", "lightning"])
+def test_fsdp1_exports_keep_rope_buffers_in_fp32(run_result, tmp_path, fmt):
+    """FSDP1 casts buffers with `_cast_buffers_to_dtype_and_device` and the MixedPrecision's buffer_dtype
+    (torch/distributed/fsdp/_runtime_utils.py). Applied to a real model with the export's own policy,
+    RoPE's inv_freq must come out exactly as the unwrapped model has it."""
+    from torch.distributed.fsdp._runtime_utils import _cast_buffers_to_dtype_and_device
+
+    from autotune.training import build_model
+
+    path, _ = write(tmp_path, run_result, fmt)
+    module = runpy.run_path(str(path))
+    policy = module["FSDP_KWARGS"]["mixed_precision"] if fmt == "fsdp1" else \
+        module["make_strategy"]().mixed_precision_config
+    model = build_model(resolve_model("tiny-llama"))
+    reference = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    assert any(name.endswith("inv_freq") for name in reference)
+    buffers = [buffer for _, buffer in model.named_buffers()]
+    _cast_buffers_to_dtype_and_device(buffers, [policy.buffer_dtype] * len(buffers), torch.device("cpu"))
+    for name, buffer in model.named_buffers():
+        assert buffer.dtype == reference[name].dtype, name
+        assert torch.equal(buffer, reference[name]), name
+    # The rule is live: a bf16 buffer_dtype (what the exports used to set) would have rounded inv_freq.
+    inv_freq = next(b for n, b in model.named_buffers() if n.endswith("inv_freq"))
+    rounded = [inv_freq.clone()]
+    _cast_buffers_to_dtype_and_device(rounded, [torch.bfloat16], torch.device("cpu"))
+    assert rounded[0].dtype == torch.bfloat16 and not torch.equal(rounded[0].float(), inv_freq)
+
+
+@pytest.mark.parametrize("fmt", ["hf-trainer", "trl"])
+def test_every_k_checkpointing_reaches_transformers_exactly(run_result, tmp_path, fmt):
+    """every:K through transformers' own every_n_layers: the blocks it checkpoints are the tuned ones."""
+    from transformers import TrainingArguments
+
+    from autotune.config import checkpointed_blocks
+
+    config_class = TrainingArguments
+    if fmt == "trl":
+        config_class = pytest.importorskip("trl", reason="trl is not installed").SFTConfig
+    result = variant(run_result, activation_checkpointing="every:2")
+    path, exported = write(tmp_path, result, fmt)
+    args = _trainer_args(path, config_class)
+    assert args.fsdp_plugin_args["activation_checkpointing"] is False  # never both (transformers refuses it)
+    assert args.activation_checkpointing is True
+    kwargs = dict(args.activation_checkpointing_kwargs)
+    every = kwargs.pop("every_n_layers")
+    from autotune.training import build_model
+
+    with torch.device("meta"):
+        model = build_model(resolve_model("tiny-llama"))
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every)
+    theirs = [i for i, layer in enumerate(model.model.layers) if layer.gradient_checkpointing]
+    assert set(theirs) == checkpointed_blocks(result["fsdp"]["activation_checkpointing"], len(model.model.layers))
+    # Same blocks, but said: transformers' model-level checkpointing costs an extra all-gather under FSDP.
+    assert any(w.startswith("activation_checkpointing: approximated") and "all-gather" in w for w in exported.warnings)
+
+
+def test_every_export_pins_the_traced_optimizer(run_result, tmp_path):
+    from transformers import TrainingArguments
+
+    assert run_result["optimizer"]["impl"] == "fused"
+    args = _trainer_args(write(tmp_path, run_result, "hf-trainer")[0], TrainingArguments)
+    assert args.optim.value == "adamw_torch_fused"
+    module = runpy.run_path(str(write(tmp_path, run_result, "fsdp1")[0]))
+    assert torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))], **module["OPTIMIZER_KWARGS"]).defaults["fused"]
+    job = tomllib.loads(write(tmp_path, run_result, "torchtitan")[0].read_text())
+    assert job["optimizer"]["implementation"] == "fused"
+    fsdp2 = write(tmp_path, run_result, "fsdp2")[0].read_text()
+    assert "optimizer_impl='fused'" in fsdp2

@@ -33,6 +33,10 @@ MATRIX = [
     ("tiny-qwen2", "every:2", 3, False),
     ("tiny-qwen2", "full", 4, True),
     ("tiny-qwen2@6", "none", 4, False),  # after micro-batch 2: extrapolated from micro-batches 2 and 3
+    # The AdamW implementations (the rows above use the default, fused): each traced as it runs.
+    ("tiny-llama", "full", 1, True, "foreach"),
+    ("tiny-llama", "full", 1, True, "for-loop"),
+    ("tiny-llama", "full", 1, True, "fused"),
 ]
 
 
@@ -44,10 +48,10 @@ def _model(name: str) -> ModelSpec:
     return model
 
 
-def _spec(model: str, ac: str, mb: int, reshard: bool) -> TrialSpec:
+def _spec(model: str, ac: str, mb: int, reshard: bool, optimizer_impl: str = "fused") -> TrialSpec:
     return TrialSpec(model=_model(model), cluster=Cluster(num_gpus=2), seq_len=256,
                      train=TrainConfig(activation_checkpointing=ac, micro_batch_size=mb,
-                                       reshard_after_forward=reshard))
+                                       reshard_after_forward=reshard, optimizer_impl=optimizer_impl))
 
 
 @pytest.fixture(scope="module")
@@ -85,5 +89,6 @@ def test_shallow_traces_were_extrapolated_where_the_model_allows(measured_and_pr
     # 6-block models are traced at 3 and 4 blocks; 4-block ones whole.
     for row, result in zip(MATRIX, predicted):
         assert result.extras["extrapolated"] is row[0].endswith("@6")
-    assert predicted[-1].extras["traced_layers"] == [3, 4]
-    assert predicted[-1].extras["traced_micro_batches"] == [2, 3]
+    qwen_grown = MATRIX.index(("tiny-qwen2@6", "none", 4, False))
+    assert predicted[qwen_grown].extras["traced_layers"] == [3, 4]
+    assert predicted[qwen_grown].extras["traced_micro_batches"] == [2, 3]

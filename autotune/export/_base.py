@@ -20,7 +20,7 @@ Status = Literal["mapped", "approximated", "unsupported"]
 # The knobs autotune tunes or fixes; every exporter accounts for each of them.
 KNOBS: tuple[str, ...] = (
     "precision", "reduce_dtype", "activation_checkpointing", "cpu_offload", "reshard_after_forward",
-    "micro_batch_size", "grad_accum_steps", "wrap", "world_size", "state_dict_type",
+    "micro_batch_size", "grad_accum_steps", "wrap", "world_size", "state_dict_type", "optimizer_impl",
 )
 
 
@@ -72,6 +72,8 @@ class Tuned:
     global_tokens: int
     state_dict_type: Literal["full", "sharded"]
     state_dict_reason: str
+    optimizer_impl: str = "for-loop"
+    """AdamW implementation traced (results from before the knob existed ran the per-parameter loop)."""
 
     @property
     def gpus_per_node(self) -> int:
@@ -121,6 +123,7 @@ class Tuned:
                 grad_accum_steps=int(result["grad_accum_steps"]),
                 global_tokens=int(result["global_tokens"]),
                 state_dict_type=plan["recommended"], state_dict_reason=plan["reason"],
+                optimizer_impl=str((result.get("optimizer") or {}).get("impl", "for-loop")),
             )
         except (KeyError, TypeError) as exc:
             raise UsageError(f"not an autotune result (best.json): missing or malformed field {exc}; "

@@ -27,12 +27,22 @@ def export_cookbook(t: Tuned) -> Export:
                        f"every:{t.ac_every} cannot be expressed: all {t.num_layers} blocks are checkpointed "
                        "(less memory, slower than tuned)")
     m.mapped("cpu_offload", "--fsdp_cpu_offload")
-    m.mapped("reshard_after_forward", "--sharding_strategy FULL_SHARD | SHARD_GRAD_OP")
+    # Not a flag: fire hands the string to FSDP1 unconverted (check_fsdp_config converts only
+    # checkpoint_type), so --sharding_strategy FULL_SHARD fails with KeyError: 'FULL_SHARD'.
+    if t.reshard_after_forward:
+        m.mapped("reshard_after_forward", "FULL_SHARD (llama-cookbook's default; no flag needed)")
+    else:
+        m.approximated("reshard_after_forward", "edit src/llama_cookbook/configs/fsdp.py",
+                       "SHARD_GRAD_OP cannot be passed on the command line (llama-cookbook passes the string to "
+                       "FSDP1 unconverted): set sharding_strategy: ShardingStrategy = ShardingStrategy.SHARD_GRAD_OP "
+                       "in fsdp_config; as written the run reshards after forward (less memory, slower)")
     m.mapped("micro_batch_size", "--batch_size_training")
     m.mapped("grad_accum_steps", "--gradient_accumulation_steps")
     m.mapped("wrap", "LlamaDecoderLayer (llama-cookbook's fixed wrapping policy)")
     m.mapped("world_size", "torchrun --nnodes / --nproc_per_node")
     m.mapped("state_dict_type", "--checkpoint_type")
+    m.unsupported("optimizer_impl", f"llama-cookbook builds optim.AdamW itself with torch's default (foreach on "
+                  f"CUDA); the {t.optimizer_impl} AdamW traced needs an edit of its train script")
     if t.cpu_offload and t.grad_accum_steps > 1:
         m.warn("llama-cookbook wraps with FSDP1, which gives wrong gradients with CPU offload when accumulating "
                "outside no_sync(); prefer the fsdp2 export or accumulation 1")
@@ -47,7 +57,6 @@ def export_cookbook(t: Tuned) -> Export:
         ("mixed_precision", t.precision != "fp32"),
         ("use_fp16", t.precision == "fp16"),
         ("pure_bf16", False),
-        ("sharding_strategy", t.sharding_strategy),
         ("fsdp_activation_checkpointing", t.ac_every is not None),
         ("fsdp_cpu_offload", t.cpu_offload),
         ("checkpoint_type", f"StateDictType.{t.state_dict_enum}"),

@@ -21,6 +21,12 @@ def _lightning_target() -> str:
     return f"Lightning {version} (lightning.pytorch.strategies.FSDPStrategy, FSDP1 underneath)"
 
 
+def optimizer_kwargs(impl: str) -> dict[str, bool]:
+    """torch.optim.AdamW arguments that select the traced implementation (spelled out: torch's
+    default is foreach on CUDA, which allocates temporaries the loop does not)."""
+    return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[impl]
+
+
 def _dtype(name: str) -> str:
     return f"torch.{name}"
 
@@ -48,6 +54,7 @@ def _map_common(m: Mapper, t: Tuned, *, ac_key: str, sharding_key: str, offload_
         m.mapped("cpu_offload", f"{offload_key} off")
     m.mapped("wrap", f"{t.wrap} (auto wrap policy)")
     m.mapped("state_dict_type", f"{state_key} ({t.state_dict_type})")
+    m.mapped("optimizer_impl", f"OPTIMIZER_KWARGS = {optimizer_kwargs(t.optimizer_impl)} for torch.optim.AdamW")
 
 
 def _ac_check(t: Tuned) -> str:
@@ -98,12 +105,15 @@ MICRO_BATCH_SIZE = {t.micro_batch_size}
 GRAD_ACCUM_STEPS = {t.grad_accum_steps}
 SEQ_LEN = {t.seq_len}
 STATE_DICT_TYPE = StateDictType.{t.state_dict_enum}
+# torch.optim.AdamW(model.parameters(), lr=..., **OPTIMIZER_KWARGS): the implementation autotune traced.
+OPTIMIZER_KWARGS = {optimizer_kwargs(t.optimizer_impl)!r}
 
 FSDP_KWARGS = dict(
     sharding_strategy=ShardingStrategy.{t.sharding_strategy},
     auto_wrap_policy=ModuleWrapPolicy({{{t.wrap}}}),
-    mixed_precision=MixedPrecision(param_dtype={_dtype(t.param_dtype)}, reduce_dtype=torch.float32,
-                                   buffer_dtype={_dtype(t.param_dtype)}),
+    # No buffer_dtype: FSDP1's root would cast every buffer, RoPE's inv_freq included, and rounded
+    # to 16 bits the rotation angles at long positions are off by radians. Buffers stay fp32.
+    mixed_precision=MixedPrecision(param_dtype={_dtype(t.param_dtype)}, reduce_dtype=torch.float32),
     cpu_offload=CPUOffload(offload_params={t.cpu_offload}),
     use_orig_params=True,
     limit_all_gathers=True,
@@ -163,6 +173,8 @@ from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 {block_import(t)}
 
 MICRO_BATCH_SIZE = {t.micro_batch_size}
+# In configure_optimizers: torch.optim.AdamW(self.parameters(), lr=..., **OPTIMIZER_KWARGS), as traced.
+OPTIMIZER_KWARGS = {optimizer_kwargs(t.optimizer_impl)!r}
 SEQ_LEN = {t.seq_len}
 TRAINER_KWARGS = dict(
     accelerator="gpu",
@@ -181,8 +193,8 @@ def make_strategy() -> FSDPStrategy:
         activation_checkpointing_policy={ac_policy},
         sharding_strategy={t.sharding_strategy!r},
         cpu_offload={t.cpu_offload},
-        mixed_precision=MixedPrecision(param_dtype={_dtype(t.param_dtype)}, reduce_dtype=torch.float32,
-                                       buffer_dtype={_dtype(t.param_dtype)}),
+        # No buffer_dtype: buffers (RoPE's inv_freq) stay fp32, as in the FSDP2 run that was tuned.
+        mixed_precision=MixedPrecision(param_dtype={_dtype(t.param_dtype)}, reduce_dtype=torch.float32),
         state_dict_type={t.state_dict_type!r},
         use_orig_params=True,
         limit_all_gathers=True,

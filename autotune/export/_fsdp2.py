@@ -47,6 +47,7 @@ def export_fsdp2(tuned: Tuned) -> Export:
     m.mapped("wrap", "fully_shard per block (find_decoder_blocks), then the root")
     m.mapped("world_size", f"torchrun --nnodes {tuned.nodes} --nproc_per_node {tuned.gpus_per_node}")
     m.mapped("state_dict_type", f"save_checkpoint ({tuned.state_dict_type})")
+    m.mapped("optimizer_impl", f"make_optimizer(impl={tuned.optimizer_impl!r})")
     return build_export(fmt="fsdp2", filename="train_fsdp2.py", target=TARGET, tuned=tuned, mapper=m,
                         prologue="#!/usr/bin/env python\n", body=_script(tuned))
 
@@ -95,11 +96,12 @@ class TrainConfig:
     cpu_offload: bool
     reshard_after_forward: bool
     micro_batch_size: int
+    optimizer_impl: str
 
 
 TUNED = TrainConfig(precision={t.precision!r}, activation_checkpointing={t.activation_checkpointing!r},
                     cpu_offload={t.cpu_offload!r}, reshard_after_forward={t.reshard_after_forward!r},
-                    micro_batch_size={t.micro_batch_size!r})
+                    micro_batch_size={t.micro_batch_size!r}, optimizer_impl={t.optimizer_impl!r})
 GRAD_ACCUM_STEPS = {t.grad_accum_steps}
 SEQ_LEN = {t.seq_len}
 WORLD_SIZE = {t.gpus}
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
 
     model = build_model()
     parallelize(model, mesh, TUNED, allow_offload=use_cuda)
-    optimizer = make_optimizer(model)
+    optimizer = make_optimizer(model, impl=TUNED.optimizer_impl)
     scaler = None
     if TUNED.precision == "fp16":
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler

@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from autotune.export._base import Export, Mapper, Tuned, build_export
+from autotune.export._fsdp1 import optimizer_kwargs
 
 
 def _version(module: str, fallback: str) -> str:
@@ -19,6 +20,8 @@ def _version(module: str, fallback: str) -> str:
 
 
 _HF_MIXED = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
+# TrainingArguments.optim names of the AdamW implementations autotune traces.
+_HF_OPTIM = {"fused": "adamw_torch_fused", "foreach": "adamw_torch", "for-loop": "adamw_torch"}
 
 
 def _map_precision(m: Mapper, t: Tuned, key: str) -> None:
@@ -33,10 +36,33 @@ def _map_precision(m: Mapper, t: Tuned, key: str) -> None:
                        f"'output_dtype': torch.{t.param_dtype}}}) in code")
 
 
+def _has_every_n_layers() -> bool:
+    """transformers 5.23+ checkpoints every n-th decoder layer (activation_checkpointing_kwargs)."""
+    try:
+        import inspect
+
+        from transformers import PreTrainedModel
+    except ImportError:
+        return True  # written for the current release; the file says which version it targets
+    return "every_n_layers" in inspect.signature(PreTrainedModel._set_gradient_checkpointing).parameters
+
+
+def _model_level_every_k(t: Tuned) -> bool:
+    """every:K through the Trainer's model-level checkpointing: blocks 0, K, 2K, ... exactly."""
+    return t.ac_every is not None and t.ac_every > 1 and _has_every_n_layers()
+
+
 def _map_fsdp_knobs(m: Mapper, t: Tuned, prefix: str) -> None:
     """Knobs expressed by fsdp_config keys (Accelerate's YAML uses the fsdp_ prefix, Trainer not)."""
     if t.ac_every is None or t.ac_every == 1:
         m.mapped("activation_checkpointing", f"{prefix}activation_checkpointing")
+    elif not prefix and _model_level_every_k(t):
+        m.approximated("activation_checkpointing",
+                       f"activation_checkpointing_kwargs.every_n_layers={t.ac_every}",
+                       f"the model's own non-reentrant checkpointing of blocks 0, {t.ac_every}, ... (the tuned blocks, "
+                       "the tuned activation memory; fsdp_config activation_checkpointing is off, as transformers "
+                       "refuses both); transformers warns it adds an all-gather in backward under FSDP "
+                       "(transformers issue 30404), so communication may exceed what was estimated")
     else:
         m.approximated("activation_checkpointing", f"{prefix}activation_checkpointing: true",
                        f"every:{t.ac_every} (blocks 0, {t.ac_every}, ...) cannot be expressed: checkpointing "
@@ -61,6 +87,9 @@ def export_accelerate(t: Tuned) -> Export:
     m.unsupported("grad_accum_steps", "not an accelerate config key: use "
                   f"Accelerator(gradient_accumulation_steps={t.grad_accum_steps}) in your script")
     m.mapped("world_size", "num_processes / num_machines")
+    m.unsupported("optimizer_impl", f"not an accelerate config key: build torch.optim.AdamW(..., "
+                  f"{', '.join(f'{k}={v}' for k, v in optimizer_kwargs(t.optimizer_impl).items())}) in your script, "
+                  "the implementation traced")
     config = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "FSDP",
@@ -96,6 +125,12 @@ def _trainer_fields(t: Tuned, m: Mapper) -> dict[str, Any]:
     _map_fsdp_knobs(m, t, "")
     m.mapped("micro_batch_size", "per_device_train_batch_size")
     m.mapped("grad_accum_steps", "gradient_accumulation_steps")
+    if t.optimizer_impl == "fused":
+        m.mapped("optimizer_impl", "optim: adamw_torch_fused")
+    else:
+        m.approximated("optimizer_impl", "optim: adamw_torch",
+                       f"the Trainer has no switch for AdamW's {t.optimizer_impl} path: adamw_torch takes torch's "
+                       "default (foreach on CUDA); pass optim_args or a custom optimizer for the per-parameter loop")
     m.mapped("world_size", f"torchrun --nnodes {t.nodes} --nproc_per_node {t.gpus_per_node} (launch line above)")
     return {
         "output_dir": "output",
@@ -110,17 +145,21 @@ def _trainer_fields(t: Tuned, m: Mapper) -> dict[str, Any]:
             "cpu_offload": t.cpu_offload,
             "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "transformer_layer_cls_to_wrap": [t.wrap],
-            "activation_checkpointing": t.ac_every is not None,
+            "activation_checkpointing": t.ac_every is not None and not _model_level_every_k(t),
             "state_dict_type": t.state_dict_enum,
         },
+        # Model-level checkpointing only for every:K; FSDP's own otherwise (never both: transformers
+        # refuses it, and TRL would turn it on by default).
+        "activation_checkpointing": _model_level_every_k(t),
+        **({"activation_checkpointing_kwargs": {"every_n_layers": t.ac_every, "use_reentrant": False}}
+           if _model_level_every_k(t) else {}),
+        "optim": _HF_OPTIM[t.optimizer_impl],
     }
 
 
 def export_hf_trainer(t: Tuned) -> Export:
     m = Mapper()
     fields = _trainer_fields(t, m)
-    # FSDP's own checkpointing replaces the model's; transformers rejects both at once.
-    fields["activation_checkpointing"] = False
     body = (f"# Use: torchrun --nnodes {t.nodes} --nproc_per_node {t.gpus_per_node} train.py hf_trainer_args.yaml\n"
             "# where train.py does: (args,) = HfArgumentParser(TrainingArguments).parse_yaml_file(sys.argv[1])\n"
             f"# Tokenize into sequences of {t.seq_len} tokens (the tuned seq_len).\n"
@@ -132,9 +171,9 @@ def export_hf_trainer(t: Tuned) -> Export:
 
 def export_trl(t: Tuned) -> Export:
     m = Mapper()
+    # TRL defaults gradient_checkpointing to True; the explicit activation_checkpointing set by
+    # _trainer_fields takes precedence over that deprecated alias.
     fields = _trainer_fields(t, m)
-    # TRL defaults gradient_checkpointing to True: off here, FSDP's activation checkpointing rules.
-    fields["gradient_checkpointing"] = False
     fields["max_length"] = t.seq_len
     fields["packing"] = True
     body = (f"# Use: accelerate launch --num_processes {t.gpus} --num_machines {t.nodes} -m trl.cli sft "

@@ -69,6 +69,7 @@ def export_torchtitan(t: Tuned) -> Export:
         m.approximated("state_dict_type", "checkpoint (DCP, sharded)",
                        "torchtitan always saves sharded DCP checkpoints; a full state dict would fit here "
                        "(checkpoint.last_save_in_hf consolidates the final weights)")
+    m.mapped("optimizer_impl", "optimizer.implementation")
     name, flavor = _FLAVORS.get(t.model_name, ("llama3", "debugmodel"))
     if t.model_name not in _FLAVORS:
         m.warn(f"model {t.model_name!r} has no torchtitan flavor known to autotune: set [model] name/flavor "
@@ -90,8 +91,9 @@ def export_torchtitan(t: Tuned) -> Export:
             "data_parallel_shard_degree": t.gpus,
             "fsdp_reshard_after_forward": "always" if t.reshard_after_forward else "never",
         }),
+        _table("optimizer", {"name": "AdamW", "implementation": t.optimizer_impl}),
         _table("activation_checkpoint", ac),
-        _table("checkpoint", {"enable_checkpoint": True}),
+        _table("checkpoint", {"enable": True}),  # torchtitan 0.2's name (0.1 said enable_checkpoint)
     ]
     body = (f"# Use: NGPU={t.gpus_per_node} CONFIG_FILE=torchtitan.toml ./run_train.sh "
             f"(torchrun --nnodes {t.nodes} --nproc_per_node {t.gpus_per_node} -m torchtitan.train "

@@ -60,7 +60,7 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
               timed_steps: int, seed: int, faults: list[Fault], trial_index: int) -> dict[str, Any]:
     """Train `warmup_steps + timed_steps` steps of `spec` on this rank; return its figures."""
     model, notes = materialise(spec, mesh=mesh, device=device, seed=seed)
-    optimizer = make_optimizer(model)
+    optimizer = make_optimizer(model, impl=spec.train.optimizer_impl)
     scaler = make_grad_scaler(spec.train.precision, device)
     grad_accum = min(spec.grad_accum_steps, MAX_TRIAL_GRAD_ACCUM)
     batches = token_batches(vocab_size=int(spec.model.config_dict["vocab_size"]),

@@ -131,7 +131,7 @@ class SimBackend(TrialBackend):
         """Sites of the full model at the spec's micro-batch, a trace for shapes, and notes."""
         num_layers = spec.model.num_layers
         mb = spec.train.micro_batch_size
-        period = period_of(spec.train)
+        period = period_of(spec.train, spec.model)
         depths = shallow_depths(num_layers, period) if self.extrapolate else None
         if depths is None:
             trace = self._trace(spec, depth=num_layers, micro_batch_size=mb, keep_middle=True)

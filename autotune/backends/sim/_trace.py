@@ -18,6 +18,7 @@ exist throughout forward and backward (added per site from the exact reduce-scat
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -74,10 +75,12 @@ PENDING_GRAD = _FSDPRefType.SHARDED_GRAD.name
 SiteKey = tuple  # (phase, FSDP hook, unit position, ops since the hook)
 
 
-def period_of(train: TrainConfig) -> int:
-    """Blocks per repeating pattern: k for 'every:k', else 1."""
+def period_of(train: TrainConfig, model: ModelSpec) -> int:
+    """Blocks per repeating pattern of the traced step: the least common multiple of the
+    checkpointing period (k for 'every:k', else 1) and the model's own layer pattern (2 where
+    sliding and full attention alternate)."""
     every = ac_every(train.activation_checkpointing)
-    return every if every and every > 1 else 1
+    return math.lcm(every if every and every > 1 else 1, model.layer_period)
 
 
 @dataclass
@@ -105,8 +108,11 @@ def _next_pow2(n: int) -> int:
 
 
 @functools.cache
-def _returns_tensor(func) -> bool:
-    return any("Tensor" in str(ret.type) for ret in func._schema.returns)
+def _is_step_op(func) -> bool:
+    """An op that advances a site's count: it returns tensors, or nothing at all (an in-place op
+    such as the fused AdamW kernel: without it a fused optimizer step records no site)."""
+    returns = func._schema.returns
+    return not returns or any("Tensor" in str(ret.type) for ret in returns)
 
 
 class _SiteTracker(FSDPMemTracker):
@@ -176,8 +182,8 @@ class _SiteTracker(FSDPMemTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # Metadata queries (prim.device, sym_size, ...) come and go with fake tensors' caches;
-        # only ops that return tensors advance a site's op count.
-        self._counts_as_op = _returns_tensor(func)
+        # only ops that return tensors (or mutate in place) advance a site's op count.
+        self._counts_as_op = _is_step_op(func)
         if self._gloo and func is _REDUCE_SCATTER:
             # gloo's reduce-scatter works on a full-size copy of its input, freed when it returns.
             self._transient = args[1].untyped_storage().nbytes()
@@ -267,7 +273,7 @@ class Tracer:
         copy gloo's reduce-scatter makes (a CPU run), which NCCL does not."""
         start = time.perf_counter()
         built = self._built(model_spec, depth=depth, mesh=mesh, world_size=world_size, train=train)
-        period = period_of(train)
+        period = period_of(train, model_spec)
         steady_accum = grad_accum_steps > 1
         position_of = _position_namer(built.model, built.blocks, depth=depth, period=period,
                                       keep_middle=keep_middle)
@@ -299,8 +305,10 @@ class Tracer:
                          pinned_param_bytes=dict(built.pinned), duration_s=time.perf_counter() - start)
 
     def _built(self, model_spec: ModelSpec, *, depth: int, mesh, world_size: int, train: TrainConfig) -> _Built:
+        # Every knob but the two that do not change the built model: a new knob can never reuse
+        # a model built for another value of it.
         key = (model_spec.name, repr(sorted(model_spec.config_dict.items())), depth, world_size,
-               train.activation_checkpointing, train.reshard_after_forward, train.precision)
+               train.with_(micro_batch_size=1, cpu_offload=False))
         if key in self._models:
             return self._models[key]
         if len(self._models) >= self._max_cached_models:
@@ -308,7 +316,7 @@ class Tracer:
         with self._fake_mode, _real_mask_decisions():
             model = build_model(model_spec, num_layers=depth)
             blocks = parallelize(model, mesh, train.with_(cpu_offload=False), allow_offload=False)
-            optimizer = make_optimizer(model)
+            optimizer = make_optimizer(model, impl=train.optimizer_impl)
             _warm_up(model, optimizer, vocab_size=int(model_spec.config_dict["vocab_size"]))
         block_ids = {id(p) for p in blocks.layers.parameters()}
         block_params = sum(p.numel() for p in blocks.layers[0].parameters())

@@ -1,0 +1,152 @@
+"""Every current Hugging Face decoder family plans and its prediction matches a real run.
+
+The configs are written by transformers itself (each family's own config class, `save_pretrained`),
+as a user's `config.json` would be, and read back through `resolve_model` like `--model PATH`. Each
+model is deep enough that the simulator traces two shallow copies and extrapolates in depth
+(respecting the family's layer pattern: Gemma 2 alternates sliding and full attention, Gemma 3
+repeats five sliding layers and one full, Qwen3-MoE mixes dense and MoE layers); one torchrun
+launch of the real cpu backend (2 gloo ranks) runs them all at full depth.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import transformers
+
+from autotune.backends.real import RealBackend
+from autotune.backends.sim import SimBackend
+from autotune.catalog.models import resolve_model
+from autotune.config import Cluster, TrainConfig, TrialSpec
+
+SEQ_LEN = 64
+_TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=512, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+# family -> (config class name, fields beyond _TINY). Depths make every copy extrapolate.
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(num_hidden_layers=8)),
+    "mistral": ("MistralConfig", dict(num_hidden_layers=6, sliding_window=32)),
+    "qwen2": ("Qwen2Config", dict(num_hidden_layers=6)),
+    "qwen3": ("Qwen3Config", dict(num_hidden_layers=6, head_dim=16)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_hidden_layers=8, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, decoder_sparse_step=2)),
+    "mixtral": ("MixtralConfig", dict(num_hidden_layers=6, num_local_experts=4, num_experts_per_tok=2)),
+    "gemma2": ("Gemma2Config", dict(num_hidden_layers=8, head_dim=16, sliding_window=32)),
+    "gemma3_text": ("Gemma3TextConfig", dict(num_hidden_layers=20, head_dim=16, sliding_window=32)),
+    "phi3": ("Phi3Config", dict(num_hidden_layers=6)),
+    "gpt_neox": ("GPTNeoXConfig", dict(num_hidden_layers=6)),
+    "olmo2": ("Olmo2Config", dict(num_hidden_layers=6)),
+    "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=8, head_dim=16, num_local_experts=4,
+                                     num_experts_per_tok=2, sliding_window=32)),
+    "smollm3": ("SmolLM3Config", dict(num_hidden_layers=14)),  # no RoPE every 4th layer
+}
+
+
+def _config_class(name: str):
+    return getattr(transformers, name, None)
+
+
+def _write_config(family: str, folder) -> str:
+    class_name, fields = FAMILIES[family]
+    config_class = _config_class(class_name)
+    if config_class is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {class_name}")
+    tiny = dict(_TINY)
+    if family == "gpt_neox":  # GPT-NeoX names its MLP width differently and has no KV heads
+        tiny.pop("num_key_value_heads")
+        tiny["intermediate_size"] = 256
+    config = config_class(**tiny, **fields)
+    path = folder / family
+    config.save_pretrained(path)
+    return str(path)
+
+
+def _spec(path: str, **train) -> TrialSpec:
+    return TrialSpec(model=resolve_model(path), cluster=Cluster(num_gpus=2), seq_len=SEQ_LEN,
+                     train=TrainConfig(**train))
+
+
+@pytest.fixture(scope="module")
+def saved_configs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("families")
+    return {family: _write_config(family, folder) for family in FAMILIES
+            if _config_class(FAMILIES[family][0]) is not None}
+
+
+def test_shallow_copies_keep_every_kind_of_layer(saved_configs):
+    """A shallow copy's blocks are the real model's first blocks, per-layer fields cut alike."""
+    for family, path in saved_configs.items():
+        model = resolve_model(path)
+        full = model.hf_config()
+        layer_types = getattr(full, "layer_types", None)
+        period = model.layer_period
+        depth = period + 2
+        if depth >= model.num_layers:
+            continue
+        shallow = model.hf_config(num_layers=depth)  # transformers validates the cut config
+        assert shallow.num_hidden_layers == depth
+        if layer_types:
+            assert list(shallow.layer_types) == list(layer_types[:depth]), family
+            assert set(shallow.layer_types) == set(layer_types), family
+
+
+def test_layer_periods_follow_each_family_pattern(saved_configs):
+    periods = {family: resolve_model(path).layer_period for family, path in saved_configs.items()}
+    # Counted from transformers' own layer_types / MoE layout of these configs:
+    assert periods["gemma2"] == 2            # sliding, full, sliding, full, ...
+    assert periods["gemma3_text"] == 6       # five sliding layers, then one full
+    assert periods["qwen3_moe"] == 2         # decoder_sparse_step=2: dense, MoE, dense, MoE, ...
+    assert periods["llama"] == 1 and periods["qwen2"] == 1
+
+
+def test_a_copy_that_would_drop_a_kind_of_layer_is_refused(saved_configs):
+    model = resolve_model(saved_configs["gemma2"])
+    with pytest.raises(ValueError, match="lack"):
+        model.hf_config(num_layers=1)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "qwen3_moe"])
+def test_extrapolation_equals_a_full_depth_trace_for_patterned_layers(saved_configs, family):
+    """A count made another way: the whole model traced, against two shallow copies extrapolated."""
+    spec = _spec(saved_configs[family], activation_checkpointing="none", micro_batch_size=2)
+    shallow, whole = SimBackend(device_kind="cpu", screen=False), SimBackend(device_kind="cpu", extrapolate=False,
+                                                                              screen=False)
+    try:
+        extrapolated, full = shallow.evaluate(spec), whole.evaluate(spec)
+    finally:
+        shallow.close()
+        whole.close()
+    assert extrapolated.status == full.status == "ok", (extrapolated.message, full.message)
+    assert extrapolated.extras["extrapolated"] and not full.extras["extrapolated"]
+    assert extrapolated.extras["tensor_peak_bytes"] == full.extras["tensor_peak_bytes"]
+
+
+@pytest.fixture(scope="module")
+def measured_and_predicted(saved_configs):
+    families = list(saved_configs)
+    specs = [_spec(saved_configs[f], activation_checkpointing="every:2" if f == "llama" else "none",
+                   micro_batch_size=2) for f in families]
+    with RealBackend(device="cpu", warmup_steps=1, timed_steps=1) as real:
+        measured = real.evaluate_many(specs)
+    sim = SimBackend(device_kind="cpu", screen=False)
+    try:
+        predicted = [sim.evaluate(spec) for spec in specs]
+    finally:
+        sim.close()
+    return dict(zip(families, zip(specs, measured, predicted)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_prediction_matches_a_real_gloo_run(measured_and_predicted, family):
+    if family not in measured_and_predicted:
+        pytest.skip(f"transformers {transformers.__version__} has no {FAMILIES[family][0]}")
+    spec, real, sim = measured_and_predicted[family]
+    assert real.status == "ok", real.message
+    assert sim.status == "ok", sim.message
+    assert sim.extras["extrapolated"], "the depth must force extrapolation"
+    real_peak, sim_peak = real.extras["tensor_peak_bytes"], sim.extras["tensor_peak_bytes"]
+    assert abs(sim_peak - real_peak) <= 0.01 * real_peak, (
+        f"{family}: predicted {sim_peak:,} B, measured {real_peak:,} B")
