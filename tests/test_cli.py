@@ -230,3 +230,14 @@ def test_bad_model_config_is_one_line_exit_2_nothing_written(tmp_path, capsys, c
     assert message in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert not runs.exists()
+
+
+def test_small_sizes_print_in_a_unit_that_shows_them(tmp_path, capsys):
+    """A micro model on a 3 MiB cap: the limit is 0.9 x 3 MiB = 2.70 MiB, never '0.00 GiB'."""
+    argv = ["--model", "micro-llama", "--gpus", "2", "--global-tokens", "2048", "--backend", "sim",
+            "--gpu-memory", "3MiB", "--runs-dir", str(tmp_path / "runs")]
+    main(argv)
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert f"{3 * 0.9:.2f} MiB" in text
+    assert "0.00 GiB" not in text

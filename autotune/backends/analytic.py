@@ -26,6 +26,7 @@ from functools import lru_cache
 from autotune import costmodel
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
 from autotune.config import TrialSpec, is_checkpointed
+from autotune.units import format_bytes
 from autotune.catalog.models import ModelSpec
 
 __all__ = ["AnalyticBackend", "ModelShape", "model_shape", "MemoryEstimate", "estimate_memory",
@@ -223,13 +224,13 @@ class AnalyticBackend(TrialBackend):
         host_limit = spec.cluster.host_memory_bytes
         if host_limit is not None and memory.host_bytes_per_node > host_limit:
             status = "oom"
-            message = (f"host memory: a node needs {memory.host_bytes_per_node / 2**30:.1f} GiB "
+            message = (f"host memory: a node needs {format_bytes(memory.host_bytes_per_node)} "
                        f"(offloaded state of {spec.cluster.gpus_per_node} ranks), it has "
-                       f"{host_limit / 2**30:.1f} GiB")
+                       f"{format_bytes(host_limit)}")
         elif memory.peak_bytes > spec.limit_bytes:
             status = "oom"
-            message = (f"GPU memory: {memory.peak_bytes / 2**30:.1f} GiB per GPU at the {memory.peak_at} "
-                       f"exceeds the {spec.limit_bytes / 2**30:.1f} GiB limit")
+            message = (f"GPU memory: {format_bytes(memory.peak_bytes)} per GPU at the {memory.peak_at} "
+                       f"exceeds the {format_bytes(spec.limit_bytes)} limit")
         return TrialResult(
             status=status,
             peak_memory=Figure(memory.peak_bytes, "estimated",

@@ -11,7 +11,8 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from autotune.report._charts import GiB, memory_chart, throughput_chart
+from autotune.report._charts import memory_chart, throughput_chart
+from autotune.units import format_bytes
 
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1180px;
@@ -55,7 +56,7 @@ document.addEventListener('DOMContentLoaded', function () {
 
 
 def _gib(value: float | None) -> str:
-    return "-" if value is None else f"{value / GiB:.2f} GiB"
+    return "-" if value is None else format_bytes(value)
 
 
 def _tokens(value: float | None) -> str:

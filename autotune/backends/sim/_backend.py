@@ -13,6 +13,7 @@ from autotune.backends.sim._extrapolate import extrapolate, shallow_depths
 from autotune.backends.sim._fakepg import fake_mesh, release_fake_group
 from autotune.backends.sim._trace import REFTYPE_CATEGORIES, StepTrace, Tracer, period_of
 from autotune.config import TrialSpec
+from autotune.units import format_bytes
 from autotune.errors import AutotuneError
 from autotune.training import model_flops_per_token
 
@@ -94,8 +95,8 @@ class SimBackend(TrialBackend):
         need = estimate.extras.get("tensor_peak_bytes") if self.device_kind == "cpu" else estimate.peak_bytes
         if not need or need <= SCREEN_MARGIN * spec.limit_bytes:
             return None
-        estimate.message = (f"estimated {need / GiB:.2f} GiB per GPU by the closed form, over "
-                            f"{SCREEN_MARGIN:.0%} of the limit {spec.limit_bytes / GiB:.2f} GiB: not traced")
+        estimate.message = (f"estimated {format_bytes(need)} per GPU by the closed form, over "
+                            f"{SCREEN_MARGIN:.0%} of the limit {format_bytes(spec.limit_bytes)}: not traced")
         estimate.extras["screened"] = True
         if self.device_kind == "cpu":
             estimate.tokens_per_sec = None
@@ -181,7 +182,7 @@ class SimBackend(TrialBackend):
             if len(notes["traced_micro_batches"]) == 2:
                 basis += f" and from micro-batches {_MB_BASE[0]} and {_MB_BASE[1]}"
         if overhead:
-            basis += f" (+ {overhead / GiB:.2f} GiB runtime margin, estimated)"
+            basis += f" (+ {format_bytes(overhead)} runtime margin, estimated)"
         if offload:
             basis += "; " + _offload.OFFLOAD_BASIS
         peak = Figure(total, "estimated" if offload else "predicted", basis)
@@ -192,20 +193,20 @@ class SimBackend(TrialBackend):
         host_figure = None
         if host_per_node is not None:
             host_figure = Figure(host_per_node, "estimated",
-                                 f"{_offload.OFFLOAD_BASIS}; per rank {host_per_node / spec.cluster.gpus_per_node / GiB:.2f} "
-                                 f"GiB x {spec.cluster.gpus_per_node} ranks per node, "
-                                 f"{costmodel.HOST_PROCESS_BYTES / GiB:.0f} GiB process memory each")
+                                 f"{_offload.OFFLOAD_BASIS}; per rank {format_bytes(host_per_node / spec.cluster.gpus_per_node)} "
+                                 f"x {spec.cluster.gpus_per_node} ranks per node, "
+                                 f"{format_bytes(costmodel.HOST_PROCESS_BYTES)} process memory each")
 
         status, reasons = "ok", []
         if total > spec.limit_bytes:
             status = "oom"
-            reasons.append(f"predicted peak {total / GiB:.2f} GiB per GPU is over the limit "
-                           f"{spec.limit_bytes / GiB:.2f} GiB")
+            reasons.append(f"predicted peak {format_bytes(total)} per GPU is over the limit "
+                           f"{format_bytes(spec.limit_bytes)}")
         host_limit = spec.cluster.host_memory_bytes
         if host_per_node is not None and host_limit is not None and host_per_node > host_limit:
             status = "oom"
-            reasons.append(f"CPU offload needs {host_per_node / GiB:.1f} GiB of host memory per node, over "
-                           f"--host-memory {host_limit / GiB:.1f} GiB")
+            reasons.append(f"CPU offload needs {format_bytes(host_per_node)} of host memory per node, over "
+                           f"--host-memory {format_bytes(host_limit)}")
         return TrialResult(status=status, peak_memory=peak, memory_breakdown=breakdown,
                            tokens_per_sec=throughput, host_memory_per_node=host_figure,
                            message="; ".join(reasons + ([message] if message else [])), extras=extras)
