@@ -26,8 +26,17 @@ class GlobalBatch:
         return (self.global_tokens - self.target_tokens) / self.target_tokens
 
 
+MAX_GRAD_ACCUM_STEPS = 100_000
+"""More accumulation steps than this per optimizer step is a typo, not a training run."""
+
+
 def check_target(*, target_tokens: int, num_gpus: int, seq_len: int) -> None:
     smallest = num_gpus * seq_len
+    if target_tokens > MAX_GRAD_ACCUM_STEPS * smallest:
+        raise UsageError(
+            f"--global-tokens {target_tokens:,} would take more than {MAX_GRAD_ACCUM_STEPS:,} accumulation steps "
+            f"at micro-batch 1 ({num_gpus} GPUs x {seq_len} seq_len = {smallest:,} tokens each): check the value "
+            "(4M = 4,000,000)")
     if target_tokens < smallest:
         raise UsageError(
             f"--global-tokens {target_tokens:,} is smaller than one sequence per GPU "

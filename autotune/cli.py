@@ -88,6 +88,7 @@ def _add_problem_options(parser: argparse.ArgumentParser, *, model_required: boo
 
 def build_parser() -> argparse.ArgumentParser:
     root = _Parser(prog="autotune", description="Find the fastest FSDP2 configuration that fits, and prove it.")
+    root.add_argument("--version", "-V", action="store_true", help="print the version and exit")
     sub = root.add_subparsers(dest="command", parser_class=_Parser)
 
     tune = sub.add_parser("tune", help="walk the decision graph and write the winner (the default command)")
@@ -139,7 +140,32 @@ def build_parser() -> argparse.ArgumentParser:
     return root
 
 
+_VALUE_OPTIONS = ("--global-tokens", "--gpus", "--nodes", "--seq-len", "--micro-batch", "--grad-accum",
+                  "--max-trials", "--gpu-memory", "--host-memory", "--headroom", "--global-tolerance")
+
+
+def _attach_negative_values(argv: list[str]) -> list[str]:
+    """`--global-tokens -4M` -> `--global-tokens=-4M`: argparse would read -4M as an option and say
+    only "expected one argument"; attached, the value reaches its own validation and message."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in _VALUE_OPTIONS and i + 1 < len(argv) and argv[i + 1][:1] == "-" and argv[i + 1][1:2].isdigit():
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    if argv[:1] in (["--version"], ["-V"]):
+        import autotune
+
+        print(f"autotune {autotune.__version__}")
+        raise SystemExit(EXIT_OK)
+    argv = _attach_negative_values(argv)
     # `autotune --model ...` means `autotune tune --model ...`.
     if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
         argv = ["tune", *argv]
@@ -151,8 +177,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 # -- building the problem from flags ---------------------------------------------------------------
-def _resolve_problem(args: argparse.Namespace) -> tuple[Any, Any, int, str]:
-    """(ModelSpec, Cluster, seq_len, how the GPU type was chosen) from the shared options, validated."""
+def _resolve_problem(args: argparse.Namespace, *, check_batch=None) -> tuple[Any, Any, int, str]:
+    """(ModelSpec, Cluster, seq_len, how the GPU type was chosen) from the shared options, validated.
+    `check_batch(num_gpus, seq_len)` runs before anything slow (GPU detection imports torch)."""
     from autotune.catalog.gpus import DEFAULT_GPU, GPUS, detect_gpu, resolve_gpu
     from autotune.catalog.models import resolve_model
     from autotune.config import Cluster
@@ -163,24 +190,49 @@ def _resolve_problem(args: argparse.Namespace) -> tuple[Any, Any, int, str]:
     if args.gpus is None:
         raise UsageError("--gpus is required: the total number of GPUs of the job, e.g. --gpus 8")
     model = resolve_model(args.model, trust_remote_code=args.trust_remote_code)
+    seq_len = args.seq_len or model.default_seq_len
+    if model.max_positions and seq_len > model.max_positions:
+        raise UsageError(f"--seq-len {seq_len} is longer than {model.name} supports "
+                         f"({model.max_positions} positions): lower --seq-len")
+    gpu_memory = parse_bytes(args.gpu_memory, what="--gpu-memory") if args.gpu_memory else None
+    host_memory = parse_bytes(args.host_memory, what="--host-memory") if args.host_memory else None
+    if gpu_memory is not None and gpu_memory < 1:
+        raise UsageError("--gpu-memory must be positive, e.g. 40GiB")
+    if check_batch is not None:
+        check_batch(args.gpus, seq_len)
     if args.gpu_type:
         gpu, gpu_note = resolve_gpu(args.gpu_type), "given with --gpu-type"
     else:
         gpu, gpu_note = detect_gpu(), "detected"
         if gpu is None:
             gpu, gpu_note = GPUS[DEFAULT_GPU], "the default: no GPU detected here; set --gpu-type"
-    gpu_memory = parse_bytes(args.gpu_memory, what="--gpu-memory") if args.gpu_memory else None
-    host_memory = parse_bytes(args.host_memory, what="--host-memory") if args.host_memory else None
-    if gpu_memory is not None and gpu_memory < 1:
-        raise UsageError("--gpu-memory must be positive, e.g. 40GiB")
     cluster = Cluster(num_gpus=args.gpus, num_nodes=args.nodes, gpu=gpu, gpu_memory_bytes=gpu_memory,
                       host_memory_bytes=host_memory)
-    seq_len = args.seq_len or model.default_seq_len
-    if model.max_positions and seq_len > model.max_positions:
-        raise UsageError(f"--seq-len {seq_len} is longer than {model.name} supports "
-                         f"({model.max_positions} positions): lower --seq-len")
-    _ = model.block_class  # fail now, with the supported families, if FSDP cannot wrap it
     return model, cluster, seq_len, f"GPU type {gpu.name} ({gpu_note})"
+
+
+def _check_wrappable(model) -> None:
+    """Fail now, with the supported families, if FSDP cannot wrap the model (a meta build: run it
+    after the cheap checks, so a typo in a number is refused at once)."""
+    _ = model.block_class
+
+
+def _check_out_file(out: str | None) -> None:
+    """--out must be writable before any trial runs: finding out after an hour is no help."""
+    if not out:
+        return
+    import tempfile
+
+    path = Path(out)
+    if path.is_dir():
+        raise UsageError(f"--out {out!r} is a folder: give a file name, e.g. --out best.json")
+    folder = path.parent if str(path.parent) else Path(".")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".autotune-probe."):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--out {out!r} cannot be written ({exc.strerror}): choose a writable path") from None
 
 
 def _choose_backend(name: str, cluster) -> tuple[str, str]:
@@ -223,22 +275,27 @@ def _predictor_for(name: str):
 def cmd_tune(args: argparse.Namespace, console) -> int:
     from autotune.batch import DEFAULT_TOLERANCE, check_reachable, check_target
     from autotune.controller import DEFAULT_HEADROOM, Controller, TuneRequest
-    from autotune.result import build_result, dumps
     from autotune.search_space import load_space
-    from autotune.store import (RunLog, TrialStore, default_storage, ensure_writable, new_run_dir,
-                                step_record, study_name, trials_frame)
-    from autotune.files import write_atomic
-    from autotune.units import format_bytes, parse_count
+    from autotune.store import (RunLog, TrialStore, default_storage, ensure_writable, new_run_dir, study_name,
+                                write_run_state)
+    from autotune.units import parse_count
 
+    if str(args.global_tokens).strip().startswith("-"):
+        raise UsageError(f"--global-tokens must be positive, got {args.global_tokens}: e.g. 4M")
     target = parse_count(args.global_tokens, what="--global-tokens")
     if target < 1:
         raise UsageError("--global-tokens must be positive, e.g. 4M")
-    model, cluster, seq_len, gpu_note = _resolve_problem(args)
-    check_target(target_tokens=target, num_gpus=cluster.num_gpus, seq_len=seq_len)
     tolerance = DEFAULT_TOLERANCE if args.global_tolerance is None else args.global_tolerance
-    check_reachable(target_tokens=target, num_gpus=cluster.num_gpus, seq_len=seq_len, tolerance=tolerance)
+
+    def check_batch(num_gpus: int, seq_len: int) -> None:
+        check_target(target_tokens=target, num_gpus=num_gpus, seq_len=seq_len)
+        check_reachable(target_tokens=target, num_gpus=num_gpus, seq_len=seq_len, tolerance=tolerance)
+
+    model, cluster, seq_len, gpu_note = _resolve_problem(args, check_batch=check_batch)
     space = load_space(args.space)
     formats = _parse_formats(args.export) if args.export else []
+    _check_out_file(args.out)
+    _check_wrappable(model)
     runs_dir = ensure_writable(Path(args.runs_dir))
     backend_name, backend_why = _choose_backend(args.backend, cluster)
     request = TuneRequest(model=model, cluster=cluster, seq_len=seq_len, target_tokens=target,
@@ -248,8 +305,34 @@ def cmd_tune(args: argparse.Namespace, console) -> int:
     store = TrialStore(args.storage or default_storage(runs_dir), args.study or study_name(request, backend_name))
     finished = store.finished()
     run_dir = new_run_dir(request, runs_dir)
-    run_id = run_dir.name
     log = RunLog(run_dir / "autotune.log")
+    write_run_state(run_dir, "running", log)
+    state = "failed"
+    try:
+        code = _tune_in_run_dir(args, console, request=request, store=store, finished=finished, run_dir=run_dir,
+                                log=log, backend_name=backend_name, backend_why=backend_why, gpu_note=gpu_note,
+                                formats=formats)
+        state = "done" if code == EXIT_OK else "nothing-fits"
+        return code
+    except KeyboardInterrupt:
+        state = "interrupted"
+        raise
+    finally:
+        write_run_state(run_dir, state, log)  # the folder says how the run ended, whatever happened
+        log.close()
+
+
+def _tune_in_run_dir(args: argparse.Namespace, console, *, request, store, finished, run_dir: Path, log,
+                     backend_name: str, backend_why: str, gpu_note: str, formats: list[str]) -> int:
+    """The run itself, once its folder is claimed: trials, then the files."""
+    from autotune.backends import get_backend
+    from autotune.controller import Controller, why_nothing_fits
+    from autotune.files import write_atomic
+    from autotune.result import build_result, dumps
+    from autotune.store import step_record, trials_frame
+
+    run_id = run_dir.name
+    model = request.model
     backend = _make_backend(backend_name, args)
     predictor = _predictor_for(backend_name)
     console.header(request, backend_name, backend_why, backend.describe(), store, finished, run_dir)
@@ -278,11 +361,10 @@ def cmd_tune(args: argparse.Namespace, console) -> int:
     for note in outcome.notes:
         console.note(note)
         log(f"note: {note}")
-    console.trial_table(outcome.steps, request)
+    console.trial_table(outcome.steps, request, winner=outcome.winner)
     if outcome.winner is None:
-        console.error_line(f"no configuration fits within {format_bytes(request.memory_limit_bytes)} per GPU "
-                           f"(capacity less {request.headroom:.0%} headroom); trials are in {run_dir}")
-        log.close()
+        reason = why_nothing_fits(outcome.steps[-1], request) if outcome.steps else "no configuration was evaluated"
+        console.error_line(f"{reason}; trials are in {run_dir}")
         return EXIT_NOTHING_FITS
     document = build_result(request, outcome.winner, outcome.steps, backend=backend_name,
                             wrap=model.block_class, run_id=run_id, study=store.name, notes=outcome.notes)
@@ -294,7 +376,6 @@ def cmd_tune(args: argparse.Namespace, console) -> int:
     if formats:
         _write_exports(document, formats, run_dir, console)
     log(f"winner: step {outcome.winner.step} {outcome.winner.train.label()}; wrote {run_dir / 'best.json'}")
-    log.close()
     console.winner(document, run_dir, args.out)
     if args.json:
         sys.stdout.write(text)
@@ -356,6 +437,7 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
                             micro_batch_size=args.micro_batch)
         grad_accum = args.grad_accum
     model, cluster, seq_len, gpu_note = _resolve_problem(args)
+    _check_wrappable(model)
     console.note(gpu_note)
     headroom = DEFAULT_HEADROOM if args.headroom is None else args.headroom
     spec = TrialSpec(model=model, cluster=cluster, seq_len=seq_len, train=train, grad_accum_steps=grad_accum,

@@ -10,6 +10,7 @@ import contextlib
 from pathlib import Path
 
 from rich.console import Console as RichConsole
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -30,6 +31,29 @@ def _basis(source: str, basis: str) -> str:
 
 def _tps(value: float) -> str:
     return f"{value:,.0f} tok/s"
+
+
+_SOURCE_LETTER = {"measured": "M", "predicted": "P", "estimated": "E"}
+
+
+def _short_figure(figure, fmt) -> str:
+    if figure is None or figure.value is None:
+        return "-"
+    return f"{fmt(figure.value)} {_SOURCE_LETTER.get(figure.source, '?')}"
+
+
+def _short_label(train) -> str:
+    """'mb2 ac:full offload no-rs': the configuration in a couple of dozen characters (the
+    precision is the run's, said in the table's title)."""
+    parts = [f"mb{train.micro_batch_size}", f"ac:{train.activation_checkpointing}"]
+    if train.cpu_offload:
+        parts.append("offload")
+    if not train.reshard_after_forward:
+        parts.append("no-rs")
+    return " ".join(parts)
+
+
+_SHORT_STAGE = {"checkpointing": "ckpt", "baseline": "base"}
 
 
 _STATUS_STYLE = {"ok": "green", "oom": "red", "pruned": "yellow", "error": "magenta", "timeout": "magenta"}
@@ -59,8 +83,10 @@ class Console:
 
     def header(self, request, backend_name, backend_why, backend_description, store, finished, run_dir: Path) -> None:
         model, cluster = request.model, request.cluster
-        self.out.print(f"[bold]autotune[/bold] {model.name} ({format_count(model.num_parameters)} parameters, "
-                       f"{model.num_layers} × {model.block_class}) on {cluster.num_gpus} × {cluster.gpu.name}"
+        # Names come from the user (a config path, _name_or_path): printed as text, never as markup.
+        self.out.print(f"[bold]autotune[/bold] {escape(model.name)} ({format_count(model.num_parameters)} "
+                       f"parameters, {model.num_layers} × {escape(model.block_class)}) on {cluster.num_gpus} × "
+                       f"{escape(cluster.gpu.name)}"
                        f" ({cluster.num_nodes} node{'s' if cluster.num_nodes > 1 else ''}), seq_len {request.seq_len}")
         self.note(f"backend: {backend_name} ({backend_why})")
         self.note(f"figures: {backend_description}")
@@ -105,20 +131,25 @@ class Console:
             self.out.print(Text(f"   {result.message}", style="dim"))
 
     # -- summaries ---------------------------------------------------------------------------------
-    def trial_table(self, steps, request) -> None:
+    def trial_table(self, steps, request, winner=None) -> None:
+        """One row per trial, narrow enough for an 80-column terminal (details are in report.html)."""
         if not steps:
             return
-        table = Table(title="trials", show_lines=False)
-        for column in ("#", "stage", "precision", "mb", "accum", "ac", "offload", "reshard", "status",
-                       "peak memory", "tokens/s"):
-            table.add_column(column)
+        precisions = sorted({s.train.precision for s in steps})
+        table = Table(title=f"trials, {'/'.join(precisions)} (* winner; P/E/M predicted/estimated/measured; "
+                            "tok/s: whole job)",
+                      box=None, pad_edge=False, padding=(0, 1), title_justify="left", header_style="bold underline")
+        for column, justify, width in (("#", "right", 3), ("stage", "left", 7), ("configuration", "left", None),
+                                       ("acc", "right", 4), ("status", "left", 6), ("peak/GPU", "right", 11),
+                                       ("tok/s", "right", None)):
+            table.add_column(column, justify=justify, no_wrap=True, min_width=width)
         for s in steps:
             result = s.result
-            table.add_row(str(s.step), s.stage, s.train.precision, str(s.train.micro_batch_size),
-                          str(s.batch.grad_accum_steps), s.train.activation_checkpointing,
-                          "yes" if s.train.cpu_offload else "no", "yes" if s.train.reshard_after_forward else "no",
-                          "fits" if s.fits else result.status,
-                          _figure(result.peak_memory, format_bytes), _figure(result.tokens_per_sec, _tps))
+            mark = "*" if winner is not None and s is winner else ""
+            table.add_row(f"{mark}{s.step}", _SHORT_STAGE.get(s.stage, s.stage), _short_label(s.train),
+                          str(s.batch.grad_accum_steps), "fits" if s.fits else result.status,
+                          _short_figure(result.peak_memory, format_bytes),
+                          _short_figure(result.tokens_per_sec, lambda v: f"{v:,.0f}"))
         self.out.print(table)
 
     def winner(self, document: dict, run_dir: Path, out: str | None) -> None:
@@ -134,8 +165,18 @@ class Console:
         self.out.print(f"   peak {format_bytes(peak)} per GPU "
                        f"({_basis(document['memory_source'], document['memory_basis'])})", markup=False)
         if tps is not None:
-            self.out.print(f"   {tps:,.0f} tokens/s "
+            gpus = document["gpus"]
+            step_s = document["global_tokens"] / tps if tps else None
+            mfu = document.get("mfu")
+            mfu_text = f", MFU {mfu:.1%}" if mfu else ""
+            self.out.print(f"   {tps:,.0f} tokens/s for the whole job = {tps / gpus:,.0f} per GPU, "
+                           f"{step_s:.2f} s per optimizer step{mfu_text} "
                            f"({_basis(document['throughput_source'], document['throughput_basis'])})", markup=False)
+        if fsdp["cpu_offload"] and document.get("host_memory_bytes") is None \
+                and document.get("host_memory_per_node_bytes"):
+            self.out.print(f"   assumes {format_bytes(document['host_memory_per_node_bytes'])} of host memory per "
+                           "node for CPU offload (estimated), not checked: pass --host-memory to check it",
+                           markup=False, style="yellow")
         error = document.get("prediction_error")
         if error:
             self.out.print(f"   simulator vs measured tensor peak over {error['trials']} trials: median "

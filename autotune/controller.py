@@ -115,6 +115,19 @@ def config_key(train: TrainConfig, *, grad_accum_steps: int, backend: str) -> st
                       sort_keys=True)
 
 
+def why_nothing_fits(last: Step, request: TuneRequest) -> str:
+    """Which limit the last, most memory-saving configuration hit, and what to do about it."""
+    from autotune.units import format_bytes
+
+    message = last.result.message or ""
+    if last.train.cpu_offload and "host memory" in message:
+        return (f"no configuration fits: CPU offload fits the GPUs but not the host ({message}); add GPUs or "
+                "nodes (less host memory per node), or pass the nodes' real --host-memory if it is larger")
+    return (f"no configuration fits within {format_bytes(request.memory_limit_bytes)} per GPU (capacity less "
+            f"{request.headroom:.0%} headroom), even at micro-batch 1 with every memory saving allowed: add GPUs, "
+            "lower --seq-len, or lower --headroom")
+
+
 class BudgetExhausted(Exception):
     """--max-trials or --time-budget reached: stop trying, choose among what was measured."""
 
@@ -245,11 +258,10 @@ class Controller:
         if not step.fits and space.offload:
             step = self.run("offload", step.train.with_(activation_checkpointing="full" if space.checkpointing
                                                         else "none", cpu_offload=True),
-                            f"{self._why(step)} with checkpointing: offload parameters, gradients and "
+                            f"checkpointing every block {self._why(step)}: offload parameters, gradients and "
                             "optimizer state to the CPU")
         if not step.fits:
-            self.notes.append("no configuration fits, even at micro-batch 1 with every memory saving "
-                              "allowed: add GPUs, lower --seq-len, or lower --headroom")
+            self.notes.append(why_nothing_fits(step, self.request))
             return
         largest = self._grow(step.train, stage="grow")
         self._align(largest)
@@ -341,7 +353,8 @@ class Controller:
                 if not self._could_win(largest.with_(activation_checkpointing=ac)):
                     continue
                 step = self.run("explore", largest.with_(activation_checkpointing=ac),
-                                f"memory allows? checkpoint only blocks {ac.split(':')[1]} apart: less recompute")
+                                f"if memory allows, checkpoint only every {ac.split(':')[1]}th block: less "
+                                "recompute than checkpointing all of them")
                 if step.fits:
                     break
         if (mode.activation_checkpointing == "none" and space.checkpointing

@@ -139,7 +139,8 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
         "tokens_per_sec": result.throughput,
         "throughput_source": tps.source if tps else "estimated",
         "throughput_basis": tps.basis if tps else "no throughput figure from this backend",
-        "mfu": result.extras.get("mfu"),
+        # Measured by real trials, estimated by the simulator and the closed form (throughput_source says which).
+        "mfu": result.extras.get("mfu", result.extras.get("mfu_estimated")),
         "predicted": winner.predicted.to_dict() if winner.predicted else None,
         "prediction_error": prediction_summary(steps),
         "decision_path": decision_path(steps),

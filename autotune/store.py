@@ -187,6 +187,17 @@ def trials_frame(records: list[dict[str, Any]]):
     return pd.DataFrame(rows)
 
 
+def write_run_state(run_dir: Path, state: str, log=None) -> None:
+    """runs/<id>/status.json: running, done, nothing-fits, failed or interrupted, with the time, so a
+    folder left by a killed or failed run says so (and the log says it too)."""
+    from autotune.files import write_json
+
+    write_json(run_dir / "status.json", {"state": state,
+                                         "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+    if log is not None:
+        log(f"state: {state}")
+
+
 class RunLog:
     """runs/<id>/autotune.log: one line per event, flushed as it happens."""
 

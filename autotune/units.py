@@ -44,7 +44,10 @@ def parse_bytes(text: str | int, *, what: str = "memory") -> int:
     cleaned = str(text).strip()
     if cleaned.upper().endswith("B"):
         cleaned = cleaned[:-1]
-    return parse_count(cleaned, what=what)
+    try:
+        return parse_count(cleaned, what=what)
+    except UsageError:
+        raise UsageError(f"cannot parse {what} {text!r}: use a size such as 40GiB, 80GB or 512MiB") from None
 
 
 def format_bytes(num_bytes: float | None) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from autotune.catalog.models import resolve_model
 from autotune.cli import EXIT_NOTHING_FITS, EXIT_OK, EXIT_USAGE, main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -241,3 +242,94 @@ def test_small_sizes_print_in_a_unit_that_shows_them(tmp_path, capsys):
     text = out.out + out.err
     assert f"{3 * 0.9:.2f} MiB" in text
     assert "0.00 GiB" not in text
+
+
+def test_version_prints_the_package_version():
+    import autotune
+
+    proc = run_cli("--version")
+    assert proc.returncode == EXIT_OK and proc.stdout.strip() == f"autotune {autotune.__version__}"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--global-tokens", "-4M"], "must be positive"),
+    (["--global-tokens", "1000000000000000000000000000000"], "accumulation steps"),
+    (["--global-tokens", "4M", "--gpu-memory", "lots"], "use a size such as 40GiB"),
+    (["--global-tokens", "4M", "--out", "."], "is a folder"),
+])
+def test_more_bad_input_is_one_line_exit_2(tmp_path, capsys, argv, message):
+    runs = tmp_path / "runs"
+    assert main(["--model", "llama-7b", "--gpus", "8", *argv, "--runs-dir", str(runs)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not runs.exists()
+
+
+def test_unwritable_out_is_refused_before_the_run(tmp_path, capsys):
+    not_a_folder = tmp_path / "notes.txt"  # unwritable as a parent even for root
+    not_a_folder.write_text("x")
+    runs = tmp_path / "runs"
+    assert main([*TINY, "--backend", "analytic", "--out", str(not_a_folder / "best.json"),
+                 "--runs-dir", str(runs)]) == EXIT_USAGE
+    assert "cannot be written" in capsys.readouterr().err
+    assert not runs.exists()
+
+
+def test_outputs_honour_the_umask_and_the_folder_says_how_the_run_ended(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    old = os.umask(0o027)
+    try:
+        assert main([*TINY, "--backend", "analytic", "--runs-dir", str(runs), "--export", "accelerate"]) == EXIT_OK
+    finally:
+        os.umask(old)
+    (run,) = run_dirs(runs)
+    for name in ("best.json", "trials.csv", "report.html", "accelerate_fsdp2.yaml", "status.json"):
+        mode = (run / name).stat().st_mode & 0o777
+        assert mode == 0o666 & ~0o027, f"{name}: {oct(mode)}"
+    assert json.loads((run / "status.json").read_text())["state"] == "done"
+    assert "state: done" in (run / "autotune.log").read_text()
+
+
+def test_a_model_name_with_markup_is_printed_as_text(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(resolve_model("micro-llama").config_dict
+                                 | {"model_type": "llama", "_name_or_path": "[bold]odd[/bold]"}))
+    assert main(["--model", str(config), "--gpus", "2", "--global-tokens", "2048", "--backend", "analytic",
+                 "--runs-dir", str(tmp_path / "runs")]) == EXIT_OK
+    assert "[bold]odd[/bold]" in capsys.readouterr().out
+
+
+def test_host_memory_is_named_when_it_is_what_fails(tmp_path, capsys):
+    argv = ["--model", "llama-70b", "--gpus", "2", "--gpu-type", "rtx4090-24gb", "--global-tokens", "1M",
+            "--backend", "analytic", "--runs-dir", str(tmp_path / "runs")]
+    assert main([*argv, "--host-memory", "256GiB"]) == EXIT_NOTHING_FITS
+    err = capsys.readouterr().err
+    assert "not the host" in err and "256.00 GiB" in err and "headroom" not in err
+    (run,) = run_dirs(tmp_path / "runs")
+    assert json.loads((run / "status.json").read_text())["state"] == "nothing-fits"
+    # Without --host-memory the offload winner says what it assumes.
+    assert main(argv) == EXIT_OK
+    assert "not checked: pass --host-memory" in capsys.readouterr().out
+
+
+def test_trial_table_fits_an_80_column_terminal_and_marks_the_winner():
+    from autotune.backends import get_backend
+    from autotune.catalog.gpus import GPUS
+    from autotune.config import Cluster
+    from autotune.console import Console
+    from autotune.controller import Controller, TuneRequest
+
+    request = TuneRequest(model=resolve_model("llama-70b"), cluster=Cluster(num_gpus=2, gpu=GPUS["rtx4090-24gb"]),
+                          seq_len=4096, target_tokens=1_000_000)
+    outcome = Controller(request, get_backend("analytic")).tune()
+    console = Console()
+    console.out.width, console.out.record = 80, True
+    console.trial_table(outcome.steps, request, winner=outcome.winner)
+    lines = console.out.export_text().splitlines()
+    assert max(len(line) for line in lines) <= 80 and "…" not in "\n".join(lines)
+    rows = [line for line in lines if line.strip()[:1] in "*0123456789"]
+    assert len(rows) == len(outcome.steps)  # one line per trial: nothing wrapped
+    (marked,) = [line for line in rows if line.strip().startswith("*")]
+    assert marked.split()[0] == f"*{outcome.winner.step}"
+    # The throughput column is readable: the winner's figure is printed whole.
+    assert f"{outcome.winner.result.throughput:,.0f}" in marked
