@@ -3,7 +3,8 @@
 Each command is a thin wrapper over library functions; shared options are defined once;
 errors are turned into one line and an exit code in one place (`main`).
 
-Exit codes: 0 done, 2 bad input, 3 nothing fits, 1 internal error, 130 interrupted.
+Exit codes: 0 done, 2 bad input, 3 nothing fits, 1 internal error, 130 interrupted (Ctrl-C),
+143 terminated (SIGTERM); after either, finished trials are kept and a rerun resumes.
 """
 
 from __future__ import annotations
@@ -12,13 +13,25 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 from autotune.errors import AutotuneError, UsageError
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what Slurm, systemd and `kill` send): unwinds exactly like Ctrl-C, so finished trials
+    are kept, trial workers are stopped and temporary folders removed on the way out."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
 COMMANDS = ("tune", "trial", "export", "report")
 
 
@@ -491,6 +504,16 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     console = Console(quiet="--json" in argv, notes_to_stderr=bool(argv) and argv[0] in ("trial", "export"))
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if on_main_thread else None
+    try:
+        return _main(argv, console)
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str], console) -> int:
     try:
         args = parse_args(argv)
         handler = {"tune": cmd_tune, "trial": cmd_trial, "export": cmd_export, "report": cmd_report}[args.command]
@@ -498,9 +521,10 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         console.error_line(f"error: {exc}")
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        console.error_line("interrupted: every finished trial is in the study; rerun the same command to resume")
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as exc:
+        how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+        console.error_line(f"{how}: every finished trial is in the study; rerun the same command to resume")
+        return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
     except AutotuneError as exc:
         console.error_line(f"error: {exc}")
         return EXIT_INTERNAL

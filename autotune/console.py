@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from autotune.secrets import mask
 from autotune.units import format_bytes, format_count
 
 
@@ -72,14 +73,15 @@ class Console:
 
     # -- plain lines -------------------------------------------------------------------------------
     def note(self, text: str) -> None:
+        text = mask(text)
         if self.notes_to_stderr:
             self.err.print(f"autotune: {text}", markup=False)
         else:
             self.out.print(Text("• ", style="cyan") + Text(text))  # user text is never markup
 
     def error_line(self, text: str) -> None:
-        # One line, no markup interpretation of user-provided text.
-        self.err.print(f"autotune: {text}", markup=False, highlight=False)
+        # One line, no markup interpretation of user-provided text, no storage password.
+        self.err.print(f"autotune: {mask(text)}", markup=False, highlight=False)
 
     def header(self, request, backend_name, backend_why, backend_description, store, finished, run_dir: Path) -> None:
         model, cluster = request.model, request.cluster

@@ -14,6 +14,7 @@ from typing import Any
 import autotune
 from autotune.controller import Step, TuneRequest, prediction_summary
 from autotune.parallel import PARAM_DTYPES
+from autotune.secrets import mask
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "result.schema.json"
@@ -32,7 +33,7 @@ def provenance() -> dict[str, str]:
         "python": platform.python_version(),
         "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
-        "command": shlex.join(["autotune", *sys.argv[1:]]),
+        "command": mask(shlex.join(["autotune", *sys.argv[1:]])),  # never a storage password
     }
 
 

@@ -61,17 +61,20 @@ class TrialStore:
     def __init__(self, storage: str, name: str) -> None:
         import optuna
 
+        from autotune.secrets import mask, with_password
+
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+        shown = mask(storage)  # what is printed and logged; the password only reaches the driver
         try:
-            self.study = optuna.create_study(storage=storage, study_name=name, direction="maximize",
-                                             load_if_exists=True)
+            self.study = optuna.create_study(storage=with_password(storage), study_name=name,
+                                             direction="maximize", load_if_exists=True)
         except (ImportError, ModuleNotFoundError) as exc:
-            raise UsageError(f"storage {storage!r} needs a driver that is not installed: {exc}") from None
+            raise UsageError(f"storage {shown!r} needs a driver that is not installed: {mask(exc)}") from None
         except Exception as exc:  # bad URL, unreachable server
             if exc.__class__.__name__ in ("ArgumentError", "OperationalError", "NoSuchModuleError", "ValueError"):
-                raise UsageError(f"cannot open storage {storage!r}: {str(exc).splitlines()[0]}") from None
+                raise UsageError(f"cannot open storage {shown!r}: {mask(str(exc).splitlines()[0])}") from None
             raise
-        self.storage = storage
+        self.storage = shown
         self.name = name
 
     def finished(self) -> dict[str, dict[str, Any]]:
@@ -211,7 +214,9 @@ class RunLog:
         self.logger.addHandler(self.handler)
 
     def __call__(self, message: str) -> None:
-        self.logger.info(message)
+        from autotune.secrets import mask
+
+        self.logger.info(mask(message))
 
     def close(self) -> None:
         self.logger.removeHandler(self.handler)

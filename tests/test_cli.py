@@ -333,3 +333,64 @@ def test_trial_table_fits_an_80_column_terminal_and_marks_the_winner():
     assert marked.split()[0] == f"*{outcome.winner.step}"
     # The throughput column is readable: the winner's figure is printed whole.
     assert f"{outcome.winner.result.throughput:,.0f}" in marked
+
+
+SECRET = "s3cret-Pw-42"
+
+
+def test_a_storage_password_reaches_no_stream_or_file(tmp_path, capsys, monkeypatch):
+    """Neither when the storage cannot be opened nor in a successful run's files."""
+    runs = tmp_path / "runs"
+    url = f"postgresql+psycopg://tuner:{SECRET}@127.0.0.1:9/sweeps"
+    code = main([*TINY, "--backend", "analytic", "--storage", url, "--runs-dir", str(runs)])
+    assert code == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert SECRET not in captured.out + captured.err and "***" in captured.err
+    # A run whose command line holds a password elsewhere (as a sweep's wrapper may pass it) still
+    # writes none: provenance, log, report and trials are masked.
+    monkeypatch.setattr(sys, "argv", ["autotune", *TINY, "--storage", url])
+    monkeypatch.setenv("AUTOTUNE_STORAGE_PASSWORD", SECRET)
+    assert main([*TINY, "--backend", "analytic", "--runs-dir", str(runs)]) == EXIT_OK
+    captured = capsys.readouterr()
+    assert SECRET not in captured.out + captured.err
+    for path in runs.rglob("*"):
+        if path.is_file() and path.suffix != ".db":
+            assert SECRET not in path.read_text(errors="replace"), path
+
+
+@pytest.mark.slow
+def test_sigterm_keeps_finished_trials_and_leaves_no_process(tmp_path):
+    """What Slurm and systemd send: exit 143, the run marked interrupted, every child gone."""
+    import signal
+    import time
+
+    import psutil
+
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, "-m", "autotune", "--model", "micro-llama", "--gpus", "2",
+                             "--global-tokens", "2048", "--backend", "cpu", "--runs-dir", str(runs)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    children: set[int] = set()
+    try:
+        while time.monotonic() < deadline:  # wait until a trial finished and the next one runs
+            logs = list(runs.glob("*/autotune.log"))
+            if logs and "step 1 " in logs[0].read_text():
+                children = {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+                if children:
+                    break
+            time.sleep(0.5)
+        assert children, "no trial was running"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err
+    assert "terminated (SIGTERM)" in err and "Traceback" not in err
+    (run,) = run_dirs(runs)
+    assert json.loads((run / "status.json").read_text())["state"] == "interrupted"
+    assert "step 1 " in (run / "autotune.log").read_text()
+    time.sleep(1)
+    alive = [pid for pid in children if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    assert not alive, f"left running: {alive}"
