@@ -23,6 +23,7 @@ from autotune.controller import Step, TuneRequest, config_key
 from autotune.errors import UsageError
 
 STUDY_DB = "autotune.db"
+_REUSED = "reused:"  # study attribute prefix: reused:<run_id>:<step> -> the trial a run's step reused
 
 
 def ensure_writable(runs_dir: Path) -> Path:
@@ -55,6 +56,33 @@ def study_name(request: TuneRequest, backend: str) -> str:
     return f"{name}-{request.cluster.num_gpus}x{request.cluster.gpu.name}-{backend}-{digest}"
 
 
+# What a worker sees when another one creates the same new database's schema or study at the same
+# moment (SQLite and PostgreSQL both; alembic's version row, Optuna's tables and enum types).
+_CREATION_RACE = ("already exists", "unique constraint failed", "duplicate key", "uniqueviolation",
+                  "alembic_version", "studydirection")
+_CREATION_ATTEMPTS = 8
+
+
+def _create_study(url: str, name: str):
+    """optuna.create_study(load_if_exists=True), safe when workers start together on a new database:
+    the loser of a creation race retries after a short random pause and then finds what the winner
+    made. Anything else is raised at once."""
+    import random
+    import time
+
+    import optuna
+
+    for attempt in range(_CREATION_ATTEMPTS):
+        try:
+            return optuna.create_study(storage=url, study_name=name, direction="maximize", load_if_exists=True)
+        except Exception as exc:  # noqa: BLE001 - only the creation race is retried
+            text = f"{type(exc).__name__} {exc}".lower()
+            if attempt == _CREATION_ATTEMPTS - 1 or not any(mark in text for mark in _CREATION_RACE):
+                raise
+            time.sleep(random.uniform(0.1, 0.5) * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 class TrialStore:
     """The Optuna study of one tuning problem."""
 
@@ -66,8 +94,7 @@ class TrialStore:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         shown = mask(storage)  # what is printed and logged; the password only reaches the driver
         try:
-            self.study = optuna.create_study(storage=with_password(storage), study_name=name,
-                                             direction="maximize", load_if_exists=True)
+            self.study = _create_study(with_password(storage), name)
         except (ImportError, ModuleNotFoundError) as exc:
             raise UsageError(f"storage {shown!r} needs a driver that is not installed: {mask(exc)}") from None
         except Exception as exc:  # bad URL, unreachable server
@@ -87,7 +114,14 @@ class TrialStore:
         return records
 
     def record(self, step: Step, *, run_id: str) -> int:
-        """Add the step as one finished trial; returns its trial number."""
+        """Add the step as one finished trial; returns its trial number. A step that reused a
+        finished trial is recorded as a reference to it (a study attribute), not as a second trial:
+        resuming never duplicates what the study holds."""
+        if step.reused_from is not None:
+            self.study.set_user_attr(f"{_REUSED}{run_id}:{step.step}",
+                                     {"number": step.reused_from, "step": step.step, "stage": step.stage,
+                                      "reason": step.reason})
+            return step.reused_from
         import optuna
         from optuna.distributions import CategoricalDistribution, IntDistribution
         from optuna.trial import TrialState
@@ -121,14 +155,25 @@ class TrialStore:
         return len(self.study.get_trials(deepcopy=False)) - 1
 
     def trials(self, *, run_id: str | None = None) -> list[dict[str, Any]]:
-        """Trial records (see `step_record`), optionally of one run, in order."""
+        """Trial records (see `step_record`), optionally of one run, in order; a run's steps that
+        reused earlier trials appear with that run's step, stage and reason."""
+        trials = self.study.get_trials(deepcopy=False)
         out = []
-        for trial in self.study.get_trials(deepcopy=False):
+        for trial in trials:
             attrs = dict(trial.user_attrs)
             if "result" not in attrs or (run_id is not None and attrs.get("run_id") != run_id):
                 continue
             attrs["number"] = trial.number
             out.append(attrs)
+        if run_id is not None:
+            by_number = {trial.number: trial for trial in trials}
+            for key, ref in self.study.user_attrs.items():
+                if key.startswith(f"{_REUSED}{run_id}:") and ref["number"] in by_number:
+                    attrs = dict(by_number[ref["number"]].user_attrs)
+                    attrs.update(step=ref["step"], stage=ref["stage"], reason=ref["reason"], run_id=run_id,
+                                 reused_from=ref["number"], number=ref["number"])
+                    out.append(attrs)
+            out.sort(key=lambda record: record["step"])
         return out
 
 

@@ -98,6 +98,33 @@ def test_tune_writes_valid_result_and_resumes(tmp_path, capsys):
     assert again["study"] == document["study"]
     assert {k: again[k] for k in ("micro_batch_size", "fsdp")} == {k: document[k] for k in ("micro_batch_size", "fsdp")}
     assert all("reused trial" in s["reason"] for s in again["decision_path"])
+    # ... without adding those trials to the study again (counted by Optuna itself), while the second
+    # run's trial table still lists every step it took.
+    import optuna
+
+    study = optuna.load_study(study_name=document["study"], storage=f"sqlite:///{runs / 'autotune.db'}")
+    assert len(study.trials) == len(document["decision_path"])
+    assert (second / "trials.csv").read_text().count("\n") == len(again["decision_path"]) + 1
+
+
+def test_workers_creating_one_new_study_at_the_same_moment_all_succeed(tmp_path):
+    """SQLite's schema and Optuna's study created by three processes at once (it crashed one in
+    three rounds of five before creation retried): every process gets the study, in every round."""
+    script = ("import sys, time\n"
+              "from autotune.store import TrialStore\n"
+              "start = float(sys.argv[2])\n"
+              "while time.time() < start: time.sleep(0.001)\n"
+              "TrialStore(sys.argv[1], 'race')\n")
+    import time
+
+    for round_ in range(4):
+        url = f"sqlite:///{tmp_path / f'race{round_}.db'}"
+        start = time.time() + 3.0  # after every process has imported what it needs
+        procs = [subprocess.Popen([sys.executable, "-c", script, url, str(start)], stderr=subprocess.PIPE, text=True)
+                 for _ in range(3)]
+        for proc in procs:
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
 
 
 def test_nothing_fits_exit_code(tmp_path, capsys):
