@@ -120,7 +120,7 @@ class Console:
         result = step.result
         style = _STATUS_STYLE.get(result.status, "white")
         verdict = "fits" if step.fits else result.status
-        reused = f" [dim](reused trial #{step.reused_from})[/dim]" if step.reused_from is not None else ""
+        reused = " [dim](reused trial from the study: not run again)[/dim]" if step.reused_from is not None else ""
         figures = f"peak {_figure(result.peak_memory, format_bytes)}"
         if result.tokens_per_sec is not None and result.tokens_per_sec.value is not None:
             figures += f", {_figure(result.tokens_per_sec, _tps)}"
@@ -187,6 +187,9 @@ class Console:
         if checkpoint.get("recommended"):
             self.out.print(f"   checkpoint: save {checkpoint['recommended']} ({checkpoint['state_dict_type']}): "
                            f"{checkpoint['reason']} (estimated)", markup=False)
+        why = document.get("why_winner") or {}
+        if why.get("sentence"):
+            self.out.print(f"   why: {why['sentence']}", markup=False)
         self.out.print(f"   wrote {run_dir / 'best.json'}" + (f" and {out}" if out else ""))
 
     def exported(self, fmt: str, path: Path, warnings: list[str]) -> None:

@@ -65,7 +65,7 @@ def decision_path(steps: list[Step]) -> list[dict[str, Any]]:
         "memory_source": s.result.peak_memory.source if s.result.peak_memory else None,
         "tokens_per_sec": s.result.throughput,
         "throughput_source": s.result.tokens_per_sec.source if s.result.tokens_per_sec else None,
-        "reason": s.reason + (f" (reused trial #{s.reused_from})" if s.reused_from is not None else ""),
+        "reason": s.reason + (" (reused trial: no new trial)" if s.reused_from is not None else ""),
     } for s in steps]
 
 
@@ -89,6 +89,30 @@ def loss_section(request: TuneRequest, winner: Step) -> dict[str, Any]:
         "note": "a chunked or fused cross-entropy (torchtitan's ChunkedLossWrapper, Liger) keeps a fraction of "
                 "this; where peak_at_loss is true the peak falls by up to logits_bytes + logits_grad_bytes",
     }
+
+
+def why_winner(winner: Step, steps: list[Step], request: TuneRequest) -> dict[str, Any]:
+    """One sentence on why the winner won, against the runner-up (the next fastest configuration
+    that fits within the global-batch tolerance)."""
+    from autotune.batch import within_tolerance
+
+    def figure(step: Step) -> str:
+        tps = step.result.tokens_per_sec
+        return f"{tps.value:,.0f} tokens/s ({tps.source})" if tps and tps.value else "no throughput figure"
+
+    others = [s for s in steps if s.fits and within_tolerance(s.batch, request.tolerance)
+              and s.train != winner.train and s.result.throughput]
+    runner = max(others, key=lambda s: s.result.throughput, default=None)
+    if runner is None:
+        sentence = (f"step {winner.step} ({winner.train.label()}) is the only configuration that fits with the "
+                    f"global batch within {request.tolerance:.1%}: {figure(winner)}")
+        return {"winner_step": winner.step, "runner_up_step": None, "sentence": sentence}
+    gain = (winner.result.throughput or 0) / runner.result.throughput - 1
+    sentence = (f"step {winner.step} ({winner.train.label()}) won with {figure(winner)}, {gain:+.1%} against the "
+                f"runner-up, step {runner.step} ({runner.train.label()}) at {figure(runner)}")
+    if winner.result.tokens_per_sec and winner.result.tokens_per_sec.source == "estimated":
+        sentence += "; both are estimates, so a real trial of the two decides a close call"
+    return {"winner_step": winner.step, "runner_up_step": runner.step, "sentence": sentence}
 
 
 def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backend: str, wrap: str,
@@ -145,6 +169,7 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
         "predicted": winner.predicted.to_dict() if winner.predicted else None,
         "prediction_error": prediction_summary(steps),
         "decision_path": decision_path(steps),
+        "why_winner": why_winner(winner, steps, request),
         "notes": notes,
         "backend": backend,
         "provenance": provenance(),

@@ -128,3 +128,41 @@ def test_report_renders_in_headless_chromium(run, tmp_path):
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
     if os.environ.get("AUTOTUNE_UPDATE_SCREENSHOT"):  # refresh docs/report.png from this run
         shutil.copyfile(shot, SCREENSHOT)
+
+
+def test_throughput_axis_covers_every_point_and_steps_are_numbered_once(run):
+    _, result, trials = run
+    html = render_report(result, trials)
+    chart = html[html.index('id="throughput-chart"'):]
+    chart = chart[:chart.index("</svg>")]
+    grid = [float(v) for v in re.findall(r'class="grid"/><text x="[\d.]+" y="([\d.]+)"', chart)]
+    points = [float(v) for v in re.findall(r'<circle class="point fits" cx="[\d.]+" cy="([\d.]+)"', chart)]
+    assert points and grid
+    assert min(points) >= min(grid) - 4.0 - 0.5, "a point is drawn above the top tick"  # label y = line y + 4
+    # One numbering: the decision path's 1-based steps, nowhere an Optuna trial number.
+    steps = {t["step"] for t in trials}
+    assert min(steps) == 1
+    assert "trial #" not in html and "<th>#</th>" not in html
+    for step in steps:
+        assert f"step {step} " in chart or f'<td class="num">{step}</td>' in html
+
+
+def test_report_says_why_the_winner_won_and_what_was_not_explored(run):
+    _, result, trials = run
+    html = render_report(result, trials)
+    why = result["why_winner"]
+    assert why["winner_step"] in {t["step"] for t in trials if t["fits"]}
+    if why["runner_up_step"] is not None:
+        runner = next(t for t in trials if t["step"] == why["runner_up_step"])
+        winner = next(t for t in trials if t["step"] == why["winner_step"])
+        assert runner["fits"]
+        assert winner["result"]["tokens_per_sec"]["value"] >= runner["result"]["tokens_per_sec"]["value"]
+    assert 'id="why-winner"' in html and 'id="not-explored"' in html
+    for note in result["notes"]:
+        assert html_escape(note) in html
+
+
+def html_escape(text: str) -> str:
+    from html import escape
+
+    return escape(text)

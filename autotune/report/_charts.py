@@ -31,7 +31,8 @@ def _ticks(top: float, count: int = 5) -> list[float]:
     raw = top / count
     magnitude = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1
     step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
-    return [i * step for i in range(int(top / step) + 1)]
+    # The last tick is at or above `top`: no point is ever drawn above the axis.
+    return [i * step for i in range(math.ceil(top / step - 1e-9) + 1)]
 
 
 def _legend(items: list[tuple[str, str]], *, marks: str = "") -> str:
@@ -80,7 +81,7 @@ def memory_chart(trials: list[dict[str, Any]], *, capacity: int, limit: int | No
                 continue
             y0, y1 = y(base), y(base + value)
             out.append(f'<rect class="bar" x="{x}" y="{y1:.1f}" width="36" height="{max(y0 - y1, 0.5):.1f}" '
-                       f'fill="{COLORS[category]}"><title>trial #{t.get("number", "?")} {escape(t["stage"])}: '
+                       f'fill="{COLORS[category]}"><title>step {t["step"]} {escape(t["stage"])}: '
                        f'{escape(category)} {value / GiB:.2f} GiB ({source})</title></rect>')
             base += value
         status = t["status"]
@@ -92,7 +93,7 @@ def memory_chart(trials: list[dict[str, Any]], *, capacity: int, limit: int | No
             out.append(f'<text x="{x + 18}" y="{y(total) - 16:.1f}" class="oom" text-anchor="middle">'
                        f'{escape(status.upper())}</text>')
         out.append(f'<text x="{x + 18}" y="{bottom + 14}" class="axis" text-anchor="middle">'
-                   f'#{t.get("number", t["step"])}</text>'
+                   f'{t["step"]}</text>'
                    f'<text x="{x + 22}" y="{bottom + 26}" class="axis small" text-anchor="end" '
                    f'transform="rotate(-60 {x + 22} {bottom + 26})">{escape(t["stage"])}</text>')
         if t["step"] == winner_step:
@@ -138,8 +139,8 @@ def throughput_chart(trials: list[dict[str, Any]]) -> str:
     micro_all = [m for points in series.values() for m, *_ in points]
     lo, hi = math.log2(min(micro_all)), math.log2(max(micro_all))
     hi = hi if hi > lo else lo + 1
-    top = max(values) * 1.1 if values else 1.0
-    width, height, left, right, bottom, plot_top = 700, 335, 78, 20, 290, 20
+    top = _ticks(max(values) * 1.05)[-1] if values else 1.0  # the axis ends on a tick above every point
+    width, height, left, right, bottom, plot_top = 1100, 335, 78, 20, 290, 20  # the page width: no scaling
 
     def x(micro: int) -> float:
         return left + (width - left - right) * (math.log2(micro) - lo) / (hi - lo)
@@ -169,13 +170,14 @@ def throughput_chart(trials: list[dict[str, Any]]) -> str:
             path = " ".join(f"{'M' if i == 0 else 'L'}{x(m):.1f},{y(v):.1f}" for i, (m, v) in enumerate(fitting))
             out.append(f'<path d="{path}" class="series" stroke="{color}"/>')
         for micro, value, t, source in points:
-            tip = (f'trial #{t.get("number", "?")} {t["stage"]}: micro-batch {micro}, {key}, '
+            tip = (f'step {t["step"]} {t["stage"]}: micro-batch {micro}, {key}, '
                    + (f"{value:,.0f} tokens/s ({source})" if value else t["status"]))
             if value:
                 out.append(f'<circle class="point fits" cx="{x(micro):.1f}" cy="{y(value):.1f}" r="5" '
                            f'fill="{color}"><title>{escape(tip)}</title></circle>')
             else:
-                cx, cy = x(micro) + 4 * (index % 3 - 1), bottom - 8  # nudged: series often OOM together
+                # Series often run out of memory at the same micro-batch: each gets its own place.
+                cx, cy = x(micro) + 9 * (index - (len(series) - 1) / 2), bottom - 8
                 out.append(f'<path class="point oom-mark" d="M{cx - 5:.1f},{cy - 5:.1f}L{cx + 5:.1f},{cy + 5:.1f}'
                            f'M{cx - 5:.1f},{cy + 5:.1f}L{cx + 5:.1f},{cy - 5:.1f}" stroke="{color}">'
                            f'<title>{escape(tip)}</title></path>')

@@ -26,7 +26,7 @@ text-transform:uppercase;letter-spacing:.03em}.src.measured{background:#d9f2e0;c
 table{border-collapse:collapse;width:100%;font-size:12.5px}th,td{border-bottom:1px solid #edf0f5;padding:4px 6px;
 text-align:left;vertical-align:top}th{background:#f5f7fa;position:sticky;top:0}td.num{text-align:right;white-space:nowrap;
 font-variant-numeric:tabular-nums}tr.win td{background:#eef8f0}tr.bad td{color:#8d2a2a}
-.chart text.axis{font-size:11px;fill:#5b6478}.chart text.small{font-size:10px}.chart .grid{stroke:#edf0f5}
+svg.chart{width:100%;height:auto;max-width:1180px}.chart text.axis{font-size:11px;fill:#5b6478}.chart text.small{font-size:10px}.chart .grid{stroke:#edf0f5}
 .chart .capacity{stroke:#c0392b;stroke-width:2}.chart .limit{stroke:#c0392b;stroke-dasharray:6 4}
 .chart .capacity-label,.chart .limit-label{font-size:11px;fill:#c0392b}.chart text.value{font-size:10px;fill:#333}
 .chart text.winner{font-size:11px;fill:#155d2b;font-weight:700}
@@ -97,7 +97,7 @@ def _cards(result: dict[str, Any]) -> str:
 
 
 def _trial_table(trials: list[dict[str, Any]], winner_step: int | None) -> str:
-    head = ("#", "step", "stage", "config", "accum", "status", "peak memory", "tokens/s", "backend", "why / message")
+    head = ("step", "stage", "config", "accum", "status", "peak memory", "tokens/s", "backend", "why / message")
     rows = []
     for t in trials:
         result = t.get("result") or {}
@@ -107,7 +107,7 @@ def _trial_table(trials: list[dict[str, Any]], winner_step: int | None) -> str:
         why = escape(t.get("reason", "")) + (f'<br><span class="muted">{escape(result["message"])}</span>'
                                               if result.get("message") else "")
         rows.append(
-            f'<tr class="{css}"><td class="num">{t.get("number", "")}</td><td class="num">{t["step"]}</td>'
+            f'<tr class="{css}"><td class="num">{t["step"]}</td>'
             f'<td>{escape(t["stage"])}</td><td>{escape(_config_label(t["config"]))}</td>'
             f'<td class="num">{t.get("grad_accum_steps", "")}</td><td>{escape(t["status"])}'
             f'{"" if fits else " (does not fit)" if t["status"] == "ok" else ""}</td>'
@@ -134,6 +134,18 @@ def _decision_path(result: dict[str, Any]) -> str:
     return '<ol class="path" id="decision-path">' + "".join(items) + "</ol>"
 
 
+def _why(result: dict[str, Any]) -> str:
+    sentence = (result.get("why_winner") or {}).get("sentence")
+    out = f'<p id="why-winner">{escape(sentence)}.</p>' if sentence else ""
+    notes = result.get("notes") or []
+    if notes:
+        out += ('<p class="muted">Alternatives not explored, and other notes from the controller:</p>'
+                '<ul id="not-explored">' + "".join(f"<li>{escape(n)}</li>" for n in notes) + "</ul>")
+    else:
+        out += '<p class="muted" id="not-explored">Every alternative the search space allows was evaluated.</p>'
+    return out
+
+
 def _error(measured: float | None, predicted: float | None) -> str:
     if not measured or predicted is None:
         return "-"
@@ -150,7 +162,7 @@ def _predicted_vs_measured(result: dict[str, Any], trials: list[dict[str, Any]])
         peak_m, peak_p = (got.get("peak_memory") or {}), (want.get("peak_memory") or {})
         tps_m, tps_p = (got.get("tokens_per_sec") or {}), (want.get("tokens_per_sec") or {})
         rows.append(
-            f'<tr><td class="num">{t.get("number", "")}</td><td>{escape(_config_label(t["config"]))}</td>'
+            f'<tr><td class="num">{t["step"]}</td><td>{escape(_config_label(t["config"]))}</td>'
             f'<td class="num">{_gib(peak_m.get("value"))}{_src(peak_m.get("source"))}</td>'
             f'<td class="num">{_gib(peak_p.get("value"))}{_src(peak_p.get("source"))}</td>'
             f'<td class="num">{_error(peak_m.get("value"), peak_p.get("value"))}</td>'
@@ -160,7 +172,7 @@ def _predicted_vs_measured(result: dict[str, Any], trials: list[dict[str, Any]])
     if not rows:
         return (f'<p class="empty">No trial has both a measurement and a prediction: the {escape(result["backend"])} '
                 "backend's figures are shown as they are, with their sources.</p>")
-    head = ("#", "config", "peak (this trial)", "peak (prediction)", "error", "tokens/s (this trial)",
+    head = ("step", "config", "peak (this trial)", "peak (prediction)", "error", "tokens/s (this trial)",
             "tokens/s (prediction)", "error")
     return ('<table id="predicted-vs-measured"><thead><tr>' + "".join(f"<th>{h}</th>" for h in head)
             + "</tr></thead><tbody>" + "".join(rows) + "</tbody></table>")
@@ -213,6 +225,8 @@ capacity, dashed: usable limit after headroom.</p>
 <h2>Throughput against micro-batch size</h2>
 <p class="muted">One line per checkpointing / offload setting; whole-job tokens/s with each point's source in its tooltip.</p>
 {throughput_chart(trials)}
+<h2>Why this configuration</h2>
+{_why(result)}
 <h2>Decision path</h2>
 {_decision_path(result)}
 <h2>Predicted versus measured</h2>
