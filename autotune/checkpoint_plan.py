@@ -47,6 +47,12 @@ def _resident_bytes(result: dict[str, Any], params: int) -> tuple[int, str]:
     return int(value), "fp32 params + grads + AdamW state / world size (no memory breakdown in the result)"
 
 
+def _size(figure: dict[str, Any]) -> str:
+    from autotune.units import format_bytes
+
+    return format_bytes(figure["value"])
+
+
 def _largest_tensor_bytes(result: dict[str, Any]) -> int:
     config = result["model"].get("config") or {}
     hidden = result["model"].get("hidden_size") or config.get("hidden_size") or 0
@@ -117,28 +123,42 @@ def plan_checkpoint(result: dict[str, Any]) -> dict[str, Any]:
     options["sharded"]["async_save_host_bytes"] = _figure(
         host_base + shards, f"dcp.async_save stages all of the node's {per_node} shards of fp32 model + AdamW "
                             "state in host memory at once" + host_base_note)
-    # A stack's full state dict may gather the whole model on the GPU (llama-cookbook did) and ends
-    # with rank 0's host holding model + optimizer: recommend it only where both fit.
-    on_gpu, on_host = options["full_on_gpu"], options["full_cpu_offload"]
-    if on_gpu["fits_device"] and on_host["fits"]:
-        recommended = "full"
-        reason = "a full state dict fits: gathered on the GPUs, and on rank 0's host with the optimizer state"
+    # FSDP2 practice: training checkpoints are sharded DCP saves, always (nothing gathered, resumable
+    # at another world size); a full state dict is for the final export of the weights. Each has
+    # its memory, so a full state dict that would not fit is said before anyone tries it.
+    sharded, on_gpu, on_host = options["sharded"], options["full_on_gpu"], options["full_cpu_offload"]
+    final = options["full_cpu_offload_model_only"]
+    periodic_reason = (f"periodic training checkpoints: sharded DCP (dcp.save; {_size(sharded['device_bytes'])} "
+                       f"per GPU, nothing gathered; dcp.async_save stages "
+                       f"{_size(sharded['async_save_host_bytes'])} of host memory per node)")
+    if final["fits"]:
+        final_form = "full"
+        final_reason = (f"final export: the model weights as a full state dict with cpu_offload "
+                        f"(rank 0's host holds {_size(final['host_rank0_bytes'])}, each GPU gathers one tensor at a time)")
     else:
-        recommended = "sharded"
-        failures = [text for text, ok in (
-            (f"gathered on the GPUs it needs {on_gpu['device_bytes']['value'] / 2**30:.0f} GiB per GPU",
-             on_gpu["fits_device"]),
-            (f"rank 0's host would hold {on_host['host_rank0_bytes']['value'] / 2**30:.0f} GiB with the optimizer "
-             "state", on_host["fits_host"])) if not ok]
-        reason = ("a full state dict would not fit (" + "; ".join(failures or ["device"]) +
-                  "): a sharded DCP save gathers nothing")
+        final_form = "sharded"
+        final_reason = (f"final export: a full state dict would not fit (rank 0's host would hold "
+                        f"{_size(final['host_rank0_bytes'])}, more than its {_size({'value': host_cap})}): "
+                        "consolidate the last DCP checkpoint offline "
+                        "(torch.distributed.checkpoint.format_utils.dcp_to_torch_save)")
+    failures = [text for text, ok in (
+        (f"gathered on the GPUs a full state dict needs {_size(on_gpu['device_bytes'])} per GPU", on_gpu["fits_device"]),
+        (f"rank 0's host would hold {_size(on_host['host_rank0_bytes'])} with the optimizer state",
+         on_host["fits_host"])) if not ok]
+    reason = periodic_reason + "; " + final_reason
+    if failures:
+        reason += "; never save training checkpoints as a full state dict here: " + "; ".join(failures)
     if host_base > host_cap:
-        reason += (f"; note: the run itself needs {host_base / 2**30:.0f} GiB of host memory per node, more than "
-                   f"the {host_cap_basis}")
+        reason += (f"; note: the run itself needs {_size({'value': host_base})} of host memory per node, more "
+                   f"than the {host_cap_basis}")
     return {
-        "recommended": recommended,
-        "state_dict_type": "SHARDED_STATE_DICT" if recommended == "sharded" else "FULL_STATE_DICT",
+        "recommended": "sharded",
+        "state_dict_type": "SHARDED_STATE_DICT",
         "reason": reason,
+        "periodic": {"form": "sharded", "how": sharded["how"], "reason": periodic_reason},
+        "final_export": {"form": final_form, "how": final["how"] if final_form == "full" else
+                         "torch.distributed.checkpoint.format_utils.dcp_to_torch_save(checkpoint_dir, 'model.pt')",
+                         "reason": final_reason},
         "device_capacity_bytes": device_cap, "device_capacity_basis": device_cap_basis,
         "host_capacity_bytes": host_cap, "host_capacity_basis": host_cap_basis,
         "host_capacity_assumed": not host_given,

@@ -1,5 +1,6 @@
 """Checkpoint advice: a 70B full state dict gathered on 8 x 80 GB GPUs does not fit, so the
-sharded form is recommended and set in the exports; a tiny model's full state dict fits."""
+sharded form is recommended and set in the exports; training checkpoints are always sharded (DCP), a
+full state dict is advised for the final export where rank 0's host holds it."""
 
 from __future__ import annotations
 
@@ -96,16 +97,19 @@ def test_exports_set_the_recommended_sharded_state_dict(llama_70b, tmp_path):
     assert words[words.index("--checkpoint_type") + 1] == "StateDictType.SHARDED_STATE_DICT"
 
 
-def test_tiny_model_full_state_dict_fits():
+def test_tiny_model_saves_sharded_periodically_and_full_for_the_final_export():
     tiny = make_result("tiny-llama", TINY_LLAMA_PARAMETERS, gpus=2, cpu_offload=False,
                        breakdown={"parameters": 13_000_000, "gradients": 13_000_000, "optimizer_state": 26_000_000,
                                   "activations": 400_000_000, "runtime_overhead": 1_000_000_000})
     plan = tiny["checkpoint"]
-    assert plan["recommended"] == "full" and plan["state_dict_type"] == "FULL_STATE_DICT"
+    # FSDP2 practice: training checkpoints sharded (DCP) even where a full one fits; full for the final export.
+    assert plan["recommended"] == "sharded" and plan["state_dict_type"] == "SHARDED_STATE_DICT"
+    assert plan["periodic"]["form"] == "sharded" and plan["final_export"]["form"] == "full"
+    assert "full_state_dict=True, cpu_offload=True" in plan["final_export"]["how"]
     assert all(option["fits"] for option in plan["options"].values())
     assert plan["host_capacity_assumed"] and plan["host_capacity_bytes"] == ASSUMED_HOST_BYTES
     assert yaml.safe_load(export_result(tiny, "accelerate").text)["fsdp_config"]["fsdp_state_dict_type"] == \
-        "FULL_STATE_DICT"
+        "SHARDED_STATE_DICT"
 
 
 def test_a_small_host_alone_makes_the_sharded_form_recommended():
@@ -115,5 +119,7 @@ def test_a_small_host_alone_makes_the_sharded_form_recommended():
     assert plan["options"]["full_on_gpu"]["fits_device"]  # the GPUs would cope
     assert not plan["options"]["full_cpu_offload"]["fits_host"]  # 12 B/param (87 MB) > 40 MiB
     assert plan["recommended"] == "sharded" and "host" in plan["reason"]
+    # The final export needs the weights alone (4 B/param: 29 MB), which rank 0's 40 MiB host holds.
+    assert 4 * TINY_LLAMA_PARAMETERS <= 40 * 2**20 and plan["final_export"]["form"] == "full"
     # Without a breakdown, the resident model state is fp32 params + grads + AdamW over the world size.
     assert plan["options"]["sharded"]["device_bytes"]["value"] == 16 * TINY_LLAMA_PARAMETERS // 2
