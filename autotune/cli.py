@@ -291,7 +291,7 @@ def cmd_tune(args: argparse.Namespace, console) -> int:
     from autotune.search_space import load_space
     from autotune.store import (RunLog, TrialStore, default_storage, ensure_writable, new_run_dir, study_name,
                                 write_run_state)
-    from autotune.units import parse_count
+    from autotune.units import format_bytes, parse_count
 
     if str(args.global_tokens).strip().startswith("-"):
         raise UsageError(f"--global-tokens must be positive, got {args.global_tokens}: e.g. 4M")
@@ -311,6 +311,13 @@ def cmd_tune(args: argparse.Namespace, console) -> int:
     _check_wrappable(model)
     runs_dir = ensure_writable(Path(args.runs_dir))
     backend_name, backend_why = _choose_backend(args.backend, cluster)
+    if backend_name in ("cpu", "cuda") and cluster.host_memory_bytes is None:
+        # Real trials run where the job will run: this machine's memory is the host memory per node.
+        import dataclasses
+
+        detected = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        cluster = dataclasses.replace(cluster, host_memory_bytes=detected)
+        gpu_note += f"; host memory {format_bytes(detected)} per node (detected here; set --host-memory to override)"
     request = TuneRequest(model=model, cluster=cluster, seq_len=seq_len, target_tokens=target,
                           tolerance=tolerance,
                           headroom=DEFAULT_HEADROOM if args.headroom is None else args.headroom,

@@ -166,3 +166,16 @@ def html_escape(text: str) -> str:
     from html import escape
 
     return escape(text)
+
+
+def test_every_micro_batch_a_trial_used_has_a_tick(run):
+    """Not only powers of two: micro-batch 3 (a bisection step) gets its label. Labels closer than
+    18 px are thinned, which on this log axis only happens above 16."""
+    _, result, trials = run
+    html = render_report(result, trials)
+    chart = html[html.index('id="throughput-chart"'):]
+    chart = chart[:chart.index("</svg>")]
+    ticks = {int(v) for v in re.findall(r'class="axis" text-anchor="middle">(\d+)</text>', chart)}
+    used = {t["config"]["micro_batch_size"] for t in trials}
+    assert any(m & (m - 1) for m in used), "the run should include a micro-batch that is not a power of two"
+    assert {m for m in used if m <= 16} <= ticks

@@ -153,10 +153,13 @@ def throughput_chart(trials: list[dict[str, Any]]) -> str:
     for tick in _ticks(top):
         out.append(f'<line x1="{left}" x2="{width - right}" y1="{y(tick):.1f}" y2="{y(tick):.1f}" class="grid"/>'
                    f'<text x="{left - 6}" y="{y(tick) + 4:.1f}" class="axis" text-anchor="end">{_short(tick)}</text>')
-    for power in range(int(math.floor(lo)), int(math.ceil(hi)) + 1):
-        if lo <= power <= hi:
-            out.append(f'<text x="{x(2 ** power):.1f}" y="{bottom + 16}" class="axis" text-anchor="middle">'
-                       f'{2 ** power}</text>')
+    # Every power of two in range, and every micro-batch a trial used (3, 6, 21 ...) too.
+    labels = {2 ** p for p in range(int(math.floor(lo)), int(math.ceil(hi)) + 1) if lo <= p <= hi} | set(micro_all)
+    placed: list[float] = []
+    for micro in sorted(labels):
+        if all(abs(x(micro) - other) >= 18 for other in placed):  # never two labels on top of each other
+            placed.append(x(micro))
+            out.append(f'<text x="{x(micro):.1f}" y="{bottom + 16}" class="axis" text-anchor="middle">{micro}</text>')
     out.append(f'<text x="{(left + width) / 2:.0f}" y="{bottom + 34}" class="axis" text-anchor="middle">'
                f'micro-batch size (sequences per GPU, log scale)</text>'
                f'<text x="14" y="{(plot_top + bottom) / 2:.0f}" class="axis" text-anchor="middle" '
