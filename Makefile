@@ -4,6 +4,10 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 # The CPU build of torch; users with GPUs install the package into their own CUDA environment.
 TORCH_PIN ?= torch==2.13.0
+# torchtitan 0.3 in an environment of its own: it pins huggingface_hub < 2 and datasets < 5, below
+# what transformers 5 and TRL need. tests/test_export.py checks the torchtitan export with it.
+TITAN_VENV ?= .venv-torchtitan
+TITAN_PIN  ?= torchtitan==0.3.0
 
 .PHONY: setup run test bench clean
 
@@ -14,6 +18,14 @@ $(BIN)/autotune: pyproject.toml
 	$(BIN)/pip install -q -e '.[test,exports]'
 	@touch $@
 
+# A stamp written only once every install succeeded: a half-built environment is rebuilt.
+$(TITAN_VENV)/.installed:
+	$(PYTHON) -m venv $(TITAN_VENV)
+	$(TITAN_VENV)/bin/pip install -q --upgrade pip
+	$(TITAN_VENV)/bin/pip install -q $(TORCH_PIN)
+	$(TITAN_VENV)/bin/pip install -q $(TITAN_PIN) triton
+	@touch $@
+
 setup: $(BIN)/autotune
 
 # The main job on its embedded defaults.
@@ -21,7 +33,7 @@ run: setup
 	$(BIN)/autotune --model llama-7b --gpus 8 --global-tokens 4M
 
 # The whole test suite (installs what it needs, Chromium for the report test included).
-test: setup
+test: setup $(TITAN_VENV)/.installed
 	bash tests/setup_browser.sh
 	$(BIN)/python -m pytest -q
 
@@ -29,4 +41,4 @@ bench: setup
 	for f in benchmarks/bench_*.py; do $(BIN)/python $$f || exit 1; done
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(TITAN_VENV) *.egg-info

@@ -394,7 +394,7 @@ def _tune_in_run_dir(args: argparse.Namespace, console, *, request, store, finis
         write_atomic(Path(args.out), text)
     _write_report(run_dir, document, records, console)
     if formats:
-        _write_exports(document, formats, run_dir, console)
+        _write_exports(document, formats, run_dir, console, every=args.export.strip() == "all")
     log(f"winner: step {outcome.winner.step} {outcome.winner.train.label()}; wrote {run_dir / 'best.json'}")
     console.winner(document, run_dir, args.out)
     if args.json:
@@ -413,10 +413,15 @@ def _parse_formats(text: str) -> list[str]:
     return names
 
 
-def _write_exports(document: dict, formats: list[str], out_dir: Path, console) -> list[Path]:
+def _write_exports(document: dict, formats: list[str], out_dir: Path, console, *, every: bool = False) -> list[Path]:
+    """`every` (the user asked for 'all'): a format that cannot express this result is skipped with a
+    warning; asked for by name, it is an error."""
     from autotune.export import write_exports
 
-    return write_exports(document, formats, out_dir,
+    def refused(fmt: str, why: str) -> None:
+        console.err.print(f"autotune: warning: {fmt} not written: {why}", markup=False)
+
+    return write_exports(document, formats, out_dir, on_refused=refused if every else None,
                          on_written=lambda exported, path: console.exported(exported.format, path, exported.warnings))
 
 
@@ -483,7 +488,7 @@ def cmd_export(args: argparse.Namespace, console) -> int:
     formats = _parse_formats(args.format)
     source = Path(args.result)
     out_dir = Path(args.out_dir) if args.out_dir else (source if source.is_dir() else source.parent)
-    _write_exports(document, formats, out_dir, console)
+    _write_exports(document, formats, out_dir, console, every=args.format.strip() == "all")
     return EXIT_OK
 
 

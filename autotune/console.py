@@ -172,7 +172,7 @@ class Console:
             mfu = document.get("mfu")
             mfu_text = f", MFU {mfu:.1%}" if mfu else ""
             self.out.print(f"   {tps:,.0f} tokens/s for the whole job = {tps / gpus:,.0f} per GPU, "
-                           f"{step_s:.2f} s per optimizer step{mfu_text} "
+                           f"{step_s:.3g} s per optimizer step{mfu_text} "
                            f"({_basis(document['throughput_source'], document['throughput_basis'])})", markup=False)
         if fsdp["cpu_offload"] and document.get("host_memory_bytes") is None \
                 and document.get("host_memory_per_node_bytes"):

@@ -44,13 +44,25 @@ def export_result(result: dict[str, Any], fmt: str) -> Export:
 
 
 def write_exports(result: dict[str, Any], formats: Iterable[str], out_dir: str | Path, *,
-                  on_written: Callable[[Export, Path], None] | None = None) -> list[Path]:
+                  on_written: Callable[[Export, Path], None] | None = None,
+                  on_refused: Callable[[str, str], None] | None = None) -> list[Path]:
     """Write each format's file into out_dir (atomically); returns the paths in order.
 
-    `on_written(export, path)` is called per file, e.g. to show its warnings."""
+    `on_written(export, path)` is called per file, e.g. to show its warnings. A format that cannot
+    express this result at all (torchtitan without a model of these shapes) raises ExportRefused,
+    or, given `on_refused(format, why)` (for `all`), is reported there and skipped."""
+    from autotune.export._torchtitan import ExportRefused
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    exports = [export_result(result, fmt) for fmt in formats]  # all checked before any is written
+    exports = []
+    for fmt in formats:  # all checked before any is written
+        try:
+            exports.append(export_result(result, fmt))
+        except ExportRefused as exc:
+            if on_refused is None:
+                raise
+            on_refused(fmt, str(exc))
     from autotune.files import write_atomic
 
     paths = []

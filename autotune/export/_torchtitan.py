@@ -1,102 +1,125 @@
-"""torchtitan job TOML, for the releases that configure jobs with TOML (up to v0.2.x; later
-main moved to a Python config registry). Keys from torchtitan/config/job_config.py."""
+"""torchtitan 0.3: a launch script naming the registry config whose model has the tuned shapes,
+with command-line overrides (parsed by tyro through torchtitan.config.manager.ConfigManager) for
+every tuned knob.
+
+torchtitan 0.3 has no TOML job file: `python -m torchtitan.train --module llama3 --config llama3_8b`
+picks a function in torchtitan/models/<module>/config_registry.py. torchtitan trains its own model
+implementation, so the export is only written for a model torchtitan has with the same shapes;
+otherwise it is refused (never a debug model in its place).
+"""
 
 from __future__ import annotations
 
-import json
+import shlex
 
+from autotune.errors import UsageError
 from autotune.export._base import Export, Mapper, Tuned, build_export
 
-TARGET = "torchtitan v0.2.x (TOML job config, torchtitan/config/job_config.py; train.py --job.config_file)"
-
-# torchtitan ships its own Llama implementation; these catalog shapes are its flavors.
-_FLAVORS = {"llama3-8b": ("llama3", "8B"), "llama3-70b": ("llama3", "70B")}
+TARGET = "torchtitan 0.3.0 (python -m torchtitan.train --module M --config C, tyro overrides)"
 
 
-def _toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return json.dumps(str(value))  # a TOML basic string is a JSON string for these values
+class ExportRefused(UsageError):
+    """This result cannot be expressed in the format at all (not a knob the stack lacks)."""
 
 
-def _table(name: str, entries: dict) -> str:
-    lines = [f"[{name}]"]
-    for key, value in entries.items():
-        if isinstance(value, tuple):  # (value, comment)
-            value, comment = value
-            lines.append(f"{key} = {_toml_value(value)}  # {comment}")
-        else:
-            lines.append(f"{key} = {_toml_value(value)}")
-    return "\n".join(lines) + "\n"
+# (module, registry config) -> the transformers-config shapes of its model, read from torchtitan
+# 0.3.0's models/llama3/__init__.py and models/qwen3/__init__.py (dim, n_layers, n_heads,
+# n_kv_heads, vocab_size, FFN hidden dim). tests/test_export.py builds each named model with
+# torchtitan itself and compares.
+_REGISTRY = {
+    ("llama3", "llama3_8b"): dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                  num_key_value_heads=8, vocab_size=128256, intermediate_size=14336),
+    ("llama3", "llama3_70b"): dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                                   num_key_value_heads=8, vocab_size=128256, intermediate_size=28672),
+    ("llama3", "llama3_405b"): dict(hidden_size=16384, num_hidden_layers=126, num_attention_heads=128,
+                                    num_key_value_heads=8, vocab_size=128256, intermediate_size=53248),
+    ("qwen3", "qwen3_32b"): dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
+                                 num_key_value_heads=8, vocab_size=151936, intermediate_size=25600),
+}
+_FAMILIES = {"llama3": ("llama",), "qwen3": ("qwen3",)}
+
+
+def registry_config(t: Tuned) -> tuple[str, str]:
+    """(module, config) of the torchtitan model with the tuned model's shapes, or ExportRefused."""
+    shape = {key: t.model_config.get(key) for key in next(iter(_REGISTRY.values()))}
+    if shape.get("num_key_value_heads") is None:
+        shape["num_key_value_heads"] = shape["num_attention_heads"]
+    for (module, config), theirs in _REGISTRY.items():
+        if t.model_type in _FAMILIES[module] and shape == theirs:
+            return module, config
+    raise ExportRefused(
+        f"torchtitan 0.3 has no model with the shapes of {t.model_name} ({t.model_type}, hidden "
+        f"{shape['hidden_size']}, {shape['num_hidden_layers']} layers): it trains its own implementations "
+        f"({', '.join(c for _, c in _REGISTRY)}); use the fsdp2 export for this model")
 
 
 def export_torchtitan(t: Tuned) -> Export:
+    module, config = registry_config(t)
     m = Mapper()
     if t.precision == "fp16":
         param = "bfloat16"
-        m.approximated("precision", "training.mixed_precision_param",
+        m.approximated("precision", "--training.mixed-precision-param bfloat16",
                        "torchtitan has no float16 parameters (bfloat16 or float32): bfloat16 written, same "
                        "memory, different numerics")
     else:
         param = t.param_dtype
-        m.mapped("precision", "training.mixed_precision_param")
-    m.mapped("reduce_dtype", "training.mixed_precision_reduce")
+        m.mapped("precision", "--training.mixed-precision-param")
+    m.mapped("reduce_dtype", "--training.mixed-precision-reduce float32")
     if t.ac_every is None:
-        ac = {"mode": "none"}
-        m.mapped("activation_checkpointing", "activation_checkpoint.mode")
+        ac = "activation-checkpoint:none"
+        m.mapped("activation_checkpointing", ac)
     elif t.ac_every == 1:
-        ac = {"mode": "full"}
-        m.mapped("activation_checkpointing", "activation_checkpoint.mode")
+        ac = "activation-checkpoint:full"
+        m.mapped("activation_checkpointing", ac)
     else:
-        ac = {"mode": "selective", "selective_ac_option": str(t.ac_every)}
-        theirs = t.num_layers // t.ac_every
-        m.approximated("activation_checkpointing", "activation_checkpoint.selective_ac_option",
-                       f"torchtitan's layer-selective AC counts blocks from 1 and checkpoints blocks "
-                       f"{t.ac_every - 1}, {2 * t.ac_every - 1}, ... ({theirs} of {t.num_layers}); autotune tuned "
-                       f"blocks 0, {t.ac_every}, ... ({t.checkpointed_blocks} of {t.num_layers})")
-    m.mapped("cpu_offload", "training.enable_cpu_offload")
-    m.mapped("reshard_after_forward", "parallelism.fsdp_reshard_after_forward")
-    m.mapped("micro_batch_size", "training.local_batch_size")
-    m.mapped("grad_accum_steps", "training.global_batch_size (accumulation = global / (local x dp))")
-    m.approximated("wrap", "fully_shard per TransformerBlock",
-                   f"torchtitan shards the blocks of its own model implementation, not transformers' {t.wrap}")
-    m.mapped("world_size", "parallelism.data_parallel_shard_degree")
+        ac = "activation-checkpoint:full"
+        m.approximated("activation_checkpointing", ac,
+                       f"torchtitan 0.3 has no every-K-blocks checkpointing (its selective mode is per-op): all "
+                       f"{t.num_layers} blocks are checkpointed instead of {t.checkpointed_blocks} (less memory, "
+                       "more recompute than tuned)")
+    m.mapped("cpu_offload", "--training.enable-cpu-offload / --training.no-enable-cpu-offload")
+    m.mapped("reshard_after_forward", "--parallelism.fsdp-reshard-after-forward always|never")
+    m.mapped("micro_batch_size", "--training.local-batch-size")
+    m.mapped("grad_accum_steps", "--training.global-batch-size (accumulation = global / (local x data-parallel))")
+    m.approximated("wrap", f"torchtitan's {module} blocks",
+                   f"torchtitan shards the blocks of its own {module} implementation, with the shapes of "
+                   f"{t.wrap}; its numerics (RoPE scaling, init) are torchtitan's")
+    m.mapped("world_size", "--parallelism.data-parallel-shard-degree x replicate degree; torchrun --nnodes/--nproc_per_node")
     if t.state_dict_type == "sharded":
-        m.mapped("state_dict_type", "checkpoint (DCP, sharded: torchtitan's only form)")
+        m.mapped("state_dict_type", "checkpoint (DCP, sharded: torchtitan's form)")
     else:
         m.approximated("state_dict_type", "checkpoint (DCP, sharded)",
-                       "torchtitan always saves sharded DCP checkpoints; a full state dict would fit here "
-                       "(checkpoint.last_save_in_hf consolidates the final weights)")
-    m.mapped("optimizer_impl", "optimizer.implementation")
-    name, flavor = _FLAVORS.get(t.model_name, ("llama3", "debugmodel"))
-    if t.model_name not in _FLAVORS:
-        m.warn(f"model {t.model_name!r} has no torchtitan flavor known to autotune: set [model] name/flavor "
-               "to a torchtitan model with the same shapes (the TOML says llama3/debugmodel)")
-    tables = [
-        _table("job", {"description": f"autotune run {t.run_id}: {t.model_name}"}),
-        _table("model", {"name": name, "flavor": (flavor, f"autotune model {t.model_name}")}),
-        _table("training", {
-            "local_batch_size": t.micro_batch_size,
-            "global_batch_size": (t.global_batch_size, f"{t.micro_batch_size} x {t.gpus} GPUs x "
-                                  f"{t.grad_accum_steps} accumulation steps"),
-            "seq_len": t.seq_len,
-            "mixed_precision_param": param,
-            "mixed_precision_reduce": "float32",
-            "enable_cpu_offload": t.cpu_offload,
-        }),
-        _table("parallelism", {
-            "data_parallel_replicate_degree": 1,
-            "data_parallel_shard_degree": t.gpus,
-            "fsdp_reshard_after_forward": "always" if t.reshard_after_forward else "never",
-        }),
-        _table("optimizer", {"name": "AdamW", "implementation": t.optimizer_impl}),
-        _table("activation_checkpoint", ac),
-        _table("checkpoint", {"enable": True}),  # torchtitan 0.2's name (0.1 said enable_checkpoint)
+                       "torchtitan saves sharded DCP checkpoints; consolidate the final one for a full state dict")
+    m.mapped("optimizer_impl", f"--optimizer.implementation {t.optimizer_impl}")
+    m.warn("torchtitan's loss is chunked cross-entropy (ChunkedLossWrapper): its logits peak is smaller than "
+           "the HF loss autotune traced, so the run has more headroom than predicted, not less")
+    overrides = [
+        ("--module", module), ("--config", config),
+        ("--training.local-batch-size", t.micro_batch_size),
+        ("--training.global-batch-size", t.global_batch_size),
+        ("--training.seq-len", t.seq_len),
+        ("--training.mixed-precision-param", param),
+        ("--training.mixed-precision-reduce", "float32"),
+        ("--training.enable-cpu-offload" if t.cpu_offload else "--training.no-enable-cpu-offload", None),
+        ("--parallelism.data-parallel-replicate-degree", 1),
+        ("--parallelism.data-parallel-shard-degree", t.gpus),
+        ("--parallelism.fsdp-reshard-after-forward", "always" if t.reshard_after_forward else "never"),
+        ("--optimizer.implementation", t.optimizer_impl),
     ]
-    body = (f"# Use: NGPU={t.gpus_per_node} CONFIG_FILE=torchtitan.toml ./run_train.sh "
-            f"(torchrun --nnodes {t.nodes} --nproc_per_node {t.gpus_per_node} -m torchtitan.train "
-            "--job.config_file torchtitan.toml)\n\n" + "\n".join(tables))
-    return build_export(fmt="torchtitan", filename="torchtitan.toml", target=TARGET, tuned=t, mapper=m,
-                        body=body)
+    lines = [f"torchrun --nnodes {t.nodes} --nproc_per_node {t.gpus_per_node} -m torchtitan.train"]
+    lines += [f"    {flag}" + ("" if value is None else f" {shlex.quote(str(value))}") for flag, value in overrides]
+    lines += [f"    {ac}", '    "$@"']
+    body = ("# Use: ./torchtitan.sh [more torchtitan overrides]; set --hf-assets-path to the model's tokenizer\n"
+            f"# (global batch {t.global_batch_size} sequences = {t.micro_batch_size} x {t.gpus} GPUs x "
+            f"{t.grad_accum_steps} accumulation steps).\n"
+            "set -euo pipefail\n" + " \\\n".join(lines) + "\n")
+    return build_export(fmt="torchtitan", filename="torchtitan.sh", target=TARGET, tuned=t, mapper=m,
+                        prologue="#!/usr/bin/env bash\n", body=body)
+
+
+def overrides_of(text: str) -> list[str]:
+    """The torchtitan.train arguments of an exported script (for tests and tools)."""
+    command = " ".join(line.rstrip("\\").strip() for line in text.splitlines()
+                       if line.strip() and not line.lstrip().startswith(("#", "set ")))
+    words = shlex.split(command)
+    return [w for w in words[words.index("torchtitan.train") + 1:] if w != "$@"]
