@@ -32,6 +32,8 @@ class Terminated(KeyboardInterrupt):
 
 def _raise_terminated(signum, frame) -> None:
     raise Terminated()
+
+
 COMMANDS = ("tune", "trial", "export", "report")
 
 
