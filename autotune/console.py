@@ -166,9 +166,9 @@ class Console:
         tps = document["tokens_per_sec"]
         self.out.print(f"   peak {format_bytes(peak)} per GPU "
                        f"({_basis(document['memory_source'], document['memory_basis'])})", markup=False)
-        if tps is not None:
+        if tps:  # a figure of 0 (no throughput) has no step time
             gpus = document["gpus"]
-            step_s = document["global_tokens"] / tps if tps else None
+            step_s = document["global_tokens"] / tps
             mfu = document.get("mfu")
             mfu_text = f", MFU {mfu:.1%}" if mfu else ""
             self.out.print(f"   {tps:,.0f} tokens/s for the whole job = {tps / gpus:,.0f} per GPU, "
