@@ -289,7 +289,7 @@ def _predictor_for(name: str):
 # -- commands -----------------------------------------------------------------------------------------
 def cmd_tune(args: argparse.Namespace, console) -> int:
     from autotune.batch import DEFAULT_TOLERANCE, check_reachable, check_target
-    from autotune.controller import DEFAULT_HEADROOM, Controller, TuneRequest
+    from autotune.controller import DEFAULT_HEADROOM, TuneRequest
     from autotune.search_space import load_space
     from autotune.store import (RunLog, TrialStore, default_storage, ensure_writable, new_run_dir, study_name,
                                 write_run_state)
@@ -366,8 +366,6 @@ def _tune_in_run_dir(args: argparse.Namespace, console, *, request, store, finis
         console.step(step, number)
         log(f"step {step.step} [{step.stage}] {step.train.label()} -> {step.result.status} "
             f"fits={step.fits} {json.dumps(step_record(step)['result'], default=str)} reason: {step.reason}")
-
-    from autotune.backends import get_backend
 
     controller = Controller(request, backend, predictor=predictor, estimator=get_backend("analytic"),
                             finished=finished, on_step=on_step, on_start=console.trial_started)
