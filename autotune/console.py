@@ -34,7 +34,7 @@ def _tps(value: float) -> str:
     return f"{value:,.0f} tok/s"
 
 
-_SOURCE_LETTER = {"measured": "M", "predicted": "P", "estimated": "E"}
+_SOURCE_LETTER = {"measured": "M", "predicted": "P", "estimated": "E", "predicted+estimated": "P+E"}
 
 
 def _short_figure(figure, fmt) -> str:

@@ -23,11 +23,10 @@ from autotune.config import Cluster
 __all__ = [
     "CollectiveVolume", "PublishedRun", "StepTime", "StepWork",
     "collective_bytes", "estimate_basis", "estimate_step_time", "fsdp_step_work", "host_link_gbps",
-    "matmul_efficiency", "offload_bytes", "runtime_overhead_bytes",
+    "matmul_efficiency", "offload_bytes",
     "ESTIMATE_BASIS", "PUBLISHED_RUNS",
     "MATMUL_EFFICIENCY", "DEFAULT_MATMUL_EFFICIENCY", "HALF_EFFICIENCY_TOKENS",
     "INTRA_NODE_BUS_EFFICIENCY", "INTER_NODE_BUS_EFFICIENCY", "CPU_ADAM_PARAMS_PER_S_PER_NODE",
-    "CUDA_CONTEXT_BYTES", "NCCL_BASE_BYTES", "NCCL_BYTES_PER_PEER", "FRAGMENTATION_FRACTION",
     "HOST_PROCESS_BYTES",
 ]
 
@@ -59,15 +58,7 @@ CPU_ADAM_PARAMS_PER_S_PER_NODE = 1.0e9
 """fp32 AdamW parameters a node's CPUs step per second with torch.optim.AdamW (all ranks of the
 node together; memory-bandwidth bound: ~16 bytes read + 12 written per parameter)."""
 
-# --- Memory margins (estimated; to be calibrated by real GPU runs) ---------------------------------
-CUDA_CONTEXT_BYTES = 600 * MiB
-"""CUDA context + cuBLAS/cuDNN workspaces per process, before any tensor."""
-NCCL_BASE_BYTES = 256 * MiB
-"""NCCL communicator state and its internal buffers for a process group."""
-NCCL_BYTES_PER_PEER = 8 * MiB
-"""NCCL channel buffers that grow with the number of ranks (capped at 64 peers)."""
-FRAGMENTATION_FRACTION = 0.08
-"""Caching-allocator reserved-but-unallocated memory, as a fraction of the tensor peak."""
+# --- Host memory (GPU memory beyond tensors: autotune/runtime_memory.py) -------------------------
 HOST_PROCESS_BYTES = 3 * GiB
 """Host memory of one GPU training process before offloaded state: Python, torch, CUDA and NCCL
 libraries, pinned staging buffers."""
@@ -135,8 +126,8 @@ ESTIMATE_BASIS = {
             "overlap, PCIe offload, CPU AdamW) on the GPU catalog's data-sheet figures",
     "memory": "estimated: closed-form FSDP2 memory per rank (model states, gathered blocks, "
               "activations, logits) plus runtime overhead margins",
-    "runtime_overhead": "estimated: CUDA context + NCCL buffers + allocator fragmentation "
-                        "margins (constants in autotune/costmodel.py, not yet calibrated on GPUs)",
+    "runtime_overhead": "estimated: CUDA context, NCCL, cuBLAS workspaces and allocator fragmentation, "
+                        "term by term (autotune/runtime_memory.py)",
     "host_memory": "estimated: offloaded fp32 parameters, gradients and AdamW state of every "
                    "rank on the node, plus pinned staging",
 }
@@ -306,15 +297,3 @@ def estimate_step_time(work: StepWork, cluster: Cluster) -> StepTime:
         mfu=model_flops / (seconds * gpu.peak_tflops * 1e12) if seconds > 0 else 0.0,
         basis=estimate_basis(gpu) + (f" on {cluster.num_nodes} nodes" if cluster.num_nodes > 1 else ""),
     )
-
-
-def runtime_overhead_bytes(gpu: GPUSpec, *, num_gpus: int, tensor_peak_bytes: int) -> int:
-    """GPU memory that is not tensors: CUDA context, NCCL buffers, allocator fragmentation.
-
-    Estimated margins (constants above), not measurements; real GPU runs calibrate them.
-    `gpu` is accepted so part-specific figures can be added without changing callers.
-    """
-    if num_gpus < 1 or tensor_peak_bytes < 0:
-        raise ValueError("num_gpus must be >= 1 and tensor_peak_bytes >= 0")
-    nccl = 0 if num_gpus == 1 else NCCL_BASE_BYTES + NCCL_BYTES_PER_PEER * min(num_gpus - 1, 64)
-    return int(CUDA_CONTEXT_BYTES + nccl + FRAGMENTATION_FRACTION * tensor_peak_bytes)

@@ -14,6 +14,7 @@ from typing import Any
 import autotune
 from autotune.controller import Step, TuneRequest, prediction_summary
 from autotune.parallel import PARAM_DTYPES
+from autotune.runtime_memory import ALLOC_CONF_ENV, alloc_conf
 from autotune.secrets import mask
 
 SCHEMA_VERSION = 1
@@ -158,6 +159,8 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
         "memory_source": peak.source if peak else "estimated",
         "memory_basis": peak.basis if peak else "",
         "memory_breakdown": {k: int(v) for k, v in result.memory_breakdown.items()},
+        "memory": memory_parts(winner),
+        "environment": {ALLOC_CONF_ENV: alloc_conf()},
         "memory_limit_bytes": request.memory_limit_bytes,
         "headroom": request.headroom,
         "host_memory_per_node_bytes": int(host.value) if host and host.value is not None else None,
@@ -181,6 +184,27 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
     if plan_checkpoint is not None:
         document["checkpoint"] = plan_checkpoint(document)
     return document
+
+
+def memory_parts(winner) -> dict[str, Any]:
+    """The peak's parts with their own sources: the tensor peak, the runtime terms (the
+    simulator's, or the prediction's for a measured winner) and, for real cuda trials, the
+    measured allocated, reserved and device-level peaks."""
+    result, extras = winner.result, winner.result.extras
+    predicted = winner.predicted.extras if winner.predicted else {}
+    measured = result.peak_memory is not None and result.peak_memory.source == "measured"
+    runtime = extras.get("runtime_memory") or predicted.get("runtime_memory")
+    parts: dict[str, Any] = {
+        "tensor_peak": {"bytes": extras.get("tensor_peak_bytes"),
+                        "source": "measured" if measured else "predicted"},
+        "runtime": runtime,
+        "measured": None,
+    }
+    if "device_peak_bytes" in extras:
+        parts["measured"] = {key: extras.get(key) for key in (
+            "allocated_peak_bytes", "reserved_peak_bytes", "outside_allocator_bytes", "device_peak_bytes",
+            "allocator_persistent_bytes", "alloc_conf")}
+    return parts
 
 
 def dumps(document: dict[str, Any]) -> str:

@@ -50,13 +50,19 @@ def token_batches(*, vocab_size: int, micro_batch_size: int, seq_len: int, devic
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator[torch.Tensor], *,
-               grad_accum_steps: int, scaler=None, defer_grad_sync: bool = False) -> torch.Tensor:
+               grad_accum_steps: int, scaler=None, defer_grad_sync: bool = False,
+               phase_times: list[tuple[float, float]] | None = None, clock=None) -> torch.Tensor:
     """One optimizer step over `grad_accum_steps` micro-batches; returns the mean loss (detached).
 
     Gradients are reduce-scattered after every micro-batch by default: deferring the sync to
     the last micro-batch (`defer_grad_sync`) saves communication but keeps unsharded gradients
     of every block until then, which defeats full sharding's memory savings.
+    With `phase_times` and `clock` (a synchronising timer), appends (seconds of the micro-batches,
+    seconds of the optimizer step): a short trial runs fewer micro-batches than the real job
+    and scales the first part only.
     """
+    timing = phase_times is not None and clock is not None
+    started = clock() if timing else 0.0
     total = None
     for micro_step in range(grad_accum_steps):
         is_last = micro_step == grad_accum_steps - 1
@@ -66,12 +72,15 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iter
         loss = model(input_ids=tokens, labels=tokens).loss / grad_accum_steps
         (scaler.scale(loss) if scaler is not None else loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
+    backward_done = clock() if timing else 0.0
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if timing:
+        phase_times.append((backward_done - started, clock() - backward_done))
     return total
 
 

@@ -79,17 +79,6 @@ def test_collective_bytes_counts_fsdp2_passes():
     assert (h2d, d2h) == (850 * 4 / 2, 450 * 4 / 2)
 
 
-def test_runtime_overhead_grows_with_peers_and_peak():
-    small = cm.runtime_overhead_bytes(H100, num_gpus=1, tensor_peak_bytes=0)
-    assert small == cm.CUDA_CONTEXT_BYTES
-    eight = cm.runtime_overhead_bytes(H100, num_gpus=8, tensor_peak_bytes=0)
-    assert eight > small
-    big = cm.runtime_overhead_bytes(H100, num_gpus=8, tensor_peak_bytes=40 * 2**30)
-    assert big - eight == pytest.approx(cm.FRAGMENTATION_FRACTION * 40 * 2**30, abs=1)
-    with pytest.raises(ValueError):
-        cm.runtime_overhead_bytes(H100, num_gpus=0, tensor_peak_bytes=0)
-
-
 def test_fsdp_step_work_assembles_volumes_and_offload():
     sizes = dict(flops_per_gpu=1e12, model_flops_per_gpu=9e11, tokens_per_gpu_step=1000, num_gpus=4,
                  block_params=100, num_blocks=4, root_params=50, param_bytes=2, num_microbatches=2)

@@ -246,7 +246,7 @@ def test_llama_cookbook_flags_are_its_config_fields(run_result, tmp_path):
                      checkpoint="sharded")
     path, _ = write(tmp_path, result, "llama-cookbook")
     command = " ".join(line.rstrip("\\") for line in path.read_text().splitlines()
-                       if line and not line.startswith(("#", "set ")))
+                       if line and not line.startswith(("#", "set ", "export ")))
     words = shlex.split(command)
     assert words[:1] == ["torchrun"] and "llama_cookbook.finetuning" in words
     flags = dict(zip(words[words.index("llama_cookbook.finetuning") + 1::2],
@@ -456,3 +456,28 @@ def test_torchtitan_is_refused_for_a_model_it_does_not_have(run_result):
 
     with pytest.raises(ExportRefused, match="no model with the shapes of tiny-llama"):
         export_result(run_result, "torchtitan")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_script_sets_the_allocator_setting_the_prediction_assumed(run_result, tmp_path, fmt):
+    """Scripts set PYTORCH_CUDA_ALLOC_CONF (read back by running the file's own code: bash for
+    shell scripts, Python's import system for Python files, before any training starts); a
+    YAML config, which cannot, says how to launch instead."""
+    result = copy.deepcopy(for_format(run_result, fmt))
+    result["environment"] = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,garbage_collection_threshold:0.8"}
+    path, exported = write(tmp_path, result, fmt)
+    wanted = result["environment"]["PYTORCH_CUDA_ALLOC_CONF"]
+    (mapping,) = [m for m in exported.mappings if m.knob == "alloc_conf"]
+    if path.suffix == ".sh":
+        pins = "\n".join(line for line in path.read_text().splitlines() if line.startswith("export "))
+        echoed = subprocess.run(["bash", "-c", pins + '\necho "$PYTORCH_CUDA_ALLOC_CONF"'], capture_output=True,
+                                text=True, env={"PATH": os.environ["PATH"]}, check=True).stdout.strip()
+        assert echoed == wanted and mapping.status == "mapped"
+    elif path.suffix == ".py":
+        code = (f"import os, runpy; os.environ.pop('PYTORCH_CUDA_ALLOC_CONF', None); "
+                f"runpy.run_path({str(path)!r}, run_name='not_main'); print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])")
+        echoed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                cwd=tmp_path).stdout.strip().splitlines()[-1]
+        assert echoed == wanted and mapping.status == "mapped"
+    else:
+        assert mapping.status == "unsupported" and wanted in mapping.note and wanted in path.read_text()

@@ -160,3 +160,42 @@ def test_cpu_backend_refuses_a_model_too_big_for_this_host(tmp_path):
     assert result.status == "error" and "refused before launch" in result.message
     assert result.host_memory_per_node.source == "predicted"
     assert result.host_memory_per_node.value > host_memory_available_bytes()
+
+
+def test_short_trial_times_the_optimizer_apart_and_counts_the_jobs_accumulation(tmp_path):
+    """A trial runs 2 of the job's 16 micro-batches per step: the step time it reports is the
+    measured per-micro-batch time x 16 plus the optimizer step, timed on its own."""
+    spec = replace(make_spec(), grad_accum_steps=16)
+    with RealBackend(device="cpu", persistent=False, timed_steps=2, log_dir=tmp_path) as backend:
+        result = backend.evaluate(spec)
+    assert result.status == "ok", result.message
+    extras = result.extras
+    assert extras["grad_accum_run"] == 2 and extras["optimizer_step_s"] > 0
+    measured_step = max(sum(times) / len(times) for times in extras["step_times_s"])  # 2 micro-batches
+    assert extras["step_seconds"] > 4 * measured_step - extras["optimizer_step_s"] * 4
+    assert extras["step_seconds"] > measured_step
+    tokens_per_step = WORLD * 16 * spec.train.micro_batch_size * spec.seq_len
+    assert result.tokens_per_sec.value == pytest.approx(tokens_per_step / extras["step_seconds"])
+    assert "16 micro-batches" in result.message
+
+
+def test_gpu_check_plumbing_runs_on_cpu(tmp_path):
+    """benchmarks/gpu_check.py on 2 gloo ranks: the table, the comparisons and the OOM-agreement
+    trials under caps set from the predictions (a real out-of-memory on the capped rank)."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    report_path = tmp_path / "check.json"
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_check.py"), "--device", "cpu",
+                           "--json", str(report_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "PASS" in done.stdout and "configuration" in done.stdout
+    report = json.loads(report_path.read_text())
+    assert len(report["rows"]) == 3 and all(r["measured_status"] == "ok" for r in report["rows"])
+    # The simulator's tensor peak against the gloo run's: exact but for the loss accumulator's
+    # scalar, which the trace (one micro-batch, gradients of the rest added) does not hold.
+    assert all(abs(r["predicted_tensor"] - r["measured_allocated"]) <= 64 for r in report["rows"])
+    statuses = [(r["predicted_status"], r["measured_status"]) for r in report["oom_agreement"]]
+    assert ("oom", "oom") in statuses and ("ok", "ok") in statuses and len(statuses) == 4

@@ -23,13 +23,13 @@ SCREENSHOT = ROOT / "docs" / "report.png"
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> tuple[Path, dict, list[dict]]:
-    """A real (analytic) run whose 2 GiB GPUs force out-of-memory trials and checkpointing."""
+    """A real (analytic) run whose 2.5 GiB GPUs force out-of-memory trials and checkpointing."""
     from autotune.cli import main
     from autotune.store import STUDY_DB, TrialStore
 
     runs = tmp_path_factory.mktemp("runs")
     assert main(["--model", "tiny-llama", "--gpus", "2", "--global-tokens", "64K", "--backend", "analytic",
-                 "--gpu-memory", "2GiB", "--runs-dir", str(runs)]) == 0
+                 "--gpu-memory", "2.5GiB", "--seq-len", "1024", "--runs-dir", str(runs)]) == 0
     (run_dir,) = [p.parent for p in runs.glob("*/best.json")]
     result = json.loads((run_dir / "best.json").read_text())
     trials = TrialStore(f"sqlite:///{runs / STUDY_DB}", result["study"]).trials(run_id=result["run_id"])

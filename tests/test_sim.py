@@ -61,9 +61,18 @@ def test_breakdown_sums_to_the_peak_and_says_what_it_is(gpu_sim):
     overhead = result.extras["runtime_overhead_bytes"]
     assert overhead > 0 and result.memory_breakdown["runtime_overhead"] == overhead
     assert result.peak_bytes == result.extras["tensor_peak_bytes"] + overhead
-    assert result.peak_memory.source == "predicted"
+    # A total made of a prediction and an estimate says both, and names each runtime term.
+    assert result.peak_memory.source == "predicted+estimated"
     assert "fake tensors at world size 2" in result.peak_memory.basis
-    assert "runtime margin, estimated" in result.peak_memory.basis
+    assert "estimated runtime memory" in result.peak_memory.basis
+    terms = {t["name"]: t for t in result.extras["runtime_memory"]["terms"]}
+    assert set(terms) == {"cuda_context", "nccl", "cublas_workspace", "fragmentation"}
+    assert sum(t["bytes"] for t in terms.values()) == overhead
+    # Fragmentation scales with the largest single allocation, the fp32 logits here
+    # (micro-batch x sequence x vocabulary x 4 bytes: counted from the model's shape).
+    spec = _spec(activation_checkpointing="every:2", micro_batch_size=2)
+    logits = 2 * spec.seq_len * spec.model.config_dict["vocab_size"] * 4
+    assert terms["fragmentation"]["bytes"] >= logits
     assert result.tokens_per_sec.source == "estimated" and result.tokens_per_sec.value > 0
     assert result.extras["flops_per_gpu_per_step"] > 0
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from autotune import costmodel
+from autotune.runtime_memory import runtime_memory
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
 from autotune.config import TrialSpec, is_checkpointed
 from autotune.units import format_bytes
@@ -172,8 +173,9 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     peak_at, parts = max(candidates, key=lambda item: sum(item[1].values()))
     breakdown = dict.fromkeys(MEMORY_CATEGORIES, 0) | {name: int(value) for name, value in parts.items()}
     tensor_peak = sum(breakdown.values())
-    breakdown["runtime_overhead"] = costmodel.runtime_overhead_bytes(
-        spec.cluster.gpu, num_gpus=world, tensor_peak_bytes=tensor_peak)
+    breakdown["runtime_overhead"] = runtime_memory(
+        spec.cluster.gpu, world_size=world, gpus_per_node=spec.cluster.gpus_per_node,
+        tensor_peak_bytes=tensor_peak).total_bytes
 
     per_rank_host = costmodel.HOST_PROCESS_BYTES
     if train.cpu_offload:

@@ -15,8 +15,10 @@ from typing import Any, Literal
 from autotune.config import TrialSpec
 
 TrialStatus = Literal["ok", "oom", "error", "timeout", "pruned"]
-Source = Literal["measured", "predicted", "estimated"]
-SOURCES: tuple[str, ...] = ("measured", "predicted", "estimated")
+Source = Literal["measured", "predicted", "estimated", "predicted+estimated"]
+SOURCES: tuple[str, ...] = ("measured", "predicted", "estimated", "predicted+estimated")
+"""`predicted+estimated`: a total made of a prediction (the traced tensor peak) and an estimate
+(the runtime memory terms); its basis gives each part."""
 
 # Per-GPU memory categories, in the order charts stack them.
 MEMORY_CATEGORIES: tuple[str, ...] = (
@@ -26,7 +28,7 @@ MEMORY_CATEGORIES: tuple[str, ...] = (
     "activations",            # saved for backward, plus temporaries
     "communication_buffers",  # all-gather / reduce-scatter buffers
     "other",                  # inputs, buffers, anything unclassified
-    "runtime_overhead",       # CUDA context, NCCL, allocator fragmentation (a margin, estimated)
+    "runtime_overhead",       # CUDA context, NCCL, workspaces, fragmentation (autotune.runtime_memory)
 )
 
 

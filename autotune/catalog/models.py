@@ -85,6 +85,15 @@ MODELS: dict[str, CatalogEntry] = {
         default_seq_len=8192,
         source="Qwen/Qwen2.5-7B config.json",
     ),
+    "qwen2.5-0.5b": CatalogEntry(
+        model_type="qwen2",
+        config=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                    num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                    max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                    tie_word_embeddings=True, use_sliding_window=False),
+        default_seq_len=2048,
+        source="Qwen/Qwen2.5-0.5B config.json (tied input and output embeddings; the GPU check's model)",
+    ),
     "llama3.1-8b": CatalogEntry(
         model_type="llama",
         config=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

@@ -9,11 +9,13 @@ the file and in `Export.warnings`: an export never changes what was tuned silent
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from autotune.config import ac_every
 from autotune.errors import UsageError
+from autotune.runtime_memory import ALLOC_CONF_ENV, RECOMMENDED_ALLOC_CONF
 
 Status = Literal["mapped", "approximated", "unsupported"]
 
@@ -21,6 +23,7 @@ Status = Literal["mapped", "approximated", "unsupported"]
 KNOBS: tuple[str, ...] = (
     "precision", "reduce_dtype", "activation_checkpointing", "cpu_offload", "reshard_after_forward",
     "micro_batch_size", "grad_accum_steps", "wrap", "world_size", "state_dict_type", "optimizer_impl",
+    "alloc_conf",
 )
 
 
@@ -74,6 +77,8 @@ class Tuned:
     state_dict_reason: str
     optimizer_impl: str = "for-loop"
     """AdamW implementation traced (results from before the knob existed ran the per-parameter loop)."""
+    alloc_conf: str = RECOMMENDED_ALLOC_CONF
+    """PYTORCH_CUDA_ALLOC_CONF the prediction assumed (its fragmentation term depends on it)."""
 
     @property
     def gpus_per_node(self) -> int:
@@ -124,6 +129,7 @@ class Tuned:
                 global_tokens=int(result["global_tokens"]),
                 state_dict_type=plan["recommended"], state_dict_reason=plan["reason"],
                 optimizer_impl=str((result.get("optimizer") or {}).get("impl", "for-loop")),
+                alloc_conf=str((result.get("environment") or {}).get(ALLOC_CONF_ENV) or RECOMMENDED_ALLOC_CONF),
             )
         except (KeyError, TypeError) as exc:
             raise UsageError(f"not an autotune result (best.json): missing or malformed field {exc}; "
@@ -167,11 +173,34 @@ class Mapper:
 
 def build_export(*, fmt: str, filename: str, target: str, tuned: Tuned, mapper: Mapper, body: str,
                  prologue: str = "") -> Export:
-    """Assemble the file: optional prologue (shebang), the header comment, then the body."""
+    """Assemble the file: optional prologue (shebang), the header comment, then the body, with
+    the allocator setting the prediction assumed pinned where the file can set it."""
+    body = pin_allocator(filename, tuned=tuned, mapper=mapper, body=body)
     mapper.check_complete()
     text = prologue + header(tuned=tuned, target=target, mapper=mapper) + "\n" + body.lstrip("\n")
     return Export(format=fmt, filename=filename, text=text, target=target,
                   mappings=tuple(mapper.mappings), warnings=mapper.warnings)
+
+
+def pin_allocator(filename: str, *, tuned: Tuned, mapper: Mapper, body: str) -> str:
+    """Set PYTORCH_CUDA_ALLOC_CONF in scripts (before torch initialises CUDA); a YAML config
+    cannot set the environment, so its launch has to, and the file says so."""
+    key, value = ALLOC_CONF_ENV, tuned.alloc_conf
+    if filename.endswith(".sh"):
+        mapper.mapped("alloc_conf", f"export {key}={value}")
+        return f"export {key}={shlex.quote(value)}  # the allocator setting autotune assumed for its memory figures\n" + body
+    if filename.endswith(".py"):
+        mapper.mapped("alloc_conf", f"os.environ[{key!r}] before torch is imported")
+        pin = (f"import os\n\nos.environ[{key!r}] = {value!r}  # the allocator setting autotune's memory "
+               "figures assume; set before torch initialises CUDA\n")
+        future = "from __future__ import annotations\n"
+        if future in body:
+            head, _, rest = body.partition(future)
+            return head + future + "\n" + pin + rest
+        return pin + "\n" + body
+    mapper.unsupported("alloc_conf", f"a {filename.rsplit('.', 1)[-1].upper()} config cannot set the environment: "
+                                     f"launch with {key}={value} (the setting autotune's memory figures assume)")
+    return body
 
 
 def header(*, tuned: Tuned, target: str, mapper: Mapper) -> str:

@@ -19,7 +19,7 @@ COLORS = {
     "unclassified": "#bab0ac",
 }
 SERIES_COLORS = ("#4e79a7", "#e15759", "#59a14f", "#f28e2b", "#b07aa1", "#76b7b2", "#9c755f", "#ff9da7")
-SOURCE_MARK = {"measured": "M", "predicted": "P", "estimated": "E"}
+SOURCE_MARK = {"measured": "M", "predicted": "P", "estimated": "E", "predicted+estimated": "P+E"}
 
 
 def _figure(record: dict[str, Any], key: str) -> tuple[float | None, str]:

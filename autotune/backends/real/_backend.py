@@ -173,13 +173,23 @@ class RealBackend(TrialBackend):
                                  "visible: use --backend sim (predictions) or --backend cpu (tiny models)")
 
     def _refusal(self, spec: TrialSpec) -> TrialResult | None:
-        """A cpu trial whose simulated host need exceeds this machine's free memory is not launched."""
-        if self.device != "cpu" or not self.host_check:
+        """A trial whose predicted host need exceeds this machine's free memory is not launched:
+        cpu trials (every rank's tensors live on the host) and cuda trials with CPU offload
+        (the offloaded states and pinned staging). Launching it would end in the kernel's OOM
+        killer, which takes the whole launch down."""
+        if not self.host_check or (self.device == "cuda" and not spec.train.cpu_offload):
             return None
         need, basis = self._host_need(spec)
         available = host_memory_available_bytes()
         if need is None or available is None or need <= available:
             return None
+        if self.device == "cuda":
+            return TrialResult(
+                status="oom", message=(
+                    f"host out of memory, refused before launch: CPU offload needs about {need / 2**30:.1f} GiB "
+                    f"of host memory per node ({basis}) and this node has {available / 2**30:.1f} GiB available"),
+                host_memory_per_node=Figure(need, "estimated", basis),
+                extras=dict(tensor_peak_bytes=None, refused=True, host_available_bytes=available, oom_kind="host"))
         return TrialResult(
             status="error", message=(
                 f"refused before launch: {spec.cluster.num_gpus} CPU ranks of {spec.model.name} need about "
@@ -191,7 +201,8 @@ class RealBackend(TrialBackend):
     def _host_need(self, spec: TrialSpec) -> tuple[int | None, str]:
         key = json.dumps(spec.to_dict(), sort_keys=True)
         if key not in self._host_need_cache:
-            self._host_need_cache[key] = predicted_host_need(spec)
+            self._host_need_cache[key] = (predicted_offload_host_need(spec) if self.device == "cuda"
+                                          else predicted_host_need(spec))
         return self._host_need_cache[key]
 
     # -- results ------------------------------------------------------------------------------
@@ -215,31 +226,35 @@ class RealBackend(TrialBackend):
         where = (f"{world} NCCL ranks on {figures['device']}" if on_cuda
                  else f"{world} gloo ranks on {figures['device']}")
         worst = max(ranks, key=lambda r: r["tensor_peak_bytes"])
-        slowest_s = max(sum(r["step_times"]) for r in ranks)
         timed_steps = len(worst["step_times"])
-        tokens = sum(r["tokens_per_step"] for r in ranks) * timed_steps
-        tokens_per_sec = tokens / slowest_s if slowest_s > 0 else None
+        run_accum, full_accum = worst["grad_accum"], spec.grad_accum_steps
+        # Seconds per optimizer step of the real job, per rank: the micro-batches run scaled to
+        # the job's accumulation, plus the optimizer step (timed apart), slowest rank.
+        slowest_s = max(_step_seconds(r, full_accum=full_accum) for r in ranks)
+        tokens_per_step = sum(r["tokens_per_micro_batch"] for r in ranks) * full_accum
+        tokens_per_sec = tokens_per_step / slowest_s if slowest_s > 0 else None
         losses = [r["losses"][-1] for r in ranks]
         rss_by_node: dict[str, int] = {}
         for r in ranks:
             rss_by_node[r["node"]] = rss_by_node.get(r["node"], 0) + int(r["rss_peak_bytes"] or 0)
         notes = sorted({note for r in ranks for note in r["notes"]})
-        if worst["grad_accum"] < spec.grad_accum_steps:
-            notes.append(f"ran {worst['grad_accum']} of {spec.grad_accum_steps} micro-batches per step "
-                         "(a short trial; tokens/s counts the micro-batches run)")
+        timing = f"the slowest rank's {timed_steps} timed steps"
+        if run_accum < full_accum:
+            timing = (f"the slowest rank's {timed_steps} timed steps of {run_accum} micro-batches, the "
+                      f"micro-batch time scaled to {full_accum} plus the optimizer step (timed apart)")
+            notes.append(f"ran {run_accum} of {full_accum} micro-batches per step (a short trial); the step "
+                         f"time counts {full_accum} micro-batches from the measured per-micro-batch time")
         extras.update(
             tensor_peak_bytes=int(worst["tensor_peak_bytes"]),
             rss_peak_bytes=max(int(r["rss_peak_bytes"] or 0) for r in ranks),
             loss=statistics.fmean(losses),
             per_rank_tensor_peak_bytes=[int(r["tensor_peak_bytes"]) for r in ranks],
-            step_times_s=[r["step_times"] for r in ranks],
-            warmup_steps=self.warmup_steps, timed_steps=timed_steps, grad_accum_run=worst["grad_accum"],
+            step_times_s=[r["step_times"] for r in ranks], step_seconds=slowest_s,
+            optimizer_step_s=max(statistics.fmean(r.get("optimizer_step_s") or [0.0]) for r in ranks),
+            warmup_steps=self.warmup_steps, timed_steps=timed_steps, grad_accum_run=run_accum,
             world_size=world)
         if on_cuda:
-            reserved = max(int(r["reserved_peak_bytes"]) for r in ranks)
-            extras.update(allocated_peak_bytes=extras["tensor_peak_bytes"],
-                          device_capacity_bytes=min(int(r["device_capacity_bytes"]) for r in ranks))
-            peak = Figure(reserved, "measured", f"torch.cuda.max_memory_reserved, max over {where}")
+            peak = self._cuda_peak(ranks, where, extras)
             if tokens_per_sec is not None:
                 flops = model_flops_per_token(spec.model, spec.seq_len) * tokens_per_sec
                 extras["mfu"] = flops / (world * spec.cluster.gpu.peak_tflops * 1e12)
@@ -252,16 +267,35 @@ class RealBackend(TrialBackend):
         if not all(r["finite"] for r in ranks):
             status, message = "error", f"non-finite loss {losses} (diverged in {timed_steps + self.warmup_steps} steps)"
         elif on_cuda and peak.value > spec.limit_bytes:
-            status, message = "oom", (f"reserved peak {peak.value:,} bytes is over the usable limit "
+            # The allocator was capped; only memory outside it (kernels loaded during the trial)
+            # can take the device-level peak over the limit.
+            status, message = "oom", (f"device-level peak {peak.value:,} bytes is over the usable limit "
                                       f"{spec.limit_bytes:,} bytes per GPU")
         return TrialResult(
             status=status, peak_memory=peak, memory_breakdown=dict(worst["breakdown"]),
-            tokens_per_sec=Figure(tokens_per_sec, "measured",
-                                  f"global tokens over the slowest rank's {timed_steps} timed steps, {where}"),
+            tokens_per_sec=Figure(tokens_per_sec, "measured", f"global tokens per optimizer step over {timing}, {where}"),
             host_memory_per_node=Figure(max(rss_by_node.values()), "measured",
                                         "peak RSS summed over a node's ranks"),
             message=message, extras=extras, duration_s=outcome.duration_s)
 
+    @staticmethod
+    def _cuda_peak(ranks: list[dict[str, Any]], where: str, extras: dict[str, Any]) -> Figure:
+        """The device-level peak (what the prediction's total is): the allocator's reserved peak
+        plus what the process holds outside it (context, NCCL), worst rank. Allocated and
+        reserved peaks are kept for their own comparisons."""
+        worst = max(ranks, key=lambda r: r["device_peak_bytes"])
+        extras.update(
+            allocated_peak_bytes=max(int(r["tensor_peak_bytes"]) for r in ranks),
+            reserved_peak_bytes=max(int(r["reserved_peak_bytes"]) for r in ranks),
+            outside_allocator_bytes=max(int(r["outside_allocator_bytes"]) for r in ranks),
+            device_peak_bytes=int(worst["device_peak_bytes"]),
+            allocator_persistent_bytes=max(int(r.get("allocator_persistent_bytes") or 0) for r in ranks),
+            memory_fraction=worst["memory_fraction"],
+            alloc_conf=(worst.get("runtime") or {}).get("alloc_conf", ""),
+            device_capacity_bytes=min(int(r["device_capacity_bytes"]) for r in ranks))
+        return Figure(int(worst["device_peak_bytes"]), "measured",
+                      "torch.cuda.max_memory_reserved + memory outside the allocator ((total - free) - "
+                      f"reserved, from cudaMemGetInfo), max over {where}")
 
 def predicted_host_need(spec: TrialSpec) -> tuple[int | None, str]:
     """Host bytes a cpu trial of `spec` needs: the simulator's per-rank tensor peak plus a
@@ -290,6 +324,26 @@ def predicted_host_need(spec: TrialSpec) -> tuple[int | None, str]:
     return ranks * (int(per_rank) + RANK_PROCESS_BYTES), (
         f"simulated tensor peak {int(per_rank) / 2**30:.2f} GiB per rank plus an estimated "
         f"{RANK_PROCESS_BYTES / 2**30:.2f} GiB per process, x {ranks} ranks")
+
+
+def predicted_offload_host_need(spec: TrialSpec) -> tuple[int | None, str]:
+    """Host bytes per node a cuda trial with CPU offload needs, from the simulator's offload model."""
+    try:
+        from autotune.backends.sim import SimBackend
+    except ImportError as exc:
+        return None, f"host check skipped: simulator unavailable ({exc})"
+    figure = SimBackend(device_kind="cuda").evaluate(spec).host_memory_per_node
+    if figure is None or figure.value is None:
+        return None, "host check skipped: the simulator gave no host figure"
+    return int(figure.value), f"{figure.source}: {figure.basis}"
+
+
+def _step_seconds(rank: dict[str, Any], *, full_accum: int) -> float:
+    """Mean seconds per optimizer step of the real job on one rank."""
+    micro, optimizer = rank.get("micro_batches_s") or [], rank.get("optimizer_step_s") or []
+    if not micro:  # no phase timing: the whole measured step
+        return statistics.fmean(rank["step_times"])
+    return statistics.fmean(micro) * full_accum / rank["grad_accum"] + statistics.fmean(optimizer)
 
 
 def _world(spec: TrialSpec) -> tuple[int, int]:

@@ -84,6 +84,17 @@ def reset_rss_peak() -> None:
         pass
 
 
+def rss_bytes() -> int:
+    """This process's resident set size now (VmRSS), 0 where unreadable."""
+    try:
+        for line in Path(f"/proc/{os.getpid()}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return 0
+
+
 def rss_peak_bytes() -> int | None:
     """This process's peak resident set size (VmHWM) since the last reset."""
     try:

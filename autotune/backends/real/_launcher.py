@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.files import write_json
+from autotune.runtime_memory import ALLOC_CONF_ENV, alloc_conf
 
 
 LAUNCH_MARKER_ENV = "AUTOTUNE_REAL_LAUNCH"
@@ -77,6 +78,32 @@ class TrialOutcome:
     duration_s: float = 0.0
 
 
+def cgroup_oom_kills(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """How many processes the kernel's OOM killer has killed in this process's cgroup (v2
+    memory.events, else v1 memory.oom_control); None where neither can be read."""
+    try:
+        cgroup = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        cgroup = []
+    candidates = []
+    for line in cgroup:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2 unified hierarchy
+            candidates.append(root / path.lstrip("/") / "memory.events")
+        elif "memory" in controllers.split(","):  # v1 memory controller
+            candidates.append(root / "memory" / path.lstrip("/") / "memory.oom_control")
+    candidates += [root / "memory.events", root / "memory" / "memory.oom_control"]
+    for path in candidates:
+        try:
+            for line in path.read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def torchrun_command(options: LaunchOptions, *, job: Path, out: Path, log_dir: Path) -> list[str]:
     """The command line of one launch (torch's launcher, run through _torchrun to keep exit codes)."""
     return [sys.executable, "-m", "autotune.backends.real._torchrun", *options.torchrun_args(log_dir=log_dir),
@@ -115,6 +142,9 @@ class Launch:
             # Collectives give up on their own well after the launcher would have killed them.
             collective_timeout_s=self.options.timeout_s + self.options.startup_timeout_s)))
         env = dict(os.environ, **{LAUNCH_MARKER_ENV: self.marker, AGENT_FAILURES_ENV: str(self.agent_failures)})
+        # Trials run with the allocator setting the prediction assumes and the exports pin.
+        env[ALLOC_CONF_ENV] = alloc_conf(os.environ)
+        self._oom_kills_at_start = cgroup_oom_kills()
         command = torchrun_command(self.options, job=job, out=self.out, log_dir=self.logs)
         self._log = open(self.folder / "torchrun.log", "wb")
         self._proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
@@ -236,6 +266,12 @@ class Launch:
                   if f["rank"] not in reported and f.get("signal") not in _STOPPED_BY_AGENT]
         if silent:
             root = min(silent, key=lambda f: (f["timestamp"], f["rank"]))
+            kills = cgroup_oom_kills()
+            before = getattr(self, "_oom_kills_at_start", None)
+            if root.get("signal") == "SIGKILL" and kills is not None and before is not None and kills > before:
+                return TrialOutcome(index=-1, status="oom", failed_rank=root["rank"], message=(
+                    f"host out of memory: rank {root['rank']} was killed by the kernel's OOM killer "
+                    f"(cgroup memory.events oom_kill {before} -> {kills})"))
             how = f"killed by {root['signal']}" if root.get("signal") else f"exited with code {root['exitcode']}"
             return TrialOutcome(index=-1, status="error", failed_rank=root["rank"],
                                 message=f"rank {root['rank']} {how} without a Python exception; last lines "

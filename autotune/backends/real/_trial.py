@@ -59,6 +59,14 @@ def make_grad_scaler(precision: str, device: torch.device):
 def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_steps: int,
               timed_steps: int, seed: int, faults: list[Fault], trial_index: int) -> dict[str, Any]:
     """Train `warmup_steps + timed_steps` steps of `spec` on this rank; return its figures."""
+    on_cuda = device.type == "cuda"
+    cap: dict[str, Any] = {}
+    if on_cuda:
+        # Cap the caching allocator before anything of the trial is allocated, so a trial over
+        # the limit runs out of memory for real, as on a GPU of that size.
+        release_memory(device)
+        cap = cap_device_memory(device, limit_bytes=spec.limit_bytes)
+        torch.cuda.reset_peak_memory_stats(device)
     model, notes = materialise(spec, mesh=mesh, device=device, seed=seed)
     optimizer = make_optimizer(model, impl=spec.train.optimizer_impl)
     scaler = make_grad_scaler(spec.train.precision, device)
@@ -68,10 +76,6 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
                             device=device, seed=seed + rank)
     inject_faults(faults, rank=rank, trial=trial_index)
 
-    on_cuda = device.type == "cuda"
-    if on_cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
     reset_rss_peak()
     # On CPUs the tracker is the device: it counts tensor memory and enforces the capacity.
     tracker = None if on_cuda else CapacityTracker(capacity_bytes=spec.limit_bytes, rank=rank)
@@ -79,7 +83,13 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
         tracker.track_external(model, optimizer)
         batches = _reset_before_each_forward(batches, tracker)
     step_times: list[float] = []
+    phases: list[tuple[float, float]] = []  # (micro-batches, optimizer step) of each timed step
     losses: list[float] = []
+
+    def clock() -> float:
+        _synchronize(device)
+        return time.perf_counter()
+
     with tracker if tracker is not None else nullcontext():
         for step in range(warmup_steps + timed_steps):
             timed = step >= warmup_steps
@@ -87,26 +97,71 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
                 _synchronize(device)
                 dist.barrier(device_ids=[device.index] if on_cuda else None)
                 start = time.perf_counter()
-            loss = train_step(model, optimizer, batches, grad_accum_steps=grad_accum, scaler=scaler)
+            loss = train_step(model, optimizer, batches, grad_accum_steps=grad_accum, scaler=scaler,
+                              phase_times=phases if timed else None, clock=clock)
             if timed:
                 _synchronize(device)
                 step_times.append(time.perf_counter() - start)
             losses.append(float(loss))
+        # fp16: a scaler that skipped every step never allocated the optimizer state, and the
+        # peak would miss it. Step on (untimed) until one step is taken.
+        extra = 0
+        while scaler is not None and not optimizer.state and extra < FP16_EXTRA_STEPS:
+            losses.append(float(train_step(model, optimizer, batches, grad_accum_steps=grad_accum, scaler=scaler)))
+            extra += 1
+        if scaler is not None and not optimizer.state:
+            raise RuntimeError(f"fp16: the grad scaler skipped all {len(losses)} optimizer steps (inf/NaN "
+                               "gradients at every scale): the optimizer state was never allocated")
 
     figures: dict[str, Any] = dict(
         rank=rank, losses=losses, step_times=step_times, grad_accum=grad_accum,
+        micro_batches_s=[p[0] for p in phases], optimizer_step_s=[p[1] for p in phases],
+        tokens_per_micro_batch=spec.train.micro_batch_size * spec.seq_len,
         tokens_per_step=spec.train.micro_batch_size * spec.seq_len * grad_accum,
         rss_peak_bytes=rss_peak_bytes(), notes=notes, finite=all(math.isfinite(x) for x in losses))
     if on_cuda:
-        figures.update(tensor_peak_bytes=torch.cuda.max_memory_allocated(device),
-                       reserved_peak_bytes=torch.cuda.max_memory_reserved(device),
+        from autotune.runtime_memory import measure_outside_allocator
+
+        outside = max(cap["outside_allocator_bytes"], measure_outside_allocator(device)["outside_allocator_bytes"])
+        reserved = torch.cuda.max_memory_reserved(device)
+        figures.update(tensor_peak_bytes=torch.cuda.max_memory_allocated(device), reserved_peak_bytes=reserved,
+                       outside_allocator_bytes=outside, device_peak_bytes=reserved + outside,
                        device_capacity_bytes=torch.cuda.get_device_properties(device).total_memory,
-                       breakdown={})
+                       memory_fraction=cap["fraction"], breakdown={})
     else:
         figures.update(tensor_peak_bytes=tracker.peak_bytes(), breakdown=tracker.peak_breakdown())
     del model, optimizer, scaler, tracker, batches
     release_memory(device)
+    if on_cuda:
+        # What the allocator still holds with no trial alive: workspaces no traced op made.
+        figures["allocator_persistent_bytes"] = torch.cuda.memory_allocated(device)
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
     return figures
+
+
+FP16_EXTRA_STEPS = 16
+
+
+def cap_device_memory(device: torch.device, *, limit_bytes: int) -> dict[str, Any]:
+    """Limit this process's caching allocator so that allocator + what lives outside it (context,
+    NCCL, measured now) stays within `limit_bytes`: `set_per_process_memory_fraction` caps reserved
+    memory, and an allocation over the cap raises torch.OutOfMemoryError as on a smaller GPU."""
+    from autotune.runtime_memory import measure_outside_allocator
+
+    measured = measure_outside_allocator(device)
+    fraction = allocator_fraction(limit_bytes=limit_bytes, outside_allocator_bytes=measured["outside_allocator_bytes"],
+                                  total_bytes=measured["total_bytes"])
+    if fraction <= 0:
+        raise torch.OutOfMemoryError(
+            f"the memory limit {limit_bytes:,} bytes leaves nothing for tensors: "
+            f"{measured['outside_allocator_bytes']:,} bytes are used outside the allocator (context, NCCL)")
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return dict(fraction=fraction, **measured)
+
+
+def allocator_fraction(*, limit_bytes: int, outside_allocator_bytes: int, total_bytes: int) -> float:
+    """The fraction of the device the caching allocator may reserve under a device-level limit."""
+    return max(0.0, min(1.0, (limit_bytes - outside_allocator_bytes) / total_bytes))
 
 
 def materialise(spec: TrialSpec, *, mesh, device: torch.device, seed: int) -> tuple[nn.Module, list[str]]:
@@ -147,10 +202,23 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
 
 
 def release_memory(device: torch.device) -> None:
-    """Free what the trial left so the next trial in a persistent launch starts clean."""
+    """Free what the trial left so the next trial in a persistent launch starts clean: the
+    device's cached blocks and the pinned host blocks CPU offload staged (empty_cache leaves
+    those, so host RSS would grow across trials and count in the next one's figure)."""
     gc.collect()
     if device.type == "cuda":
+        torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+        release_pinned_host_memory()
+
+
+def release_pinned_host_memory() -> None:
+    """Return the pinned host allocator's cached blocks (torch >= 2.8; older: the private name)."""
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    if empty is None:
+        empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
 
 
 def _synchronize(device: torch.device) -> None:

@@ -39,11 +39,31 @@ _QUEUE_POLL_S = 0.02
 _PARENT_CHECK_S = 2.0
 
 
-def failure_record(exc: BaseException, *, rank: int) -> dict[str, Any]:
+# How an out-of-memory reads when it is not a torch.OutOfMemoryError: NCCL's "Cuda failure 'out
+# of memory'" (DistBackendError), cuBLAS/cuDNN handle or workspace allocation failures, and a
+# CUDA runtime error surfacing later as AcceleratorError "CUDA error: out of memory".
+_OOM_TEXTS = ("cuda failure 'out of memory'", "cuda error: out of memory", "cudaerrormemoryallocation",
+              "cublas_status_alloc_failed", "cudnn_status_alloc_failed", "cuda out of memory",
+              "defaultcpuallocator: can't allocate memory")
+
+
+def out_of_memory_kind(exc: BaseException) -> str | None:
+    """'device' or 'host' when `exc` is an out-of-memory, however it surfaced; None otherwise.
+    Triton's 'out of resource: shared memory' is a kernel limit, not memory, and is not one."""
     import torch
 
+    text = f"{type(exc).__name__}: {exc}".lower()
+    if "defaultcpuallocator" in text or "can't allocate memory" in text:
+        return "host"
+    if isinstance(exc, torch.OutOfMemoryError) or any(pattern in text for pattern in _OOM_TEXTS):
+        return "device"
+    return None
+
+
+def failure_record(exc: BaseException, *, rank: int) -> dict[str, Any]:
+    kind = out_of_memory_kind(exc)
     return dict(rank=rank, type=type(exc).__name__, message=str(exc)[:4000], time=time.time(),
-                oom=isinstance(exc, torch.OutOfMemoryError),
+                oom=kind is not None, oom_kind=kind,
                 traceback="".join(traceback.format_exception(exc))[-4000:])
 
 
@@ -68,12 +88,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import torch.distributed as dist
 
-        device, mesh, faults = _setup(job)
+        device, mesh, faults, runtime = _setup(job)
         # The launcher's pid means something only on the launcher's host (multi-node: node 0).
         launcher_pid = job["launcher_pid"] if job.get("launcher_host") == platform.node() else None
         for item in _queued_trials(args.out / "queue", launcher_pid=launcher_pid):
             index = item["index"]
-            _run_one(item, job=job, out=args.out, rank=rank, device=device, mesh=mesh, faults=faults)
+            _run_one(item, job=job, out=args.out, rank=rank, device=device, mesh=mesh, faults=faults,
+                     runtime=runtime)
         index = SETUP
         dist.destroy_process_group()
     except BaseException as exc:
@@ -126,13 +147,42 @@ def _setup(job: dict[str, Any]):
         device = torch.device("cpu")
         backend = "gloo"
     faults = parse_faults(os.environ.get(FAULT_ENV))
-    dist.init_process_group(backend, timeout=timedelta(seconds=float(job["collective_timeout_s"])))
+    timeout = timedelta(seconds=float(job["collective_timeout_s"]))
+    runtime: dict[str, Any] = {}
+    if device.type == "cuda":
+        # device_id makes NCCL create its communicator now, not inside the first trial, so its
+        # memory is in place before any trial and counted once (outside the allocator).
+        dist.init_process_group(backend, timeout=timeout, device_id=device)
+        _warm_collectives(device)
+        from autotune.runtime_memory import measure_outside_allocator
+
+        runtime = dict(after_setup=measure_outside_allocator(device),
+                       alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    else:
+        dist.init_process_group(backend, timeout=timeout)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    return device, mesh, faults
+    return device, mesh, faults, runtime
+
+
+def _warm_collectives(device) -> None:
+    """Run FSDP2's collectives once (all-gather, reduce-scatter) so NCCL sets up their channels
+    before the first trial; the tensors are freed and the allocator's cache emptied after."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    shard = torch.ones(1024, device=device)
+    full = torch.empty(1024 * world, device=device)
+    dist.all_gather_into_tensor(full, shard)
+    dist.reduce_scatter_tensor(shard, full)
+    dist.barrier(device_ids=[device.index])
+    torch.cuda.synchronize(device)
+    del shard, full
+    torch.cuda.empty_cache()
 
 
 def _run_one(item: dict[str, Any], *, job: dict[str, Any], out: Path, rank: int, device, mesh,
-             faults) -> None:
+             faults, runtime: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from autotune.backends.real._trial import run_trial
@@ -148,6 +198,8 @@ def _run_one(item: dict[str, Any], *, job: dict[str, Any], out: Path, rank: int,
                         timed_steps=job["timed_steps"], seed=job["seed"], faults=faults,
                         trial_index=index)
     figures["node"] = platform.node()
+    if runtime:
+        figures["runtime"] = runtime
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, figures)
     if rank == 0:

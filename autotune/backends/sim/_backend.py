@@ -13,6 +13,7 @@ from autotune.backends.sim._extrapolate import extrapolate, shallow_depths
 from autotune.backends.sim._fakepg import fake_mesh, release_fake_group
 from autotune.backends.sim._trace import REFTYPE_CATEGORIES, StepTrace, Tracer, period_of
 from autotune.config import TrialSpec
+from autotune.runtime_memory import runtime_memory
 from autotune.units import format_bytes
 from autotune.errors import AutotuneError
 from autotune.training import model_flops_per_token
@@ -159,16 +160,22 @@ class SimBackend(TrialBackend):
         sites, trace, notes = self._sites(spec)
         offload = spec.train.cpu_offload
         host_per_node = None
+        root_staging = 0
         if offload:
             host_per_rank = _offload.host_bytes_per_rank(sites, trace, num_layers=spec.model.num_layers)
             host_per_node = host_per_rank * spec.cluster.gpus_per_node
-            sites = _offload.device_sites(sites, staging_bytes=_offload.staging_bytes(trace, num_gpus=world_size))
+            block_staging, root_staging = _offload.staging_bytes(trace, num_gpus=world_size)
+            sites = _offload.device_sites(sites, block_staging=block_staging, root_staging=root_staging)
         peak_key, peak_cats = max(sites.items(), key=lambda item: sum(item[1].values()))
         tensor_peak = sum(peak_cats.values())
-        overhead = 0
+        runtime = None
         if self.device_kind == "cuda":
-            overhead = costmodel.runtime_overhead_bytes(spec.cluster.gpu, num_gpus=world_size,
-                                                        tensor_peak_bytes=tensor_peak)
+            traced_mb = (notes.get("traced_micro_batches") or [spec.train.micro_batch_size])[0]
+            largest = trace.largest_allocation_bytes * spec.train.micro_batch_size // traced_mb
+            runtime = runtime_memory(spec.cluster.gpu, world_size=world_size,
+                                     gpus_per_node=spec.cluster.gpus_per_node, tensor_peak_bytes=tensor_peak,
+                                     largest_allocation_bytes=largest, offload_staging_bytes=root_staging)
+        overhead = runtime.total_bytes if runtime else 0
         total = tensor_peak + overhead
         breakdown = dict.fromkeys(MEMORY_CATEGORIES, 0)
         for reftype, nbytes in peak_cats.items():
@@ -181,14 +188,21 @@ class SimBackend(TrialBackend):
                       f"blocks to {spec.model.num_layers}")
             if len(notes["traced_micro_batches"]) == 2:
                 basis += f" and from micro-batches {_MB_BASE[0]} and {_MB_BASE[1]}"
-        if overhead:
-            basis += f" (+ {format_bytes(overhead)} runtime margin, estimated)"
+        if runtime:
+            basis = (f"predicted tensor peak {format_bytes(tensor_peak)} ({basis}) + {runtime.source} runtime "
+                     f"memory {format_bytes(overhead)} ({runtime.describe()})")
         if offload:
             basis += "; " + _offload.OFFLOAD_BASIS
-        peak = Figure(total, "estimated" if offload else "predicted", basis)
+        source = "estimated" if offload else "predicted+estimated" if runtime else "predicted"
+        peak = Figure(total, source, basis)
 
         extras: dict[str, Any] = dict(tensor_peak_bytes=int(tensor_peak), runtime_overhead_bytes=int(overhead),
                                       peak_site=" / ".join(str(part) for part in peak_key), **notes)
+        if runtime:
+            workspace = sum(t.bytes for t in runtime.terms if t.name == "cublas_workspace")
+            extras.update(runtime_memory=runtime.to_dict(), predicted_allocated_bytes=int(tensor_peak + workspace),
+                          predicted_reserved_bytes=int(tensor_peak + runtime.in_allocator_bytes),
+                          predicted_device_bytes=int(total))
         throughput, message = self._throughput(spec, trace, notes["flops_per_microbatch"], extras)
         host_figure = None
         if host_per_node is not None:

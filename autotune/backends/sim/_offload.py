@@ -6,8 +6,12 @@ host memory), so the simulator traces the configuration without offload and move
 - off the device: sharded parameters, sharded gradients and optimizer state (they live on
   the host; the AdamW step runs there);
 - onto the device: before each all-gather, the fp32 shard of one FSDP group is copied up and
-  cast into the all-gather buffer. The largest group's shard is charged at every forward and
-  backward site (an upper bound: the copy lives only while the all-gather is issued);
+  cast into the all-gather buffer. A block's shard is charged at every forward and backward
+  site (an upper bound: the copy lives only while the all-gather is issued); the root's shard
+  (embeddings, output layer: often the largest group) only where the root is gathered, at the
+  start of forward: FSDP2 keeps the root unsharded from forward through backward. Measured on
+  an H100 (docs/BENCHMARKS.md, GPU check), charging the root's shard everywhere overstated a
+  qwen2.5-0.5b offload peak by 13%;
 - on the host, per rank: parameters and gradients in pinned memory (PyTorch's pinned host
   allocator rounds each allocation up to a power of two), optimizer state and the step's
   temporaries in pageable memory, plus the process's own host memory (estimated constant).
@@ -34,21 +38,23 @@ OFFLOAD_BASIS = ("CPU offload modelled from the trace without it: sharded parame
                  "device per all-gather (docs/SIMULATOR.md)")
 
 
-def device_sites(sites: dict[SiteKey, dict[str, int]], *, staging_bytes: int) -> dict[SiteKey, dict[str, int]]:
-    """Device memory per site under CPU offload."""
+def device_sites(sites: dict[SiteKey, dict[str, int]], *, block_staging: int,
+                 root_staging: int) -> dict[SiteKey, dict[str, int]]:
+    """Device memory per site under CPU offload. Sites are (phase, hook, unit, ops since)."""
     moved = {}
     for key, cats in sites.items():
         device = {cat: (0 if cat in _ON_HOST else n) for cat, n in cats.items()}
         if key[0] != "opt":
-            device[_STAGING] = device.get(_STAGING, 0) + staging_bytes
+            root_gathered_here = key[0] == "fw" and key[1] in ("start", "pre_fw") and key[2] in ("-", "root")
+            staging = max(block_staging, root_staging) if root_gathered_here else block_staging
+            device[_STAGING] = device.get(_STAGING, 0) + staging
         moved[key] = device
     return moved
 
 
-def staging_bytes(trace: StepTrace, *, num_gpus: int) -> int:
-    """fp32 bytes of the largest FSDP group's shard on one rank."""
-    largest = max(trace.block_params, trace.root_params)
-    return -(-largest // num_gpus) * 4
+def staging_bytes(trace: StepTrace, *, num_gpus: int) -> tuple[int, int]:
+    """fp32 bytes of one block's shard and of the root's shard on one rank."""
+    return -(-trace.block_params // num_gpus) * 4, -(-trace.root_params // num_gpus) * 4
 
 
 def host_bytes_per_rank(sites: dict[SiteKey, dict[str, int]], trace: StepTrace, *, num_layers: int) -> int:

@@ -43,7 +43,30 @@ FLOP_FORMULAS = {
         flop_registry[_aten._scaled_dot_product_flash_attention_backward],
 }
 
-from autotune.catalog.models import ModelSpec
+
+def _grouped_query_safe(formula):
+    """torch < 2.13's SDPA FLOP formulas assert that query, key and value have the same number of
+    heads, which grouped-query attention does not. Retried with key/value-shaped arguments
+    widened to the query's heads: the FLOPs of the kernel, which broadcasts them."""
+
+    def counted(*args, **kwargs):
+        try:
+            return formula(*args, **kwargs)
+        except AssertionError:
+            shaped = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]
+            heads = max(a.shape[1] for a in shaped)
+            args = tuple(torch.empty((a.shape[0], heads, *a.shape[2:]), device="meta")
+                         if isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[1] != heads else a
+                         for a in args)
+            return formula(*args, **kwargs)
+
+    return counted
+
+
+FLOP_FORMULAS = {op: _grouped_query_safe(formula) if "scaled_dot_product" in str(op) else formula
+                 for op, formula in FLOP_FORMULAS.items()}
+
+from autotune.catalog.models import ModelSpec  # noqa: E402
 from autotune.config import TrainConfig, ac_every
 from autotune.parallel import Blocks, parallelize
 from autotune.training import build_model, make_optimizer, token_batches, train_step
@@ -101,6 +124,9 @@ class StepTrace:
     """Host bytes a pinned copy of one rank's fp32 shards takes ('block', 'root'): the pinned
     host allocator rounds every allocation up to a power of two."""
     duration_s: float = 0.0
+    largest_allocation_bytes: int = 0
+    """The largest single tensor storage the step allocates (the fp32 logits, for LLMs): the
+    allocator's fragmentation at the peak scales with it (autotune/runtime_memory.py)."""
 
 
 def _next_pow2(n: int) -> int:
@@ -126,6 +152,7 @@ class _SiteTracker(FSDPMemTracker):
         super().__init__(model, optimizer)
         self._gloo = gloo
         self._transient = 0
+        self.largest_allocation = 0
         self.count_flops = False
         self.flops = 0
         self._optimizer_ops: list[dict[str, int]] = []
@@ -188,6 +215,9 @@ class _SiteTracker(FSDPMemTracker):
             # gloo's reduce-scatter works on a full-size copy of its input, freed when it returns.
             self._transient = args[1].untyped_storage().nbytes()
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        for result in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(result, torch.Tensor):
+                self.largest_allocation = max(self.largest_allocation, result.untyped_storage().nbytes())
         # FLOPs from torch's flop-counter formulas, counted here: FlopCounterMode's module hooks
         # would keep tensors alive under activation checkpointing and change the memory traced.
         formula = FLOP_FORMULAS.get(func._overloadpacket) if self.count_flops and out is not NotImplemented else None
@@ -302,7 +332,8 @@ class Tracer:
         return StepTrace(depth=depth, sites=sites, flops=flops,
                          tensor_peak_bytes=max(sum(c.values()) for c in sites.values()),
                          block_params=built.block_params, root_params=built.root_params,
-                         pinned_param_bytes=dict(built.pinned), duration_s=time.perf_counter() - start)
+                         pinned_param_bytes=dict(built.pinned), duration_s=time.perf_counter() - start,
+                         largest_allocation_bytes=int(tracker.largest_allocation))
 
     def _built(self, model_spec: ModelSpec, *, depth: int, mesh, world_size: int, train: TrainConfig) -> _Built:
         # Every knob but the two that do not change the built model: a new knob can never reuse

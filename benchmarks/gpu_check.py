@@ -1,0 +1,268 @@
+"""The GPU memory check: real cuda trials against the simulator's predictions, in one table.
+
+    python benchmarks/gpu_check.py                  # on every GPU here, in under 5 minutes
+    python benchmarks/gpu_check.py --device cpu     # the same plumbing on 2 gloo ranks, no GPU
+    python benchmarks/gpu_check.py --json out.json  # also write every figure as JSON
+
+For a 0.5B model (qwen2.5-0.5b) at world size 1 and at every GPU present, a few configurations
+(precision, checkpointing, resharding, offload, micro-batch) run as real FSDP2 trials through the
+cuda backend and are predicted by the simulator. Each measured peak is compared with its
+predicted counterpart:
+
+    allocated  torch.cuda.max_memory_allocated   vs  the traced tensor peak (+ cuBLAS workspaces)
+    reserved   torch.cuda.max_memory_reserved    vs  tensor peak + in-allocator runtime terms
+    device     reserved + outside the allocator  vs  the predicted total (what prunes trials)
+
+Then OOM agreement: under a per-process memory cap set between two configurations' predicted
+totals, the one predicted to fit must run and the one predicted not to fit must run out of
+memory for real. The runtime terms (context, cuBLAS, NCCL) are measured in a fresh process.
+Exit status 0 when every target holds: device total within 5% of the prediction, no
+configuration predicted to fit runs out of memory, OOM agreement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dataclasses import replace  # noqa: E402
+
+from autotune.backends.base import TrialResult  # noqa: E402
+from autotune.backends.real import RealBackend  # noqa: E402
+from autotune.backends.sim import SimBackend  # noqa: E402
+from autotune.catalog.gpus import GPUS, detect_gpu  # noqa: E402
+from autotune.catalog.models import resolve_model  # noqa: E402
+from autotune.config import Cluster, TrainConfig, TrialSpec  # noqa: E402
+from autotune.runtime_memory import alloc_conf  # noqa: E402
+from autotune.units import format_bytes  # noqa: E402
+
+TOTAL_TOLERANCE = 0.05
+
+# (label, knobs): the configurations every world size runs.
+CASES = [
+    ("bf16 mb2", dict(micro_batch_size=2)),
+    ("bf16 mb4 ac:full", dict(micro_batch_size=4, activation_checkpointing="full")),
+    ("bf16 mb2 no-reshard", dict(micro_batch_size=2, reshard_after_forward=False)),
+    ("fp16 mb2", dict(micro_batch_size=2, precision="fp16")),
+    ("bf16 mb2 ac:full offload", dict(micro_batch_size=2, cpu_offload=True, activation_checkpointing="full")),
+    ("bf16 mb8", dict(micro_batch_size=8)),
+]
+CASES.insert(1, ("bf16 mb4", dict(micro_batch_size=4)))
+CPU_CASES = [("bf16 mb2", dict(micro_batch_size=2)), ("bf16 mb4 ac:full", dict(micro_batch_size=4, activation_checkpointing="full")),
+             ("bf16 mb8", dict(micro_batch_size=8))]
+
+
+def spec_for(model, *, world: int, device: str, seq_len: int, limit: int | None = None, **knobs) -> TrialSpec:
+    gpu = (detect_gpu() or GPUS["h100-80gb"]) if device == "cuda" else GPUS["h100-80gb"]
+    return TrialSpec(model=model, cluster=Cluster(num_gpus=world, gpu=gpu), seq_len=seq_len,
+                     train=TrainConfig(**knobs), grad_accum_steps=2, memory_limit_bytes=limit)
+
+
+def error(predicted, measured) -> float | None:
+    if predicted is None or not measured:
+        return None
+    return (predicted - measured) / measured
+
+
+def compare(label: str, spec: TrialSpec, predicted, measured) -> dict:
+    p, m = predicted.extras, measured.extras
+    row = dict(label=label, world=spec.cluster.num_gpus, limit_bytes=spec.memory_limit_bytes,
+               predicted_status=predicted.status, measured_status=measured.status, message=measured.message[:300],
+               # max_memory_allocated includes cuBLAS workspaces, which no traced op makes.
+               predicted_tensor=p.get("predicted_allocated_bytes", p.get("tensor_peak_bytes")),
+               measured_allocated=m.get("tensor_peak_bytes"),
+               predicted_reserved=p.get("predicted_reserved_bytes"), measured_reserved=m.get("reserved_peak_bytes"),
+               predicted_total=predicted.peak_memory.value if predicted.peak_memory else None,
+               predicted_message=predicted.message[:300],
+               measured_device=m.get("device_peak_bytes"), outside_allocator=m.get("outside_allocator_bytes"),
+               allocator_persistent=m.get("allocator_persistent_bytes"),
+               estimated_tokens_per_sec=predicted.tokens_per_sec.value if predicted.tokens_per_sec else None,
+               measured_tokens_per_sec=measured.tokens_per_sec.value if measured.tokens_per_sec else None,
+               optimizer_step_s=m.get("optimizer_step_s"), runtime_terms=p.get("runtime_memory"))
+    row["tensor_error"] = error(row["predicted_tensor"], row["measured_allocated"])
+    row["reserved_error"] = error(row["predicted_reserved"], row["measured_reserved"])
+    row["total_error"] = error(row["predicted_total"], row["measured_device"])
+    return row
+
+
+def probe_runtime_terms() -> dict:
+    """The context, cuBLAS and NCCL terms, measured in a fresh process."""
+    code = "import json; from autotune.runtime_memory import measure_runtime_terms; print(json.dumps(measure_runtime_terms()))"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180)
+    if done.returncode:
+        return dict(error=done.stderr[-2000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def predict(device: str, model_name: str, seq_len: int, worlds: list[int]) -> dict[str, dict]:
+    """The simulator's result for every trial the check runs, by key (world, label, limit).
+    Traces do not depend on the machine: they can be made on another one with `--predict-only`
+    (for a GPU machine whose torch is older than the simulator supports) and passed in with
+    `--predictions`."""
+    model = resolve_model(model_name)
+    sim = SimBackend(device_kind=device)
+    predictions: dict[str, dict] = {}
+    for world in worlds:
+        for label, spec in planned_trials(model, device=device, seq_len=seq_len, world=world, sim=sim):
+            predictions[key(world, label)] = sim.evaluate(spec).to_dict()
+    return predictions
+
+
+def key(world: int, label: str) -> str:
+    return f"{world}:{label}"
+
+
+def planned_trials(model, *, device: str, seq_len: int, world: int, sim=None, predictions=None):
+    """(label, spec) of every trial: the cases, then the OOM-agreement trials under caps set from
+    the predicted totals: the smallest case under 1.10x its total (must fit), the largest under
+    the same cap (must not), and a middle case under 1.02x (must fit) and 0.90x (must not) of
+    its own total, the sharpest test that nothing predicted to fit runs out of memory."""
+    cases = CASES if device == "cuda" else CPU_CASES
+    trials = [(label, spec_for(model, world=world, device=device, seq_len=seq_len, **knobs)) for label, knobs in cases]
+
+    def total(label: str, spec: TrialSpec) -> int | None:
+        if predictions is not None:
+            peak = predictions.get(key(world, label), {}).get("peak_memory")
+            return peak["value"] if peak else None
+        result = sim.evaluate(spec)
+        return result.peak_memory.value if result.peak_memory else None
+
+    (small_label, small), (large_label, large) = trials[0], trials[-1]
+    middle_label, middle = trials[1] if device == "cpu" else next(t for t in trials if t[0] == "bf16 mb4")
+    small_total, middle_total = total(small_label, small), total(middle_label, middle)
+    if small_total is not None:
+        limit = int(small_total * 1.10)
+        for label, spec in ((small_label, small), (large_label, large)):
+            trials.append((f"{label} under {format_bytes(limit)}", replace(spec, memory_limit_bytes=limit)))
+    if middle_total is not None:
+        for factor in (1.02, 0.90):
+            limit = int(middle_total * factor)
+            trials.append((f"{middle_label} under {factor:.2f}x", replace(middle, memory_limit_bytes=limit)))
+    return trials
+
+
+def run(device: str, model_name: str, seq_len: int, worlds: list[int], predictions: dict[str, dict]) -> dict:
+    model = resolve_model(model_name)
+    rows, agreement = [], []
+    started = time.monotonic()
+    for world in worlds:
+        trials = planned_trials(model, device=device, seq_len=seq_len, world=world, predictions=predictions)
+        with RealBackend(device=device, timed_steps=2, warmup_steps=1, timeout_s=300) as real:
+            measured = real.evaluate_many([spec for _, spec in trials])
+        for (label, spec), result in zip(trials, measured):
+            predicted = predictions.get(key(world, label))
+            if predicted is None:
+                print(f"no prediction for {label} at world size {world}: skipped", file=sys.stderr)
+                continue
+            row = compare(label, spec, TrialResult.from_dict(predicted), result)
+            (agreement if spec.memory_limit_bytes is not None else rows).append(row)
+    return dict(device=device, model=model_name, seq_len=seq_len, worlds=worlds, alloc_conf=alloc_conf(),
+                rows=rows, oom_agreement=agreement, seconds=time.monotonic() - started)
+
+
+def percent(value) -> str:
+    return "-" if value is None else f"{value:+.1%}"
+
+
+def size(value) -> str:
+    return "-" if value is None else format_bytes(value)
+
+
+def print_table(report: dict) -> None:
+    print(f"GPU check on {report['device']}: {report['model']}, seq {report['seq_len']}, "
+          f"PYTORCH_CUDA_ALLOC_CONF={report['alloc_conf']}, {report['predicted_on']}; "
+          "errors are (predicted - measured) / measured")
+    header = (f"{'ws':>2} {'configuration':<30} {'status p/m':<11} {'allocated':>10} {'err':>7} "
+              f"{'reserved':>10} {'err':>7} {'device':>10} {'err':>7} {'tok/s meas':>11} {'tok/s est':>11}")
+    print(header)
+    for row in report["rows"] + report["oom_agreement"]:
+        print(f"{row['world']:>2} {row['label']:<30} {row['predicted_status'] + '/' + row['measured_status']:<11} "
+              f"{size(row['measured_allocated']):>10} {percent(row['tensor_error']):>7} "
+              f"{size(row['measured_reserved']):>10} {percent(row['reserved_error']):>7} "
+              f"{size(row['measured_device']):>10} {percent(row['total_error']):>7} "
+              f"{row['measured_tokens_per_sec'] or 0:>11,.0f} {row['estimated_tokens_per_sec'] or 0:>11,.0f}")
+    if report.get("runtime_terms"):
+        print("runtime terms measured in a fresh process:", json.dumps(report["runtime_terms"]))
+
+
+def verdict(report: dict) -> list[str]:
+    """The targets that failed (empty: all hold)."""
+    failed = []
+    ok = [r for r in report["rows"] if r["measured_status"] == "ok"]
+    totals = [abs(r["total_error"]) for r in ok if r["total_error"] is not None]
+    if report["device"] == "cuda" and totals and max(totals) > TOTAL_TOLERANCE:
+        failed.append(f"predicted total off the device-level peak by up to {max(totals):.1%} (target {TOTAL_TOLERANCE:.0%})")
+    for row in report["rows"] + report["oom_agreement"]:
+        if row["predicted_status"] == "ok" and row["measured_status"] == "oom":
+            failed.append(f"{row['label']} (ws {row['world']}) was predicted to fit and ran out of memory")
+        if row["measured_status"] not in ("ok", "oom"):
+            failed.append(f"{row['label']} (ws {row['world']}) ended {row['measured_status']}: {row['message'][:200]}")
+    for row in report["oom_agreement"]:
+        if row["predicted_status"] != row["measured_status"]:
+            failed.append(f"OOM disagreement: {row['label']} predicted {row['predicted_status']}, "
+                          f"measured {row['measured_status']}")
+    if report["device"] == "cuda" and not report["oom_agreement"]:
+        failed.append("no OOM-agreement pair could be set up")
+    return failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--model", default=None, help="default: qwen2.5-0.5b on cuda, micro-llama on cpu")
+    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="also write the report here")
+    parser.add_argument("--predict-only", type=Path, default=None, metavar="FILE",
+                        help="only write the simulator's predictions for the check's trials to FILE")
+    parser.add_argument("--predictions", type=Path, default=None, metavar="FILE",
+                        help="use predictions written by --predict-only instead of tracing here")
+    parser.add_argument("--gpus", type=int, default=None, help="with --predict-only: the GPUs of the machine to check")
+    args = parser.parse_args(argv)
+    import torch
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.predict_only and args.device == "auto":
+        device = "cuda"
+    if device == "cuda":
+        count = args.gpus or torch.cuda.device_count()
+        worlds = [1] + ([count] if count > 1 else [])
+        model, seq_len = args.model or "qwen2.5-0.5b", args.seq_len or 1024
+    else:
+        worlds, model, seq_len = [2], args.model or "micro-llama", args.seq_len or 64
+    if args.predict_only:
+        args.predict_only.write_text(json.dumps(dict(torch=torch.__version__, predictions=predict(
+            device, model, seq_len, worlds)), default=str))
+        return 0
+    if args.predictions:
+        loaded = json.loads(args.predictions.read_text())
+        predictions, predicted_on = loaded["predictions"], f"predicted with torch {loaded['torch']}"
+    else:
+        predictions, predicted_on = predict(device, model, seq_len, worlds), f"predicted here (torch {torch.__version__})"
+    terms = probe_runtime_terms() if device == "cuda" else None
+    report = run(device, model, seq_len, worlds, predictions)
+    report["predicted_on"] = predicted_on
+    report["runtime_terms"] = terms
+    report["failed"] = verdict(report)
+    print_table(report)
+    ok = [r for r in report["rows"] if r["total_error"] is not None and r["measured_status"] == "ok"]
+    if ok:
+        print(f"device-level total: median |error| {statistics.median(abs(r['total_error']) for r in ok):.1%}, "
+              f"worst {max(abs(r['total_error']) for r in ok):.1%} over {len(ok)} trials")
+    print("PASS" if not report["failed"] else "FAIL:\n  " + "\n  ".join(report["failed"]))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+    return 0 if not report["failed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
