@@ -170,6 +170,23 @@ def run(device: str, model_name: str, seq_len: int, worlds: list[int], predictio
                 rows=rows, oom_agreement=agreement, seconds=time.monotonic() - started)
 
 
+def rescore(report: dict, predictions: dict[str, dict], predicted_on: str) -> dict:
+    """A measured report's rows against other predictions (the simulator changed since, say):
+    the measurements are kept, the predicted figures and errors recomputed."""
+    for row in report["rows"] + report["oom_agreement"]:
+        predicted = TrialResult.from_dict(predictions[key(row["world"], row["label"])])
+        extras = predicted.extras
+        row.update(predicted_status=predicted.status,
+                   predicted_tensor=extras.get("predicted_allocated_bytes", extras.get("tensor_peak_bytes")),
+                   predicted_reserved=extras.get("predicted_reserved_bytes"),
+                   predicted_total=predicted.peak_memory.value if predicted.peak_memory else None)
+        row["tensor_error"] = error(row["predicted_tensor"], row["measured_allocated"])
+        row["reserved_error"] = error(row["predicted_reserved"], row["measured_reserved"])
+        row["total_error"] = error(row["predicted_total"], row["measured_device"])
+    report["predicted_on"] = predicted_on
+    return report
+
+
 def percent(value) -> str:
     return "-" if value is None else f"{value:+.1%}"
 
@@ -227,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--predictions", type=Path, default=None, metavar="FILE",
                         help="use predictions written by --predict-only instead of tracing here")
     parser.add_argument("--gpus", type=int, default=None, help="with --predict-only: the GPUs of the machine to check")
+    parser.add_argument("--rescore", type=Path, default=None, metavar="REPORT",
+                        help="print a measured report (--json) against --predictions, measuring nothing")
     args = parser.parse_args(argv)
     import torch
 
@@ -243,6 +262,13 @@ def main(argv: list[str] | None = None) -> int:
         args.predict_only.write_text(json.dumps(dict(torch=torch.__version__, predictions=predict(
             device, model, seq_len, worlds)), default=str))
         return 0
+    if args.rescore:
+        if not args.predictions:
+            parser.error("--rescore needs --predictions")
+        loaded = json.loads(args.predictions.read_text())
+        report = rescore(json.loads(args.rescore.read_text()), loaded["predictions"],
+                         f"rescored with predictions of torch {loaded['torch']}")
+        return finish(report, args.json)
     if args.predictions:
         loaded = json.loads(args.predictions.read_text())
         predictions, predicted_on = loaded["predictions"], f"predicted with torch {loaded['torch']}"
@@ -252,6 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     report = run(device, model, seq_len, worlds, predictions)
     report["predicted_on"] = predicted_on
     report["runtime_terms"] = terms
+    return finish(report, args.json)
+
+
+def finish(report: dict, json_path: Path | None) -> int:
+    """Print the table and the verdict, write the JSON; the exit status says whether the targets hold."""
     report["failed"] = verdict(report)
     print_table(report)
     ok = [r for r in report["rows"] if r["total_error"] is not None and r["measured_status"] == "ok"]
@@ -259,8 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"device-level total: median |error| {statistics.median(abs(r['total_error']) for r in ok):.1%}, "
               f"worst {max(abs(r['total_error']) for r in ok):.1%} over {len(ok)} trials")
     print("PASS" if not report["failed"] else "FAIL:\n  " + "\n  ".join(report["failed"]))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1, default=str))
+    if json_path:
+        json_path.write_text(json.dumps(report, indent=1, default=str))
     return 0 if not report["failed"] else 1
 
 
