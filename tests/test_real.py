@@ -199,3 +199,49 @@ def test_gpu_check_plumbing_runs_on_cpu(tmp_path):
     assert all(abs(r["predicted_tensor"] - r["measured_allocated"]) <= 64 for r in report["rows"])
     statuses = [(r["predicted_status"], r["measured_status"]) for r in report["oom_agreement"]]
     assert ("oom", "oom") in statuses and ("ok", "ok") in statuses and len(statuses) == 4
+
+
+def test_controller_killed_with_sigkill_leaves_no_trial_processes(tmp_path):
+    """SIGKILL cannot be handled: torchrun dies with its controller (PR_SET_PDEATHSIG) and the
+    ranks with torchrun, even mid-trial (one rank hangs here), instead of holding devices until
+    the collective timeout."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    from autotune.backends.real._launcher import process_gone
+
+    tag = f"AUTOTUNE_TEST_TAG={uuid.uuid4().hex}".encode()
+
+    def tagged(command_part: bytes = b"") -> list[int]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if tag in environ and command_part in cmdline and not process_gone(int(pid)):
+                found.append(int(pid))
+        return found
+
+    env = dict(os.environ, **{FAULT_ENV: "hang:rank=1"}, AUTOTUNE_TEST_TAG=tag.split(b"=")[1].decode())
+    controller = subprocess.Popen([sys.executable, "-m", "autotune", "trial", "--model", "micro-llama", "--gpus", "2",
+                                   "--backend", "cpu", "--timeout", "600", "--micro-batch", "2"],
+                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 180
+        while len(tagged(b"autotune.backends.real.worker")) < 2 and time.monotonic() < deadline:
+            assert controller.poll() is None, "the trial ended before it could be killed"
+            time.sleep(0.5)
+        assert len(tagged(b"autotune.backends.real.worker")) >= 2, "the ranks never started"
+        time.sleep(2)  # both ranks inside the trial (rank 1 hangs, rank 0 waits for it)
+    finally:
+        controller.send_signal(signal.SIGKILL)
+        controller.wait()
+    deadline = time.monotonic() + 30
+    while tagged() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert tagged() == []

@@ -148,7 +148,8 @@ class Launch:
         command = torchrun_command(self.options, job=job, out=self.out, log_dir=self.logs)
         self._log = open(self.folder / "torchrun.log", "wb")
         self._proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                                      stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                      preexec_fn=die_with_parent)
 
     def run(self, items: list[tuple[int, dict[str, Any]]]) -> list[TrialOutcome]:
         """Queue (index, spec dict) pairs and wait for them. Returns the outcomes of a prefix of
@@ -302,6 +303,29 @@ def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
         return "(no log)"
 
 
+def process_gone(pid: int) -> bool:
+    """True once `pid` has exited: no longer in /proc, or a zombie (its resources released)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux PR_SET_PDEATHSIG): a
+    controller killed with SIGKILL takes its torchrun with it, and torchrun's death takes the
+    ranks, so no trial keeps GPUs after the process that launched it is gone. A no-op where
+    prctl is missing."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def marked_processes(marker: str) -> list[int]:
     """Live processes whose environment carries this launch's marker (zombies have none)."""
     needle = f"{LAUNCH_MARKER_ENV}={marker}".encode()
@@ -319,22 +343,31 @@ def marked_processes(marker: str) -> list[int]:
 
 
 def end_launch(proc: subprocess.Popen, marker: str) -> None:
-    """Kill torchrun's process group and every process of the launch; verify none is left."""
+    """Kill torchrun's process group and every process of the launch, and wait until each is
+    really gone (reaped or a zombie: its GPU memory released), not merely unreadable: a process
+    in the middle of exiting has an empty /proc environ but may still hold its GPU memory, and
+    a relaunch started then could run out of memory for that reason."""
+    known = set(marked_processes(marker)) | {proc.pid}
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + _KILL_GRACE_S
-    while survivors := marked_processes(marker):
-        for pid in survivors:
+    while True:
+        known.update(marked_processes(marker))
+        proc.poll()  # reap torchrun itself, our child
+        alive = [pid for pid in known if not process_gone(pid)]
+        if not alive:
+            break
+        for pid in alive:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         if time.monotonic() > deadline:
             # Not the controller's problem to die of; say so loudly (a process stuck in the kernel).
-            warnings.warn(f"processes {survivors} of a trial launch survived SIGKILL for {_KILL_GRACE_S} s",
+            warnings.warn(f"processes {alive} of a trial launch survived SIGKILL for {_KILL_GRACE_S} s",
                           RuntimeWarning, stacklevel=2)
             break
         time.sleep(0.05)

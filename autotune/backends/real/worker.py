@@ -13,7 +13,9 @@ Between trials every rank polls the queue, outside any collective. A rank that r
 memory included) writes its failure file and exits with the exception: torchrun then stops
 the other ranks, wherever they wait, and the launcher sends the trials after it to a fresh
 launch. No rank is ever left waiting in a collective. Ranks also exit when the launching
-process is gone, so a killed controller leaves no workers behind.
+process is gone, mid-trial too: the kernel kills them with torchrun (PR_SET_PDEATHSIG, which the
+launcher also sets on torchrun), and a watchdog thread ends a rank whose launcher has gone, so
+a controller killed with SIGKILL leaves no worker holding devices.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import faulthandler
 import json
 import os
 import platform
+import sys
 import time
 import traceback
 from collections.abc import Iterator
@@ -37,6 +40,7 @@ from autotune.files import write_json
 SETUP = "setup"  # the trial index used for failures outside any trial
 _QUEUE_POLL_S = 0.02
 _PARENT_CHECK_S = 2.0
+_WATCHDOG_S = 1.0
 
 
 # How an out-of-memory reads when it is not a torch.OutOfMemoryError: NCCL's "Cuda failure 'out
@@ -82,15 +86,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     faulthandler.enable()  # a hard crash still leaves a stack in this rank's stderr
+    from autotune.backends.real._launcher import die_with_parent
+
+    die_with_parent()  # torchrun's agent killed (its controller was): this rank goes too
     job = json.loads(args.job.read_text())
     rank = int(os.environ["RANK"])
     index: int | str = SETUP
     try:
         import torch.distributed as dist
 
-        device, mesh, faults, runtime = _setup(job)
         # The launcher's pid means something only on the launcher's host (multi-node: node 0).
         launcher_pid = job["launcher_pid"] if job.get("launcher_host") == platform.node() else None
+        if launcher_pid is not None:
+            _exit_when_gone(launcher_pid)  # before set-up: the rendezvous can wait on a dead agent
+        device, mesh, faults, runtime = _setup(job)
         for item in _queued_trials(args.out / "queue", launcher_pid=launcher_pid):
             index = item["index"]
             _run_one(item, job=job, out=args.out, rank=rank, device=device, mesh=mesh, faults=faults,
@@ -120,6 +129,21 @@ def _queued_trials(queue: Path, *, launcher_pid: int | None) -> Iterator[dict[st
             if launcher_pid is not None and not _alive(launcher_pid):
                 return
         time.sleep(_QUEUE_POLL_S)
+
+
+def _exit_when_gone(pid: int) -> None:
+    """Watch the launching process from a daemon thread, during trials too, and end this rank
+    at once when it is gone. The parent-death signal covers most of it; this covers a rank
+    that was still importing torch when its torchrun died, and any launcher it cannot reach."""
+    import threading
+
+    def watch() -> None:
+        while _alive(pid):
+            time.sleep(_WATCHDOG_S)
+        print(f"autotune worker: the launching process {pid} is gone; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="autotune-launcher-watchdog", daemon=True).start()
 
 
 def _alive(pid: int) -> bool:
