@@ -254,12 +254,16 @@ def _choose_backend(name: str, cluster) -> tuple[str, str]:
     """(backend name, why) -- `auto` takes the GPUs when they are here, else the simulator."""
     if name != "auto":
         return name, "chosen with --backend"
-    try:
-        import torch
+    from autotune.catalog.gpus import nvidia_driver_present
 
-        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:
-        visible = 0
+    visible = 0
+    if nvidia_driver_present():  # else no GPU can be here: torch need not be imported to say so
+        try:
+            import torch
+
+            visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        except Exception:
+            visible = 0
     if visible >= cluster.gpus_per_node and cluster.num_nodes == 1:
         return "cuda", f"{visible} GPUs visible here"
     reason = "no GPU here" if visible == 0 else f"{visible} GPUs here, {cluster.gpus_per_node} needed"

@@ -17,6 +17,10 @@ from autotune.errors import UsageError
 
 Precision = Literal["bf16", "fp16", "fp32"]
 PRECISIONS: tuple[str, ...] = ("bf16", "fp16", "fp32")
+PARAM_DTYPE_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+"""torch dtype of the parameters FSDP gathers and computes with, by precision (parallel.py
+builds the policy from it; named here so what reads it need not import torch)."""
+PARAM_DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
 OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")
 """AdamW implementations: `fused` (one kernel per step: HF Trainer's and torchtitan's default on GPUs),
 `foreach` (torch.optim's default on CUDA: temporaries for a whole group of parameters at once),

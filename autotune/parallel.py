@@ -13,13 +13,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from autotune.config import TrainConfig, is_checkpointed
+from autotune.config import PARAM_DTYPE_NAMES, TrainConfig, is_checkpointed
 from autotune.errors import UnsupportedModelError
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2", "and other "
                       "transformers decoders whose blocks sit in one nn.ModuleList")
 
-PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PARAM_DTYPES = {precision: getattr(torch, name) for precision, name in PARAM_DTYPE_NAMES.items()}
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 import autotune
 from autotune.controller import Step, TuneRequest, prediction_summary
-from autotune.parallel import PARAM_DTYPES
+from autotune.config import PARAM_DTYPE_BYTES, PARAM_DTYPE_NAMES
 from autotune.runtime_memory import ALLOC_CONF_ENV, alloc_conf
 from autotune.secrets import mask
 
@@ -21,15 +21,23 @@ SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "result.schema.json"
 
 
+def _installed(package: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def provenance() -> dict[str, str]:
     import optuna
-    import torch
-    import transformers
 
     return {
         "tool": f"autotune {autotune.__version__}",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        # Installed versions, read without importing (a plan served from the cache needs neither).
+        "torch": _installed("torch"),
+        "transformers": _installed("transformers"),
         "optuna": optuna.__version__,
         "python": platform.python_version(),
         "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -75,7 +83,7 @@ def loss_section(request: TuneRequest, winner: Step) -> dict[str, Any]:
     computes the loss differently (chunked or fused cross-entropy) knows how far the peak moves."""
     train = winner.train
     elements = train.micro_batch_size * request.seq_len * int(request.model.config_dict.get("vocab_size") or 0)
-    compute_bytes = PARAM_DTYPES[train.precision].itemsize
+    compute_bytes = PARAM_DTYPE_BYTES[train.precision]
     site = str(winner.result.extras.get("peak_site", ""))
     return {
         "path": "transformers ForCausalLMLoss: logits in the compute dtype, upcast to fp32, cross-entropy "
@@ -140,7 +148,7 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
         "global_tokens_deviation": batch.deviation,
         "precision": train.precision,
         "fsdp": {
-            "param_dtype": str(PARAM_DTYPES[train.precision]).removeprefix("torch."),
+            "param_dtype": PARAM_DTYPE_NAMES[train.precision],
             "reduce_dtype": "float32",
             "activation_checkpointing": train.activation_checkpointing,
             "cpu_offload": train.cpu_offload,

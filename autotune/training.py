@@ -82,14 +82,3 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iter
     if timing:
         phase_times.append((backward_done - started, clock() - backward_done))
     return total
-
-
-def model_flops_per_token(model: ModelSpec, seq_len: int, *, num_parameters: int | None = None) -> float:
-    """Training FLOPs per token without recompute: 6N plus attention (PaLM paper, appendix B:
-    6N + 12 * L * H * Q * T with H*Q the attention width and T the sequence length).
-    `num_parameters` saves the meta build of the model when the caller already knows N."""
-    config = model.config_dict
-    num_layers = config["num_hidden_layers"]
-    hidden = config["hidden_size"]
-    n = model.num_parameters if num_parameters is None else num_parameters
-    return 6 * n + 12 * num_layers * hidden * seq_len

@@ -13,7 +13,7 @@ them because other processes on a shared machine inflate wall time.
 from __future__ import annotations
 
 import argparse
-import csv
+import json
 import os
 import re
 import statistics
@@ -36,7 +36,7 @@ EXTRAPOLATION_CASES = [
     ("qwen2.5-7b", "none", 1), ("qwen2.5-7b", "every:2", 4),
 ]
 # (model, GPUs, --global-tokens): 4M is not reachable in steps of 64 x 8192 tokens, 4Mi is.
-GRAPHS = [("llama-7b", 8, "4M"), ("llama3-70b", 64, "4Mi")]
+GRAPHS = [("llama-7b", 8, "4M", []), ("llama3-70b", 64, "4Mi", ["--nodes", "8"])]
 
 
 def _clock():
@@ -140,25 +140,44 @@ def accuracy() -> None:
     sim.close()
 
 
-def graph(models: list[tuple[str, int, str]]) -> None:
-    print("## whole decision graph on the sim backend (autotune CLI in a fresh process)")
+def _plan(name: str, gpus: int, tokens: str, cache_dir: str, extra: list[str]) -> tuple[float, dict, int, str]:
+    """One `autotune tune` in a fresh process and runs folder: (wall s, best.json, configurations, status)."""
     trial_line = re.compile(r"^\s*\d+ +[a-z]+ +(bf16|fp16|fp32) ")
-    for name, gpus, tokens in models:
-        with tempfile.TemporaryDirectory() as runs:
-            command = [sys.executable, "-m", "autotune", "tune", "--model", name, "--gpus", str(gpus),
-                       "--global-tokens", tokens, "--backend", "sim", "--runs-dir", runs]
-            start = time.perf_counter()
-            done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "NO_COLOR": "1"})
-            wall = time.perf_counter() - start
-            simulated = sum(float(row["duration_s"]) for path in Path(runs).glob("*/trials.csv")
-                            for row in csv.DictReader(path.open()))
-        trials = sum(1 for line in done.stdout.splitlines() if trial_line.match(line))
-        status = "ok" if done.returncode == 0 else f"exit {done.returncode}: {done.stderr.strip()[-300:]}"
-        print(f"{name} on {gpus} GPUs, --global-tokens {tokens}: {wall:.1f} s wall for the whole run, {trials} "
-              f"configurations, {simulated:.1f} s of it in the simulator; {status}", flush=True)
+    with tempfile.TemporaryDirectory() as runs:
+        command = [sys.executable, "-m", "autotune", "tune", "--model", name, "--gpus", str(gpus),
+                   "--global-tokens", tokens, "--backend", "sim", "--runs-dir", runs, *extra]
+        start = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True,
+                              env={**os.environ, "NO_COLOR": "1", "AUTOTUNE_CACHE_DIR": cache_dir})
+        wall = time.perf_counter() - start
+        best = [json.loads(p.read_text()) for p in Path(runs).glob("*/best.json")]
+    trials = sum(1 for line in done.stdout.splitlines() if trial_line.match(line))
+    status = "ok" if done.returncode == 0 else f"exit {done.returncode}: {done.stderr.strip()[-300:]}"
+    return wall, (best[0] if best else {}), trials, status
+
+
+def graph(models: list[tuple[str, int, str, list[str]]], repeats: int) -> None:
+    """Each plan twice per repeat in a fresh persistent cache: cold (nothing cached: every
+    configuration traced) and repeated (a new runs folder, the cache warm)."""
+    print("## whole decision graph on the sim backend (autotune CLI in a fresh process)")
+    for name, gpus, tokens, extra in models:
+        cold, warm = [], []
+        for _ in range(repeats):
+            with tempfile.TemporaryDirectory() as cache_dir:
+                wall, best, trials, status = _plan(name, gpus, tokens, cache_dir, extra)
+                cold.append(wall)
+                again, best_again, _, status_again = _plan(name, gpus, tokens, cache_dir, extra)
+                warm.append(again)
+            same = all(best.get(k) == best_again.get(k) for k in ("micro_batch_size", "fsdp", "peak_memory_bytes",
+                                                                  "tokens_per_sec"))
+            print(f"  {name} {gpus} GPUs: cold {wall:.2f} s ({trials} configurations, {status}), repeated "
+                  f"{again:.2f} s ({status_again}); same winner and figures: {same}", flush=True)
+        print(f"{name} on {gpus} GPUs {' '.join(extra)}, --global-tokens {tokens}: cold median "
+              f"{statistics.median(cold):.2f} s, repeated median {statistics.median(warm):.2f} s "
+              f"(load {os.getloadavg()[0]:.1f})", flush=True)
     start = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import torch, transformers.models.llama.modeling_llama"], check=True)
-    print(f"(of which starting Python and importing torch + transformers: {time.perf_counter() - start:.1f} s)")
+    print(f"(starting Python and importing torch + transformers alone: {time.perf_counter() - start:.1f} s)")
 
 
 def main() -> None:
@@ -176,7 +195,7 @@ def main() -> None:
     if "accuracy" in args.sections:
         accuracy()
     if "graph" in args.sections:
-        graph(GRAPHS)
+        graph(GRAPHS, args.repeats)
 
 
 if __name__ == "__main__":

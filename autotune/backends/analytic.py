@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from autotune import costmodel
@@ -61,6 +61,20 @@ class ModelShape:
 
 @lru_cache(maxsize=64)
 def _shape_from_config(model_type: str, config_json: str, trust_remote_code: bool) -> ModelShape:
+    """The shape as transformers completes the config (defaults included), counted once per
+    machine and library version: a repeated plan reads it back without importing transformers."""
+    from autotune import cache
+
+    key = cache.key_of("model-shape", [model_type, config_json, trust_remote_code])
+    cached = cache.load("model-shape", key)
+    if cached is not None:
+        return ModelShape(**cached)
+    shape = _count_shape(model_type, config_json, trust_remote_code)
+    cache.store("model-shape", key, asdict(shape))
+    return shape
+
+
+def _count_shape(model_type: str, config_json: str, trust_remote_code: bool) -> ModelShape:
     config = json.loads(config_json)
     spec = ModelSpec(name="shape", model_type=model_type, config_dict=config, default_seq_len=1,
                      source="", trust_remote_code=trust_remote_code)
@@ -188,7 +202,7 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
 
 def step_work(spec: TrialSpec) -> costmodel.StepWork:
     """FLOPs, collective and offload bytes of one optimizer step on one GPU."""
-    from autotune.training import model_flops_per_token
+    from autotune.catalog.models import model_flops_per_token
 
     shape = model_shape(spec.model)
     train = spec.train

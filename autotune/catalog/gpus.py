@@ -72,8 +72,19 @@ def resolve_gpu(name: str) -> GPUSpec:
     raise UsageError(f"unknown GPU type {name!r}: {hint}choose one of {', '.join(GPUS)}")
 
 
+def nvidia_driver_present() -> bool:
+    """Whether this machine can have CUDA GPUs at all, without importing torch (seconds)."""
+    import os
+
+    return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidia0")
+
+
 def detect_gpu() -> GPUSpec | None:
-    """The catalog entry of the local GPU 0, if CUDA is present and the part is known."""
+    """The catalog entry of the local GPU 0, if CUDA is present and the part is known. Without
+    an NVIDIA driver on the machine, torch is not imported to find that out (seconds saved on
+    every plan made without GPUs)."""
+    if not nvidia_driver_present():
+        return None
     try:
         import torch
 

@@ -251,6 +251,11 @@ class ModelSpec:
         seq x seq score matrix, so what a CPU trace or CPU trial counts is what a GPU run keeps.
         Models without an SDPA path (Gemma 2's logit softcapping) are traced with eager
         attention, which keeps the scores: an upper bound for a flash-attention GPU run."""
+        from autotune import cache
+
+        return cache.cached("attention-implementation", self.model_type, self._attention_implementation)
+
+    def _attention_implementation(self) -> str:
         from transformers import AutoConfig
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -286,6 +291,20 @@ class ModelSpec:
         class) from a copy of one period of layers built on the meta device: blocks repeat with
         the period, so the counts are exact at any depth and cost the same for a 70B model as for
         a tiny one. Raises UnsupportedModelError if FSDP has no blocks to wrap."""
+        from autotune import cache
+
+        # Counted once per model shape and library version on this machine, then read back:
+        # a repeated plan need not import transformers for these four numbers.
+        key = cache.key_of("model-summary", dict(model_type=self.model_type, config=self.config_dict,
+                                                 remote=self.trust_remote_code, layers=self.num_layers))
+        cached = cache.load("model-summary", key)
+        if cached is not None:
+            return tuple(cached)  # type: ignore[return-value]
+        summary = self._count_on_meta()
+        cache.store("model-summary", key, list(summary))
+        return summary
+
+    def _count_on_meta(self) -> tuple[int, int, int, str]:
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -413,3 +432,14 @@ def _check_decoder_only(spec: ModelSpec, *, where: str) -> None:
     except (ValueError, TypeError, StrictDataclassError) as exc:
         detail = " ".join(str(exc).split())
         raise UsageError(f"{where!r} is not a valid {kind} config: {detail[:300]}; fix that field") from None
+
+
+def model_flops_per_token(model: ModelSpec, seq_len: int, *, num_parameters: int | None = None) -> float:
+    """Training FLOPs per token without recompute: 6N plus attention (PaLM paper, appendix B:
+    6N + 12 * L * H * Q * T with H*Q the attention width and T the sequence length).
+    `num_parameters` saves the meta build of the model when the caller already knows N."""
+    config = model.config_dict
+    num_layers = config["num_hidden_layers"]
+    hidden = config["hidden_size"]
+    n = model.num_parameters if num_parameters is None else num_parameters
+    return 6 * n + 12 * num_layers * hidden * seq_len

@@ -16,7 +16,7 @@ from autotune.backends.real._capacity import host_memory_available_bytes
 from autotune.backends.real._launcher import Launch, LaunchOptions, TrialOutcome
 from autotune.config import TrialSpec
 from autotune.errors import UsageError
-from autotune.training import model_flops_per_token
+from autotune.catalog.models import model_flops_per_token
 
 DEVICES = ("cpu", "cuda")
 RANK_PROCESS_BYTES = 600 * 2**20

@@ -6,17 +6,26 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from autotune import costmodel
+import os
+from typing import TYPE_CHECKING
+
+from autotune import cache, costmodel
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
-from autotune.backends.sim import _offload
 from autotune.backends.sim._extrapolate import extrapolate, shallow_depths
-from autotune.backends.sim._fakepg import fake_mesh, release_fake_group
-from autotune.backends.sim._trace import REFTYPE_CATEGORIES, StepTrace, Tracer, period_of
 from autotune.config import TrialSpec
+from autotune.errors import AutotuneError
 from autotune.runtime_memory import runtime_memory
 from autotune.units import format_bytes
-from autotune.errors import AutotuneError
-from autotune.training import model_flops_per_token
+
+if TYPE_CHECKING:
+    from autotune.backends.sim._trace import StepTrace
+
+# torch and transformers are imported when a trace is needed, not before: a plan whose every
+# prediction is in the persistent cache (autotune/cache.py) never imports them.
+
+RUNTIME_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "NCCL_BUFFSIZE", "NCCL_MAX_NCHANNELS", "NCCL_MAX_CTAS",
+               "CUBLAS_WORKSPACE_CONFIG")
+"""Environment variables the runtime memory terms read: part of a cached prediction's key."""
 
 GiB = 2**30
 _PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -50,7 +59,8 @@ class SimBackend(TrialBackend):
         self.extrapolate = extrapolate
         self.extrapolate_micro_batch = extrapolate_micro_batch
         self.screen = screen
-        self._tracer = Tracer(max_cached_models=max_cached_models)
+        self._max_cached_models = max_cached_models
+        self._tracer_instance = None
         self._traces: dict[tuple, StepTrace] = {}
         self._families: set[tuple] = set()
         self._mesh_in_use = None
@@ -62,15 +72,33 @@ class SimBackend(TrialBackend):
                 f"({'depth-extrapolated' if self.extrapolate else 'full depth'}) for {what}; "
                 f"throughput {'estimated (roofline)' if self.device_kind == 'cuda' else 'not estimated'}")
 
+    @property
+    def _tracer(self):
+        if self._tracer_instance is None:
+            from autotune.backends.sim._trace import Tracer
+
+            self._tracer_instance = Tracer(max_cached_models=self._max_cached_models)
+        return self._tracer_instance
+
     def close(self) -> None:
-        self._tracer.clear()
         self._traces.clear()
         self._families.clear()
         self._mesh_in_use = None
-        release_fake_group()
+        if self._tracer_instance is not None:
+            from autotune.backends.sim._fakepg import release_fake_group
+
+            self._tracer_instance.clear()
+            release_fake_group()
 
     def evaluate(self, spec: TrialSpec) -> TrialResult:
         start = time.perf_counter()
+        key = cache.key_of("sim-result", self._cache_inputs(spec))
+        cached = cache.load("sim-result", key)
+        if cached is not None:
+            result = TrialResult.from_dict(cached)
+            result.extras["cache"] = "hit: predicted before with the same inputs, versions and code"
+            result.duration_s = time.perf_counter() - start
+            return result
         try:
             result = self._screened(spec) or self._evaluate(spec)
         except AutotuneError:
@@ -78,7 +106,15 @@ class SimBackend(TrialBackend):
         except Exception as exc:  # an estimate that failed is an error trial, never a fit
             result = TrialResult(status="error", message=f"simulation failed: {type(exc).__name__}: {exc}")
         result.duration_s = time.perf_counter() - start
+        if result.status in ("ok", "oom"):
+            cache.store("sim-result", key, result.to_dict())
         return result
+
+    def _cache_inputs(self, spec: TrialSpec) -> dict[str, Any]:
+        """Everything a prediction depends on besides versions and code (cache.fingerprint)."""
+        return dict(spec=spec.to_dict(), device_kind=self.device_kind, extrapolate=self.extrapolate,
+                    extrapolate_micro_batch=self.extrapolate_micro_batch, screen=self.screen,
+                    environment={name: os.environ.get(name) for name in RUNTIME_ENV})
 
     def _screened(self, spec: TrialSpec) -> TrialResult | None:
         """The closed form's verdict where it is far over the limit, else None (trace it)."""
@@ -106,6 +142,8 @@ class SimBackend(TrialBackend):
     # --- tracing ---------------------------------------------------------------------------------
 
     def _mesh(self, world_size: int):
+        from autotune.backends.sim._fakepg import fake_mesh
+
         mesh = fake_mesh(world_size)
         if mesh is not self._mesh_in_use:
             self._tracer.clear()  # sharded models belong to the previous group's mesh
@@ -133,6 +171,8 @@ class SimBackend(TrialBackend):
         """Sites of the full model at the spec's micro-batch, a trace for shapes, and notes."""
         num_layers = spec.model.num_layers
         mb = spec.train.micro_batch_size
+        from autotune.backends.sim._trace import period_of
+
         period = period_of(spec.train, spec.model)
         depths = shallow_depths(num_layers, period) if self.extrapolate else None
         if depths is None:
@@ -156,6 +196,9 @@ class SimBackend(TrialBackend):
     # --- the result ------------------------------------------------------------------------------
 
     def _evaluate(self, spec: TrialSpec) -> TrialResult:
+        from autotune.backends.sim import _offload
+        from autotune.backends.sim._trace import REFTYPE_CATEGORIES
+
         world_size = spec.cluster.num_gpus
         sites, trace, notes = self._sites(spec)
         offload = spec.train.cpu_offload
@@ -227,6 +270,8 @@ class SimBackend(TrialBackend):
 
     def _throughput(self, spec: TrialSpec, trace: StepTrace, flops_per_microbatch: float,
                     extras: dict[str, Any]) -> tuple[Figure | None, str]:
+        from autotune.catalog.models import model_flops_per_token
+
         accum = spec.grad_accum_steps
         world_size = spec.cluster.num_gpus
         tokens_per_gpu_step = spec.train.micro_batch_size * spec.seq_len * accum

@@ -17,8 +17,10 @@ prefetch below the first, nothing gathered before the last).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from autotune.backends.sim._trace import SiteKey, StepTrace
+if TYPE_CHECKING:  # _trace imports torch; this module is used before any trace is needed
+    from autotune.backends.sim._trace import SiteKey, StepTrace
 
 __all__ = ["Extrapolated", "shallow_depths", "extrapolate"]
 

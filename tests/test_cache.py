@@ -1,0 +1,64 @@
+"""The persistent prediction cache: a repeated plan in a new runs folder is answered without
+importing torch or transformers and gives the same result; what it depends on keys it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PLAN = ["--model", "tiny-llama", "--gpus", "2", "--global-tokens", "64K", "--backend", "sim"]
+# Runs the CLI in-process, then reports which heavy libraries the run imported.
+PROBE = ("import runpy, sys\nsys.argv = ['autotune'] + sys.argv[1:]\ntry:\n"
+         "    runpy.run_module('autotune', run_name='__main__')\nexcept SystemExit as exit:\n"
+         "    code = exit.code\nprint('IMPORTED', 'torch' in sys.modules, 'transformers' in sys.modules, code)\n")
+
+
+def plan(tmp_path: Path, runs: str, *args: str, env: dict | None = None) -> tuple[dict, tuple[str, str, str]]:
+    done = subprocess.run([sys.executable, "-c", PROBE, *args, "--runs-dir", str(tmp_path / runs)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    imported = next(line for line in done.stdout.splitlines() if line.startswith("IMPORTED")).split()[1:]
+    best = [json.loads(p.read_text()) for p in (tmp_path / runs).glob("*/best.json")]
+    assert imported[2] in ("0", "None"), done.stderr[-2000:]
+    return best[0], tuple(imported)
+
+
+@pytest.fixture()
+def cache_env(tmp_path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "AUTOTUNE_CACHE"}
+    env["AUTOTUNE_CACHE_DIR"] = str(tmp_path / "cache")
+    return env
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    done = subprocess.run([sys.executable, "-c", PROBE, "--help"], capture_output=True, text=True, timeout=60)
+    assert "IMPORTED False False 0" in done.stdout
+
+
+def test_repeated_plan_is_served_from_the_cache_without_torch(tmp_path, cache_env):
+    first, imported = plan(tmp_path, "runs1", *PLAN, env=cache_env)
+    assert imported[:2] == ("True", "True")  # traced: torch and transformers were needed
+    again, imported = plan(tmp_path, "runs2", *PLAN, env=cache_env)
+    assert imported[:2] == ("False", "False")
+    for key in ("micro_batch_size", "grad_accum_steps", "fsdp", "peak_memory_bytes", "tokens_per_sec",
+                "memory_breakdown", "decision_path"):
+        assert again[key] == first[key], key
+    assert again["model"]["parameters"] == first["model"]["parameters"]
+
+
+def test_cache_is_keyed_by_what_the_prediction_depends_on(tmp_path, cache_env):
+    first, _ = plan(tmp_path, "runs1", *PLAN, env=cache_env)
+    # Another allocator setting changes the fragmentation term: not answered from the cache.
+    other = dict(cache_env, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False")
+    changed, imported = plan(tmp_path, "runs2", *PLAN, env=other)
+    assert imported[0] == "True" and changed["environment"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
+    assert changed["memory"]["runtime"]["alloc_conf"] == "expandable_segments:False"
+    # Unreadable entries are misses, never errors.
+    for entry in Path(cache_env["AUTOTUNE_CACHE_DIR"]).rglob("*.json"):
+        entry.write_text("{not json")
+    again, imported = plan(tmp_path, "runs3", *PLAN, env=cache_env)
+    assert imported[0] == "True" and again["peak_memory_bytes"] == first["peak_memory_bytes"]
