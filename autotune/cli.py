@@ -15,11 +15,11 @@ import os
 import re
 import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 from autotune.errors import AutotuneError, UsageError
+from autotune.interrupts import raised_where_safe
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
@@ -28,10 +28,6 @@ EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
 class Terminated(KeyboardInterrupt):
     """SIGTERM (what Slurm, systemd and `kill` send): unwinds exactly like Ctrl-C, so finished trials
     are kept, trial workers are stopped and temporary folders removed on the way out."""
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise Terminated()
 
 
 COMMANDS = ("tune", "trial", "export", "report")
@@ -123,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--runs-dir", default="runs", help="output folder (default: runs)")
     run.add_argument("--out", help="also write the winning configuration JSON here")
     run.add_argument("--export", help="comma-separated export formats to write next to best.json "
-                                      "(fsdp2, fsdp1, lightning, accelerate, hf-trainer, trl, torchtitan, "
-                                      "llama-cookbook)")
+                                      "(fsdp2, fsdp1, lightning, lightning-fsdp1, accelerate, hf-trainer, trl, "
+                                      "torchtitan, llama-cookbook)")
     run.add_argument("--max-trials", type=_positive_int, help="stop after this many new trials")
     run.add_argument("--time-budget", type=_duration, help="stop starting trials after this long, e.g. 10m")
     run.add_argument("--json", action="store_true", help="print the result JSON on stdout, nothing else")
@@ -520,13 +516,19 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     console = Console(quiet="--json" in argv, notes_to_stderr=bool(argv) and argv[0] in ("trial", "export"))
-    on_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_terminated) if on_main_thread else None
+    # Ctrl-C and SIGTERM unwind through the same except clause, raised only where that is safe
+    # (autotune/interrupts.py: never inside torch, an import or a storage call).
     try:
-        return _main(argv, console)
-    finally:
-        if on_main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        with raised_where_safe({signal.SIGINT: KeyboardInterrupt, signal.SIGTERM: Terminated}, entry=main.__code__):
+            return _main(argv, console)
+    except KeyboardInterrupt as exc:  # held until the command had finished
+        return _interrupted(console, exc)
+
+
+def _interrupted(console, exc: KeyboardInterrupt) -> int:
+    how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+    console.error_line(f"{how}: every finished trial is in the study; rerun the same command to resume")
+    return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
 
 
 def _main(argv: list[str], console) -> int:
@@ -538,9 +540,7 @@ def _main(argv: list[str], console) -> int:
         console.error_line(f"error: {exc}")
         return EXIT_USAGE
     except KeyboardInterrupt as exc:
-        how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
-        console.error_line(f"{how}: every finished trial is in the study; rerun the same command to resume")
-        return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
+        return _interrupted(console, exc)
     except AutotuneError as exc:
         console.error_line(f"error: {exc}")
         return EXIT_INTERNAL
