@@ -42,7 +42,7 @@ def find_decoder_blocks(model: nn.Module) -> Blocks:
         for attr, child in parent.named_children():
             if not isinstance(child, nn.ModuleList) or len(child) == 0:
                 continue
-            classes = {_unwrap(m).__class__.__name__ for m in child}
+            classes = {_block_class_name(m) for m in child}
             if len(classes) != 1:
                 continue
             size = sum(p.numel() for p in child.parameters())
@@ -57,8 +57,11 @@ def find_decoder_blocks(model: nn.Module) -> Blocks:
     return Blocks(parent, attr, class_name)
 
 
-def _unwrap(module: nn.Module) -> nn.Module:
-    return getattr(module, "_checkpoint_wrapped_module", module)
+def _block_class_name(module: nn.Module) -> str:
+    """The block's own class, seen through checkpoint_wrapper and through the FSDP<Class>
+    subclass fully_shard swaps in: a parallelized model still shows its decoder blocks."""
+    module = getattr(module, "_checkpoint_wrapped_module", module)
+    return next(c.__name__ for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))
 
 
 def mixed_precision_policy(precision: str):

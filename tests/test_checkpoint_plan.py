@@ -90,9 +90,12 @@ def test_exports_set_the_recommended_sharded_state_dict(llama_70b, tmp_path):
     assert accelerate["fsdp_config"]["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
     trainer = yaml.safe_load(export_result(llama_70b, "hf-trainer").text)
     assert trainer["fsdp_config"]["state_dict_type"] == "SHARDED_STATE_DICT"
-    lightning = tmp_path / "lightning_fsdp.py"
+    lightning = tmp_path / "lightning_fsdp2.py"
     lightning.write_text(export_result(llama_70b, "lightning").text)
-    assert runpy.run_path(str(lightning))["make_strategy"]()._state_dict_type == "sharded"
+    assert runpy.run_path(str(lightning))["make_strategy"]()._save_distributed_checkpoint is True
+    lightning_fsdp1 = tmp_path / "lightning_fsdp1.py"
+    lightning_fsdp1.write_text(export_result(llama_70b, "lightning-fsdp1").text)
+    assert runpy.run_path(str(lightning_fsdp1))["make_strategy"]()._state_dict_type == "sharded"
     words = shlex.split(export_result(llama_70b, "llama-cookbook").text.replace("\\\n", " "), comments=True)
     assert words[words.index("--checkpoint_type") + 1] == "StateDictType.SHARDED_STATE_DICT"
 

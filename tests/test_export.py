@@ -171,11 +171,11 @@ def test_trl_config_turns_model_checkpointing_off_when_fsdp_checkpoints(run_resu
     assert args.per_device_train_batch_size == result["micro_batch_size"]
 
 
-def test_lightning_strategy_and_trainer_take_the_tuned_values(run_result, tmp_path):
+def test_lightning_fsdp1_strategy_and_trainer_take_the_tuned_values(run_result, tmp_path):
     from lightning.pytorch import Trainer
 
     result = variant(run_result, activation_checkpointing="every:2", cpu_offload=False, reshard_after_forward=False)
-    path, exported = write(tmp_path, result, "lightning")
+    path, exported = write(tmp_path, result, "lightning-fsdp1")
     module = runpy.run_path(str(path))
     strategy = module["make_strategy"]()
     assert strategy.sharding_strategy.name == "SHARD_GRAD_OP"
@@ -194,6 +194,66 @@ def test_lightning_strategy_and_trainer_take_the_tuned_values(run_result, tmp_pa
     _setup_activation_checkpointing(model, strategy._activation_checkpointing_kwargs)
     assert _wrapped_blocks(model) == [True, False, True, False]
     assert not any(w.startswith("activation_checkpointing") for w in exported.warnings)
+    assert any("FSDP1" in w for w in exported.warnings)  # on request only, with its difference said
+
+
+def test_lightning_fsdp2_strategy_and_trainer_take_the_tuned_values(run_result, tmp_path):
+    """Lightning's own classes, built from the export: ModelParallelStrategy over every rank,
+    no tensor parallelism, the tuned accumulation, and no autocast on top of FSDP2's policy."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    result = variant(run_result, checkpoint="full")
+    path, exported = write(tmp_path, result, "lightning")
+    module = runpy.run_path(str(path), run_name="lightning_export")
+    strategy = module["make_strategy"]()
+    assert isinstance(strategy, ModelParallelStrategy)
+    assert strategy._data_parallel_size == result["gpus"] and strategy._tensor_parallel_size == 1
+    assert strategy._save_distributed_checkpoint is False
+    trainer = module["make_trainer"](accelerator="cpu", devices=1, num_nodes=1, logger=False)
+    assert trainer.accumulate_grad_batches == result["grad_accum_steps"]
+    assert trainer.precision == "32-true"
+    assert module["TUNED"].micro_batch_size == result["micro_batch_size"]
+    assert module["SEQ_LEN"] == result["seq_len"]
+    assert {m.knob: m.status for m in exported.mappings}["cpu_offload"] == "mapped"
+
+
+@pytest.mark.slow
+def test_lightning_fsdp2_export_trains_on_two_cpu_ranks(run_result, tmp_path):
+    """Lightning itself launches 2 gloo ranks and trains; the live model then says what FSDP2
+    applied, compared with best.json (every:2 checkpointing, no reshard, bf16/fp32, accumulation)."""
+    result = _micro_llama_result(run_result)
+    path, _ = write(tmp_path, result, "lightning")
+    report = tmp_path / "applied.json"
+    command = [sys.executable, str(path), "--steps", "2", "--devices", "2", "--accelerator", "cpu",
+               "--report", str(report)]
+    output = _run_to_completion(command, tmp_path, timeout_s=180)
+    applied = json.loads(report.read_text())
+    blocks = result["model"]["num_layers"]
+    assert applied["blocks"] == applied["fsdp_blocks"] == blocks and applied["root_is_fsdp"], applied
+    assert applied["checkpointed"] == [i % 2 == 0 for i in range(blocks)]  # every:2: blocks 0, 2, ...
+    assert applied["param_dtype"] == result["fsdp"]["param_dtype"]
+    assert applied["reduce_dtype"] == result["fsdp"]["reduce_dtype"]
+    assert applied["reshard_after_forward"] is result["fsdp"]["reshard_after_forward"] is False
+    assert applied["mesh_size"] == applied["world_size"] == result["gpus"]
+    assert applied["accumulate_grad_batches"] == result["grad_accum_steps"]
+    assert applied["micro_batch_size"] == result["micro_batch_size"]
+    assert applied["optimizer"] == "AdamW" and applied["optimizer_impl"] == result["optimizer"]["impl"]
+    assert applied["global_step"] == 2 and math.isfinite(applied["loss"]), output[-2000:]
+
+
+def _run_to_completion(command: list[str], cwd: Path, *, timeout_s: float) -> str:
+    """Run a launcher (torchrun, Lightning) in its own session; on a timeout kill the whole group."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the launcher and its ranks: nothing left behind
+        output, _ = process.communicate()
+        pytest.fail(f"{Path(command[1]).name} did not finish in {timeout_s:.0f} s:\n{output[-3000:]}")
+    assert process.returncode == 0, output[-3000:]
+    return output
 
 
 def _tiny_model() -> torch.nn.Module:
@@ -304,22 +364,13 @@ def test_fsdp2_script_trains_on_two_cpu_ranks_with_gloo(run_result, tmp_path):
     checkpoint = tmp_path / "checkpoint"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(path), "--steps", "2", "--save", str(checkpoint)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # torchrun and both ranks: nothing left behind
-        output, _ = process.communicate()
-        pytest.fail(f"fsdp2 script did not finish in 150 s:\n{output[-3000:]}")
-    assert process.returncode == 0, output[-3000:]
+    output = _run_to_completion(command, tmp_path, timeout_s=150)
     losses = [float(v) for v in re.findall(r"step \d+ loss (\S+)", output)]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses), output[-2000:]
     assert (checkpoint / ".metadata").exists()  # a sharded DCP checkpoint, as recommended
 
 
-@pytest.mark.parametrize("fmt", ["fsdp1", "lightning"])
+@pytest.mark.parametrize("fmt", ["fsdp1", "lightning-fsdp1"])
 def test_fsdp1_exports_keep_rope_buffers_in_fp32(run_result, tmp_path, fmt):
     """FSDP1 casts buffers with `_cast_buffers_to_dtype_and_device` and the MixedPrecision's buffer_dtype
     (torch/distributed/fsdp/_runtime_utils.py). Applied to a real model with the export's own policy,

@@ -17,8 +17,9 @@ from typing import Any
 from autotune.errors import UsageError
 from autotune.export._base import KNOBS, Export, KnobMapping, Tuned
 from autotune.export._cookbook import export_cookbook
-from autotune.export._fsdp1 import export_fsdp1, export_lightning
+from autotune.export._fsdp1 import export_fsdp1, export_lightning_fsdp1
 from autotune.export._fsdp2 import export_fsdp2
+from autotune.export._lightning import export_lightning
 from autotune.export._hf import export_accelerate, export_hf_trainer, export_trl
 from autotune.export._torchtitan import export_torchtitan
 
@@ -28,6 +29,7 @@ FORMATS: dict[str, Callable[[Tuned], Export]] = {
     "fsdp2": export_fsdp2,
     "fsdp1": export_fsdp1,
     "lightning": export_lightning,
+    "lightning-fsdp1": export_lightning_fsdp1,
     "accelerate": export_accelerate,
     "hf-trainer": export_hf_trainer,
     "trl": export_trl,

@@ -138,7 +138,10 @@ def wrap(model):
                         body=body)
 
 
-def export_lightning(t: Tuned) -> Export:
+def export_lightning_fsdp1(t: Tuned) -> Export:
+    """Lightning's FSDP1 FSDPStrategy, on request: flat parameters per wrapped block, a different
+    memory layout and communication pattern from the FSDP2 run autotune traced and measured
+    (the `lightning` format is FSDP2)."""
     m = Mapper()
     _map_common(m, t, ac_key="FSDPStrategy(activation_checkpointing_policy=...)",
                 sharding_key="sharding_strategy", offload_key="FSDPStrategy(cpu_offload=True)",
@@ -200,5 +203,7 @@ def make_strategy() -> FSDPStrategy:
         limit_all_gathers=True,
     )
 '''
-    return build_export(fmt="lightning", filename="lightning_fsdp.py", target=_lightning_target(), tuned=t,
+    m.warn("FSDP1 (FSDPStrategy): flat parameters per wrapped block, not the FSDP2 per-parameter sharding "
+           "that was traced and measured; memory and speed differ. The `lightning` format is FSDP2")
+    return build_export(fmt="lightning-fsdp1", filename="lightning_fsdp1.py", target=_lightning_target(), tuned=t,
                         mapper=m, body=body)

@@ -23,7 +23,7 @@ TARGET = f"PyTorch FSDP2 (torch.distributed.fsdp.fully_shard), torch {torch.__ve
 # Copied verbatim, in dependency order.
 _SOURCES = (
     _config.ac_every, _config.is_checkpointed,
-    _parallel.Blocks, _parallel.find_decoder_blocks, _parallel._unwrap, _parallel.mixed_precision_policy,
+    _parallel.Blocks, _parallel.find_decoder_blocks, _parallel._block_class_name, _parallel.mixed_precision_policy,
     _parallel.apply_ac, _parallel.apply_fsdp, _parallel.parallelize,
     _training.make_optimizer, _training.token_batches, _training.train_step,
 )
@@ -61,7 +61,6 @@ def _script(t: Tuned) -> str:
               if t.nodes == 1 else
               f"torchrun --nnodes {t.nodes} --nproc_per_node {t.gpus_per_node} --rdzv_backend c10d "
               "--rdzv_endpoint HOST:29500 train_fsdp2.py --steps 10")
-    dtypes = ", ".join(f"{k!r}: torch.{str(v).removeprefix('torch.')}" for k, v in _parallel.PARAM_DTYPES.items())
     return f'''"""The tuned FSDP2 configuration as a training script, on random tokens.
 
 Run: {launch}
@@ -84,66 +83,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-# ---- The tuned configuration -------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """The knobs autotune tuned (the fields of autotune.config.TrainConfig)."""
-
-    precision: str
-    activation_checkpointing: str
-    cpu_offload: bool
-    reshard_after_forward: bool
-    micro_batch_size: int
-    optimizer_impl: str
-
-
-TUNED = TrainConfig(precision={t.precision!r}, activation_checkpointing={t.activation_checkpointing!r},
-                    cpu_offload={t.cpu_offload!r}, reshard_after_forward={t.reshard_after_forward!r},
-                    micro_batch_size={t.micro_batch_size!r}, optimizer_impl={t.optimizer_impl!r})
-GRAD_ACCUM_STEPS = {t.grad_accum_steps}
-SEQ_LEN = {t.seq_len}
-WORLD_SIZE = {t.gpus}
-MODEL_TYPE = {t.model_type!r}
-MODEL_CONFIG = {_model_config(t)!r}
-STATE_DICT_TYPE = {t.state_dict_type!r}  # {t.state_dict_reason}
-# As tuned: gradients are reduce-scattered after every micro-batch. True would call
-# model.set_requires_gradient_sync(False) on all but the last micro-batch: fewer reduce-scatters,
-# but unsharded gradients of every block are kept until then (more memory than was tuned).
-DEFER_GRAD_SYNC = False
-
-# ---- Copied from autotune.config, autotune.parallel and autotune.training ----------------
-
-
-class UnsupportedModelError(ValueError):
-    pass
-
-
-SUPPORTED_FAMILIES = {_parallel.SUPPORTED_FAMILIES!r}
-PARAM_DTYPES = {{{dtypes}}}
-
-
-{copied_sources()}
-
+{tuned_and_wrapping(t)}
 # ---- Model, checkpoint and main loop -----------------------------------------------------
 
 
-def build_model() -> nn.Module:
-    """The model from its transformers config, fp32 master weights (FSDP casts for compute).
-    fully_shard moves each rank's shard to the mesh's device; for models whose fp32 copy does
-    not fit in host memory once per rank, build on the meta device and load a checkpoint after
-    parallelize()."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(MODEL_TYPE, **MODEL_CONFIG)
-    config._attn_implementation = "sdpa"
-    config.use_cache = False
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-
-
-def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, folder: str) -> None:
+{build_model_source()}def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, folder: str) -> None:
     """Save in the form autotune recommends for this run (see the header)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -215,4 +159,71 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+'''
+
+
+def tuned_and_wrapping(t: Tuned) -> str:
+    """The tuned knobs as constants, and the wrapping and training code copied from autotune:
+    what every FSDP2 export (the torchrun script, Lightning's configure_model) embeds."""
+    dtypes = ", ".join(f"{k!r}: torch.{str(v).removeprefix('torch.')}" for k, v in _parallel.PARAM_DTYPES.items())
+    return f'''# ---- The tuned configuration -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The knobs autotune tuned (the fields of autotune.config.TrainConfig)."""
+
+    precision: str
+    activation_checkpointing: str
+    cpu_offload: bool
+    reshard_after_forward: bool
+    micro_batch_size: int
+    optimizer_impl: str
+
+
+TUNED = TrainConfig(precision={t.precision!r}, activation_checkpointing={t.activation_checkpointing!r},
+                    cpu_offload={t.cpu_offload!r}, reshard_after_forward={t.reshard_after_forward!r},
+                    micro_batch_size={t.micro_batch_size!r}, optimizer_impl={t.optimizer_impl!r})
+GRAD_ACCUM_STEPS = {t.grad_accum_steps}
+SEQ_LEN = {t.seq_len}
+WORLD_SIZE = {t.gpus}
+MODEL_TYPE = {t.model_type!r}
+MODEL_CONFIG = {_model_config(t)!r}
+STATE_DICT_TYPE = {t.state_dict_type!r}  # {t.state_dict_reason}
+# As tuned: gradients are reduce-scattered after every micro-batch. True would call
+# model.set_requires_gradient_sync(False) on all but the last micro-batch: fewer reduce-scatters,
+# but unsharded gradients of every block are kept until then (more memory than was tuned).
+DEFER_GRAD_SYNC = False
+
+# ---- Copied from autotune.config, autotune.parallel and autotune.training ----------------
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+SUPPORTED_FAMILIES = {_parallel.SUPPORTED_FAMILIES!r}
+PARAM_DTYPES = {{{dtypes}}}
+
+
+{copied_sources()}
+
+'''
+
+
+def build_model_source() -> str:
+    return '''def build_model() -> nn.Module:
+    """The model from its transformers config, fp32 master weights (FSDP casts for compute).
+    fully_shard moves each rank's shard to the mesh's device; for models whose fp32 copy does
+    not fit in host memory once per rank, build on the meta device and load a checkpoint after
+    parallelize()."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(MODEL_TYPE, **MODEL_CONFIG)
+    config._attn_implementation = "sdpa"
+    config.use_cache = False
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
 '''
