@@ -30,7 +30,7 @@ class Terminated(KeyboardInterrupt):
     are kept, trial workers are stopped and temporary folders removed on the way out."""
 
 
-COMMANDS = ("tune", "trial", "export", "report")
+COMMANDS = ("tune", "trial", "export", "report", "agent")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -91,10 +91,11 @@ def _add_problem_options(parser: argparse.ArgumentParser, *, model_required: boo
     real = parser.add_argument_group("real trials (cpu, cuda backends)")
     real.add_argument("--timeout", type=_duration, default=600.0,
                       help="kill a trial after this long (default 600s)")
-    real.add_argument("--node-rank", type=int, default=0,
-                      help="multi-node cuda trials: this node's rank (run autotune on every node)")
-    real.add_argument("--rdzv-endpoint", help="multi-node cuda trials: HOST:PORT every node reaches "
-                                              "(torchrun rendezvous)")
+    real.add_argument("--rdzv-endpoint", help="multi-node trials: HOST:PORT every node reaches "
+                                              "(torchrun's c10d rendezvous)")
+    real.add_argument("--shared-dir", help="multi-node trials: a folder every node sees; run `autotune agent "
+                                           "--shared-dir DIR` on each other node (docs/REAL_TRIALS.md)")
+    real.add_argument("--node-rank", help=argparse.SUPPRESS)  # gone: refused with what to do instead
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--format", required=True, help="comma-separated formats, or 'all'")
     export.add_argument("--out-dir", help="where to write (default: next to the result)")
 
+    agent = sub.add_parser("agent", help="multi-node trials: run this node's part of the launches of a "
+                                         "controller on another node")
+    agent.add_argument("--shared-dir", required=True, help="the folder given to the controller's --shared-dir")
+    agent.add_argument("--wait", type=_duration, default=600.0,
+                       help="how long to wait for a controller to start (default 600s)")
+
     report = sub.add_parser("report", help="rebuild runs/<run-id>/report.html from the study")
     report.add_argument("run_dir", help="runs/<run-id>")
     report.add_argument("--storage", help="Optuna storage URL (default: sqlite in the run's parent folder)")
@@ -184,7 +191,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.command is None:
         build_parser().print_help()
         raise SystemExit(EXIT_OK)
+    if args.command in ("tune", "trial"):
+        _check_multi_node(args)
     return args
+
+
+def _check_multi_node(args: argparse.Namespace) -> None:
+    """Multi-node options, checked before anything is written (docs/REAL_TRIALS.md)."""
+    if args.node_rank is not None:
+        raise UsageError("--node-rank is gone: torchrun's c10d rendezvous assigns node ranks. Run autotune on one "
+                         "node with --shared-dir DIR and `autotune agent --shared-dir DIR` on the others "
+                         "(docs/REAL_TRIALS.md)")
+    if args.shared_dir and args.backend not in ("cpu", "cuda"):
+        raise UsageError(f"--shared-dir is for real trials across nodes: add --backend cuda (or cpu), not "
+                         f"{args.backend}")
+    if args.shared_dir and not args.rdzv_endpoint:
+        raise UsageError("--shared-dir needs --rdzv-endpoint HOST:PORT, a port on this node every node reaches "
+                         "(torchrun's rendezvous)")
 
 
 # -- building the problem from flags ---------------------------------------------------------------
@@ -269,11 +292,11 @@ def _choose_backend(name: str, cluster) -> tuple[str, str]:
 def _make_backend(name: str, args: argparse.Namespace):
     from autotune.backends import get_backend
 
-    if name == "cpu":  # every rank on this machine
+    if name == "cpu" and not args.shared_dir:  # every rank on this machine, whatever --nodes says
         return get_backend(name, timeout_s=args.timeout)
-    if name == "cuda":
-        return get_backend(name, timeout_s=args.timeout, nnodes=args.nodes, node_rank=args.node_rank,
-                           rdzv_endpoint=args.rdzv_endpoint)
+    if name in ("cpu", "cuda"):
+        return get_backend(name, timeout_s=args.timeout, nnodes=args.nodes or 1, rdzv_endpoint=args.rdzv_endpoint,
+                           shared_dir=args.shared_dir)
     return get_backend(name)
 
 
@@ -511,6 +534,13 @@ def cmd_report(args: argparse.Namespace, console) -> int:
     return EXIT_OK
 
 
+def cmd_agent(args: argparse.Namespace, console) -> int:
+    """This node's part of a multi-node job: the controller's launches, nothing else."""
+    from autotune.backends.real.multinode import run_agent
+
+    return run_agent(Path(args.shared_dir), wait_s=args.wait, log=console.error_line)
+
+
 def main(argv: list[str] | None = None) -> int:
     from autotune.console import Console
 
@@ -534,7 +564,8 @@ def _interrupted(console, exc: KeyboardInterrupt) -> int:
 def _main(argv: list[str], console) -> int:
     try:
         args = parse_args(argv)
-        handler = {"tune": cmd_tune, "trial": cmd_trial, "export": cmd_export, "report": cmd_report}[args.command]
+        handler = {"tune": cmd_tune, "trial": cmd_trial, "export": cmd_export, "report": cmd_report,
+                   "agent": cmd_agent}[args.command]
         return handler(args, console)
     except UsageError as exc:
         console.error_line(f"error: {exc}")

@@ -32,15 +32,18 @@ class RealBackend(TrialBackend):
     `persistent=True` keeps one launch for every trial, across `evaluate` calls, until
     `close()` (a trial that ends the launch is recorded and the rest continue in a fresh one);
     `False` launches once per trial.
-    `nnodes`/`node_rank`/`rdzv_endpoint` are passed to torchrun for multi-node runs.
+    Multi-node (`nnodes` > 1): this process is the job's one controller; `shared_dir` is a folder
+    every node sees, where `autotune agent --shared-dir DIR` on each other node picks up the
+    launches (multinode.py); `rdzv_endpoint` is the torchrun rendezvous every node reaches.
     """
 
     memory_source = "measured"
     throughput_source = "measured"
 
     def __init__(self, *, device: str = "cpu", timeout_s: float = 300.0, persistent: bool = True,
-                 warmup_steps: int = 1, timed_steps: int = 2, nnodes: int = 1, node_rank: int = 0,
-                 rdzv_endpoint: str | None = None, log_dir: Path | str | None = None,
+                 warmup_steps: int = 1, timed_steps: int = 2, nnodes: int = 1,
+                 rdzv_endpoint: str | None = None, shared_dir: Path | str | None = None,
+                 log_dir: Path | str | None = None,
                  startup_timeout_s: float = 180.0, seed: int = 0, host_check: bool = True) -> None:
         if device not in DEVICES:
             raise UsageError(f"real-trial device {device!r} is not one of {', '.join(DEVICES)}")
@@ -49,10 +52,13 @@ class RealBackend(TrialBackend):
         if warmup_steps < 0 or timed_steps < 1:
             raise UsageError(f"a trial needs warm-up steps >= 0 and timed steps >= 1, got {warmup_steps} "
                              f"and {timed_steps}")
-        if nnodes < 1 or not 0 <= node_rank < nnodes:
-            raise UsageError(f"--node-rank {node_rank} must be in 0..{nnodes - 1} for --nnodes {nnodes}")
+        if nnodes < 1:
+            raise UsageError(f"--nodes must be at least 1, got {nnodes}")
         if nnodes > 1 and not rdzv_endpoint:
-            raise UsageError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (a host every node reaches)")
+            raise UsageError(f"--nodes {nnodes} needs --rdzv-endpoint HOST:PORT (a host every node reaches)")
+        if nnodes > 1 and shared_dir is None:
+            raise UsageError(f"--nodes {nnodes} needs --shared-dir DIR, a folder every node sees, and "
+                             "`autotune agent --shared-dir DIR` on the other nodes (docs/REAL_TRIALS.md)")
         self.name = device
         self.device = device
         self.timeout_s = float(timeout_s)
@@ -61,10 +67,15 @@ class RealBackend(TrialBackend):
         self.warmup_steps = warmup_steps
         self.timed_steps = timed_steps
         self.nnodes = nnodes
-        self.node_rank = node_rank
         self.rdzv_endpoint = rdzv_endpoint
         self.seed = seed
         self.host_check = host_check
+        self._session = None
+        if nnodes > 1:
+            from autotune.backends.real.multinode import ControllerSession
+
+            self._session = ControllerSession(Path(shared_dir))  # type: ignore[arg-type]
+            log_dir = self._session.folder
         self._owns_root = log_dir is None
         self.log_dir = Path(tempfile.mkdtemp(prefix="autotune-real-")) if log_dir is None else Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -114,6 +125,9 @@ class RealBackend(TrialBackend):
         if self._launch is not None:
             self._launch.stop()
             self._launch = None
+        if self._session is not None:
+            self._session.close()  # the agents exit
+            self._session = None
         if self._owns_root:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
@@ -152,20 +166,20 @@ class RealBackend(TrialBackend):
 
     def _options(self, spec: TrialSpec) -> LaunchOptions:
         return LaunchOptions(device=self.device, nproc_per_node=spec.cluster.num_gpus // self.nnodes,
-                             nnodes=self.nnodes, node_rank=self.node_rank, rdzv_endpoint=self.rdzv_endpoint,
+                             nnodes=self.nnodes, rdzv_endpoint=self.rdzv_endpoint,
                              timeout_s=self.timeout_s, startup_timeout_s=self.startup_timeout_s,
                              warmup_steps=self.warmup_steps, timed_steps=self.timed_steps, seed=self.seed)
 
     def _check_usage(self, spec: TrialSpec) -> None:
         if spec.cluster.num_gpus % self.nnodes:
-            raise UsageError(f"--gpus {spec.cluster.num_gpus} is not divisible by --nnodes {self.nnodes}")
+            raise UsageError(f"--gpus {spec.cluster.num_gpus} is not divisible by --nodes {self.nnodes}")
         if self.device == "cuda":
             import torch
 
             if spec.cluster.num_nodes != self.nnodes:
                 raise UsageError(f"the cluster has {spec.cluster.num_nodes} node(s) and the cuda backend was set "
-                                 f"up for {self.nnodes}: give every node's launch --nnodes "
-                                 f"{spec.cluster.num_nodes} and --rdzv-endpoint HOST:PORT (docs/REAL_TRIALS.md)")
+                                 f"up for {self.nnodes}: give the controller --nodes {spec.cluster.num_nodes}, "
+                                 "--rdzv-endpoint HOST:PORT and --shared-dir DIR (docs/REAL_TRIALS.md)")
             visible = torch.cuda.device_count()
             per_node = spec.cluster.num_gpus // self.nnodes
             if visible < per_node:

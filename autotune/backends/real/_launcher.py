@@ -6,6 +6,13 @@ the worker's files (see worker.py) as they appear; each trial gets its own timeo
 from its start. A trial that ends the launch (out of memory, crash, hang) is classified, and
 the backend sends the trials after it to a fresh launch.
 
+Multi-node: the launch folder is on a file system every node sees. The controller starts its own
+torchrun and writes `launch.json`; an agent on every other node (agent.py) starts the same
+torchrun there, ends it when the controller writes `end`, and leaves `exit.<node>.json`. Each
+launch has a rendezvous id of its own, so a relaunch never restarts an earlier launch's workers;
+node ranks are whatever the c10d rendezvous assigns. Results, failures and every node's logs and
+exit codes land in the one folder, and the controller classifies a trial once.
+
 Process hygiene: torchrun starts in a new session, and every process of a launch carries an
 environment marker. Ending a launch kills torchrun's process group, then every process that
 carries the marker (torchrun puts its workers in sessions of their own, so the group alone
@@ -14,6 +21,7 @@ would miss them), and checks /proc until none is left.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -33,6 +41,9 @@ from autotune.runtime_memory import ALLOC_CONF_ENV, alloc_conf
 
 LAUNCH_MARKER_ENV = "AUTOTUNE_REAL_LAUNCH"
 AGENT_FAILURES_ENV = "AUTOTUNE_AGENT_FAILURES"  # where _torchrun writes the agent's failed ranks
+LAUNCHER_PID_ENV = "AUTOTUNE_LAUNCHER_PID"  # the process that started this node's torchrun
+NODE_NAME_ENV = "AUTOTUNE_NODE_NAME"  # overrides the host name (containers that share one; tests)
+REMOTE_EXIT_GRACE_S = 15.0
 STDERR_TAIL_LINES = 20
 _POLL_S = 0.1
 _KILL_GRACE_S = 10.0
@@ -47,22 +58,25 @@ class LaunchOptions:
     device: str
     nproc_per_node: int
     nnodes: int = 1
-    node_rank: int = 0
     rdzv_endpoint: str | None = None
-    rdzv_id: str = "autotune"
     timeout_s: float = 300.0
     startup_timeout_s: float = 180.0
     warmup_steps: int = 1
     timed_steps: int = 2
     seed: int = 0
 
-    def torchrun_args(self, *, log_dir: Path) -> list[str]:
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes > 1
+
+    def torchrun_args(self, *, log_dir: Path, rdzv_id: str) -> list[str]:
         args = [f"--nproc-per-node={self.nproc_per_node}", f"--log-dir={log_dir}", "--redirects=3",
                 "--max-restarts=0"]
-        if self.nnodes == 1 and self.rdzv_endpoint is None:
+        if not self.multi_node:
             return ["--standalone", *args]
-        return [f"--nnodes={self.nnodes}", f"--node-rank={self.node_rank}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={self.rdzv_endpoint}", f"--rdzv-id={self.rdzv_id}", *args]
+        # No --node-rank: the c10d rendezvous assigns node ranks (it would ignore one).
+        return [f"--nnodes={self.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={self.rdzv_endpoint}",
+                f"--rdzv-id={rdzv_id}", *args]
 
 
 @dataclass(kw_only=True)
@@ -104,10 +118,30 @@ def cgroup_oom_kills(root: Path = Path("/sys/fs/cgroup")) -> int | None:
     return None
 
 
-def torchrun_command(options: LaunchOptions, *, job: Path, out: Path, log_dir: Path) -> list[str]:
-    """The command line of one launch (torch's launcher, run through _torchrun to keep exit codes)."""
-    return [sys.executable, "-m", "autotune.backends.real._torchrun", *options.torchrun_args(log_dir=log_dir),
-            "-m", "autotune.backends.real.worker", "--job", str(job), "--out", str(out)]
+def node_name() -> str:
+    return os.environ.get(NODE_NAME_ENV) or platform.node()
+
+
+def torchrun_command(options: LaunchOptions, *, folder: Path, node: str, rdzv_id: str) -> list[str]:
+    """One node's command line of a launch (torch's launcher, run through _torchrun to keep exit
+    codes); its logs go to a folder of the node's own."""
+    return [sys.executable, "-m", "autotune.backends.real._torchrun",
+            *options.torchrun_args(log_dir=folder / "logs" / node, rdzv_id=rdzv_id),
+            "-m", "autotune.backends.real.worker", "--job", str(folder / "job.json"), "--out", str(folder / "out")]
+
+
+def start_torchrun(options: LaunchOptions, folder: Path, *, marker: str) -> subprocess.Popen:
+    """Start this node's torchrun of the launch in `folder`: a new session (so it can be killed
+    as a group), the launch marker in every process's environment, killed with its starter."""
+    node = node_name()
+    env = dict(os.environ, **{LAUNCH_MARKER_ENV: marker, LAUNCHER_PID_ENV: str(os.getpid()), NODE_NAME_ENV: node,
+                              AGENT_FAILURES_ENV: str(folder / f"agent_failures.{node}.json")})
+    # Trials run with the allocator setting the prediction assumes and the exports pin.
+    env[ALLOC_CONF_ENV] = alloc_conf(os.environ)
+    command = torchrun_command(options, folder=folder, node=node, rdzv_id=f"autotune-{marker}")
+    with open(folder / f"torchrun.{node}.log", "wb") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True, preexec_fn=die_with_parent)
 
 
 class Launch:
@@ -121,12 +155,10 @@ class Launch:
         self.marker = uuid.uuid4().hex
         self.out = folder / "out"
         self.logs = folder / "logs"
-        self.agent_failures = folder / "agent_failures.json"
         self.ended = False
         self._submitted = 0
         self._started_any = False
         self._proc: subprocess.Popen | None = None
-        self._log = None
 
     @property
     def alive(self) -> bool:
@@ -134,22 +166,15 @@ class Launch:
 
     def start(self) -> None:
         (self.out / "queue").mkdir(parents=True, exist_ok=True)
-        job = self.folder / "job.json"
-        job.write_text(json.dumps(dict(
+        write_json(self.folder / "job.json", dict(
             device=self.options.device, warmup_steps=self.options.warmup_steps,
             timed_steps=self.options.timed_steps, seed=self.options.seed,
-            launcher_pid=os.getpid(), launcher_host=platform.node(),
             # Collectives give up on their own well after the launcher would have killed them.
-            collective_timeout_s=self.options.timeout_s + self.options.startup_timeout_s)))
-        env = dict(os.environ, **{LAUNCH_MARKER_ENV: self.marker, AGENT_FAILURES_ENV: str(self.agent_failures)})
-        # Trials run with the allocator setting the prediction assumes and the exports pin.
-        env[ALLOC_CONF_ENV] = alloc_conf(os.environ)
+            collective_timeout_s=self.options.timeout_s + self.options.startup_timeout_s))
         self._oom_kills_at_start = cgroup_oom_kills()
-        command = torchrun_command(self.options, job=job, out=self.out, log_dir=self.logs)
-        self._log = open(self.folder / "torchrun.log", "wb")
-        self._proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                                      preexec_fn=die_with_parent)
+        self._proc = start_torchrun(self.options, self.folder, marker=self.marker)
+        if self.options.multi_node:  # the agents start the same launch on their nodes
+            write_json(self.folder / "launch.json", dict(options=dataclasses.asdict(self.options), marker=self.marker))
 
     def run(self, items: list[tuple[int, dict[str, Any]]]) -> list[TrialOutcome]:
         """Queue (index, spec dict) pairs and wait for them. Returns the outcomes of a prefix of
@@ -180,12 +205,12 @@ class Launch:
         self.end()
 
     def end(self) -> None:
-        """Kill whatever of the launch is left and verify that nothing is."""
+        """Kill whatever of the launch is left and verify that nothing is (the agents do the same
+        on their nodes when they see `end`)."""
+        if self.options.multi_node and not (self.folder / "end").exists():
+            write_json(self.folder / "end", True)
         if self._proc is not None:
             end_launch(self._proc, self.marker)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
         self.ended = True
 
     def _watch(self, pending: list[int]) -> list[TrialOutcome]:
@@ -235,13 +260,14 @@ class Launch:
 
     def _failed(self, pending: list[int], returncode: int, started: bool, clock: float) -> list[TrialOutcome]:
         duration = time.monotonic() - clock
+        self._await_other_nodes()
         # Another rank can fail in the trial before rank 0 has marked it started.
         started = started or any((self.out / "failures").glob(f"{pending[0]}.rank*.json"))
         if not started:
             # Nothing trial-specific ran: start-up failed, and would fail again for the rest.
             reason = self._root_cause("setup") or TrialOutcome(
                 index=-1, status="error", message=f"torchrun exited with code {returncode} before any "
-                f"trial started; last lines of its log:\n{_tail(self.folder / 'torchrun.log')}")
+                f"trial started; last lines of its log:\n{_tail(self.folder / f'torchrun.{node_name()}.log')}")
             return [TrialOutcome(index=index, status="error", launch=self.number, duration_s=duration,
                                  failed_rank=reason.failed_rank,
                                  message=f"the launch failed before the trial started: {reason.message}")
@@ -249,7 +275,7 @@ class Launch:
         index = pending[0]
         outcome = self._root_cause(str(index)) or TrialOutcome(
             index=index, status="error", message=f"torchrun exited with code {returncode} during the trial "
-            f"and no rank reported why; last lines of its log:\n{_tail(self.folder / 'torchrun.log')}")
+            f"and no rank reported why; last lines of its log:\n{_tail(self.folder / f'torchrun.{node_name()}.log')}")
         outcome.index, outcome.launch, outcome.duration_s = index, self.number, duration
         return [outcome]
 
@@ -269,31 +295,47 @@ class Launch:
             root = min(silent, key=lambda f: (f["timestamp"], f["rank"]))
             kills = cgroup_oom_kills()
             before = getattr(self, "_oom_kills_at_start", None)
-            if root.get("signal") == "SIGKILL" and kills is not None and before is not None and kills > before:
+            local = root.get("node") == node_name()  # the OOM killer's count is this node's
+            if local and root.get("signal") == "SIGKILL" and kills is not None and before is not None and kills > before:
                 return TrialOutcome(index=-1, status="oom", failed_rank=root["rank"], message=(
                     f"host out of memory: rank {root['rank']} was killed by the kernel's OOM killer "
                     f"(cgroup memory.events oom_kill {before} -> {kills})"))
             how = f"killed by {root['signal']}" if root.get("signal") else f"exited with code {root['exitcode']}"
             return TrialOutcome(index=-1, status="error", failed_rank=root["rank"],
                                 message=f"rank {root['rank']} {how} without a Python exception; last lines "
-                                        f"of its stderr:\n{self._stderr_tail(root['rank'])}")
+                                        f"of its stderr:\n{self._stderr_tail(root)}")
         if reports:
             root = min(reports, key=lambda r: r["time"])
             return TrialOutcome(index=-1, status="error", failed_rank=root["rank"],
                                 message=f"rank {root['rank']} raised {root['type']}: {root['message']}\nlast "
-                                        f"lines of its stderr:\n{self._stderr_tail(root['rank'])}")
+                                        f"lines of its stderr:\n{self._stderr_tail(root)}")
         return None
 
-    def _agent_failures(self) -> list[dict[str, Any]]:
-        try:
-            return json.loads(self.agent_failures.read_text())
-        except (OSError, json.JSONDecodeError):
-            return []
+    def _await_other_nodes(self) -> None:
+        """Multi-node: a failing launch ends on every node; wait (briefly) until each agent has
+        recorded its torchrun's exit, so failures seen from any node are classified together."""
+        if not self.options.multi_node:
+            return
+        deadline = time.monotonic() + REMOTE_EXIT_GRACE_S
+        while len(list(self.folder.glob("exit.*.json"))) < self.options.nnodes - 1 and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
 
-    def _stderr_tail(self, rank: int) -> str:
-        local_rank = rank - self.options.node_rank * self.options.nproc_per_node
-        logs = sorted(self.logs.glob(f"*/attempt_*/{local_rank}/stderr.log"))
-        return _tail(logs[-1]) if logs else "(no stderr log on this node)"
+    def _agent_failures(self) -> list[dict[str, Any]]:
+        """Every node's torchrun agent's view of its failed ranks, each tagged with its node."""
+        failures = []
+        for path in sorted(self.folder.glob("agent_failures.*.json")):
+            node = path.name.removeprefix("agent_failures.").removesuffix(".json")
+            try:
+                failures += [dict(f, node=node) for f in json.loads(path.read_text())]
+            except (OSError, json.JSONDecodeError):
+                continue
+        return failures
+
+    def _stderr_tail(self, failure: dict[str, Any]) -> str:
+        """The last lines of a failed rank's stderr, from its node's log folder."""
+        node, local_rank = failure.get("node"), failure.get("local_rank")
+        logs = sorted((self.logs / str(node)).glob(f"*/attempt_*/{local_rank}/stderr.log"))
+        return _tail(logs[-1]) if logs else f"(no stderr log of node {node}, local rank {local_rank})"
 
 
 def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:

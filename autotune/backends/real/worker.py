@@ -65,8 +65,11 @@ def out_of_memory_kind(exc: BaseException) -> str | None:
 
 
 def failure_record(exc: BaseException, *, rank: int) -> dict[str, Any]:
+    from autotune.backends.real._launcher import node_name
+
     kind = out_of_memory_kind(exc)
-    return dict(rank=rank, type=type(exc).__name__, message=str(exc)[:4000], time=time.time(),
+    return dict(rank=rank, node=node_name(), local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+                type=type(exc).__name__, message=str(exc)[:4000], time=time.time(),
                 oom=kind is not None, oom_kind=kind,
                 traceback="".join(traceback.format_exception(exc))[-4000:])
 
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     faulthandler.enable()  # a hard crash still leaves a stack in this rank's stderr
-    from autotune.backends.real._launcher import die_with_parent
+    from autotune.backends.real._launcher import LAUNCHER_PID_ENV, die_with_parent
 
     die_with_parent()  # torchrun's agent killed (its controller was): this rank goes too
     job = json.loads(args.job.read_text())
@@ -95,8 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import torch.distributed as dist
 
-        # The launcher's pid means something only on the launcher's host (multi-node: node 0).
-        launcher_pid = job["launcher_pid"] if job.get("launcher_host") == platform.node() else None
+        # The process that started this node's torchrun: the controller, or a node's agent.
+        launcher_pid = int(os.environ[LAUNCHER_PID_ENV]) if os.environ.get(LAUNCHER_PID_ENV) else None
         if launcher_pid is not None:
             _exit_when_gone(launcher_pid)  # before set-up: the rendezvous can wait on a dead agent
         device, mesh, faults, runtime = _setup(job)
@@ -221,7 +224,9 @@ def _run_one(item: dict[str, Any], *, job: dict[str, Any], out: Path, rank: int,
     figures = run_trial(spec, mesh=mesh, device=device, rank=rank, warmup_steps=job["warmup_steps"],
                         timed_steps=job["timed_steps"], seed=job["seed"], faults=faults,
                         trial_index=index)
-    figures["node"] = platform.node()
+    from autotune.backends.real._launcher import node_name
+
+    figures["node"] = node_name()
     if runtime:
         figures["runtime"] = runtime
     gathered: list[Any] = [None] * world_size
