@@ -1,10 +1,11 @@
-"""The command line: `autotune [tune] ...`, `autotune trial`, `autotune export`, `autotune report`.
+"""The command line: `autotune [tune] ...`, `trial`, `export`, `report`, `sweep`, `regress`, `agent`.
 
 Each command is a thin wrapper over library functions; shared options are defined once;
 errors are turned into one line and an exit code in one place (`main`).
 
-Exit codes: 0 done, 2 bad input, 3 nothing fits, 1 internal error, 130 interrupted (Ctrl-C),
-143 terminated (SIGTERM); after either, finished trials are kept and a rerun resumes.
+Exit codes: 0 done, 2 bad input, 3 nothing fits, 4 a regression (regress), 1 internal error,
+130 interrupted (Ctrl-C), 143 terminated (SIGTERM); after either, finished trials are kept and a
+rerun resumes.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class Terminated(KeyboardInterrupt):
     are kept, trial workers are stopped and temporary folders removed on the way out."""
 
 
-COMMANDS = ("tune", "trial", "export", "report", "agent")
+COMMANDS = ("tune", "trial", "export", "report", "agent", "sweep", "regress")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -151,6 +152,28 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--shared-dir", required=True, help="the folder given to the controller's --shared-dir")
     agent.add_argument("--wait", type=_duration, default=600.0,
                        help="how long to wait for a controller to start (default 600s)")
+
+    sweep = sub.add_parser("sweep", help="tune a matrix of problems, each once, with any number of workers "
+                                         "sharing --storage")
+    sweep.add_argument("file", help="the sweep file (TOML: name, [matrix], [options]; see docs/SWEEPS.md)")
+    sweep.add_argument("--storage", help="Optuna storage URL every worker reaches (default: sqlite in --runs-dir)")
+    sweep.add_argument("--runs-dir", default="runs", help="output folder (default: runs)")
+    sweep.add_argument("--name", help="the sweep's name (default: the file's); e.g. nightly-$(date +%%F)")
+    sweep.add_argument("--local", type=_positive_int, help="start this many workers on this machine")
+    sweep.add_argument("--heartbeat", type=float, default=10.0,
+                       help="seconds between a worker's heartbeats; the problem of a worker silent for 3 goes "
+                            "to another (default 10)")
+
+    regress = sub.add_parser("regress", help="compare a sweep's winners with an earlier sweep of the same matrix")
+    regress.add_argument("sweep", help="the sweep's name")
+    regress.add_argument("--baseline", help="the sweep to compare with (default: the latest earlier one of "
+                                            "the same matrix)")
+    regress.add_argument("--storage", help="Optuna storage URL (default: sqlite in --runs-dir)")
+    regress.add_argument("--runs-dir", default="runs", help="where the default storage is and reports go")
+    regress.add_argument("--throughput-drop", type=_fraction, default=0.05,
+                         help="a throughput drop larger than this fraction is a regression (default 0.05)")
+    regress.add_argument("--memory-rise", type=_fraction, default=0.05,
+                         help="a peak-memory rise larger than this fraction is a regression (default 0.05)")
 
     report = sub.add_parser("report", help="rebuild runs/<run-id>/report.html from the study")
     report.add_argument("run_dir", help="runs/<run-id>")
@@ -534,6 +557,74 @@ def cmd_report(args: argparse.Namespace, console) -> int:
     return EXIT_OK
 
 
+def cmd_sweep(args: argparse.Namespace, console) -> int:
+    """Work on a sweep until every problem is finished (or start --local workers that do)."""
+    from autotune.secrets import mask
+    from autotune.store import default_storage, ensure_writable
+    from autotune.sweep import load_sweep, run_worker, sweep_results
+
+    sweep = load_sweep(Path(args.file), name=args.name)
+    if not args.heartbeat > 0:
+        raise UsageError(f"--heartbeat must be a positive number of seconds, got {args.heartbeat}")
+    runs_dir = ensure_writable(Path(args.runs_dir))
+    storage = args.storage or default_storage(runs_dir)
+    console.note(f"sweep {sweep.name}: {len(sweep.problems)} problems on {mask(storage)}")
+    if args.local:
+        code = _local_workers(args, args.local, console)
+    else:
+        counts = run_worker(sweep, storage_url=storage, runs_dir=runs_dir, heartbeat_s=args.heartbeat,
+                            log=console.note)
+        console.note(f"this worker: {', '.join(f'{n} {state}' for state, n in sorted(counts.items())) or 'nothing left'}")
+        code = EXIT_OK
+    from autotune.sweep import SweepQueue
+
+    results = sweep_results(SweepQueue(storage, sweep, heartbeat_s=args.heartbeat).study)
+    done = sum(r["state"] == "done" for r in results.values())
+    console.note(f"sweep {sweep.name}: {len(results)} of {len(sweep.problems)} problems finished, {done} with a winner")
+    return code
+
+
+def _local_workers(args: argparse.Namespace, count: int, console) -> int:
+    """`count` worker processes of this sweep on this machine; a signal to this one reaches them."""
+    import subprocess
+
+    argv = [sys.executable, "-m", "autotune", "sweep", args.file, "--runs-dir", args.runs_dir,
+            "--heartbeat", str(args.heartbeat)]
+    for flag, value in (("--storage", args.storage), ("--name", args.name)):
+        if value:
+            argv += [flag, value]
+    workers = [subprocess.Popen(argv) for _ in range(count)]
+    try:
+        codes = [worker.wait() for worker in workers]
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.terminate()
+        for worker in workers:
+            worker.wait()
+    failed = [code for code in codes if code != EXIT_OK]
+    if failed:
+        console.error_line(f"{len(failed)} of {count} workers failed (exit codes {failed})")
+        return max(failed)
+    return EXIT_OK
+
+
+def cmd_regress(args: argparse.Namespace, console) -> int:
+    from autotune.regress import EXIT_REGRESSION, regress
+    from autotune.store import default_storage
+
+    runs_dir = Path(args.runs_dir)
+    storage = args.storage or default_storage(runs_dir)
+    findings, paths, baseline = regress(storage, args.sweep, baseline=args.baseline, out_dir=runs_dir / "regress",
+                                        throughput_drop=args.throughput_drop, memory_rise=args.memory_rise)
+    regressions = [f for f in findings if f.regression]
+    for finding in findings:
+        console.note(f"{'REGRESSION ' if finding.regression else ''}{finding.problem}: {finding.kind}: {finding.detail}")
+    console.note(f"{args.sweep} against {baseline}: {len(regressions) or 'no'} regression(s); "
+                 f"{paths['html']}, {paths['json']}")
+    return EXIT_REGRESSION if regressions else EXIT_OK
+
+
 def cmd_agent(args: argparse.Namespace, console) -> int:
     """This node's part of a multi-node job: the controller's launches, nothing else."""
     from autotune.backends.real.multinode import run_agent
@@ -565,7 +656,7 @@ def _main(argv: list[str], console) -> int:
     try:
         args = parse_args(argv)
         handler = {"tune": cmd_tune, "trial": cmd_trial, "export": cmd_export, "report": cmd_report,
-                   "agent": cmd_agent}[args.command]
+                   "agent": cmd_agent, "sweep": cmd_sweep, "regress": cmd_regress}[args.command]
         return handler(args, console)
     except UsageError as exc:
         console.error_line(f"error: {exc}")

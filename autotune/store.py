@@ -8,12 +8,14 @@ written to a temporary name and renamed into place: never half-written.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import re
 import tempfile
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -63,18 +65,49 @@ _CREATION_RACE = ("already exists", "unique constraint failed", "duplicate key",
 _CREATION_ATTEMPTS = 8
 
 
-def _create_study(url: str, name: str):
-    """optuna.create_study(load_if_exists=True), safe when workers start together on a new database:
-    the loser of a creation race retries after a short random pause and then finds what the winner
-    made. Anything else is raised at once."""
+SQLITE_BUSY_TIMEOUT_S = 60  # workers sharing one SQLite file wait for its lock instead of failing
+
+
+def rdb_storage(url: str, *, heartbeat_s: float | None = None, retries: int = 0):
+    """Optuna's RDBStorage for `url`: SQLite waits for a busy database (several workers on one
+    file). With `heartbeat_s`, trials carry heartbeats, a trial silent for 3 beats is stale, and
+    Optuna's own retry callback queues a stale trial again, `retries` times at most."""
+    import warnings
+
+    import optuna
+
+    engine_kwargs = {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S}} if url.startswith("sqlite") else {}
+    heartbeat: dict[str, Any] = {}
+    if heartbeat_s:
+        # Stale after 3 missed beats, and never under 10 s: a busy machine (a worker importing torch,
+        # SQLite waiting on its lock) can hold one beat back a few seconds.
+        heartbeat = dict(heartbeat_interval=max(1, round(heartbeat_s)), grace_period=max(10, round(3 * heartbeat_s)))
+    with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna 5.0, and what we need
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        if heartbeat and retries:
+            heartbeat["heartbeat_stale_trial_callback"] = optuna.storages.RetryHeartbeatStaleTrialCallback(
+                max_retry=retries)
+        return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, **heartbeat)
+
+
+def create_study(url: str, name: str, *, storage_options: dict | None = None):
+    """(study, created): optuna's study `name`, created or loaded, safe when workers start together
+    on a new database: the loser of a schema or study creation race retries after a short random
+    pause and then finds what the winner made. `created` is True for exactly one caller. Anything
+    else is raised at once."""
     import random
     import time
 
     import optuna
 
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "A new study created" lines in our output
     for attempt in range(_CREATION_ATTEMPTS):
         try:
-            return optuna.create_study(storage=url, study_name=name, direction="maximize", load_if_exists=True)
+            storage = rdb_storage(url, **(storage_options or {}))
+            try:
+                return optuna.create_study(storage=storage, study_name=name, direction="maximize"), True
+            except optuna.exceptions.DuplicatedStudyError:
+                return optuna.load_study(storage=storage, study_name=name), False
         except Exception as exc:  # noqa: BLE001 - only the creation race is retried
             text = f"{type(exc).__name__} {exc}".lower()
             if attempt == _CREATION_ATTEMPTS - 1 or not any(mark in text for mark in _CREATION_RACE):
@@ -83,25 +116,32 @@ def _create_study(url: str, name: str):
     raise AssertionError("unreachable")
 
 
+@contextlib.contextmanager
+def storage_errors(url: str) -> Iterator[None]:
+    """A storage that cannot be opened (no driver, bad URL, unreachable server, unreadable file)
+    is the user's to fix: one line, the password masked."""
+    from autotune.secrets import mask
+
+    shown = mask(url)
+    try:
+        yield
+    except (ImportError, ModuleNotFoundError) as exc:
+        raise UsageError(f"storage {shown!r} needs a driver that is not installed: {mask(exc)}") from None
+    except Exception as exc:
+        if exc.__class__.__name__ in ("ArgumentError", "OperationalError", "NoSuchModuleError", "ValueError"):
+            raise UsageError(f"cannot open storage {shown!r}: {mask(str(exc).splitlines()[0])}") from None
+        raise
+
+
 class TrialStore:
     """The Optuna study of one tuning problem."""
 
     def __init__(self, storage: str, name: str) -> None:
-        import optuna
-
         from autotune.secrets import mask, with_password
 
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-        shown = mask(storage)  # what is printed and logged; the password only reaches the driver
-        try:
-            self.study = _create_study(with_password(storage), name)
-        except (ImportError, ModuleNotFoundError) as exc:
-            raise UsageError(f"storage {shown!r} needs a driver that is not installed: {mask(exc)}") from None
-        except Exception as exc:  # bad URL, unreachable server
-            if exc.__class__.__name__ in ("ArgumentError", "OperationalError", "NoSuchModuleError", "ValueError"):
-                raise UsageError(f"cannot open storage {shown!r}: {mask(str(exc).splitlines()[0])}") from None
-            raise
-        self.storage = shown
+        with storage_errors(storage):
+            self.study, _ = create_study(with_password(storage), name)
+        self.storage = mask(storage)  # what is printed and logged; the password only reaches the driver
         self.name = name
 
     def finished(self) -> dict[str, dict[str, Any]]:

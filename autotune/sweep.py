@@ -1,0 +1,336 @@
+"""Sweeps: a matrix of tuning problems, each done once by any number of cooperating workers.
+
+A sweep file (TOML) names the matrix; every combination is one problem, tuned exactly as
+`autotune tune` would tune it (its own study, reused by a rerun):
+
+    name = "nightly"
+    [matrix]                      # lists; every combination is a problem
+    model = ["llama3-8b", "qwen2.5-7b"]
+    gpus = [8, 16]
+    gpu_type = ["h100-80gb"]
+    global_tokens = ["4Mi"]
+    seq_len = [4096]              # optional (default: each model's)
+    nodes = [1]                   # optional
+    backend = ["sim"]             # optional (default sim)
+    [options]                     # optional, the same for every problem
+    headroom = 0.1
+    max_trials = 40
+    time_budget = "10m"
+
+The work queue is an Optuna study of the same storage, `sweep:<name>`, with one enqueued trial
+per problem. Optuna's own mechanisms do the coordination, no queue of ours:
+- the worker that creates the study (creation is exactly-once in the database) enqueues the
+  problems; the others wait until it says it is done;
+- a worker claims a problem by moving its trial from WAITING to RUNNING, which the storage does
+  for exactly one caller;
+- a claimed trial carries a heartbeat (RDBStorage heartbeats); a worker that dies stops beating,
+  and after the grace period any worker's `fail_stale_trials` fails it and Optuna's
+  RetryHeartbeatStaleTrialCallback enqueues it again (3 times at most), so another worker takes it;
+- a worker with nothing to claim waits while problems are still running elsewhere (one may come
+  back), and stops when every problem is finished.
+Each finished problem's trial keeps the winner's summary (user attributes) for `autotune regress`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import itertools
+import json
+import threading
+import time
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autotune.errors import UsageError
+
+SWEEP_PREFIX = "sweep:"
+MATRIX_KEYS = ("model", "gpus", "nodes", "gpu_type", "global_tokens", "seq_len", "backend")
+OPTION_KEYS = ("headroom", "global_tolerance", "max_trials", "time_budget", "space", "timeout")
+DEFAULT_HEARTBEAT_S = 10.0
+ENQUEUE_WAIT_S = 120.0
+MAX_RETRIES = 3  # a problem whose workers keep dying is given up after this many retries
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One cell of the matrix: the flags of an `autotune tune` command."""
+
+    model: str
+    gpus: int
+    global_tokens: str
+    gpu_type: str | None = None
+    nodes: int | None = None
+    seq_len: int | None = None
+    backend: str = "sim"
+
+    @property
+    def key(self) -> str:
+        parts = [self.model, f"{self.gpus}x{self.gpu_type or 'default'}", f"{self.nodes or 1}n",
+                 f"tokens-{self.global_tokens}", f"seq-{self.seq_len or 'default'}", self.backend]
+        return "/".join(parts)
+
+    def argv(self) -> list[str]:
+        argv = ["--model", self.model, "--gpus", str(self.gpus), "--global-tokens", str(self.global_tokens),
+                "--backend", self.backend]
+        for flag, value in (("--gpu-type", self.gpu_type), ("--nodes", self.nodes), ("--seq-len", self.seq_len)):
+            if value is not None:
+                argv += [flag, str(value)]
+        return argv
+
+
+@dataclass(frozen=True)
+class Sweep:
+    name: str
+    problems: tuple[Problem, ...]
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def study_name(self) -> str:
+        return f"{SWEEP_PREFIX}{self.name}"
+
+    @property
+    def digest(self) -> str:
+        """What the matrix is, whatever the sweep is called: nights of one matrix compare."""
+        identity = json.dumps([[p.key for p in self.problems], self.options], sort_keys=True)
+        return hashlib.sha256(identity.encode()).hexdigest()[:12]
+
+
+def load_sweep(path: Path, *, name: str | None = None) -> Sweep:
+    """The sweep file, expanded into problems; a UsageError names what is wrong in it."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise UsageError(f"cannot read sweep file {str(path)!r}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"sweep file {str(path)!r} is not valid TOML: {exc}") from None
+    unknown = set(data) - {"name", "matrix", "options"}
+    if unknown:
+        raise UsageError(f"sweep file {str(path)!r}: unknown table or key {sorted(unknown)[0]!r} "
+                         "(expected name, [matrix], [options])")
+    matrix = data.get("matrix") or {}
+    for key, values in matrix.items():
+        if key not in MATRIX_KEYS:
+            raise UsageError(f"sweep file [matrix]: unknown key {key!r} (one of {', '.join(MATRIX_KEYS)})")
+        if not isinstance(values, list) or not values:
+            raise UsageError(f"sweep file [matrix]: {key} must be a non-empty list, e.g. {key} = [...]")
+    for required in ("model", "gpus", "global_tokens"):
+        if required not in matrix:
+            raise UsageError(f"sweep file [matrix] needs {required} = [...]")
+    options = data.get("options") or {}
+    for key in options:
+        if key not in OPTION_KEYS:
+            raise UsageError(f"sweep file [options]: unknown key {key!r} (one of {', '.join(OPTION_KEYS)})")
+    keys = list(matrix)
+    problems = tuple(Problem(**dict(zip(keys, values, strict=True)))
+                     for values in itertools.product(*(matrix[k] for k in keys)))
+    sweep_name = name or data.get("name") or Path(path).stem
+    return Sweep(name=str(sweep_name), problems=problems, options=dict(options))
+
+
+def option_argv(options: dict[str, Any]) -> list[str]:
+    argv: list[str] = []
+    for key, value in options.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    return argv
+
+
+# -- the work queue -----------------------------------------------------------------------------------
+
+
+class SweepQueue:
+    """The sweep's Optuna study: one trial per problem, claimed and finished through the storage."""
+
+    def __init__(self, storage_url: str, sweep: Sweep, *, heartbeat_s: float = DEFAULT_HEARTBEAT_S) -> None:
+        from autotune.secrets import with_password
+        from autotune.store import create_study
+
+        self.sweep = sweep
+        self.heartbeat_s = heartbeat_s
+        self.study, created = create_study(with_password(storage_url), sweep.study_name, storage_options=dict(
+            heartbeat_s=heartbeat_s, retries=MAX_RETRIES))
+        self.storage = self.study._storage  # the RDBStorage create_study made (Study has no public getter)
+        if created:
+            for index, problem in enumerate(sweep.problems):
+                self.study.enqueue_trial({}, user_attrs={"problem": problem.key, "index": index})
+            self.study.set_user_attr("matrix", sweep.digest)
+            self.study.set_user_attr("created", time.time())
+            self.study.set_user_attr("enqueued", len(sweep.problems))
+        else:
+            self._await_enqueued()
+
+    def _await_enqueued(self) -> None:
+        deadline = time.monotonic() + ENQUEUE_WAIT_S
+        while "enqueued" not in self.study.user_attrs:
+            if time.monotonic() > deadline:
+                raise UsageError(f"sweep study {self.sweep.study_name!r} exists but its problems were never all "
+                                 "queued (its creator died?): rerun with another --name")
+            time.sleep(0.2)
+        if self.study.user_attrs.get("matrix") != self.sweep.digest:
+            raise UsageError(f"sweep {self.sweep.name!r} already exists in this storage with another matrix: "
+                             "pass --name NAME for the new one")
+
+    def claim(self) -> tuple[int, Problem] | None:
+        """A waiting problem, now RUNNING for this worker; None when none is waiting."""
+        from optuna.exceptions import UpdateFinishedTrialError
+        from optuna.trial import TrialState
+
+        self.fail_stale()
+        for trial in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            try:
+                if not self.storage.set_trial_state_values(trial._trial_id, state=TrialState.RUNNING):
+                    continue  # another worker took it first
+            except UpdateFinishedTrialError:
+                continue
+            self.storage.record_heartbeat(trial._trial_id)
+            return trial._trial_id, self.sweep.problems[trial.user_attrs["index"]]
+        return None
+
+    def fail_stale(self) -> None:
+        """Problems whose worker stopped beating go back to the queue (Optuna's retry callback)."""
+        import warnings
+
+        import optuna
+
+        with warnings.catch_warnings():  # "experimental" in Optuna 5.0, and exactly what is needed
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(self.study)
+
+    def running(self) -> int:
+        from optuna.trial import TrialState
+
+        return len(self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+
+    @contextlib.contextmanager
+    def heartbeat(self, trial_id: int) -> Iterator[None]:
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(self.heartbeat_s):
+                self.storage.record_heartbeat(trial_id)
+
+        thread = threading.Thread(target=beat, name="autotune-sweep-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+    def finish(self, trial_id: int, outcome: dict[str, Any]) -> None:
+        import optuna
+        from optuna.exceptions import UpdateFinishedTrialError
+        from optuna.trial import TrialState
+
+        value = float(outcome.get("tokens_per_sec") or 0.0)
+        try:
+            for key, item in outcome.items():
+                self.storage.set_trial_user_attr(trial_id, key, item)
+            self.storage.set_trial_state_values(trial_id, state=TrialState.COMPLETE, values=[value])
+            return
+        except UpdateFinishedTrialError:
+            pass
+        # This worker's heartbeat went stale (a long stall) and another worker failed the trial and
+        # queued it again: keep this result as a finished trial of its own, and withdraw the copy
+        # if no worker has taken it yet.
+        frozen = self.storage.get_trial(trial_id)
+        problem = {k: frozen.user_attrs[k] for k in ("problem", "index")}
+        self.study.add_trial(optuna.trial.create_trial(state=TrialState.COMPLETE, value=value,
+                                                       user_attrs={**problem, **outcome}))
+        for waiting in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            if waiting.user_attrs.get("index") == problem["index"]:
+                with contextlib.suppress(UpdateFinishedTrialError):
+                    if self.storage.set_trial_state_values(waiting._trial_id, state=TrialState.RUNNING):
+                        self.storage.set_trial_user_attr(waiting._trial_id, "withdrawn", "finished by the stalled worker")
+                        self.storage.set_trial_state_values(waiting._trial_id, state=TrialState.FAIL)
+
+    def give_back(self, trial_id: int) -> None:
+        """An interrupted worker's problem goes back to the queue at once (no need to wait for
+        its heartbeat to go stale)."""
+        from optuna.trial import TrialState
+
+        frozen = self.storage.get_trial(trial_id)
+        self.study.enqueue_trial({}, user_attrs={k: frozen.user_attrs[k] for k in ("problem", "index")})
+        self.storage.set_trial_state_values(trial_id, state=TrialState.FAIL)
+
+
+def sweep_results(study) -> dict[str, dict[str, Any]]:
+    """Finished problems of a sweep study by problem key (the outcome each worker recorded)."""
+    from optuna.trial import TrialState
+
+    return {t.user_attrs["problem"]: dict(t.user_attrs) for t in study.get_trials(deepcopy=False,
+                                                                                    states=(TrialState.COMPLETE,))}
+
+
+# -- one worker -----------------------------------------------------------------------------------------
+
+
+def run_worker(sweep: Sweep, *, storage_url: str, runs_dir: Path, heartbeat_s: float, log) -> dict[str, int]:
+    """Claim and tune problems until every one of the sweep is finished; returns counts by state."""
+    queue = SweepQueue(storage_url, sweep, heartbeat_s=heartbeat_s)
+    counts: dict[str, int] = {}
+    while True:
+        claimed = queue.claim()
+        if claimed is None:
+            if queue.running() == 0:
+                return counts
+            time.sleep(min(heartbeat_s, 2.0))  # running elsewhere: one may come back if its worker dies
+            continue
+        trial_id, problem = claimed
+        log(f"sweep {sweep.name}: tuning {problem.key}")
+        try:
+            with queue.heartbeat(trial_id):
+                outcome = tune_problem(problem, sweep=sweep, storage_url=storage_url, runs_dir=runs_dir)
+        except BaseException:
+            queue.give_back(trial_id)
+            raise
+        queue.finish(trial_id, outcome)
+        counts[outcome["state"]] = counts.get(outcome["state"], 0) + 1
+        log(f"sweep {sweep.name}: {problem.key}: {outcome['state']}"
+            + (f", {outcome['tokens_per_sec']:,.0f} tokens/s ({outcome['throughput_source']})"
+               if outcome.get("tokens_per_sec") else ""))
+
+
+def tune_problem(problem: Problem, *, sweep: Sweep, storage_url: str, runs_dir: Path) -> dict[str, Any]:
+    """`autotune tune` for one problem, in this process, on the sweep's storage; its winner's
+    summary (or why there is none) as the sweep records it."""
+    from autotune import cli
+    from autotune.console import Console
+
+    out = runs_dir / "sweeps" / sweep.name / (problem.key.replace("/", "_") + ".json")
+    # A study per sweep and problem: a rerun of this sweep resumes it, but another night measures
+    # afresh (reusing last night's trials would hide tonight's regressions).
+    argv = ["tune", *problem.argv(), *option_argv(sweep.options), "--storage", storage_url,
+            "--study", f"{sweep.name}:{problem.key}", "--runs-dir", str(runs_dir), "--out", str(out)]
+    console = Console(quiet=True)
+    try:
+        args = cli.parse_args(argv)
+        code = cli.cmd_tune(args, console)
+    except UsageError as exc:
+        return dict(state="bad-input", message=str(exc))
+    except Exception as exc:  # noqa: BLE001 - one problem's failure is recorded, the sweep goes on
+        return dict(state="error", message=f"{type(exc).__name__}: {exc}")
+    if code == cli.EXIT_NOTHING_FITS:
+        return dict(state="nothing-fits", message="no configuration fits (see the problem's run folder)")
+    if code != cli.EXIT_OK:
+        return dict(state="error", message=f"tune exited with code {code}")
+    return summarize(json.loads(out.read_text()), result_file=str(out))
+
+
+def summarize(result: dict[str, Any], *, result_file: str) -> dict[str, Any]:
+    """What a nightly comparison needs of a winner (best.json), with each figure's source."""
+    fsdp = result["fsdp"]
+    return dict(state="done", result_file=result_file, run_id=result["run_id"], study=result["study"],
+                config=dict(precision=result["precision"], activation_checkpointing=fsdp["activation_checkpointing"],
+                            cpu_offload=fsdp["cpu_offload"], reshard_after_forward=fsdp["reshard_after_forward"],
+                            micro_batch_size=result["micro_batch_size"],
+                            grad_accum_steps=result["grad_accum_steps"],
+                            optimizer_impl=result["optimizer"]["impl"]),
+                tokens_per_sec=result["tokens_per_sec"], throughput_source=result["throughput_source"],
+                peak_memory_bytes=result["peak_memory_bytes"], memory_source=result["memory_source"])
+
+
