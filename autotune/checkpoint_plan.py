@@ -73,7 +73,8 @@ def plan_checkpoint(result: dict[str, Any]) -> dict[str, Any]:
 
     limit = result.get("memory_limit_bytes")
     device_cap = int(limit if limit else result["gpu"]["memory_bytes"])
-    device_cap_basis = ("usable GPU memory of the run (capacity less headroom)" if limit
+    vllm = " and vLLM's share" if (result.get("workload") or {}).get("kind") == "grpo" else ""
+    device_cap_basis = (f"usable GPU memory of the run (capacity less headroom{vllm})" if limit
                         else f"{result['gpu']['type']} capacity")
     host_given = result.get("host_memory_bytes")
     host_cap = int(host_given) if host_given else ASSUMED_HOST_BYTES

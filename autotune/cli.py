@@ -61,6 +61,13 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
 def _duration(text: str) -> float:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", str(text))
     if not match:
@@ -89,6 +96,12 @@ def _add_problem_options(parser: argparse.ArgumentParser, *, model_required: boo
                        help="how trials run: sim (fake-tensor trace: memory predicted, time estimated), "
                             "analytic (closed form, estimated), cpu (real gloo trials), cuda (real "
                             "GPU trials); auto = cuda when the GPUs are here, else sim")
+    workload = parser.add_argument_group("workload")
+    workload.add_argument("--workload", choices=("sft", "grpo"), default=None,
+                          help="sft (default): the GPUs only train; grpo: TRL GRPO with vLLM colocated on every "
+                               "GPU: training gets what vLLM leaves, and the weight sync to vLLM is part of the peak")
+    workload.add_argument("--vllm-gpu-memory-utilization", type=_number, default=None,
+                          help="grpo: fraction of each GPU's memory vLLM takes, in (0, 1) (default 0.3, TRL's)")
     real = parser.add_argument_group("real trials (cpu, cuda backends)")
     real.add_argument("--timeout", type=_duration, default=600.0,
                       help="kill a trial after this long (default 600s)")
@@ -182,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _VALUE_OPTIONS = ("--global-tokens", "--gpus", "--nodes", "--seq-len", "--micro-batch", "--grad-accum",
-                  "--max-trials", "--gpu-memory", "--host-memory", "--headroom", "--global-tolerance")
+                  "--max-trials", "--gpu-memory", "--host-memory", "--headroom", "--global-tolerance",
+                  "--vllm-gpu-memory-utilization")
 
 
 def _attach_negative_values(argv: list[str]) -> list[str]:
@@ -268,6 +282,18 @@ def _resolve_problem(args: argparse.Namespace, *, check_batch=None) -> tuple[Any
     return model, cluster, seq_len, f"GPU type {gpu.name} ({gpu_note})"
 
 
+def _resolve_workload(args: argparse.Namespace, recorded: dict | None = None):
+    """The workload from the flags; `recorded` (a result's) fills what the flags leave out."""
+    from autotune.config import Workload
+
+    recorded = recorded or {}
+    kind = args.workload or recorded.get("kind", "sft")
+    share = args.vllm_gpu_memory_utilization
+    if share is None and kind == recorded.get("kind"):
+        share = recorded.get("vllm_gpu_memory_utilization")
+    return Workload(kind=kind, vllm_gpu_memory_utilization=share)
+
+
 def _check_wrappable(model) -> None:
     """Fail now, with the supported families, if FSDP cannot wrap the model (a meta build: run it
     after the cheap checks, so a typo in a number is refused at once)."""
@@ -347,6 +373,7 @@ def cmd_tune(args: argparse.Namespace, console) -> int:
     if target < 1:
         raise UsageError("--global-tokens must be positive, e.g. 4M")
     tolerance = DEFAULT_TOLERANCE if args.global_tolerance is None else args.global_tolerance
+    workload = _resolve_workload(args)
 
     def check_batch(num_gpus: int, seq_len: int) -> None:
         check_target(target_tokens=target, num_gpus=num_gpus, seq_len=seq_len)
@@ -369,7 +396,8 @@ def cmd_tune(args: argparse.Namespace, console) -> int:
     request = TuneRequest(model=model, cluster=cluster, seq_len=seq_len, target_tokens=target,
                           tolerance=tolerance,
                           headroom=DEFAULT_HEADROOM if args.headroom is None else args.headroom,
-                          space=space, max_trials=args.max_trials, time_budget_s=args.time_budget)
+                          space=space, max_trials=args.max_trials, time_budget_s=args.time_budget,
+                          workload=workload)
     store = TrialStore(args.storage or default_storage(runs_dir), args.study or study_name(request, backend_name))
     finished = store.finished()
     run_dir = new_run_dir(request, runs_dir)
@@ -481,9 +509,10 @@ def _write_report(run_dir: Path, document: dict, records: list[dict], console) -
 
 
 def cmd_trial(args: argparse.Namespace, console) -> int:
-    from autotune.config import TrainConfig, TrialSpec
+    from autotune.config import TrainConfig, TrialSpec, memory_limit_bytes
     from autotune.controller import DEFAULT_HEADROOM
 
+    recorded = None
     if args.config:
         from autotune.result import load_result
 
@@ -501,18 +530,22 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
                             # results written before the knob existed ran the per-parameter loop
                             optimizer_impl=document.get("optimizer", {}).get("impl", "for-loop"))
         grad_accum = document["grad_accum_steps"]
+        recorded = document.get("workload")
     else:
         train = TrainConfig(precision=args.precision, activation_checkpointing=args.ac,
                             optimizer_impl=args.optimizer_impl,
                             cpu_offload=args.offload, reshard_after_forward=args.reshard,
                             micro_batch_size=args.micro_batch)
         grad_accum = args.grad_accum
+    workload = _resolve_workload(args, recorded)
     model, cluster, seq_len, gpu_note = _resolve_problem(args)
     _check_wrappable(model)
     console.note(gpu_note)
     headroom = DEFAULT_HEADROOM if args.headroom is None else args.headroom
     spec = TrialSpec(model=model, cluster=cluster, seq_len=seq_len, train=train, grad_accum_steps=grad_accum,
-                     memory_limit_bytes=int(cluster.capacity_bytes * (1 - headroom)))
+                     memory_limit_bytes=memory_limit_bytes(cluster.capacity_bytes, headroom=headroom,
+                                                           workload=workload),
+                     workload=workload)
     backend_name, why = _choose_backend(args.backend, cluster)
     console.note(f"backend: {backend_name} ({why})")
     backend = _make_backend(backend_name, args)
@@ -522,6 +555,7 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
         backend.close()
     out = {"backend": backend_name, "model": model.name, "gpus": cluster.num_gpus, "gpu": cluster.gpu.name,
            "seq_len": seq_len, "config": train.to_dict(), "grad_accum_steps": grad_accum,
+           "workload": workload.to_dict(),
            "memory_limit_bytes": spec.limit_bytes, "fits": result.ok, **result.to_dict()}
     sys.stdout.write(json.dumps(out, indent=2, default=str) + "\n")
     return EXIT_OK

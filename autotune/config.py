@@ -153,6 +153,67 @@ class Cluster:
                    host_memory_bytes=data.get("host_memory_bytes"))
 
 
+WORKLOADS: tuple[str, ...] = ("sft", "grpo")
+"""`sft`: the GPUs only train. `grpo`: TRL's GRPOTrainer with vLLM colocated (`vllm_mode="colocate"`):
+vLLM holds a share of every GPU, and the trained weights are gathered for it after every step."""
+TRL_VLLM_GPU_MEMORY_UTILIZATION = 0.3
+"""GRPOConfig.vllm_gpu_memory_utilization's default (trl 1.16, trl/trainer/grpo_config.py)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What shares the GPUs with the tuned training step."""
+
+    kind: str = "sft"
+    vllm_gpu_memory_utilization: float | None = None
+    """grpo: the fraction of each GPU's total memory vLLM takes (vLLM's gpu_memory_utilization is a
+    fraction of total memory, and vLLM refuses to start unless that much is free); TRL's default
+    when not given."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in WORKLOADS:
+            raise UsageError(f"--workload {self.kind!r} is not one of {', '.join(WORKLOADS)}")
+        share = self.vllm_gpu_memory_utilization
+        if self.kind != "grpo":
+            if share is not None:
+                raise UsageError("--vllm-gpu-memory-utilization applies to --workload grpo only (vLLM colocated)")
+            return
+        if share is None:
+            object.__setattr__(self, "vllm_gpu_memory_utilization", TRL_VLLM_GPU_MEMORY_UTILIZATION)
+        elif isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 < share < 1.0:
+            raise UsageError(f"--vllm-gpu-memory-utilization {share!r} must be a fraction in (0, 1): the share of "
+                             f"each GPU's memory vLLM takes (TRL's default {TRL_VLLM_GPU_MEMORY_UTILIZATION})")
+        else:
+            object.__setattr__(self, "vllm_gpu_memory_utilization", float(share))
+
+    @property
+    def weight_sync(self) -> bool:
+        """Whether every step ends with the trained weights gathered for vLLM."""
+        return self.kind == "grpo"
+
+    def vllm_bytes(self, capacity_bytes: int) -> int:
+        return int(capacity_bytes * (self.vllm_gpu_memory_utilization or 0.0))
+
+    def label(self) -> str:
+        if self.kind == "sft":
+            return "sft"
+        return f"grpo (vLLM colocated, {self.vllm_gpu_memory_utilization:g} of each GPU)"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> "Workload":
+        data = data or {}
+        return cls(kind=data.get("kind", "sft"), vllm_gpu_memory_utilization=data.get("vllm_gpu_memory_utilization"))
+
+
+def memory_limit_bytes(capacity_bytes: int, *, headroom: float, workload: Workload) -> int:
+    """Per-GPU memory training may use: vLLM's share comes off first (a fraction of the total, as
+    vLLM counts it), then the headroom off what training is left with."""
+    return int((capacity_bytes - workload.vllm_bytes(capacity_bytes)) * (1.0 - headroom))
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrialSpec:
     """Everything a backend needs to evaluate one configuration."""
@@ -163,7 +224,8 @@ class TrialSpec:
     train: TrainConfig
     grad_accum_steps: int = 1
     memory_limit_bytes: int | None = None
-    """Usable memory per GPU (capacity less headroom); a trial over it is out of memory."""
+    """Usable memory per GPU (`memory_limit_bytes()`); a trial over it is out of memory."""
+    workload: Workload = field(default_factory=Workload)
 
     @property
     def limit_bytes(self) -> int:
@@ -175,11 +237,12 @@ class TrialSpec:
     def to_dict(self) -> dict[str, Any]:
         return dict(model=self.model.to_dict(), cluster=self.cluster.to_dict(), seq_len=self.seq_len,
                     train=self.train.to_dict(), grad_accum_steps=self.grad_accum_steps,
-                    memory_limit_bytes=self.memory_limit_bytes)
+                    memory_limit_bytes=self.memory_limit_bytes, workload=self.workload.to_dict())
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrialSpec":
         return cls(model=ModelSpec.from_dict(data["model"]), cluster=Cluster.from_dict(data["cluster"]),
                    seq_len=data["seq_len"], train=TrainConfig.from_dict(data["train"]),
                    grad_accum_steps=data.get("grad_accum_steps", 1),
-                   memory_limit_bytes=data.get("memory_limit_bytes"))
+                   memory_limit_bytes=data.get("memory_limit_bytes"),
+                   workload=Workload.from_dict(data.get("workload")))

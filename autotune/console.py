@@ -92,8 +92,8 @@ class Console:
                        f" ({cluster.num_nodes} node{'s' if cluster.num_nodes > 1 else ''}), seq_len {request.seq_len}")
         self.note(f"backend: {backend_name} ({backend_why})")
         self.note(f"figures: {backend_description}")
-        self.note(f"memory limit per GPU: {format_bytes(request.memory_limit_bytes)} "
-                  f"({format_bytes(cluster.capacity_bytes)} less {request.headroom:.0%} headroom)")
+        self.note(f"workload: {request.workload.label()}")
+        self.note(f"memory limit per GPU: {request.describe_limit()}")
         self.note(f"global batch target: {request.target_tokens:,} tokens per step "
                   f"(tolerance {request.tolerance:.1%}); micro-batch at most {request.max_micro_batch}")
         resumed = f", resuming {len(finished)} finished trials" if finished else ""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from autotune.backends.base import TrialBackend, TrialResult
 from autotune.batch import DEFAULT_TOLERANCE, GlobalBatch, plan_global_batch, within_tolerance
 from autotune.catalog.models import ModelSpec
-from autotune.config import Cluster, TrainConfig, TrialSpec, checkpointed_blocks
+from autotune.config import Cluster, TrainConfig, TrialSpec, Workload, checkpointed_blocks, memory_limit_bytes
 from autotune.search_space import SearchSpace
 
 DEFAULT_HEADROOM = 0.10
@@ -49,10 +49,22 @@ class TuneRequest:
     space: SearchSpace = field(default_factory=SearchSpace)
     max_trials: int | None = None
     time_budget_s: float | None = None
+    workload: Workload = field(default_factory=Workload)
 
     @property
     def memory_limit_bytes(self) -> int:
-        return int(self.cluster.capacity_bytes * (1.0 - self.headroom))
+        return memory_limit_bytes(self.cluster.capacity_bytes, headroom=self.headroom, workload=self.workload)
+
+    def describe_limit(self) -> str:
+        """How the limit was reached from the capacity, for messages."""
+        from autotune.units import format_bytes
+
+        capacity = self.cluster.capacity_bytes
+        vllm = self.workload.vllm_bytes(capacity)
+        share = (f" less vLLM's {self.workload.vllm_gpu_memory_utilization:g} ({format_bytes(vllm)})"
+                 if vllm else "")
+        return (f"{format_bytes(self.memory_limit_bytes)} per GPU ({format_bytes(capacity)}{share}, "
+                f"less {self.headroom:.0%} headroom)")
 
     @property
     def max_micro_batch(self) -> int:
@@ -67,7 +79,7 @@ class TuneRequest:
     def spec(self, train: TrainConfig) -> TrialSpec:
         return TrialSpec(model=self.model, cluster=self.cluster, seq_len=self.seq_len, train=train,
                          grad_accum_steps=self.global_batch(train.micro_batch_size).grad_accum_steps,
-                         memory_limit_bytes=self.memory_limit_bytes)
+                         memory_limit_bytes=self.memory_limit_bytes, workload=self.workload)
 
 
 @dataclass(kw_only=True)
@@ -140,9 +152,9 @@ def why_nothing_fits(last: Step, request: TuneRequest) -> str:
     if last.train.cpu_offload and "host memory" in message:
         return (f"no configuration fits: CPU offload fits the GPUs but not the host ({message}); add GPUs or "
                 "nodes (less host memory per node), or pass the nodes' real --host-memory if it is larger")
-    return (f"no configuration fits within {format_bytes(request.memory_limit_bytes)} per GPU (capacity less "
-            f"{request.headroom:.0%} headroom), even at micro-batch 1 with every memory saving allowed: add GPUs, "
-            "lower --seq-len, or lower --headroom")
+    lower = "lower --headroom" + (" or --vllm-gpu-memory-utilization" if request.workload.kind == "grpo" else "")
+    return (f"no configuration fits within {request.describe_limit()}, even at micro-batch 1 with every memory "
+            f"saving allowed: add GPUs, lower --seq-len, or {lower}")
 
 
 class BudgetExhausted(Exception):

@@ -93,11 +93,28 @@ def loss_section(request: TuneRequest, winner: Step) -> dict[str, Any]:
         "source": "estimated",
         "basis": f"micro-batch x seq_len x vocab = {elements:,} elements x ({compute_bytes} B logits + 4 B fp32 "
                  "log-probabilities); their gradients the same in backward",
-        "peak_at_loss": site.split(" / ")[2] == "root" if site.count(" / ") >= 2 else None,
+        # Forward/backward sites of the root unit are the loss's (optimizer and weight-sync sites are not).
+        "peak_at_loss": (site.split(" / ")[0] in ("fw", "bw") and site.split(" / ")[2] == "root")
+        if site.count(" / ") >= 2 else None,
         "peak_site": site or None,
         "note": "a chunked or fused cross-entropy (torchtitan's ChunkedLossWrapper, Liger) keeps a fraction of "
                 "this; where peak_at_loss is true the peak falls by up to logits_bytes + logits_grad_bytes",
     }
+
+
+def workload_section(request: TuneRequest, winner: Step) -> dict[str, Any]:
+    """What shared the GPUs with training, what it took from the limit, and the weight sync's peak."""
+    workload, capacity = request.workload, request.cluster.capacity_bytes
+    section: dict[str, Any] = {"kind": workload.kind,
+                               "vllm_gpu_memory_utilization": workload.vllm_gpu_memory_utilization}
+    if workload.kind == "grpo":
+        # The simulator's figures (the winner's own, or the prediction that screened a real trial).
+        sync = winner.result.extras.get("weight_sync") or (winner.predicted.extras.get("weight_sync")
+                                                           if winner.predicted else None)
+        section.update(vllm_mode="colocate", vllm_memory_bytes=workload.vllm_bytes(capacity),
+                       training_memory_bytes=capacity - workload.vllm_bytes(capacity),
+                       weight_sync=sync)
+    return section
 
 
 def why_winner(winner: Step, steps: list[Step], request: TuneRequest) -> dict[str, Any]:
@@ -147,6 +164,7 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
         "global_tokens_target": batch.target_tokens,
         "global_tokens_deviation": batch.deviation,
         "precision": train.precision,
+        "workload": workload_section(request, winner),
         "fsdp": {
             "param_dtype": PARAM_DTYPE_NAMES[train.precision],
             "reduce_dtype": "float32",

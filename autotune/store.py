@@ -52,6 +52,8 @@ def study_name(request: TuneRequest, backend: str) -> str:
         "cluster": request.cluster.to_dict(), "seq_len": request.seq_len,
         "target": request.target_tokens, "headroom": request.headroom,
         "tolerance": request.tolerance, "backend": backend,
+        # A GRPO problem never resumes an SFT study: its limit and its peaks differ.
+        **({"workload": request.workload.to_dict()} if request.workload.kind != "sft" else {}),
     }, sort_keys=True, default=str)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.model.name)

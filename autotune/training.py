@@ -6,7 +6,7 @@ worker calls them on real devices. Keeping one copy is what makes the prediction
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -82,3 +82,36 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iter
     if timing:
         phase_times.append((backward_done - started, clock() - backward_done))
     return total
+
+
+def gathered_for_vllm(model: nn.Module, *, device: torch.device | str,
+                      before_gather: Callable[[str], None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's full parameters one at a time, as TRL gathers an FSDP2 model for vLLM
+    (trl 1.16, trl/generation/vllm_generation.py, `VLLMGeneration._iter_fsdp2_params`):
+    `named_parameters()` in order, a host-offloaded shard copied to the device first, then
+    `full_tensor()` (an all-gather of the fp32 shard). `before_gather(name)` lets the simulator
+    name its sites."""
+    for name, param in model.named_parameters():
+        name = name.replace("_checkpoint_wrapped_module.", "")  # the name vLLM expects, as TRL fixes it
+        if before_gather is not None:
+            before_gather(name)
+        if param.device != torch.device(device):
+            param = param.to(device)
+        param = param.full_tensor()  # rebound as TRL does: the shard's device copy is freed here
+        yield name, param
+
+
+def sync_weights_to_vllm(model: nn.Module, *, device: torch.device | str,
+                         load_weights: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None,
+                         before_gather: Callable[[str], None] | None = None) -> int:
+    """TRL's weight sync in colocate mode (`VLLMGeneration.sync_weights`, run by GRPOTrainer before
+    generating whenever the optimizer step changed): each gathered parameter goes to vLLM's
+    `load_weights`, which copies it into vLLM's own weights (in vLLM's memory share). As in TRL's
+    loop, the loop variable holds the previous full parameter while the next is gathered, so two
+    are alive at once. Returns how many parameters were gathered."""
+    count = 0
+    for name, full in gathered_for_vllm(model, device=device, before_gather=before_gather):
+        if load_weights is not None:
+            load_weights([(name, full)])
+        count += 1
+    return count

@@ -7,4 +7,26 @@ tests/test_cache.py turns it on, in a folder of its own, to test it.
 
 import os
 
+import pytest
+
 os.environ["AUTOTUNE_CACHE"] = "off"
+
+
+@pytest.fixture(scope="module")
+def cpu_sim():
+    """A simulator predicting the cpu backend's gloo runs, shared by one test module."""
+    from autotune.backends.sim import SimBackend
+
+    sim = SimBackend(device_kind="cpu")
+    yield sim
+    sim.close()
+
+
+@pytest.fixture(scope="module")
+def cpu_sim_whole():
+    """The same, tracing every model at full depth: what an extrapolation must equal."""
+    from autotune.backends.sim import SimBackend
+
+    sim = SimBackend(device_kind="cpu", extrapolate=False)
+    yield sim
+    sim.close()

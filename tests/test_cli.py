@@ -39,6 +39,11 @@ BAD_INPUTS = [
     (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--seq-len", "9000"], "longer than llama-7b supports"),
     (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--headroom", "1.5"], "fraction"),
     (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--export", "deepspeed"], "unknown export format"),
+    (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--workload", "grpo",
+      "--vllm-gpu-memory-utilization", "1.5"], "must be a fraction in (0, 1)"),
+    (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--vllm-gpu-memory-utilization", "0.5"],
+     "applies to --workload grpo only"),
+    (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--workload", "rl"], "invalid choice"),
 ]
 
 

@@ -30,13 +30,6 @@ def _deeper(name: str, num_layers: int):
 
 
 @pytest.fixture(scope="module")
-def cpu_sim():
-    sim = SimBackend(device_kind="cpu")
-    yield sim
-    sim.close()
-
-
-@pytest.fixture(scope="module")
 def gpu_sim():
     sim = SimBackend(device_kind="cuda")
     yield sim
@@ -92,7 +85,7 @@ def test_checkpointing_lowers_the_peak(cpu_sim):
     assert peaks["full"] < peaks["every:2"] < peaks["none"]
 
 
-def test_extrapolated_equals_a_full_depth_trace_on_a_deep_model(cpu_sim):
+def test_extrapolated_equals_a_full_depth_trace_on_a_deep_model(cpu_sim, cpu_sim_whole):
     # every:2 over 8 blocks: traced at 4 and 6 blocks and micro-batches 2 and 3, then
     # extrapolated in depth and micro-batch; accumulation adds earlier micro-batches' gradients.
     spec = _spec(_deeper("micro-llama", 8), accum=2, micro_batch_size=5, activation_checkpointing="every:2")
@@ -100,27 +93,19 @@ def test_extrapolated_equals_a_full_depth_trace_on_a_deep_model(cpu_sim):
     shallow = cpu_sim.evaluate(spec)
     assert shallow.extras["extrapolated"] is True
     assert shallow.extras["traced_layers"] == [4, 6] and shallow.extras["traced_micro_batches"] == [2, 3]
-    whole = SimBackend(device_kind="cpu", extrapolate=False)
-    try:
-        full = whole.evaluate(spec)
-    finally:
-        whole.close()
+    full = cpu_sim_whole.evaluate(spec)
     assert full.extras["extrapolated"] is False
     assert shallow.extras["tensor_peak_bytes"] == full.extras["tensor_peak_bytes"]
     assert shallow.extras["flops_per_gpu_per_step"] == full.extras["flops_per_gpu_per_step"]
 
 
-def test_extrapolation_finds_a_peak_next_to_the_first_block(cpu_sim):
+def test_extrapolation_finds_a_peak_next_to_the_first_block(cpu_sim, cpu_sim_whole):
     # Full checkpointing, no accumulation: backward grows towards the bottom, and the peak is in
     # the second block (the first has nothing to prefetch), a site the shallow copies must have.
     spec = _spec(_deeper("micro-llama", 8), micro_batch_size=2, activation_checkpointing="full")
     shallow = cpu_sim.evaluate(spec)
     assert shallow.extras["traced_layers"] == [3, 4]
-    whole = SimBackend(device_kind="cpu", extrapolate=False)
-    try:
-        full = whole.evaluate(spec)
-    finally:
-        whole.close()
+    full = cpu_sim_whole.evaluate(spec)
     assert "/ b1 /" in full.extras["peak_site"]
     assert shallow.extras["tensor_peak_bytes"] == full.extras["tensor_peak_bytes"]
 

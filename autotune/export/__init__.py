@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.errors import UsageError
-from autotune.export._base import KNOBS, Export, KnobMapping, Tuned
+from autotune.export._base import KNOBS, Export, ExportRefused, KnobMapping, Tuned
 from autotune.export._cookbook import export_cookbook
 from autotune.export._fsdp1 import export_fsdp1, export_lightning_fsdp1
 from autotune.export._fsdp2 import export_fsdp2
@@ -53,8 +53,6 @@ def write_exports(result: dict[str, Any], formats: Iterable[str], out_dir: str |
     `on_written(export, path)` is called per file, e.g. to show its warnings. A format that cannot
     express this result at all (torchtitan without a model of these shapes) raises ExportRefused,
     or, given `on_refused(format, why)` (for `all`), is reported there and skipped."""
-    from autotune.export._torchtitan import ExportRefused
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     exports = []

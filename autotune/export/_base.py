@@ -27,6 +27,10 @@ KNOBS: tuple[str, ...] = (
 )
 
 
+class ExportRefused(UsageError):
+    """This result cannot be expressed in the format at all (not a knob the stack lacks)."""
+
+
 @dataclass(frozen=True)
 class KnobMapping:
     knob: str
@@ -79,6 +83,9 @@ class Tuned:
     """AdamW implementation traced (results from before the knob existed ran the per-parameter loop)."""
     alloc_conf: str = RECOMMENDED_ALLOC_CONF
     """PYTORCH_CUDA_ALLOC_CONF the prediction assumed (its fragmentation term depends on it)."""
+    workload: str = "sft"
+    """'grpo': tuned for TRL GRPO with vLLM colocated (results from before the knob: sft)."""
+    vllm_gpu_memory_utilization: float | None = None
 
     @property
     def gpus_per_node(self) -> int:
@@ -130,6 +137,8 @@ class Tuned:
                 state_dict_type=plan["recommended"], state_dict_reason=plan["reason"],
                 optimizer_impl=str((result.get("optimizer") or {}).get("impl", "for-loop")),
                 alloc_conf=str((result.get("environment") or {}).get(ALLOC_CONF_ENV) or RECOMMENDED_ALLOC_CONF),
+                workload=str((result.get("workload") or {}).get("kind", "sft")),
+                vllm_gpu_memory_utilization=(result.get("workload") or {}).get("vllm_gpu_memory_utilization"),
             )
         except (KeyError, TypeError) as exc:
             raise UsageError(f"not an autotune result (best.json): missing or malformed field {exc}; "
@@ -176,6 +185,10 @@ def build_export(*, fmt: str, filename: str, target: str, tuned: Tuned, mapper: 
     """Assemble the file: optional prologue (shebang), the header comment, then the body, with
     the allocator setting the prediction assumed pinned where the file can set it."""
     body = pin_allocator(filename, tuned=tuned, mapper=mapper, body=body)
+    if tuned.workload == "grpo" and fmt != "trl":
+        mapper.warn(f"tuned for TRL GRPO with vLLM colocated ({tuned.vllm_gpu_memory_utilization:g} of each GPU "
+                    "left to vLLM): this file trains without vLLM or its weight sync; the trl format writes the "
+                    "GRPOConfig")
     mapper.check_complete()
     text = prologue + header(tuned=tuned, target=target, mapper=mapper) + "\n" + body.lstrip("\n")
     return Export(format=fmt, filename=filename, text=text, target=target,
@@ -214,6 +227,9 @@ def header(*, tuned: Tuned, target: str, mapper: Mapper) -> str:
         f"reshard_after_forward {tuned.reshard_after_forward}, micro-batch {tuned.micro_batch_size}, "
         f"grad accumulation {tuned.grad_accum_steps}, seq_len {tuned.seq_len}.",
         f"Checkpoints: {tuned.state_dict_type} state dict ({tuned.state_dict_reason}).",
+        *([f"Workload: TRL GRPO, vLLM colocated with vllm_gpu_memory_utilization "
+           f"{tuned.vllm_gpu_memory_utilization:g} (training tuned for what vLLM leaves, weight sync included)."]
+          if tuned.workload == "grpo" else []),
         "",
         "Knob mapping (mapped = exact; approximated / unsupported = differs from what was tuned):",
     ]

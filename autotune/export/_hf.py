@@ -1,6 +1,7 @@
 """Hugging Face stacks: an `accelerate config` YAML (FSDP version 2), TrainingArguments fields
-for the Trainer, and the same for TRL's SFTConfig. All three end in Accelerate's FSDP plugin,
-whose `mixed_precision` mode reduces gradients in the parameter dtype (not fp32 as tuned)."""
+for the Trainer, and the same for TRL's SFTConfig, or its GRPOConfig with vLLM colocated for a
+GRPO tune. All end in Accelerate's FSDP plugin, whose `mixed_precision` mode reduces gradients in
+the parameter dtype (not fp32 as tuned)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from autotune.export._base import Export, Mapper, Tuned, build_export
+from autotune.export._base import Export, ExportRefused, Mapper, Tuned, build_export
 from autotune.export._fsdp1 import optimizer_kwargs
 
 
@@ -170,17 +171,90 @@ def export_hf_trainer(t: Tuned) -> Export:
 
 
 def export_trl(t: Tuned) -> Export:
+    if t.workload == "grpo":
+        return _export_trl_grpo(t)
     m = Mapper()
     # TRL defaults gradient_checkpointing to True; the explicit activation_checkpointing set by
     # _trainer_fields takes precedence over that deprecated alias.
     fields = _trainer_fields(t, m)
     fields["max_length"] = t.seq_len
     fields["packing"] = True
-    body = (f"# Use: accelerate launch --num_processes {t.gpus} --num_machines {t.nodes} -m trl.cli sft "
-            "--config trl_sft.yaml --model_name_or_path MODEL --dataset_name DATA\n"
-            "# (or `trl sft --config trl_sft.yaml ...`). SFTConfig fields; packing fills "
-            f"sequences of max_length={t.seq_len} tokens as tuned.\n"
+    return _trl_export(t, m, fields, command="sft", config="SFTConfig",
+                       note=f"packing fills sequences of max_length={t.seq_len} tokens as tuned.")
+
+
+def _trl_export(t: Tuned, m: Mapper, fields: dict[str, Any], *, command: str, config: str, note: str,
+                launch_args: str = "", target_note: str = "") -> Export:
+    """A TRL config YAML for `trl <command>` (its `config` dataclass's fields), with its launch line."""
+    filename = f"trl_{command}.yaml"
+    body = (f"# Use: accelerate launch --num_processes {t.gpus} --num_machines {t.nodes} -m trl.cli {command} "
+            f"--config {filename} --model_name_or_path MODEL --dataset_name DATA{launch_args}\n"
+            f"# (or `trl {command} --config {filename} ...`). {config} fields; {note}\n"
             + _dump(fields))
-    return build_export(fmt="trl", filename="trl_sft.yaml", tuned=t, mapper=m, body=body,
-                        target=f"TRL {_version('trl', '1.16')} (SFTConfig YAML; transformers TrainingArguments "
-                               "fsdp_config version 2)")
+    return build_export(fmt="trl", filename=filename, tuned=t, mapper=m, body=body,
+                        target=f"TRL {_version('trl', '1.16')} ({config} YAML{target_note}; transformers "
+                               "TrainingArguments fsdp_config version 2)")
+
+
+TRL_NUM_GENERATIONS = 8
+"""GRPOConfig.num_generations' default (trl 1.16)."""
+
+
+def grpo_num_generations(t: Tuned) -> int:
+    """Completions per prompt: TRL's default where it divides the generation batch, else the largest
+    divisor below it. GRPOConfig.__post_init__ requires the generation batch
+    (per_device_train_batch_size x processes x steps_per_generation, which defaults to the
+    accumulation steps: the tuned global batch in sequences) to hold whole groups of at least 2."""
+    batch = t.global_batch_size
+    for groups in range(TRL_NUM_GENERATIONS, 1, -1):
+        if batch % groups == 0:
+            return groups
+    raise ExportRefused(f"GRPO needs at least 2 completions per prompt in a generation batch; the tuned global "
+                        f"batch is {batch} sequence{'s' if batch != 1 else ''} per step: tune a larger --global-tokens")
+
+
+def _export_trl_grpo(t: Tuned) -> Export:
+    """GRPOConfig fields (trl 1.16, trl/trainer/grpo_config.py) for the configuration tuned under
+    `--workload grpo`; what the prediction assumed of TRL is pinned, what it leaves out is warned."""
+    m = Mapper()
+    fields = _trainer_fields(t, m)
+    generations = grpo_num_generations(t)
+    fields.update({
+        "use_vllm": True,
+        "vllm_mode": "colocate",
+        "vllm_gpu_memory_utilization": t.vllm_gpu_memory_utilization,
+        # Pinned: the prediction assumes vLLM holds its share throughout, and no reference model.
+        "vllm_enable_sleep_mode": False,
+        "beta": 0.0,
+        "num_generations": generations,
+        # Prompt + completion, the sequences GRPO trains on, stay within the tuned seq_len.
+        "vllm_max_model_length": t.seq_len,
+    })
+    if generations != TRL_NUM_GENERATIONS:
+        m.warn(f"num_generations: {generations}, not TRL's default {TRL_NUM_GENERATIONS}, which does not divide the "
+               f"tuned global batch of {t.global_batch_size} sequences (GRPOConfig refuses that); for another group "
+               "size, tune a --global-tokens whose global batch it divides")
+    for line in GRPO_NOT_MODELLED:
+        m.warn(line)
+    return _trl_export(t, m, fields, command="grpo", config="GRPOConfig", launch_args=" --reward_funcs ...",
+                       target_note=", vLLM colocate",
+                       note=f"prompt + completion are capped at vllm_max_model_length={t.seq_len} tokens, the "
+                            "tuned seq_len.")
+
+
+GRPO_NOT_MODELLED = (
+    "vLLM's share (vllm_gpu_memory_utilization: its weights, the KV cache it generates with, CUDA graphs) is "
+    "vLLM's to fill and is not predicted; vLLM refuses to start unless that much of each GPU is free",
+    "the traced loss is the causal-LM cross-entropy over every token; GRPO's loss takes per-token "
+    "log-probabilities of the completion tokens (GRPOTrainer._get_per_token_logps_and_entropies), so the "
+    "logits' memory at the loss differs from what was traced",
+    "GRPOTrainer's no-grad forward for the old log-probabilities (always run with vLLM's importance sampling "
+    "correction) is not traced; it keeps no activations for backward",
+    "beta: 0.0 (TRL's default) is pinned: with beta > 0 GRPOTrainer loads a reference model "
+    "(create_model_from_path, then prepare_fsdp), whose sharded weights are not in the prediction",
+    "vllm_enable_sleep_mode: false is pinned: with sleep mode vLLM frees its share during training (more room "
+    "than predicted, slower generation)",
+    "reward models given as reward_funcs are loaded on every GPU and are not in the prediction",
+    "tokens/s is the training step's estimate: generation and the weight sync to vLLM take time it leaves out",
+)
+"""What the GRPO prediction leaves out, read from trl 1.16's GRPOTrainer (trl/trainer/grpo_trainer.py)."""

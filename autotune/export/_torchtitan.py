@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import shlex
 
-from autotune.errors import UsageError
-from autotune.export._base import Export, Mapper, Tuned, build_export
+from autotune.export._base import Export, ExportRefused, Mapper, Tuned, build_export
 
 TARGET = "torchtitan 0.3.0 (python -m torchtitan.train --module M --config C, tyro overrides)"
 
 
-class ExportRefused(UsageError):
-    """This result cannot be expressed in the format at all (not a knob the stack lacks)."""
 
 
 # (module, registry config) -> the transformers-config shapes of its model, read from torchtitan

@@ -22,7 +22,7 @@ from autotune.backends.real._capacity import CapacityTracker, reset_rss_peak, rs
 from autotune.backends.real._faults import Fault, inject_faults
 from autotune.config import TrialSpec
 from autotune.parallel import parallelize
-from autotune.training import build_model, make_optimizer, token_batches, train_step
+from autotune.training import build_model, make_optimizer, sync_weights_to_vllm, token_batches, train_step
 
 # A short trial accumulates at most this many micro-batches per step: the per-step memory
 # pattern (reduce-scatter after every micro-batch) is the same from the second one on.
@@ -103,6 +103,8 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
                 _synchronize(device)
                 step_times.append(time.perf_counter() - start)
             losses.append(float(loss))
+            if spec.workload.weight_sync:  # GRPO: TRL gathers the weights for vLLM (untimed: not training)
+                sync_weights_to_vllm(model, device=device)
         # fp16: a scaler that skipped every step never allocated the optimizer state, and the
         # peak would miss it. Step on (untimed) until one step is taken.
         extra = 0

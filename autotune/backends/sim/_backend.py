@@ -153,7 +153,8 @@ class SimBackend(TrialBackend):
     def _trace_key(self, spec: TrialSpec, *, depth: int, micro_batch_size: int, keep_middle: bool) -> tuple:
         train = spec.train.with_(micro_batch_size=micro_batch_size, cpu_offload=False)
         return (spec.model.name, repr(sorted(spec.model.config_dict.items())), depth, spec.cluster.num_gpus,
-                spec.seq_len, train, spec.grad_accum_steps > 1, keep_middle, self.device_kind)
+                spec.seq_len, train, spec.grad_accum_steps > 1, keep_middle, self.device_kind,
+                spec.workload.weight_sync)
 
     def _trace(self, spec: TrialSpec, *, depth: int, micro_batch_size: int, keep_middle: bool) -> StepTrace:
         train = spec.train.with_(micro_batch_size=micro_batch_size, cpu_offload=False)
@@ -164,7 +165,7 @@ class SimBackend(TrialBackend):
             self._traces[key] = self._tracer.trace(
                 spec.model, depth=depth, mesh=mesh, world_size=world_size, train=train, seq_len=spec.seq_len,
                 grad_accum_steps=spec.grad_accum_steps, keep_middle=keep_middle,
-                gloo=self.device_kind == "cpu")
+                gloo=self.device_kind == "cpu", weight_sync=spec.workload.weight_sync)
         return self._traces[key]
 
     def _sites(self, spec: TrialSpec) -> tuple[dict, StepTrace, dict[str, Any]]:
@@ -211,10 +212,13 @@ class SimBackend(TrialBackend):
             sites = _offload.device_sites(sites, block_staging=block_staging, root_staging=root_staging)
         peak_key, peak_cats = max(sites.items(), key=lambda item: sum(item[1].values()))
         tensor_peak = sum(peak_cats.values())
+        sync = (_weight_sync(sites, peak_key, source="estimated" if offload else "predicted")
+                if spec.workload.weight_sync else None)
         runtime = None
         if self.device_kind == "cuda":
             traced_mb = (notes.get("traced_micro_batches") or [spec.train.micro_batch_size])[0]
-            largest = trace.largest_allocation_bytes * spec.train.micro_batch_size // traced_mb
+            largest = max(trace.largest_allocation_bytes * spec.train.micro_batch_size // traced_mb,
+                          trace.sync_largest_allocation_bytes)
             runtime = runtime_memory(spec.cluster.gpu, world_size=world_size,
                                      gpus_per_node=spec.cluster.gpus_per_node, tensor_peak_bytes=tensor_peak,
                                      largest_allocation_bytes=largest, offload_staging_bytes=root_staging)
@@ -234,6 +238,8 @@ class SimBackend(TrialBackend):
         if runtime:
             basis = (f"predicted tensor peak {format_bytes(tensor_peak)} ({basis}) + {runtime.source} runtime "
                      f"memory {format_bytes(overhead)} ({runtime.describe()})")
+        if sync:
+            basis += "; " + sync["basis"]
         if offload:
             basis += "; " + _offload.OFFLOAD_BASIS
         source = "estimated" if offload else "predicted+estimated" if runtime else "predicted"
@@ -241,6 +247,8 @@ class SimBackend(TrialBackend):
 
         extras: dict[str, Any] = dict(tensor_peak_bytes=int(tensor_peak), runtime_overhead_bytes=int(overhead),
                                       peak_site=" / ".join(str(part) for part in peak_key), **notes)
+        if sync:
+            extras["weight_sync"] = {k: v for k, v in sync.items() if k != "basis"}
         if runtime:
             workspace = sum(t.bytes for t in runtime.terms if t.name == "cublas_workspace")
             extras.update(runtime_memory=runtime.to_dict(), predicted_allocated_bytes=int(tensor_peak + workspace),
@@ -266,7 +274,8 @@ class SimBackend(TrialBackend):
                            f"--host-memory {format_bytes(host_limit)}")
         return TrialResult(status=status, peak_memory=peak, memory_breakdown=breakdown,
                            tokens_per_sec=throughput, host_memory_per_node=host_figure,
-                           message="; ".join(reasons + ([message] if message else [])), extras=extras)
+                           message="; ".join(reasons + [m for m in (sync and sync["basis"], message) if m]),
+                           extras=extras)
 
     def _throughput(self, spec: TrialSpec, trace: StepTrace, flops_per_microbatch: float,
                     extras: dict[str, Any]) -> tuple[Figure | None, str]:
@@ -290,3 +299,28 @@ class SimBackend(TrialBackend):
         extras["mfu_estimated"] = step.mfu
         basis = f"{step.basis}; FLOPs counted in the trace (recomputation included)"
         return Figure(step.tokens_per_sec, "estimated", basis), ""
+
+
+def _weight_sync(sites: dict, peak_key: tuple, *, source: str = "predicted") -> dict[str, Any]:
+    """The weight sync's own peak against the training step's, and which one is the prediction's
+    peak (the larger: the step and the sync never overlap)."""
+    from autotune.backends.sim._trace import SYNC_PHASE
+
+    def peak_of(keys) -> tuple[int, tuple | None]:
+        return max(((sum(sites[k].values()), k) for k in keys), default=(0, None))
+
+    sync_bytes, sync_key = peak_of(k for k in sites if k[0] == SYNC_PHASE)
+    step_bytes, _ = peak_of(k for k in sites if k[0] != SYNC_PHASE)
+    dominates = peak_key[0] == SYNC_PHASE
+    where = f"gathering {sync_key[1]} ({sync_key[2]})" if sync_key else "no parameter gathered"
+    basis = (f"the weight sync to vLLM dominates: {where} peaks at {format_bytes(sync_bytes)}, over the training "
+             f"step's {format_bytes(step_bytes)}" if dominates else
+             f"the training step dominates; the weight sync to vLLM peaks at {format_bytes(sync_bytes)} ({where})")
+    return dict(how=SYNC_HOW, peak_bytes=int(sync_bytes), training_peak_bytes=int(step_bytes),
+                dominates=dominates, site=" / ".join(str(part) for part in sync_key) if sync_key else None,
+                source=source, basis=f"{basis} (tensor peaks, {source})")
+
+
+SYNC_HOW = ("TRL's colocate weight sync as traced: named_parameters() in order, each fp32 shard gathered with "
+            "full_tensor() while the previous full parameter is still held (trl/generation/vllm_generation.py, "
+            "VLLMGeneration.sync_weights / _iter_fsdp2_params)")

@@ -25,7 +25,7 @@ from __future__ import annotations
 from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
 
 from autotune import costmodel
-from autotune.backends.sim._trace import SiteKey, StepTrace
+from autotune.backends.sim._trace import SYNC_PHASE, SiteKey, StepTrace
 
 __all__ = ["OFFLOAD_BASIS", "device_sites", "host_bytes_per_rank", "staging_bytes"]
 
@@ -46,7 +46,10 @@ def device_sites(sites: dict[SiteKey, dict[str, int]], *, block_staging: int,
         device = {cat: (0 if cat in _ON_HOST else n) for cat, n in cats.items()}
         if key[0] != "opt":
             root_gathered_here = key[0] == "fw" and key[1] in ("start", "pre_fw") and key[2] in ("-", "root")
-            staging = max(block_staging, root_staging) if root_gathered_here else block_staging
+            # The weight sync copies each parameter's shard up before gathering it (TRL:
+            # param.to(device)): at most the larger group's shard.
+            staging = (max(block_staging, root_staging) if root_gathered_here or key[0] == SYNC_PHASE
+                       else block_staging)
             device[_STAGING] = device.get(_STAGING, 0) + staging
         moved[key] = device
     return moved

@@ -69,9 +69,9 @@ FLOP_FORMULAS = {op: _grouped_query_safe(formula) if "scaled_dot_product" in str
 from autotune.catalog.models import ModelSpec  # noqa: E402
 from autotune.config import TrainConfig, ac_every
 from autotune.parallel import Blocks, parallelize
-from autotune.training import build_model, make_optimizer, token_batches, train_step
+from autotune.training import build_model, make_optimizer, sync_weights_to_vllm, token_batches, train_step
 
-__all__ = ["REFTYPE_CATEGORIES", "SiteKey", "StepTrace", "Tracer", "period_of"]
+__all__ = ["REFTYPE_CATEGORIES", "SYNC_PHASE", "SiteKey", "StepTrace", "Tracer", "period_of"]
 
 _TOTAL = "Total"
 _CPU = torch.device("cpu")
@@ -96,6 +96,11 @@ PENDING_GRAD = _FSDPRefType.SHARDED_GRAD.name
 """Gradients of earlier micro-batches are sharded gradients: the steady-state adjustment adds here."""
 
 SiteKey = tuple  # (phase, FSDP hook, unit position, ops since the hook)
+SYNC_PHASE = "sync"
+"""Sites of the weight sync to vLLM (GRPO): (SYNC_PHASE, parameter name in its unit, unit position,
+ops since that parameter's gather began)."""
+_GATHERED = _FSDPRefType.UNSHARDED_PARAM.name
+_NEW_TENSORS = (_FSDPRefType.ACT.name, _FSDPRefType.TEMP.name)
 
 
 def period_of(train: TrainConfig, model: ModelSpec) -> int:
@@ -127,6 +132,9 @@ class StepTrace:
     largest_allocation_bytes: int = 0
     """The largest single tensor storage the step allocates (the fp32 logits, for LLMs): the
     allocator's fragmentation at the peak scales with it (autotune/runtime_memory.py)."""
+    sync_largest_allocation_bytes: int = 0
+    """The same for the weight sync (a full fp32 parameter), when it was traced: it does not grow
+    with the micro-batch."""
 
 
 def _next_pow2(n: int) -> int:
@@ -162,6 +170,13 @@ class _SiteTracker(FSDPMemTracker):
         self._anchors: tuple[tuple[str, str], ...] = (("start", "-"),)
         self._ordinal = 0
         self._counts_as_op = True
+        self.phase: str | None = None
+        """Set for the weight sync, which is neither forward nor backward."""
+
+    def anchor(self, anchors: tuple[tuple[str, str], ...]) -> None:
+        """Start counting ops from a point no FSDP hook marks (a parameter's gather in the sync)."""
+        self._anchors = anchors
+        self._ordinal = 0
 
     def optimizer_sites(self) -> dict[SiteKey, dict[str, int]]:
         """The optimizer step's ops as sites. AdamW steps one parameter after another, in model
@@ -246,7 +261,7 @@ class _SiteTracker(FSDPMemTracker):
             return
         if not self._anchors:
             return
-        phase = "bw" if self._mod_tracker.is_bw else "fw"
+        phase = self.phase or ("bw" if self._mod_tracker.is_bw else "fw")
         # Steady state with accumulation: later micro-batches hold every gradient throughout.
         reduced = self.reduced_grad_bytes
         value = snap[_TOTAL] - reduced
@@ -268,6 +283,8 @@ class _Built:
     root_params: int
     pinned: dict[str, int]
     optimizer_sites: dict[SiteKey, dict[str, int]] | None = None
+    sync_sites: dict[SiteKey, dict[str, int]] | None = None
+    sync_largest_allocation: int = 0
 
 
 class _SkipStep:
@@ -297,10 +314,11 @@ class Tracer:
 
     def trace(self, model_spec: ModelSpec, *, depth: int, mesh, world_size: int, train: TrainConfig,
               seq_len: int, grad_accum_steps: int, count_flops: bool = True,
-              keep_middle: bool = True, gloo: bool = False) -> StepTrace:
+              keep_middle: bool = True, gloo: bool = False, weight_sync: bool = False) -> StepTrace:
         """Trace one steady-state step of `model_spec` cut to `depth` blocks. `keep_middle=False`
         records only the sites that exist at every depth (for extrapolation); `gloo` adds the
-        copy gloo's reduce-scatter makes (a CPU run), which NCCL does not."""
+        copy gloo's reduce-scatter makes (a CPU run), which NCCL does not; `weight_sync` adds the
+        sites of TRL's weight sync to vLLM after the step (GRPO, `training.sync_weights_to_vllm`)."""
         start = time.perf_counter()
         built = self._built(model_spec, depth=depth, mesh=mesh, world_size=world_size, train=train)
         period = period_of(train, model_spec)
@@ -315,12 +333,27 @@ class Tracer:
             # The optimizer step sees the same parameters, gradients and state at every
             # micro-batch size: traced once per model, then skipped.
             optimizer = built.optimizer if built.optimizer_sites is None else _SkipStep(built.optimizer)
+            sync_now = weight_sync and built.sync_sites is None
             with tracker:
                 # One micro-batch: later ones repeat it; their gradients are added below.
                 train_step(built.model, optimizer, batches, grad_accum_steps=1)
+                if sync_now:
+                    # After the optimizer step and zero_grad, as GRPOTrainer syncs before its next
+                    # generation. The same at every micro-batch: traced once per model, like the
+                    # optimizer step.
+                    largest_in_step = tracker.largest_allocation
+                    tracker.largest_allocation = 0
+                    _trace_weight_sync(tracker, built, position_of)
+                    built.sync_largest_allocation = tracker.largest_allocation
+                    tracker.largest_allocation = largest_in_step
             total_grad = tracker.reduced_grad_bytes
         sites = {}
+        if sync_now:
+            built.sync_sites = {key: _as_gathered(cats) for key, (_, cats, _) in tracker.sites.items()
+                                if key[0] == SYNC_PHASE}
         for key, (_, cats, reduced) in tracker.sites.items():
+            if key[0] == SYNC_PHASE:
+                continue
             cats = dict(cats)
             if steady_accum:
                 cats[PENDING_GRAD] = cats.get(PENDING_GRAD, 0) + total_grad - reduced
@@ -328,12 +361,15 @@ class Tracer:
         if built.optimizer_sites is None:
             built.optimizer_sites = tracker.optimizer_sites()
         sites.update(built.optimizer_sites)
+        if weight_sync:
+            sites.update(built.sync_sites)
         flops = float(tracker.flops)
         return StepTrace(depth=depth, sites=sites, flops=flops,
                          tensor_peak_bytes=max(sum(c.values()) for c in sites.values()),
                          block_params=built.block_params, root_params=built.root_params,
                          pinned_param_bytes=dict(built.pinned), duration_s=time.perf_counter() - start,
-                         largest_allocation_bytes=int(tracker.largest_allocation))
+                         largest_allocation_bytes=int(tracker.largest_allocation),
+                         sync_largest_allocation_bytes=built.sync_largest_allocation if weight_sync else 0)
 
     def _built(self, model_spec: ModelSpec, *, depth: int, mesh, world_size: int, train: TrainConfig) -> _Built:
         # Every knob but the two that do not change the built model: a new knob can never reuse
@@ -360,6 +396,31 @@ class Tracer:
                        root_params=root_params, pinned=pinned)
         self._models[key] = built
         return built
+
+
+def _trace_weight_sync(tracker: _SiteTracker, built: _Built, position_of) -> None:
+    """Run TRL's weight sync under the tracker, each parameter's gather anchored at the parameter's
+    name within its FSDP unit and the unit's position, so that sync sites extrapolate in depth
+    like the step's (a block's parameters are the same tensors at every depth)."""
+    unit_of = {id(p): (layer, local) for layer in built.blocks.layers for local, p in layer.named_parameters()}
+    anchors = {}
+    for name, param in built.model.named_parameters():
+        unit, local = unit_of.get(id(param), (built.model, name))
+        local = local.replace("_checkpoint_wrapped_module.", "")
+        anchors[name.replace("_checkpoint_wrapped_module.", "")] = tuple((local, pos) for pos in position_of(unit))
+    tracker.phase = SYNC_PHASE
+    try:
+        sync_weights_to_vllm(built.model, device=_CPU, before_gather=lambda name: tracker.anchor(anchors[name]))
+    finally:
+        tracker.phase = None
+
+
+def _as_gathered(cats: dict[str, int]) -> dict[str, int]:
+    """At a sync site every tensor the tracker saw created is a gathered full parameter (the
+    tracker files new tensors outside forward as activations): counted as parameters."""
+    cats = dict(cats)
+    cats[_GATHERED] = cats.get(_GATHERED, 0) + sum(cats.pop(ref, 0) for ref in _NEW_TENSORS)
+    return cats
 
 
 def _warm_up(model: nn.Module, optimizer: torch.optim.Optimizer, *, vocab_size: int) -> None:

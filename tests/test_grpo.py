@@ -1,0 +1,217 @@
+"""TRL GRPO with vLLM colocated (`--workload grpo`): vLLM's share comes off the memory limit, the
+weight sync to vLLM is traced and part of the peak, and the trl export is a GRPOConfig that TRL's
+own parser accepts with the tuned values."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+import yaml
+
+from autotune.backends.sim import SimBackend
+from autotune.catalog.models import resolve_model
+from autotune.cli import EXIT_USAGE, main
+from autotune.config import Cluster, TrainConfig, TrialSpec, Workload
+from autotune.controller import TuneRequest
+from autotune.export import export_result
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMA = json.loads((ROOT / "schemas" / "result.schema.json").read_text())
+GRPO = Workload(kind="grpo", vllm_gpu_memory_utilization=0.3)
+
+
+def _spec(model, *, gpus: int = 2, seq_len: int = 64, workload: Workload = GRPO, **train) -> TrialSpec:
+    model = resolve_model(model) if isinstance(model, str) else model
+    return TrialSpec(model=model, cluster=Cluster(num_gpus=gpus), seq_len=seq_len, train=TrainConfig(**train),
+                     workload=workload)
+
+
+def _tune(tmp_path: Path, *args: str) -> dict:
+    runs = tmp_path / "runs"
+    assert main(["--runs-dir", str(runs), *args]) == 0
+    (best,) = runs.glob("*/best.json")
+    return json.loads(best.read_text())
+
+
+@pytest.fixture(scope="module")
+def grpo_result(tmp_path_factory) -> dict:
+    """best.json of a simulated GRPO tune of the smallest model."""
+    return _tune(tmp_path_factory.mktemp("grpo"), "--model", "micro-llama", "--gpus", "2", "--global-tokens", "16K",
+                 "--backend", "sim", "--workload", "grpo", "--vllm-gpu-memory-utilization", "0.4")
+
+
+# -- the limit -------------------------------------------------------------------------------------
+def test_grpo_limit_is_smaller_by_vllms_share_of_total_memory():
+    model = resolve_model("tiny-llama")
+    cluster = Cluster(num_gpus=8, gpu_memory_bytes=80 * 2**30)
+    sft = TuneRequest(model=model, cluster=cluster, seq_len=256, target_tokens=1 << 20, headroom=0.1)
+    grpo = dataclasses.replace(sft, workload=GRPO)
+    # vLLM takes 0.3 of the 80 GiB (vLLM's gpu_memory_utilization is of total memory), then 10% headroom.
+    assert grpo.memory_limit_bytes == int((80 * 2**30 - int(0.3 * 80 * 2**30)) * 0.9)
+    assert sft.memory_limit_bytes - grpo.memory_limit_bytes == pytest.approx(0.3 * 80 * 2**30 * 0.9, abs=2)
+    assert grpo.spec(TrainConfig()).limit_bytes == grpo.memory_limit_bytes
+    assert grpo.spec(TrainConfig()).workload == GRPO
+
+
+def test_grpo_tune_records_the_workload_and_the_smaller_limit(tmp_path):
+    common = ["--model", "tiny-llama", "--gpus", "2", "--global-tokens", "64K", "--backend", "analytic"]
+    sft = _tune(tmp_path / "sft", *common)
+    grpo = _tune(tmp_path / "grpo", *common, "--workload", "grpo")  # TRL's default utilisation
+    jsonschema.validate(grpo, SCHEMA)
+    capacity = grpo["gpu"]["memory_bytes"]
+    assert sft["workload"] == {"kind": "sft", "vllm_gpu_memory_utilization": None}
+    assert grpo["workload"]["kind"] == "grpo" and grpo["workload"]["vllm_gpu_memory_utilization"] == 0.3
+    assert grpo["workload"]["vllm_memory_bytes"] == int(capacity * 0.3)
+    assert sft["memory_limit_bytes"] - grpo["memory_limit_bytes"] == pytest.approx(capacity * 0.3 * 0.9, abs=2)
+    assert grpo["study"] != sft["study"]  # a GRPO problem never resumes the SFT study's trials
+
+
+def test_bad_utilisation_is_one_line_and_exit_2(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "autotune", "--model", "tiny-llama", "--gpus", "2",
+                           "--global-tokens", "64K", "--workload", "grpo", "--vllm-gpu-memory-utilization", "1.5",
+                           "--runs-dir", str(tmp_path / "runs")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == EXIT_USAGE
+    assert done.stderr.count("\n") == 1 and "--vllm-gpu-memory-utilization 1.5" in done.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+# -- the weight sync -----------------------------------------------------------------------------
+def _full_parameter_bytes(model_name: str) -> list[int]:
+    """fp32 bytes of every parameter in named_parameters() order, from the real model built on the
+    meta device (what TRL walks when it syncs weights)."""
+    from transformers import AutoModelForCausalLM
+
+    spec = resolve_model(model_name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32)
+    return [p.numel() * 4 for _, p in model.named_parameters()]
+
+
+def test_sync_peak_holds_two_consecutive_full_parameters_over_the_sharded_state(cpu_sim):
+    gpus = 2
+    result = cpu_sim.evaluate(_spec("tiny-llama", gpus=gpus, activation_checkpointing="full"))
+    assert result.status == "ok", result.message
+    sync = result.extras["weight_sync"]
+    full = _full_parameter_bytes("tiny-llama")
+    # Counted independently: each rank keeps its fp32 shard and AdamW's two fp32 moments (12 B per
+    # parameter / ranks); TRL's loop holds the previous full parameter while gathering the next.
+    resident = 12 * sum(full) // 4 // gpus
+    pair = max(a + b for a, b in zip([0, *full], full))
+    assert sync["peak_bytes"] >= max(full)
+    assert resident + pair <= sync["peak_bytes"] <= (resident + pair) * 1.01
+    assert sync["source"] == "predicted" and "full_tensor()" in sync["how"]
+    # The step itself is what an SFT prediction of the same configuration traces.
+    sft = cpu_sim.evaluate(_spec("tiny-llama", gpus=gpus, activation_checkpointing="full", workload=Workload()))
+    assert "weight_sync" not in sft.extras
+    assert sync["training_peak_bytes"] == sft.extras["tensor_peak_bytes"]
+    assert result.extras["tensor_peak_bytes"] == max(sync["peak_bytes"], sync["training_peak_bytes"])
+    assert "weight sync to vLLM" in result.message
+
+
+def test_sync_peak_is_extrapolated_exactly_in_depth(cpu_sim, cpu_sim_whole):
+    # The largest gather (a 32000 x 64 embedding) does not grow with depth; what is resident does.
+    base = resolve_model("micro-llama")
+    deep = dataclasses.replace(base, config_dict={**base.config_dict, "num_hidden_layers": 8, "vocab_size": 32000})
+    spec = _spec(deep, gpus=8, seq_len=16, activation_checkpointing="full")
+    shallow = cpu_sim.evaluate(spec)
+    assert shallow.extras["traced_layers"] == [3, 4]
+    full = cpu_sim_whole.evaluate(spec)
+    assert shallow.extras["weight_sync"] == full.extras["weight_sync"]
+    assert shallow.extras["tensor_peak_bytes"] == full.extras["tensor_peak_bytes"]
+
+
+def test_the_larger_of_step_and_sync_is_named_as_the_peak():
+    from autotune.backends.sim._backend import _weight_sync
+
+    step_site, sync_site = ("bw", "post_bw", "root", 8), ("sync", "model.embed_tokens.weight", "root", 3)
+    sites = {step_site: {"ACT": 100}, sync_site: {"UNSHARDED_PARAM": 150}}
+    sync = _weight_sync(sites, peak_key=sync_site)
+    assert sync["dominates"] and sync["peak_bytes"] == 150 and sync["training_peak_bytes"] == 100
+    assert sync["basis"].startswith("the weight sync to vLLM dominates")
+    sites[step_site] = {"ACT": 200}
+    assert not _weight_sync(sites, peak_key=step_site)["dominates"]
+
+
+def test_sim_cache_never_answers_grpo_with_an_sft_prediction(tmp_path, monkeypatch):
+    monkeypatch.delenv("AUTOTUNE_CACHE", raising=False)
+    monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path / "cache"))
+    sim = SimBackend(device_kind="cpu")
+    try:
+        sft = _spec("micro-llama", workload=Workload())
+        limit = dict(memory_limit_bytes=2**30)
+        sim.evaluate(dataclasses.replace(sft, **limit))
+        grpo = sim.evaluate(dataclasses.replace(sft, workload=GRPO, **limit))
+        again = sim.evaluate(dataclasses.replace(sft, workload=GRPO, **limit))
+    finally:
+        sim.close()
+    assert "cache" not in grpo.extras and "weight_sync" in grpo.extras
+    assert again.extras["cache"].startswith("hit") and again.extras["weight_sync"] == grpo.extras["weight_sync"]
+
+
+# -- best.json and the TRL export ------------------------------------------------------------------
+def test_simulated_grpo_result_records_the_sync(grpo_result):
+    jsonschema.validate(grpo_result, SCHEMA)
+    workload = grpo_result["workload"]
+    assert workload["vllm_gpu_memory_utilization"] == 0.4 and workload["vllm_mode"] == "colocate"
+    assert workload["weight_sync"]["source"] == "predicted"
+    assert grpo_result["peak_memory_bytes"] <= grpo_result["memory_limit_bytes"]
+    assert "weight sync to vLLM" in grpo_result["memory_basis"]
+
+
+def _grpo_args(path: Path):
+    trl = pytest.importorskip("trl", reason="trl is not installed (pip install trl)")
+    from transformers import HfArgumentParser
+
+    fields = yaml.safe_load(path.read_text())
+    fields["use_cpu"] = True  # no GPU here; bf16 on CPU needs it
+    (args,) = HfArgumentParser(trl.GRPOConfig).parse_dict(fields)  # unknown keys raise
+    return args, fields
+
+
+def test_trl_export_is_a_grpo_config_with_the_tuned_values(grpo_result, tmp_path):
+    result = copy.deepcopy(grpo_result)
+    result["fsdp"].update(activation_checkpointing="full", cpu_offload=True, reshard_after_forward=False)
+    exported = export_result(result, "trl")
+    assert exported.filename == "trl_grpo.yaml" and "GRPOConfig" in exported.target
+    path = tmp_path / exported.filename
+    path.write_text(exported.text)
+    args, fields = _grpo_args(path)
+    assert args.use_vllm is True and args.vllm_mode == "colocate"
+    assert args.vllm_gpu_memory_utilization == result["workload"]["vllm_gpu_memory_utilization"]
+    assert args.per_device_train_batch_size == result["micro_batch_size"]
+    assert args.gradient_accumulation_steps == result["grad_accum_steps"]
+    assert args.bf16 == (result["precision"] == "bf16") and args.optim == "adamw_torch_fused"
+    assert args.beta == 0.0 and args.vllm_enable_sleep_mode is False  # what the prediction assumed
+    assert args.vllm_max_model_length == result["seq_len"]
+    assert (result["micro_batch_size"] * result["gpus"] * result["grad_accum_steps"]) % args.num_generations == 0
+    plugin = args.fsdp_plugin_args
+    assert plugin["fsdp_version"] == 2 and plugin["reshard_after_forward"] is False
+    assert plugin["activation_checkpointing"] is True and args.gradient_checkpointing is False
+    assert args.fsdp_config["cpu_offload"] is True
+    # TRL's parser is strict: a key GRPOConfig lacks is refused (so the keys above are all real).
+    with pytest.raises(ValueError):
+        from transformers import HfArgumentParser
+        import trl
+
+        HfArgumentParser(trl.GRPOConfig).parse_dict({**fields, "vllm_colocate_share": 0.4})
+    assert any("reference model" in w for w in exported.warnings)
+    assert any("KV cache" in w for w in exported.warnings)
+
+
+def test_other_formats_say_they_run_without_vllm_and_sft_keeps_sftconfig(grpo_result):
+    accelerate = export_result(grpo_result, "accelerate")
+    assert any("without vLLM" in w for w in accelerate.warnings)
+    assert "Workload: TRL GRPO" in accelerate.text
+    sft = copy.deepcopy(grpo_result)
+    sft["workload"] = {"kind": "sft", "vllm_gpu_memory_utilization": None}
+    assert export_result(sft, "trl").filename == "trl_sft.yaml"
+    del sft["workload"]  # a result written before the workload existed is an SFT one
+    assert export_result(sft, "trl").filename == "trl_sft.yaml"
