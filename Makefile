@@ -35,6 +35,7 @@ run: setup
 # The whole test suite (installs what it needs, Chromium for the report test included).
 test: setup $(TITAN_VENV)/.installed
 	bash tests/setup_browser.sh
+	bash tests/setup_postgres.sh
 	$(BIN)/python -m pytest -q
 
 bench: setup

@@ -3,7 +3,8 @@
 Each command is a thin wrapper over library functions; shared options are defined once;
 errors are turned into one line and an exit code in one place (`main`).
 
-Exit codes: 0 done, 2 bad input, 3 nothing fits, 4 a regression (regress), 1 internal error,
+Exit codes: 0 done, 2 bad input, 3 nothing fits, 4 a regression (regress), 5 storage unreachable
+(after waiting through an outage), 1 internal error,
 130 interrupted (Ctrl-C), 143 terminated (SIGTERM); after either, finished trials are kept and a
 rerun resumes.
 """
@@ -19,11 +20,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from autotune.errors import AutotuneError, UsageError
+from autotune.errors import AutotuneError, StorageUnavailable, UsageError
 from autotune.interrupts import raised_where_safe
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
+EXIT_STORAGE = 5  # the storage stayed unreachable through the outage wait
 
 
 class Terminated(KeyboardInterrupt):
@@ -697,6 +699,9 @@ def _main(argv: list[str], console) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt as exc:
         return _interrupted(console, exc)
+    except StorageUnavailable as exc:
+        console.error_line(f"error: {exc}")
+        return EXIT_STORAGE
     except AutotuneError as exc:
         console.error_line(f"error: {exc}")
         return EXIT_INTERNAL

@@ -15,3 +15,7 @@ class UnsupportedModelError(UsageError):
 
 class TrialError(AutotuneError):
     """A trial could not be evaluated (not an out-of-memory: that is a result, not an error)."""
+
+
+class StorageUnavailable(AutotuneError):
+    """The study's storage stayed unreachable longer than autotune waits (exit code 5)."""

@@ -9,6 +9,7 @@ written to a temporary name and renamed into place: never half-written.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -22,7 +23,7 @@ from typing import Any
 
 from autotune.config import OPTIMIZER_IMPLS, PRECISIONS, ac_every
 from autotune.controller import Step, TuneRequest, config_key
-from autotune.errors import UsageError
+from autotune.errors import StorageUnavailable, UsageError
 
 STUDY_DB = "autotune.db"
 _REUSED = "reused:"  # study attribute prefix: reused:<run_id>:<step> -> the trial a run's step reused
@@ -78,7 +79,10 @@ def rdb_storage(url: str, *, heartbeat_s: float | None = None, retries: int = 0)
 
     import optuna
 
-    engine_kwargs = {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S}} if url.startswith("sqlite") else {}
+    # SQLite: wait for the lock. Servers: test a pooled connection before use, so connections
+    # that died with a restarted server are replaced instead of failing the next call.
+    engine_kwargs = ({"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S}} if url.startswith("sqlite")
+                     else {"pool_pre_ping": True})
     heartbeat: dict[str, Any] = {}
     if heartbeat_s:
         # Stale after 3 missed beats, and never under 10 s: a busy machine (a worker importing torch,
@@ -89,7 +93,90 @@ def rdb_storage(url: str, *, heartbeat_s: float | None = None, retries: int = 0)
         if heartbeat and retries:
             heartbeat["heartbeat_stale_trial_callback"] = optuna.storages.RetryHeartbeatStaleTrialCallback(
                 max_retry=retries)
-        return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, **heartbeat)
+        return _patient_storage_class()(url, engine_kwargs=engine_kwargs, **heartbeat)
+
+
+STORAGE_OUTAGE_ENV = "AUTOTUNE_STORAGE_OUTAGE_S"
+DEFAULT_STORAGE_OUTAGE_S = 120.0
+
+
+def _is_outage(exc: BaseException) -> bool:
+    """A lost or refused connection (the server restarting, a network blip, SQLite's lock), as
+    opposed to a bad write. Optuna wraps commit failures in StorageInternalError; the cause says."""
+    import sqlalchemy.exc as sa
+
+    seen: BaseException | None = exc
+    for _ in range(8):  # the chain of causes (Optuna wraps, SQLAlchemy wraps the driver)
+        if seen is None:
+            return False
+        # PendingRollbackError: the session still holds the transaction the lost connection broke.
+        if isinstance(seen, (sa.OperationalError, sa.InterfaceError, sa.DisconnectionError, sa.PendingRollbackError)):
+            return True
+        if isinstance(seen, sa.DBAPIError) and seen.connection_invalidated:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+@functools.cache
+def _patient_storage_class():
+    """RDBStorage whose every call waits through a storage outage: retried with backoff for up to
+    $AUTOTUNE_STORAGE_OUTAGE_S (default 120 s), said once on stderr, then StorageUnavailable.
+    Only the outermost call retries (calls nest). A write whose commit reached the server just as
+    the connection dropped can be applied twice (a rare duplicate trial, never a lost one)."""
+    import inspect
+    import sys
+    import threading
+    import time
+
+    import optuna
+
+    from autotune.secrets import mask
+
+    depth = threading.local()
+
+    def patient(method):
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            if getattr(depth, "n", 0):
+                return method(self, *args, **kwargs)
+            limit = float(os.environ.get(STORAGE_OUTAGE_ENV, DEFAULT_STORAGE_OUTAGE_S))
+            start, pause, said = time.monotonic(), 0.5, False
+            while True:
+                depth.n = 1
+                try:
+                    return method(self, *args, **kwargs)
+                except Exception as exc:
+                    if not _is_outage(exc):
+                        raise
+                    waited = time.monotonic() - start
+                    cause = mask(str(exc.__cause__ or exc).splitlines()[0])
+                    if waited > limit:
+                        raise StorageUnavailable(f"storage {mask(self.url)!r} unreachable for {waited:.0f} s "
+                                                 f"({cause}); finished trials are in it, rerun to resume") from None
+                    if not said:
+                        print(f"autotune: storage unreachable ({cause}); retrying for up to {limit:.0f} s",
+                              file=sys.stderr, flush=True)
+                        said = True
+                    with contextlib.suppress(Exception):
+                        self.remove_session()  # a fresh session (and pooled connection) for the retry
+                finally:
+                    depth.n = 0
+                time.sleep(pause)
+                pause = min(pause * 2, 5.0)
+
+        return call
+
+    base = optuna.storages.RDBStorage
+    # The storage interface: its public methods and the private ones Optuna's own caching layer and
+    # heartbeat call directly. The constructor stays impatient: a wrong URL or a server that is
+    # down at start fails at once.
+    called_from_outside = ("_create_new_trial", "_set_trial_param", "_get_best_trial_id", "_get_trials",
+                           "_get_stale_trial_ids")
+    names = [name for name, value in vars(base).items()
+             if inspect.isfunction(value) and (not name.startswith("_") or name in called_from_outside)]
+    methods = {name: patient(getattr(base, name)) for name in names}
+    return type("PatientRDBStorage", (optuna.storages.RDBStorage,), methods)
 
 
 def create_study(url: str, name: str, *, storage_options: dict | None = None):

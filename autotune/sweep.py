@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autotune.errors import UsageError
+from autotune.errors import StorageUnavailable, UsageError
 
 SWEEP_PREFIX = "sweep:"
 MATRIX_KEYS = ("model", "gpus", "nodes", "gpu_type", "global_tokens", "seq_len", "backend")
@@ -285,6 +285,8 @@ def run_worker(sweep: Sweep, *, storage_url: str, runs_dir: Path, heartbeat_s: f
         try:
             with queue.heartbeat(trial_id):
                 outcome = tune_problem(problem, sweep=sweep, storage_url=storage_url, runs_dir=runs_dir)
+        except StorageUnavailable:
+            raise  # the queue is out of reach too: the problem returns when its heartbeat goes stale
         except BaseException:
             queue.give_back(trial_id)
             raise
@@ -312,6 +314,8 @@ def tune_problem(problem: Problem, *, sweep: Sweep, storage_url: str, runs_dir: 
         code = cli.cmd_tune(args, console)
     except UsageError as exc:
         return dict(state="bad-input", message=str(exc))
+    except StorageUnavailable:
+        raise  # not the problem's failure: this worker stops, its problem goes to another
     except Exception as exc:  # noqa: BLE001 - one problem's failure is recorded, the sweep goes on
         return dict(state="error", message=f"{type(exc).__name__}: {exc}")
     if code == cli.EXIT_NOTHING_FITS:

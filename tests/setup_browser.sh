@@ -4,21 +4,14 @@
 # install fails, the browser test skips and says why (it reads the log written here).
 set -u
 log="${TMPDIR:-/tmp}/autotune-setup-browser.log"
+source "$(dirname "$0")/apt_install.sh"
 for candidate in chromium chromium-browser google-chrome; do
     if command -v "$candidate" >/dev/null 2>&1; then
         echo "browser: $(command -v "$candidate")"
         exit 0
     fi
 done
-if [ "$(id -u)" != "0" ] && ! command -v sudo >/dev/null 2>&1; then
-    echo "browser: not installed (not root and no sudo); the report's browser test will skip" | tee "$log"
-    exit 0
-fi
-as_root=""
-[ "$(id -u)" != "0" ] && as_root="sudo -n"
-echo "browser: installing Debian's chromium (log: $log)"
-if $as_root apt-get update -qq >"$log" 2>&1 \
-    && DEBIAN_FRONTEND=noninteractive $as_root apt-get install -y -qq --no-install-recommends chromium >>"$log" 2>&1; then
+if apt_install browser "$log" chromium && command -v chromium >/dev/null 2>&1; then
     echo "browser: $(command -v chromium)"
 else
     echo "browser: install failed (see $log); the report's browser test will skip"
