@@ -36,6 +36,7 @@ run: setup
 test: setup $(TITAN_VENV)/.installed
 	bash tests/setup_browser.sh
 	bash tests/setup_postgres.sh
+	bash tests/setup_slurm.sh
 	$(BIN)/python -m pytest -q
 
 bench: setup

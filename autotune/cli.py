@@ -175,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--runs-dir", default="runs", help="output folder (default: runs)")
     sweep.add_argument("--name", help="the sweep's name (default: the file's); e.g. nightly-$(date +%%F)")
     sweep.add_argument("--local", type=_positive_int, help="start this many workers on this machine")
+    sweep.add_argument("--slurm", type=_positive_int, metavar="N",
+                       help="submit N workers as a Slurm job array (sbatch) and return")
+    sweep.add_argument("--sbatch", action="append", default=[], metavar="ARG",
+                       help="an sbatch option for --slurm, e.g. --sbatch=--partition=cpu (repeatable)")
+    sweep.add_argument("--wait", action="store_true", help="with --slurm: wait until the job array ends")
     sweep.add_argument("--heartbeat", type=float, default=10.0,
                        help="seconds between a worker's heartbeats; the problem of a worker silent for 3 goes "
                             "to another (default 10)")
@@ -605,7 +610,19 @@ def cmd_sweep(args: argparse.Namespace, console) -> int:
     runs_dir = ensure_writable(Path(args.runs_dir))
     storage = args.storage or default_storage(runs_dir)
     console.note(f"sweep {sweep.name}: {len(sweep.problems)} problems on {mask(storage)}")
-    if args.local:
+    if args.local and args.slurm:
+        raise UsageError("--local and --slurm both start workers: choose one")
+    if args.slurm:
+        from autotune.sweep import submit_to_slurm
+
+        job, script = submit_to_slurm(sweep, sweep_file=Path(args.file), storage_url=storage, runs_dir=runs_dir,
+                                      workers=args.slurm, heartbeat_s=args.heartbeat, sbatch_args=args.sbatch,
+                                      wait=args.wait)
+        console.note(f"submitted Slurm job array {job}: {args.slurm} workers ({script})")
+        if not args.wait:
+            return EXIT_OK
+        code = EXIT_OK
+    elif args.local:
         code = _local_workers(args, args.local, console)
     else:
         counts = run_worker(sweep, storage_url=storage, runs_dir=runs_dir, heartbeat_s=args.heartbeat,

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autotune.errors import StorageUnavailable, UsageError
+from autotune.errors import AutotuneError, StorageUnavailable, UsageError
 
 SWEEP_PREFIX = "sweep:"
 MATRIX_KEYS = ("model", "gpus", "nodes", "gpu_type", "global_tokens", "seq_len", "backend")
@@ -337,4 +337,50 @@ def summarize(result: dict[str, Any], *, result_file: str) -> dict[str, Any]:
                 tokens_per_sec=result["tokens_per_sec"], throughput_source=result["throughput_source"],
                 peak_memory_bytes=result["peak_memory_bytes"], memory_source=result["memory_source"])
 
+
+# -- Slurm ----------------------------------------------------------------------------------------------
+
+
+def submit_to_slurm(sweep: Sweep, *, sweep_file: Path, storage_url: str, runs_dir: Path, workers: int,
+                    heartbeat_s: float, sbatch_args: list[str], wait: bool) -> tuple[str, Path]:
+    """Submit `workers` sweep workers as one Slurm job array (sbatch), each an ordinary worker of
+    this sweep; returns (job id, the job script). The script holds no password: the URL must carry
+    none, and sbatch passes the submitting environment (AUTOTUNE_STORAGE_PASSWORD) to the tasks."""
+    import shlex
+    import shutil
+    import subprocess
+    import sys
+
+    from autotune.files import write_atomic
+    from autotune.secrets import mask
+
+    if mask(storage_url) != storage_url:
+        raise UsageError("--slurm writes a job script: give --storage without its password and the password in "
+                         "AUTOTUNE_STORAGE_PASSWORD (or a file named by AUTOTUNE_STORAGE_PASSWORD_FILE)")
+    if shutil.which("sbatch") is None:
+        raise UsageError("--slurm needs Slurm's sbatch on PATH (run on a login node), or use --local N")
+    folder = (runs_dir / "sweeps" / sweep.name).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    worker = [sys.executable, "-m", "autotune", "sweep", str(Path(sweep_file).resolve()), "--storage", storage_url,
+              "--runs-dir", str(runs_dir.resolve()), "--name", sweep.name, "--heartbeat", str(heartbeat_s)]
+    script = folder / "sbatch.sh"
+    write_atomic(script, "\n".join([
+        "#!/bin/bash",
+        f"#SBATCH --job-name=autotune-{sweep.name}",
+        f"#SBATCH --array=0-{workers - 1}",
+        f"#SBATCH --output={folder}/slurm-%A_%a.out",
+        *(f"#SBATCH {arg}" for arg in sbatch_args),
+        "# Each array task is one worker of the sweep; workers share the storage's queue.",
+        f"cd {shlex.quote(str(Path.cwd()))}",
+        "exec " + shlex.join(worker),
+        ""]))
+    command = ["sbatch", "--parsable", *(["--wait"] if wait else []), str(script)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    job = done.stdout.strip().split(";")[0]
+    if done.returncode != 0 and not (wait and job):
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        raise UsageError(f"sbatch refused the sweep job: {mask(last)}")
+    if done.returncode != 0:
+        raise AutotuneError(f"Slurm job {job}: some workers failed (logs: {folder}/slurm-{job}_*.out)")
+    return job, script
 
