@@ -32,7 +32,7 @@ setup: $(BIN)/autotune
 run: setup
 	$(BIN)/autotune --model llama-7b --gpus 8 --global-tokens 4M
 
-# The whole test suite (installs what it needs, Chromium for the report test included).
+# The whole test suite (installs what it needs: Chromium for the report test, PostgreSQL and Slurm for the sweep tests).
 test: setup $(TITAN_VENV)/.installed
 	bash tests/setup_browser.sh
 	bash tests/setup_postgres.sh

@@ -12,6 +12,7 @@ A sweep file (TOML) names the matrix; every combination is one problem, tuned ex
     seq_len = [4096]              # optional (default: each model's)
     nodes = [1]                   # optional
     backend = ["sim"]             # optional (default sim)
+    workload = ["sft", "grpo"]    # optional (default sft); grpo: TRL GRPO with vLLM colocated
     [options]                     # optional, the same for every problem
     headroom = 0.1
     max_trials = 40
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -49,7 +51,8 @@ from typing import Any
 from autotune.errors import AutotuneError, StorageUnavailable, UsageError
 
 SWEEP_PREFIX = "sweep:"
-MATRIX_KEYS = ("model", "gpus", "nodes", "gpu_type", "global_tokens", "seq_len", "backend")
+MATRIX_KEYS = ("model", "gpus", "nodes", "gpu_type", "global_tokens", "seq_len", "backend", "workload",
+               "vllm_gpu_memory_utilization")
 OPTION_KEYS = ("headroom", "global_tolerance", "max_trials", "time_budget", "space", "timeout")
 DEFAULT_HEARTBEAT_S = 10.0
 ENQUEUE_WAIT_S = 120.0
@@ -67,17 +70,23 @@ class Problem:
     nodes: int | None = None
     seq_len: int | None = None
     backend: str = "sim"
+    workload: str | None = None
+    vllm_gpu_memory_utilization: float | None = None
 
     @property
     def key(self) -> str:
         parts = [self.model, f"{self.gpus}x{self.gpu_type or 'default'}", f"{self.nodes or 1}n",
                  f"tokens-{self.global_tokens}", f"seq-{self.seq_len or 'default'}", self.backend]
+        if self.workload not in (None, "sft"):  # SFT problems keep the keys they always had
+            parts.append(f"{self.workload}-{self.vllm_gpu_memory_utilization or 'default'}")
         return "/".join(parts)
 
     def argv(self) -> list[str]:
         argv = ["--model", self.model, "--gpus", str(self.gpus), "--global-tokens", str(self.global_tokens),
                 "--backend", self.backend]
-        for flag, value in (("--gpu-type", self.gpu_type), ("--nodes", self.nodes), ("--seq-len", self.seq_len)):
+        for flag, value in (("--gpu-type", self.gpu_type), ("--nodes", self.nodes), ("--seq-len", self.seq_len),
+                            ("--workload", self.workload),
+                            ("--vllm-gpu-memory-utilization", self.vllm_gpu_memory_utilization)):
             if value is not None:
                 argv += [flag, str(value)]
         return argv
@@ -126,8 +135,10 @@ def load_sweep(path: Path, *, name: str | None = None) -> Sweep:
         if key not in OPTION_KEYS:
             raise UsageError(f"sweep file [options]: unknown key {key!r} (one of {', '.join(OPTION_KEYS)})")
     keys = list(matrix)
-    problems = tuple(Problem(**dict(zip(keys, values, strict=True)))
-                     for values in itertools.product(*(matrix[k] for k in keys)))
+    problems = [Problem(**dict(zip(keys, values, strict=True))) for values in itertools.product(*(matrix[k] for k in keys))]
+    # vLLM's share means nothing to an SFT problem: drop it there, and the duplicates that leaves.
+    problems = [p if p.workload == "grpo" else dataclasses.replace(p, vllm_gpu_memory_utilization=None) for p in problems]
+    problems = tuple(dict.fromkeys(problems))
     sweep_name = name or data.get("name") or Path(path).stem
     return Sweep(name=str(sweep_name), problems=problems, options=dict(options))
 

@@ -136,3 +136,20 @@ def test_bad_sweep_files_are_one_line_usage_errors(tmp_path, capsys):
     assert "cannot read sweep file" in capsys.readouterr().err
     assert main(["regress", "never-ran", "--runs-dir", str(tmp_path / "runs")]) == 2
     assert "cannot open storage" in capsys.readouterr().err  # no database there yet
+
+
+def test_a_matrix_can_vary_the_workload(tmp_path):
+    """SFT and GRPO (vLLM colocated) in one sweep; vLLM's share applies to the GRPO problems only."""
+    runs = tmp_path / "runs"
+    matrix = MATRIX.replace('["tiny-llama", "micro-llama"]', '["tiny-llama"]').replace("[2, 4, 8]", "[2]")
+    matrix += 'workload = ["sft", "grpo"]\nvllm_gpu_memory_utilization = [0.3, 0.5]\n'
+    assert main(["sweep", str(write_sweep(tmp_path, "grpo", matrix)), "--runs-dir", str(runs)]) == 0
+    results = {t.user_attrs["problem"]: t.user_attrs for t in sweep_study(runs, "grpo").get_trials()}
+    assert len(results) == 3  # sft once, grpo at 0.3 and 0.5
+    documents = {key.rsplit("/", 1)[-1]: json.loads(Path(attrs["result_file"]).read_text())
+                 for key, attrs in results.items()}
+    sft, share_03, share_05 = documents["analytic"], documents["grpo-0.3"], documents["grpo-0.5"]
+    assert share_05["workload"]["vllm_gpu_memory_utilization"] == 0.5
+    # Training's limit: what vLLM leaves, less the headroom (against the SFT run's limit).
+    assert share_05["memory_limit_bytes"] == pytest.approx(sft["memory_limit_bytes"] * 0.5, rel=1e-6)
+    assert share_03["memory_limit_bytes"] == pytest.approx(sft["memory_limit_bytes"] * 0.7, rel=1e-6)
