@@ -602,7 +602,7 @@ def cmd_sweep(args: argparse.Namespace, console) -> int:
     """Work on a sweep until every problem is finished (or start --local workers that do)."""
     from autotune.secrets import mask
     from autotune.store import default_storage, ensure_writable
-    from autotune.sweep import load_sweep, run_worker, sweep_results
+    from autotune.sweep import SweepQueue, load_sweep, run_worker, sweep_results
 
     sweep = load_sweep(Path(args.file), name=args.name)
     if not args.heartbeat > 0:
@@ -612,6 +612,7 @@ def cmd_sweep(args: argparse.Namespace, console) -> int:
     console.note(f"sweep {sweep.name}: {len(sweep.problems)} problems on {mask(storage)}")
     if args.local and args.slurm:
         raise UsageError("--local and --slurm both start workers: choose one")
+    code = EXIT_OK
     if args.slurm:
         from autotune.sweep import submit_to_slurm
 
@@ -621,17 +622,14 @@ def cmd_sweep(args: argparse.Namespace, console) -> int:
         console.note(f"submitted Slurm job array {job}: {args.slurm} workers ({script})")
         if not args.wait:
             return EXIT_OK
-        code = EXIT_OK
     elif args.local:
         code = _local_workers(args, args.local, console)
-    else:
-        counts = run_worker(sweep, storage_url=storage, runs_dir=runs_dir, heartbeat_s=args.heartbeat,
-                            log=console.note)
+    # Opened after workers elsewhere (they create it together), before this process works on it.
+    queue = SweepQueue(storage, sweep, heartbeat_s=args.heartbeat)
+    if not (args.slurm or args.local):  # this process is the worker
+        counts = run_worker(queue, storage_url=storage, runs_dir=runs_dir, log=console.note)
         console.note(f"this worker: {', '.join(f'{n} {state}' for state, n in sorted(counts.items())) or 'nothing left'}")
-        code = EXIT_OK
-    from autotune.sweep import SweepQueue
-
-    results = sweep_results(SweepQueue(storage, sweep, heartbeat_s=args.heartbeat).study)
+    results = sweep_results(queue.study)
     done = sum(r["state"] == "done" for r in results.values())
     console.note(f"sweep {sweep.name}: {len(results)} of {len(sweep.problems)} problems finished, {done} with a winner")
     return code

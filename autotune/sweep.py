@@ -248,8 +248,7 @@ class SweepQueue:
         # This worker's heartbeat went stale (a long stall) and another worker failed the trial and
         # queued it again: keep this result as a finished trial of its own, and withdraw the copy
         # if no worker has taken it yet.
-        frozen = self.storage.get_trial(trial_id)
-        problem = {k: frozen.user_attrs[k] for k in ("problem", "index")}
+        problem = self._problem_attrs(trial_id)
         self.study.add_trial(optuna.trial.create_trial(state=TrialState.COMPLETE, value=value,
                                                        user_attrs={**problem, **outcome}))
         for waiting in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
@@ -264,9 +263,13 @@ class SweepQueue:
         its heartbeat to go stale)."""
         from optuna.trial import TrialState
 
-        frozen = self.storage.get_trial(trial_id)
-        self.study.enqueue_trial({}, user_attrs={k: frozen.user_attrs[k] for k in ("problem", "index")})
+        self.study.enqueue_trial({}, user_attrs=self._problem_attrs(trial_id))
         self.storage.set_trial_state_values(trial_id, state=TrialState.FAIL)
+
+    def _problem_attrs(self, trial_id: int) -> dict[str, Any]:
+        """What identifies a queued problem (as enqueued, and as Optuna's retry copies it)."""
+        attrs = self.storage.get_trial(trial_id).user_attrs
+        return {"problem": attrs["problem"], "index": attrs["index"]}
 
 
 def sweep_results(study) -> dict[str, dict[str, Any]]:
@@ -280,9 +283,9 @@ def sweep_results(study) -> dict[str, dict[str, Any]]:
 # -- one worker -----------------------------------------------------------------------------------------
 
 
-def run_worker(sweep: Sweep, *, storage_url: str, runs_dir: Path, heartbeat_s: float, log) -> dict[str, int]:
+def run_worker(queue: SweepQueue, *, storage_url: str, runs_dir: Path, log) -> dict[str, int]:
     """Claim and tune problems until every one of the sweep is finished; returns counts by state."""
-    queue = SweepQueue(storage_url, sweep, heartbeat_s=heartbeat_s)
+    sweep, heartbeat_s = queue.sweep, queue.heartbeat_s
     counts: dict[str, int] = {}
     while True:
         claimed = queue.claim()

@@ -34,14 +34,19 @@ def copied_sources() -> str:
     return "\n\n".join(textwrap.dedent(inspect.getsource(obj)).rstrip() for obj in _SOURCES)
 
 
+def map_parallelize_knobs(m: Mapper, *, precision_also: str = "") -> None:
+    """The knobs autotune's own parallelize() applies, for every export that embeds it."""
+    m.mapped("precision", "MixedPrecisionPolicy(param_dtype=...) in parallelize()" + precision_also)
+    m.mapped("reduce_dtype", "MixedPrecisionPolicy(reduce_dtype=torch.float32) in parallelize()")
+    m.mapped("activation_checkpointing", "apply_ac in parallelize() (checkpoint_wrapper, NO_REENTRANT)")
+    m.mapped("cpu_offload", "CPUOffloadPolicy(pin_memory=True) in parallelize()",
+             "applied on GPUs only: pinning host memory needs an accelerator")
+    m.mapped("reshard_after_forward", "fully_shard(reshard_after_forward=...) in parallelize()")
+
+
 def export_fsdp2(tuned: Tuned) -> Export:
     m = Mapper()
-    m.mapped("precision", "MixedPrecisionPolicy(param_dtype=...)")
-    m.mapped("reduce_dtype", "MixedPrecisionPolicy(reduce_dtype=torch.float32)")
-    m.mapped("activation_checkpointing", "apply_ac (checkpoint_wrapper, NO_REENTRANT)")
-    m.mapped("cpu_offload", "CPUOffloadPolicy(pin_memory=True)",
-             "applied on GPUs only: pinning host memory needs an accelerator")
-    m.mapped("reshard_after_forward", "fully_shard(reshard_after_forward=...)")
+    map_parallelize_knobs(m)
     m.mapped("micro_batch_size", "TUNED.micro_batch_size")
     m.mapped("grad_accum_steps", "GRAD_ACCUM_STEPS")
     m.mapped("wrap", "fully_shard per block (find_decoder_blocks), then the root")

@@ -7,7 +7,7 @@ Lightning runs is what autotune traced and measured. Lightning's FSDP1 `FSDPStra
 from __future__ import annotations
 
 from autotune.export._base import Export, Mapper, Tuned, build_export
-from autotune.export._fsdp2 import build_model_source, tuned_and_wrapping
+from autotune.export._fsdp2 import build_model_source, map_parallelize_knobs, tuned_and_wrapping
 
 
 def _lightning_version() -> str:
@@ -21,12 +21,7 @@ def _lightning_version() -> str:
 
 def export_lightning(t: Tuned) -> Export:
     m = Mapper()
-    m.mapped("precision", "MixedPrecisionPolicy(param_dtype=...) in parallelize(); Trainer(precision='32-true')")
-    m.mapped("reduce_dtype", "MixedPrecisionPolicy(reduce_dtype=torch.float32)")
-    m.mapped("activation_checkpointing", "apply_ac in parallelize() (configure_model)")
-    m.mapped("cpu_offload", "CPUOffloadPolicy(pin_memory=True) in parallelize()",
-             "applied on GPUs only: pinning host memory needs an accelerator")
-    m.mapped("reshard_after_forward", "fully_shard(reshard_after_forward=...) in parallelize()")
+    map_parallelize_knobs(m, precision_also="; Trainer(precision='32-true')")  # parallelize() in configure_model()
     m.mapped("micro_batch_size", "DataLoader(batch_size=TUNED.micro_batch_size)")
     m.mapped("grad_accum_steps", "Trainer(accumulate_grad_batches=GRAD_ACCUM_STEPS)")
     m.mapped("wrap", "parallelize(): fully_shard per block, then the root (configure_model)")

@@ -7,7 +7,7 @@ from its start. A trial that ends the launch (out of memory, crash, hang) is cla
 the backend sends the trials after it to a fresh launch.
 
 Multi-node: the launch folder is on a file system every node sees. The controller starts its own
-torchrun and writes `launch.json`; an agent on every other node (agent.py) starts the same
+torchrun and writes `launch.json`; an agent on every other node (multinode.py) starts the same
 torchrun there, ends it when the controller writes `end`, and leaves `exit.<node>.json`. Each
 launch has a rendezvous id of its own, so a relaunch never restarts an earlier launch's workers;
 node ranks are whatever the c10d rendezvous assigns. Results, failures and every node's logs and
@@ -161,6 +161,10 @@ class Launch:
         self._proc: subprocess.Popen | None = None
 
     @property
+    def _torchrun_log(self) -> Path:
+        return self.folder / f"torchrun.{node_name()}.log"  # start_torchrun writes it
+
+    @property
     def alive(self) -> bool:
         return not self.ended and self._proc is not None and self._proc.poll() is None
 
@@ -207,7 +211,7 @@ class Launch:
     def end(self) -> None:
         """Kill whatever of the launch is left and verify that nothing is (the agents do the same
         on their nodes when they see `end`)."""
-        if self.options.multi_node and not (self.folder / "end").exists():
+        if self.options.multi_node:
             write_json(self.folder / "end", True)
         if self._proc is not None:
             end_launch(self._proc, self.marker)
@@ -267,7 +271,7 @@ class Launch:
             # Nothing trial-specific ran: start-up failed, and would fail again for the rest.
             reason = self._root_cause("setup") or TrialOutcome(
                 index=-1, status="error", message=f"torchrun exited with code {returncode} before any "
-                f"trial started; last lines of its log:\n{_tail(self.folder / f'torchrun.{node_name()}.log')}")
+                f"trial started; last lines of its log:\n{_tail(self._torchrun_log)}")
             return [TrialOutcome(index=index, status="error", launch=self.number, duration_s=duration,
                                  failed_rank=reason.failed_rank,
                                  message=f"the launch failed before the trial started: {reason.message}")
@@ -275,7 +279,7 @@ class Launch:
         index = pending[0]
         outcome = self._root_cause(str(index)) or TrialOutcome(
             index=index, status="error", message=f"torchrun exited with code {returncode} during the trial "
-            f"and no rank reported why; last lines of its log:\n{_tail(self.folder / f'torchrun.{node_name()}.log')}")
+            f"and no rank reported why; last lines of its log:\n{_tail(self._torchrun_log)}")
         outcome.index, outcome.launch, outcome.duration_s = index, self.number, duration
         return [outcome]
 
