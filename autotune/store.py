@@ -93,7 +93,32 @@ def rdb_storage(url: str, *, heartbeat_s: float | None = None, retries: int = 0)
         if heartbeat and retries:
             heartbeat["heartbeat_stale_trial_callback"] = optuna.storages.RetryHeartbeatStaleTrialCallback(
                 max_retry=retries)
-        return _patient_storage_class()(url, engine_kwargs=engine_kwargs, **heartbeat)
+        storage = _patient_storage_class()(url, engine_kwargs=engine_kwargs, **heartbeat)
+    if url.startswith("sqlite"):
+        _serialize_sqlite_transactions(storage.engine)
+    return storage
+
+
+def _serialize_sqlite_transactions(engine) -> None:
+    """Every transaction takes SQLite's write lock when it begins (BEGIN IMMEDIATE).
+
+    Python's sqlite3 starts a transaction only at the first write, so Optuna's read-check-write
+    (a WAITING trial set RUNNING only if still WAITING: how a sweep worker claims a problem and
+    how Optuna pops an enqueued trial) is not atomic: two processes both read WAITING and both
+    win (measured: 4 workers on 48 queued problems ran 4-5 of them twice). PostgreSQL and MySQL
+    lock the row (SELECT ... FOR UPDATE) and need nothing. This is SQLAlchemy's documented recipe
+    for pysqlite; connections made before it (schema set-up) are dropped so all get it."""
+    from sqlalchemy import event
+
+    @event.listens_for(engine, "connect")
+    def _no_implicit_transactions(dbapi_connection, _record) -> None:
+        dbapi_connection.isolation_level = None  # SQLAlchemy's "begin" below issues BEGIN itself
+
+    @event.listens_for(engine, "begin")
+    def _begin_immediate(connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()
 
 
 STORAGE_OUTAGE_ENV = "AUTOTUNE_STORAGE_OUTAGE_S"
