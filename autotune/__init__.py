@@ -3,8 +3,9 @@
 The pipeline, in the order a run walks it (one folder or module each):
 
     catalog/      models and GPUs the tool knows (plain data)
+    knobs.py      the tuned knobs, defined once (everything that lists them derives from it)
     config.py     what a trial is: model, cluster, the tuned knobs, the global batch
-    parallel.py   the one FSDP2 wrapping function every trial, trace and export uses
+    parallel.py   the one device mesh (ParallelDims) and FSDP2 wrapping every trial, trace and export uses
     training.py   the training step every trial (real or traced) runs
     backends/     how a trial is evaluated: estimated, predicted (sim), measured (cpu/cuda)
     controller.py the memory-tuning decision graph over a backend

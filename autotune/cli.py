@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from autotune import knobs as knob_registry
 from autotune.errors import AutotuneError, StorageUnavailable, UsageError
 from autotune.interrupts import raised_where_safe
 
@@ -146,14 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_problem_options(trial, model_required=False)
     knobs = trial.add_argument_group("configuration (or --config)")
     knobs.add_argument("--config", help="a result JSON (best.json) to re-evaluate")
-    knobs.add_argument("--micro-batch", type=_positive_int, default=1)
     knobs.add_argument("--grad-accum", type=_positive_int, default=1)
-    knobs.add_argument("--ac", default="none", help="activation checkpointing: none, full or every:K")
-    knobs.add_argument("--offload", action=argparse.BooleanOptionalAction, default=False)
-    knobs.add_argument("--reshard", action=argparse.BooleanOptionalAction, default=True)
-    knobs.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
-    knobs.add_argument("--optimizer-impl", default="fused", choices=("fused", "foreach", "for-loop"),
-                       help="AdamW implementation (default fused, as HF Trainer and torchtitan use on GPUs)")
+    knob_registry.add_arguments(knobs)  # one flag per tuned knob (autotune/knobs.py)
     knobs.add_argument("--headroom", type=_fraction, default=None,
                        help="fraction of GPU memory kept free (default 0.10)")
 
@@ -529,20 +524,11 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
         args.nodes = document.get("nodes", args.nodes)
         args.gpu_type = args.gpu_type or document["gpu"]["type"]
         args.seq_len = args.seq_len or document["seq_len"]
-        train = TrainConfig(precision=document["precision"],
-                            activation_checkpointing=document["fsdp"]["activation_checkpointing"],
-                            cpu_offload=document["fsdp"]["cpu_offload"],
-                            reshard_after_forward=document["fsdp"]["reshard_after_forward"],
-                            micro_batch_size=document["micro_batch_size"],
-                            # results written before the knob existed ran the per-parameter loop
-                            optimizer_impl=document.get("optimizer", {}).get("impl", "for-loop"))
+        train = TrainConfig.from_result(document)
         grad_accum = document["grad_accum_steps"]
         recorded = document.get("workload")
     else:
-        train = TrainConfig(precision=args.precision, activation_checkpointing=args.ac,
-                            optimizer_impl=args.optimizer_impl,
-                            cpu_offload=args.offload, reshard_after_forward=args.reshard,
-                            micro_batch_size=args.micro_batch)
+        train = TrainConfig(**knob_registry.from_args(args))
         grad_accum = args.grad_accum
     workload = _resolve_workload(args, recorded)
     model, cluster, seq_len, gpu_note = _resolve_problem(args)

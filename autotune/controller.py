@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from autotune.backends.base import TrialBackend, TrialResult
 from autotune.batch import DEFAULT_TOLERANCE, GlobalBatch, plan_global_batch, within_tolerance
 from autotune.catalog.models import ModelSpec
-from autotune.config import Cluster, TrainConfig, TrialSpec, Workload, checkpointed_blocks, memory_limit_bytes
+from autotune import knobs
+from autotune.config import Checkpointing, Cluster, TrainConfig, TrialSpec, Workload, memory_limit_bytes
 from autotune.search_space import SearchSpace
 
 DEFAULT_HEADROOM = 0.10
@@ -140,7 +141,7 @@ def prediction_summary(steps: list[Step]) -> dict | None:
 
 def config_key(train: TrainConfig, *, grad_accum_steps: int, backend: str) -> str:
     """Identity of a trial in the study, for resuming."""
-    return json.dumps({**train.to_dict(), "grad_accum_steps": grad_accum_steps, "backend": backend},
+    return json.dumps({**knobs.identity(train.knob_values()), "grad_accum_steps": grad_accum_steps, "backend": backend},
                       sort_keys=True)
 
 
@@ -364,10 +365,14 @@ class Controller:
     def _distinct_ac_modes(self, modes: list[str], *, exclude: tuple[str, ...] = ()) -> list[str]:
         """Drop modes that checkpoint the same blocks as an earlier one (or an excluded one)."""
         layers = self.request.model.num_layers
-        seen = {checkpointed_blocks(m, layers) for m in exclude}
+        def what(mode: str) -> tuple:
+            ac = Checkpointing.parse(mode)  # op-level differs from full in what it saves, not in blocks
+            return ac.policy, ac.blocks(layers)
+
+        seen = {what(m) for m in exclude}
         distinct = []
         for mode in modes:
-            blocks = checkpointed_blocks(mode, layers)
+            blocks = what(mode)
             if blocks not in seen:
                 seen.add(blocks)
                 distinct.append(mode)
@@ -377,7 +382,7 @@ class Controller:
         space = self.request.space
         ceiling = self.request.max_micro_batch
         lighter_first = [f"every:{k}" for k in sorted(space.lighter_every, reverse=True)]  # least recompute first
-        if mode.activation_checkpointing == "full" and not mode.cpu_offload:
+        if mode.activation_checkpointing.mode == "full" and not mode.cpu_offload:
             for ac in self._distinct_ac_modes(lighter_first, exclude=("full",)):
                 if not self._could_win(largest.with_(activation_checkpointing=ac)):
                     continue
@@ -386,7 +391,12 @@ class Controller:
                                 "recompute than checkpointing all of them")
                 if step.fits:
                     break
-        if (mode.activation_checkpointing == "none" and space.checkpointing
+            for ac in (f"op:{policy}" for policy in space.op_level):
+                if self._could_win(largest.with_(activation_checkpointing=ac)):
+                    self.run("explore", largest.with_(activation_checkpointing=ac),
+                             f"op-level checkpointing ({ac}) of every block: saves matmul outputs, so backward "
+                             "recomputes less than full checkpointing")
+        if (mode.activation_checkpointing.mode == "none" and space.checkpointing
                 and space.explore_checkpointed_larger_micro_batch and largest.micro_batch_size < ceiling):
             bigger = min(ceiling, largest.micro_batch_size * 2)
             for ac in self._distinct_ac_modes([*lighter_first, "full"]):
@@ -402,12 +412,34 @@ class Controller:
                     if best is None or (largest_here.result.throughput or 0) >= (best.result.throughput or 0):
                         self._align(largest_here.train)
                     break
+        self._explore_hsdp()
         best = self._choose()
         if (best is not None and space.explore_no_reshard and best.train.reshard_after_forward
                 and self._could_win(best.train.with_(reshard_after_forward=False))):
             self.run("explore", best.train.with_(reshard_after_forward=False),
                      "keep gathered parameters after forward (no reshard): saves an all-gather per block "
                      "in backward if memory allows")
+
+    def _explore_hsdp(self) -> None:
+        """On several nodes: shard within groups of a node (then 2, 4, ... nodes) and replicate across
+        them, smallest group first: the all-gathers and reduce-scatters stay on the fastest links,
+        and only a gradient all-reduce of each shard crosses groups. A smaller group holds a larger
+        shard per GPU, so the first group that fits is the one to grow."""
+        cluster, best = self.request.cluster, self._choose()
+        if not self.request.space.hsdp or cluster.num_nodes < 2 or best is None:
+            return
+        group = cluster.gpus_per_node
+        while group < cluster.num_gpus:
+            train = best.train.with_(shard_group_size=group)
+            if self._could_win(train):
+                step = self.run("explore", train,
+                                f"HSDP: shard within groups of {group} GPUs ({group // cluster.gpus_per_node} "
+                                f"node{'s' if group > cluster.gpus_per_node else ''}), replicate across "
+                                f"{cluster.num_gpus // group}: collectives on faster links")
+                if step.fits:
+                    self._align(self._grow(step.train, stage="explore", until_saturated=True))
+                    return
+            group *= 2
 
     def _choose(self) -> Step | None:
         tolerance = self.request.tolerance

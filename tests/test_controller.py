@@ -10,7 +10,7 @@ from dataclasses import replace
 from autotune.backends.base import Figure, TrialBackend, TrialResult
 from autotune.catalog.gpus import GPUS
 from autotune.catalog.models import resolve_model
-from autotune.config import Cluster, TrainConfig, ac_every
+from autotune.config import Cluster, TrainConfig
 from autotune.controller import Controller, TuneRequest
 from autotune.search_space import SearchSpace
 
@@ -31,7 +31,7 @@ class FormulaBackend(TrialBackend):
     def evaluate(self, spec):
         train = spec.train
         self.calls.append(train)
-        every = ac_every(train.activation_checkpointing)
+        every = train.activation_checkpointing.block_every
         kept = 1.0 if every is None else (1 - 1 / every) * 0.9 + 0.1
         states = self.states * (0.1 if train.cpu_offload else 1.0) + (0 if train.reshard_after_forward else 2 * GiB)
         peak = int(states + train.micro_batch_size * self.activation * kept)
