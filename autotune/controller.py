@@ -231,15 +231,18 @@ class Controller:
         return step
 
     def _could_win(self, train: TrainConfig) -> bool:
-        """False if the estimator puts `train` clearly below the best so far (then noted)."""
+        """False if the estimator puts `train` clearly below the best so far (then noted). Both are
+        estimated the same way (the closed form), so a bias between it and the backend cancels:
+        a candidate is judged by its estimate relative to the best's."""
         best = self._choose()
         if self.estimator is None or best is None or not best.result.throughput or self._find(train):
             return True
         estimate = self.estimator.evaluate(self.request.spec(train)).throughput
-        if estimate is None or estimate >= best.result.throughput * (1 - EXPLORE_MARGIN):
+        reference = self.estimator.evaluate(self.request.spec(best.train)).throughput
+        if estimate is None or not reference or estimate >= reference * (1 - EXPLORE_MARGIN):
             return True
         self.notes.append(f"not explored: {train.label()} (estimated {estimate:,.0f} tokens/s, "
-                          f"{estimate / best.result.throughput - 1:+.1%} vs the best {best.train.label()})")
+                          f"{estimate / reference - 1:+.1%} vs the best {best.train.label()} estimated the same way)")
         return False
 
     def _find(self, train: TrainConfig) -> Step | None:
@@ -391,7 +394,7 @@ class Controller:
                                 "recompute than checkpointing all of them")
                 if step.fits:
                     break
-            for ac in (f"op:{policy}" for policy in space.op_level):
+            for ac in (str(Checkpointing(mode="op", policy=policy)) for policy in space.op_level):
                 if self._could_win(largest.with_(activation_checkpointing=ac)):
                     self.run("explore", largest.with_(activation_checkpointing=ac),
                              f"op-level checkpointing ({ac}) of every block: saves matmul outputs, so backward "
@@ -432,10 +435,13 @@ class Controller:
         while group < cluster.num_gpus:
             train = best.train.with_(shard_group_size=group)
             if self._could_win(train):
+                where = ("all-gathers and reduce-scatters stay within a node" if group == cluster.gpus_per_node
+                         else f"all-gathers and reduce-scatters span {group // cluster.gpus_per_node} nodes, "
+                              f"not {cluster.num_nodes}")
                 step = self.run("explore", train,
-                                f"HSDP: shard within groups of {group} GPUs ({group // cluster.gpus_per_node} "
-                                f"node{'s' if group > cluster.gpus_per_node else ''}), replicate across "
-                                f"{cluster.num_gpus // group}: collectives on faster links")
+                                f"HSDP: shard within groups of {group} GPUs, replicate across "
+                                f"{cluster.num_gpus // group} groups: {where}, plus one all-reduce of each "
+                                "gradient shard across groups")
                 if step.fits:
                     self._align(self._grow(step.train, stage="explore", until_saturated=True))
                     return
