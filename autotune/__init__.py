@@ -8,6 +8,7 @@ The pipeline, in the order a run walks it (one folder or module each):
     parallel.py   the one device mesh (ParallelDims) and FSDP2 wrapping every trial, trace and export uses
     training.py   the training step every trial (real or traced) runs
     backends/     how a trial is evaluated: estimated, predicted (sim), measured (cpu/cuda)
+    records.py    what a run was asked and each step it took (TuneRequest, Step)
     controller.py the memory-tuning decision graph over a backend
     store.py      the Optuna study and the runs/ folder
     export/       the winner in the formats of other stacks

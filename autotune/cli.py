@@ -363,7 +363,7 @@ def _predictor_for(name: str):
 # -- commands -----------------------------------------------------------------------------------------
 def cmd_tune(args: argparse.Namespace, console) -> int:
     from autotune.batch import DEFAULT_TOLERANCE, check_reachable, check_target
-    from autotune.controller import DEFAULT_HEADROOM, TuneRequest
+    from autotune.records import DEFAULT_HEADROOM, TuneRequest
     from autotune.search_space import load_space
     from autotune.store import (RunLog, TrialStore, default_storage, ensure_writable, new_run_dir, study_name,
                                 write_run_state)
@@ -424,7 +424,8 @@ def _tune_in_run_dir(args: argparse.Namespace, console, *, request, store, finis
                      backend_name: str, backend_why: str, gpu_note: str, formats: list[str]) -> int:
     """The run itself, once its folder is claimed: trials, then the files."""
     from autotune.backends import get_backend
-    from autotune.controller import Controller, why_nothing_fits
+    from autotune.controller import Controller
+    from autotune.records import why_nothing_fits
     from autotune.files import write_atomic
     from autotune.result import build_result, dumps
     from autotune.store import step_record, trials_frame
@@ -512,7 +513,7 @@ def _write_report(run_dir: Path, document: dict, records: list[dict], console) -
 
 def cmd_trial(args: argparse.Namespace, console) -> int:
     from autotune.config import TrainConfig, TrialSpec, memory_limit_bytes
-    from autotune.controller import DEFAULT_HEADROOM
+    from autotune.records import DEFAULT_HEADROOM
 
     recorded = None
     if args.config:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import autotune
-from autotune.controller import Step, TuneRequest, prediction_summary
+from autotune.records import Step, TuneRequest, prediction_summary
 from autotune import knobs
 from autotune.config import PARAM_DTYPE_BYTES, PARAM_DTYPE_NAMES
 from autotune.runtime_memory import ALLOC_CONF_ENV, alloc_conf

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune import knobs
-from autotune.controller import Step, TuneRequest, config_key
+from autotune.records import Step, TuneRequest, config_key
 from autotune.errors import StorageUnavailable, UsageError
 
 STUDY_DB = "autotune.db"
