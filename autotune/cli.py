@@ -201,6 +201,13 @@ _VALUE_OPTIONS = ("--global-tokens", "--gpus", "--nodes", "--seq-len", "--micro-
                   "--vllm-gpu-memory-utilization")
 
 
+def command_options(command: str) -> dict[str, argparse.Action]:
+    """A command's named options by destination (autotune.tune() takes the tune command's)."""
+    root = build_parser()
+    commands = next(a for a in root._actions if isinstance(a, argparse._SubParsersAction))
+    return {a.dest: a for a in commands.choices[command]._actions if a.option_strings and a.dest != "help"}
+
+
 def _attach_negative_values(argv: list[str]) -> list[str]:
     """`--global-tokens -4M` -> `--global-tokens=-4M`: argparse would read -4M as an option and say
     only "expected one argument"; attached, the value reaches its own validation and message."""
@@ -362,6 +369,13 @@ def _predictor_for(name: str):
 
 # -- commands -----------------------------------------------------------------------------------------
 def cmd_tune(args: argparse.Namespace, console) -> int:
+    code, _ = run_tune(args, console)
+    return code
+
+
+def run_tune(args: argparse.Namespace, console) -> tuple[int, dict | None]:
+    """A whole tuning run from parsed `tune` arguments: (exit code, the result document or None
+    when nothing fits). The CLI prints through `console`; autotune.tune() passes a quiet one."""
     from autotune.batch import DEFAULT_TOLERANCE, check_reachable, check_target
     from autotune.records import DEFAULT_HEADROOM, TuneRequest
     from autotune.search_space import load_space
@@ -407,11 +421,11 @@ def cmd_tune(args: argparse.Namespace, console) -> int:
     write_run_state(run_dir, "running", log)
     state = "failed"
     try:
-        code = _tune_in_run_dir(args, console, request=request, store=store, finished=finished, run_dir=run_dir,
-                                log=log, backend_name=backend_name, backend_why=backend_why, gpu_note=gpu_note,
-                                formats=formats)
+        code, document = _tune_in_run_dir(args, console, request=request, store=store, finished=finished,
+                                          run_dir=run_dir, log=log, backend_name=backend_name,
+                                          backend_why=backend_why, gpu_note=gpu_note, formats=formats)
         state = "done" if code == EXIT_OK else "nothing-fits"
-        return code
+        return code, document
     except KeyboardInterrupt:
         state = "interrupted"
         raise
@@ -421,7 +435,7 @@ def cmd_tune(args: argparse.Namespace, console) -> int:
 
 
 def _tune_in_run_dir(args: argparse.Namespace, console, *, request, store, finished, run_dir: Path, log,
-                     backend_name: str, backend_why: str, gpu_note: str, formats: list[str]) -> int:
+                     backend_name: str, backend_why: str, gpu_note: str, formats: list[str]) -> tuple[int, dict | None]:
     """The run itself, once its folder is claimed: trials, then the files."""
     from autotune.backends import get_backend
     from autotune.controller import Controller
@@ -462,7 +476,7 @@ def _tune_in_run_dir(args: argparse.Namespace, console, *, request, store, finis
     if outcome.winner is None:
         reason = why_nothing_fits(outcome.steps[-1], request) if outcome.steps else "no configuration was evaluated"
         console.error_line(f"{reason}; trials are in {run_dir}")
-        return EXIT_NOTHING_FITS
+        return EXIT_NOTHING_FITS, None
     document = build_result(request, outcome.winner, outcome.steps, backend=backend_name,
                             wrap=model.block_class, run_id=run_id, study=store.name, notes=outcome.notes)
     text = dumps(document)
@@ -476,7 +490,7 @@ def _tune_in_run_dir(args: argparse.Namespace, console, *, request, store, finis
     console.winner(document, run_dir, args.out)
     if args.json:
         sys.stdout.write(text)
-    return EXIT_OK
+    return EXIT_OK, document
 
 
 def _parse_formats(text: str) -> list[str]:
