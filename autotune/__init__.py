@@ -3,15 +3,25 @@
 The pipeline, in the order a run walks it (one folder or module each):
 
     catalog/      models and GPUs the tool knows (plain data)
+    knobs.py      the tuned knobs, defined once (everything that lists them derives from it)
     config.py     what a trial is: model, cluster, the tuned knobs, the global batch
-    parallel.py   the one FSDP2 wrapping function every trial, trace and export uses
+    parallel.py   the one device mesh (ParallelDims) and FSDP2 wrapping every trial, trace and export uses
     training.py   the training step every trial (real or traced) runs
     backends/     how a trial is evaluated: estimated, predicted (sim), measured (cpu/cuda)
+    records.py    what a run was asked and each step it took (TuneRequest, Step)
     controller.py the memory-tuning decision graph over a backend
     store.py      the Optuna study and the runs/ folder
     export/       the winner in the formats of other stacks
     report/       the HTML report
+    api.py        autotune.tune(): the tune command as a library call, returning the result document
     cli.py        the command line
 """
 
 __version__ = "0.1.0"
+
+
+def tune(model: str, *, gpus: int, global_tokens: int | str, **options):
+    """Run `autotune tune` as a library call and return the result document (autotune/api.py)."""
+    from autotune.api import tune as _tune
+
+    return _tune(model, gpus=gpus, global_tokens=global_tokens, **options)

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from autotune import knobs as knob_registry
 from autotune.errors import AutotuneError, StorageUnavailable, UsageError
 from autotune.interrupts import raised_where_safe
 
@@ -146,14 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_problem_options(trial, model_required=False)
     knobs = trial.add_argument_group("configuration (or --config)")
     knobs.add_argument("--config", help="a result JSON (best.json) to re-evaluate")
-    knobs.add_argument("--micro-batch", type=_positive_int, default=1)
     knobs.add_argument("--grad-accum", type=_positive_int, default=1)
-    knobs.add_argument("--ac", default="none", help="activation checkpointing: none, full or every:K")
-    knobs.add_argument("--offload", action=argparse.BooleanOptionalAction, default=False)
-    knobs.add_argument("--reshard", action=argparse.BooleanOptionalAction, default=True)
-    knobs.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
-    knobs.add_argument("--optimizer-impl", default="fused", choices=("fused", "foreach", "for-loop"),
-                       help="AdamW implementation (default fused, as HF Trainer and torchtitan use on GPUs)")
+    knob_registry.add_arguments(knobs)  # one flag per tuned knob (autotune/knobs.py)
     knobs.add_argument("--headroom", type=_fraction, default=None,
                        help="fraction of GPU memory kept free (default 0.10)")
 
@@ -204,6 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
 _VALUE_OPTIONS = ("--global-tokens", "--gpus", "--nodes", "--seq-len", "--micro-batch", "--grad-accum",
                   "--max-trials", "--gpu-memory", "--host-memory", "--headroom", "--global-tolerance",
                   "--vllm-gpu-memory-utilization")
+
+
+def command_options(command: str) -> dict[str, argparse.Action]:
+    """A command's named options by destination (autotune.tune() takes the tune command's)."""
+    root = build_parser()
+    commands = next(a for a in root._actions if isinstance(a, argparse._SubParsersAction))
+    return {a.dest: a for a in commands.choices[command]._actions if a.option_strings and a.dest != "help"}
 
 
 def _attach_negative_values(argv: list[str]) -> list[str]:
@@ -367,8 +369,15 @@ def _predictor_for(name: str):
 
 # -- commands -----------------------------------------------------------------------------------------
 def cmd_tune(args: argparse.Namespace, console) -> int:
+    code, _ = run_tune(args, console)
+    return code
+
+
+def run_tune(args: argparse.Namespace, console) -> tuple[int, dict | None]:
+    """A whole tuning run from parsed `tune` arguments: (exit code, the result document or None
+    when nothing fits). The CLI prints through `console`; autotune.tune() passes a quiet one."""
     from autotune.batch import DEFAULT_TOLERANCE, check_reachable, check_target
-    from autotune.controller import DEFAULT_HEADROOM, TuneRequest
+    from autotune.records import DEFAULT_HEADROOM, TuneRequest
     from autotune.search_space import load_space
     from autotune.store import (RunLog, TrialStore, default_storage, ensure_writable, new_run_dir, study_name,
                                 write_run_state)
@@ -412,11 +421,11 @@ def cmd_tune(args: argparse.Namespace, console) -> int:
     write_run_state(run_dir, "running", log)
     state = "failed"
     try:
-        code = _tune_in_run_dir(args, console, request=request, store=store, finished=finished, run_dir=run_dir,
-                                log=log, backend_name=backend_name, backend_why=backend_why, gpu_note=gpu_note,
-                                formats=formats)
+        code, document = _tune_in_run_dir(args, console, request=request, store=store, finished=finished,
+                                          run_dir=run_dir, log=log, backend_name=backend_name,
+                                          backend_why=backend_why, gpu_note=gpu_note, formats=formats)
         state = "done" if code == EXIT_OK else "nothing-fits"
-        return code
+        return code, document
     except KeyboardInterrupt:
         state = "interrupted"
         raise
@@ -426,10 +435,11 @@ def cmd_tune(args: argparse.Namespace, console) -> int:
 
 
 def _tune_in_run_dir(args: argparse.Namespace, console, *, request, store, finished, run_dir: Path, log,
-                     backend_name: str, backend_why: str, gpu_note: str, formats: list[str]) -> int:
+                     backend_name: str, backend_why: str, gpu_note: str, formats: list[str]) -> tuple[int, dict | None]:
     """The run itself, once its folder is claimed: trials, then the files."""
     from autotune.backends import get_backend
-    from autotune.controller import Controller, why_nothing_fits
+    from autotune.controller import Controller
+    from autotune.records import why_nothing_fits
     from autotune.files import write_atomic
     from autotune.result import build_result, dumps
     from autotune.store import step_record, trials_frame
@@ -466,7 +476,7 @@ def _tune_in_run_dir(args: argparse.Namespace, console, *, request, store, finis
     if outcome.winner is None:
         reason = why_nothing_fits(outcome.steps[-1], request) if outcome.steps else "no configuration was evaluated"
         console.error_line(f"{reason}; trials are in {run_dir}")
-        return EXIT_NOTHING_FITS
+        return EXIT_NOTHING_FITS, None
     document = build_result(request, outcome.winner, outcome.steps, backend=backend_name,
                             wrap=model.block_class, run_id=run_id, study=store.name, notes=outcome.notes)
     text = dumps(document)
@@ -480,7 +490,7 @@ def _tune_in_run_dir(args: argparse.Namespace, console, *, request, store, finis
     console.winner(document, run_dir, args.out)
     if args.json:
         sys.stdout.write(text)
-    return EXIT_OK
+    return EXIT_OK, document
 
 
 def _parse_formats(text: str) -> list[str]:
@@ -517,7 +527,7 @@ def _write_report(run_dir: Path, document: dict, records: list[dict], console) -
 
 def cmd_trial(args: argparse.Namespace, console) -> int:
     from autotune.config import TrainConfig, TrialSpec, memory_limit_bytes
-    from autotune.controller import DEFAULT_HEADROOM
+    from autotune.records import DEFAULT_HEADROOM
 
     recorded = None
     if args.config:
@@ -529,20 +539,11 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
         args.nodes = document.get("nodes", args.nodes)
         args.gpu_type = args.gpu_type or document["gpu"]["type"]
         args.seq_len = args.seq_len or document["seq_len"]
-        train = TrainConfig(precision=document["precision"],
-                            activation_checkpointing=document["fsdp"]["activation_checkpointing"],
-                            cpu_offload=document["fsdp"]["cpu_offload"],
-                            reshard_after_forward=document["fsdp"]["reshard_after_forward"],
-                            micro_batch_size=document["micro_batch_size"],
-                            # results written before the knob existed ran the per-parameter loop
-                            optimizer_impl=document.get("optimizer", {}).get("impl", "for-loop"))
+        train = TrainConfig.from_result(document)
         grad_accum = document["grad_accum_steps"]
         recorded = document.get("workload")
     else:
-        train = TrainConfig(precision=args.precision, activation_checkpointing=args.ac,
-                            optimizer_impl=args.optimizer_impl,
-                            cpu_offload=args.offload, reshard_after_forward=args.reshard,
-                            micro_batch_size=args.micro_batch)
+        train = TrainConfig(**knob_registry.from_args(args))
         grad_accum = args.grad_accum
     workload = _resolve_workload(args, recorded)
     model, cluster, seq_len, gpu_note = _resolve_problem(args)

@@ -7,110 +7,75 @@ the study and the result JSON carry the same fields.
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from autotune.catalog.gpus import GPUSpec, GPUS
 from autotune.catalog.models import ModelSpec
+from autotune import knobs
 from autotune.errors import UsageError
+from autotune.knobs import OPTIMIZER_IMPLS, PRECISIONS, Checkpointing  # noqa: F401  (re-exported)
 
 Precision = Literal["bf16", "fp16", "fp32"]
-PRECISIONS: tuple[str, ...] = ("bf16", "fp16", "fp32")
 PARAM_DTYPE_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 """torch dtype of the parameters FSDP gathers and computes with, by precision (parallel.py
 builds the policy from it; named here so what reads it need not import torch)."""
 PARAM_DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
-OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")
-"""AdamW implementations: `fused` (one kernel per step: HF Trainer's and torchtitan's default on GPUs),
-`foreach` (torch.optim's default on CUDA: temporaries for a whole group of parameters at once),
-`for-loop` (one parameter at a time: the least memory)."""
-_EVERY = re.compile(r"^every[:\-](\d+)$")
 
 
-def parse_ac(text: str) -> str:
-    """Normalise an activation-checkpointing mode: 'none', 'full' or 'every:K' (K >= 2).
-
-    'every:1' is 'full'. Blocks 0, K, 2K, ... are checkpointed (torchtitan's selective layer AC).
-    """
-    value = str(text).strip().lower()
-    if value in ("none", "full"):
-        return value
-    match = _EVERY.match(value)
-    if match and int(match.group(1)) >= 1:
-        k = int(match.group(1))
-        return "full" if k == 1 else f"every:{k}"
-    raise UsageError(f"activation checkpointing {text!r} is not one of none, full, every:K "
-                     "(K a positive integer, e.g. every:2)")
+def parse_ac(text: Any) -> Checkpointing:
+    """An activation-checkpointing value from its string ('none', 'full', 'every:K', 'op')."""
+    return Checkpointing.parse(text)
 
 
-def ac_every(ac: str) -> int | None:
-    """Checkpoint every k-th block: None for no checkpointing, 1 for all blocks."""
-    if ac == "none":
-        return None
-    if ac == "full":
-        return 1
-    return int(ac.split(":")[1])
-
-
-def is_checkpointed(ac: str, block_index: int) -> bool:
-    every = ac_every(ac)
-    return every is not None and block_index % every == 0
-
-
-def checkpointed_blocks(ac: str, num_layers: int) -> frozenset[int]:
-    """The blocks a mode checkpoints in a model of `num_layers`: on a 2-layer model every:2 and
-    every:4 are the same configuration."""
-    return frozenset(i for i in range(num_layers) if is_checkpointed(ac, i))
+_D = knobs.BY_NAME
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """The knobs the controller tunes."""
+    """The knobs the controller tunes: one field per entry of autotune.knobs.KNOBS, which
+    validates, serialises and labels them (a test checks the two agree)."""
 
-    precision: Precision = "bf16"
-    """Parameter/compute dtype; gradients are reduced in fp32 in every mode."""
-    activation_checkpointing: str = "none"
-    """'none', 'full' (every decoder block) or 'every:K' (blocks 0, K, 2K, ...)."""
-    cpu_offload: bool = False
-    """FSDP2 CPUOffloadPolicy: sharded params, grads and optimizer state live on the host."""
-    reshard_after_forward: bool = True
-    """Free gathered block parameters after forward (ZeRO-3); False keeps them (ZeRO-2-like)."""
-    micro_batch_size: int = 1
-    """Sequences per GPU per forward/backward."""
-    optimizer_impl: str = "fused"
-    """AdamW implementation traced and run (see OPTIMIZER_IMPLS); exports pin it, so the memory a
-    user gets is the memory predicted."""
+    precision: Precision = _D["precision"].default
+    activation_checkpointing: Checkpointing = _D["activation_checkpointing"].default
+    cpu_offload: bool = _D["cpu_offload"].default
+    reshard_after_forward: bool = _D["reshard_after_forward"].default
+    micro_batch_size: int = _D["micro_batch_size"].default
+    optimizer_impl: str = _D["optimizer_impl"].default
+    shard_group_size: int = _D["shard_group_size"].default
+    """HSDP: shard within groups of this many GPUs, replicate across them; 0 = every GPU (FSDP)."""
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise UsageError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
-        if self.optimizer_impl not in OPTIMIZER_IMPLS:
-            raise UsageError(f"optimizer implementation {self.optimizer_impl!r} is not one of "
-                             f"{', '.join(OPTIMIZER_IMPLS)}")
-        object.__setattr__(self, "activation_checkpointing", parse_ac(self.activation_checkpointing))
-        if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
-            raise UsageError(f"micro-batch size must be a positive integer, got {self.micro_batch_size!r}")
+        for knob in knobs.KNOBS:
+            object.__setattr__(self, knob.name, knob.parse(getattr(self, knob.name)))
+
+    @property
+    def ac(self) -> Checkpointing:
+        return self.activation_checkpointing
 
     def with_(self, **changes: Any) -> "TrainConfig":
         return replace(self, **changes)
 
     def label(self) -> str:
-        parts = [self.precision, f"mb={self.micro_batch_size}", f"ac={self.activation_checkpointing}"]
-        if self.cpu_offload:
-            parts.append("offload")
-        if not self.reshard_after_forward:
-            parts.append("no-reshard")
-        if self.optimizer_impl != "fused":
-            parts.append(f"adamw={self.optimizer_impl}")
-        return " ".join(parts)
+        return knobs.label(self.knob_values())
+
+    def knob_values(self) -> dict[str, Any]:
+        return {knob.name: getattr(self, knob.name) for knob in knobs.KNOBS}
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return knobs.to_json(self.knob_values())
+
+    def cache_key(self) -> tuple:
+        return knobs.cache_key(self.knob_values())
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+        return cls(**{k: data[k] for k in knobs.BY_NAME if k in data})
+
+    @classmethod
+    def from_result(cls, document: dict[str, Any]) -> "TrainConfig":
+        """The configuration a best.json records (old results: the knobs they predate at what ran)."""
+        return cls(**knobs.from_result(document))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -226,6 +191,14 @@ class TrialSpec:
     memory_limit_bytes: int | None = None
     """Usable memory per GPU (`memory_limit_bytes()`); a trial over it is out of memory."""
     workload: Workload = field(default_factory=Workload)
+
+    def __post_init__(self) -> None:
+        size, gpus, per_node = self.train.shard_group_size, self.cluster.num_gpus, self.cluster.gpus_per_node
+        if size == gpus:  # one group of every GPU is plain FSDP: one configuration, one name
+            object.__setattr__(self, "train", self.train.with_(shard_group_size=0))
+        elif size and (per_node % size if size <= per_node else size % per_node or gpus % size):
+            raise UsageError(f"--hsdp {size}: the shard group size must divide the {per_node} GPUs per node "
+                             f"(or be a multiple of it dividing {gpus}); 0 shards over every GPU")
 
     @property
     def limit_bytes(self) -> int:

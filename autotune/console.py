@@ -51,6 +51,8 @@ def _short_label(train) -> str:
         parts.append("offload")
     if not train.reshard_after_forward:
         parts.append("no-rs")
+    if getattr(train, "shard_group_size", 0):
+        parts.append(f"hsdp{train.shard_group_size}")
     return " ".join(parts)
 
 

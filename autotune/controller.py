@@ -15,19 +15,21 @@ configuration first and those predicted not to fit are recorded as `pruned`, nev
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from autotune.backends.base import TrialBackend, TrialResult
-from autotune.batch import DEFAULT_TOLERANCE, GlobalBatch, plan_global_batch, within_tolerance
-from autotune.catalog.models import ModelSpec
-from autotune.config import Cluster, TrainConfig, TrialSpec, Workload, checkpointed_blocks, memory_limit_bytes
-from autotune.search_space import SearchSpace
-
-DEFAULT_HEADROOM = 0.10
-"""Fraction of GPU memory kept free: allocator fragmentation spikes, NCCL growth, a longer batch."""
+from autotune.batch import within_tolerance
+from autotune.config import Checkpointing, TrainConfig
+from autotune.records import (  # noqa: F401  (re-exported: callers written before the records moved)
+    DEFAULT_HEADROOM,
+    Step,
+    TuneOutcome,
+    TuneRequest,
+    config_key,
+    prediction_summary,
+    why_nothing_fits,
+)
 
 EXPLORE_MARGIN = 0.03
 """Where throughput is only estimated, an exploration candidate whose closed-form estimate is
@@ -38,134 +40,8 @@ SATURATION_GAIN = 0.02
 while still below the best configuration found: throughput saturates with the micro-batch."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class TuneRequest:
-    model: ModelSpec
-    cluster: Cluster
-    seq_len: int
-    target_tokens: int
-    tolerance: float = DEFAULT_TOLERANCE
-    headroom: float = DEFAULT_HEADROOM
-    space: SearchSpace = field(default_factory=SearchSpace)
-    max_trials: int | None = None
-    time_budget_s: float | None = None
-    workload: Workload = field(default_factory=Workload)
-
-    @property
-    def memory_limit_bytes(self) -> int:
-        return memory_limit_bytes(self.cluster.capacity_bytes, headroom=self.headroom, workload=self.workload)
-
-    def describe_limit(self) -> str:
-        """How the limit was reached from the capacity, for messages."""
-        from autotune.units import format_bytes
-
-        capacity = self.cluster.capacity_bytes
-        vllm = self.workload.vllm_bytes(capacity)
-        share = (f" less vLLM's {self.workload.vllm_gpu_memory_utilization:g} ({format_bytes(vllm)})"
-                 if vllm else "")
-        return (f"{format_bytes(self.memory_limit_bytes)} per GPU ({format_bytes(capacity)}{share}, "
-                f"less {self.headroom:.0%} headroom)")
-
-    @property
-    def max_micro_batch(self) -> int:
-        """Beyond this, even one accumulation step overshoots the global batch."""
-        per_gpu_sequences = self.target_tokens // (self.cluster.num_gpus * self.seq_len)
-        return max(1, min(self.space.max_micro_batch, per_gpu_sequences))
-
-    def global_batch(self, micro_batch_size: int) -> GlobalBatch:
-        return plan_global_batch(target_tokens=self.target_tokens, num_gpus=self.cluster.num_gpus,
-                                 seq_len=self.seq_len, micro_batch_size=micro_batch_size)
-
-    def spec(self, train: TrainConfig) -> TrialSpec:
-        return TrialSpec(model=self.model, cluster=self.cluster, seq_len=self.seq_len, train=train,
-                         grad_accum_steps=self.global_batch(train.micro_batch_size).grad_accum_steps,
-                         memory_limit_bytes=self.memory_limit_bytes, workload=self.workload)
-
-
-@dataclass(kw_only=True)
-class Step:
-    """One evaluated configuration and why the controller tried it."""
-
-    step: int
-    stage: str
-    train: TrainConfig
-    batch: GlobalBatch
-    result: TrialResult
-    fits: bool
-    reason: str
-    backend: str
-    predicted: TrialResult | None = None
-    reused_from: int | None = None
-
-    @property
-    def prediction_error(self) -> float | None:
-        """(predicted - measured) / measured tensor-level peak, where a trial has both."""
-        if self.predicted is None or self.result.status != "ok" or self.result.peak_memory is None:
-            return None
-        if self.result.peak_memory.source != "measured":
-            return None
-        measured = self.result.extras.get("tensor_peak_bytes")
-        predicted = self.predicted.extras.get("tensor_peak_bytes")
-        if not measured or predicted is None:
-            return None
-        return (predicted - measured) / measured
-
-    @property
-    def device_total_error(self) -> float | None:
-        """(predicted total - measured device-level peak) / measured, for real cuda trials."""
-        if self.prediction_error is None or self.predicted.peak_memory is None:
-            return None
-        measured = self.result.extras.get("device_peak_bytes")
-        return (self.predicted.peak_memory.value - measured) / measured if measured else None
-
-
-def prediction_summary(steps: list[Step]) -> dict | None:
-    """How far the simulator's tensor peaks were from the measured ones over a run."""
-    errors = [s.prediction_error for s in steps if s.prediction_error is not None]
-    if not errors:
-        return None
-    ordered = sorted(abs(e) for e in errors)
-    summary = {"trials": len(errors), "median_abs": ordered[len(ordered) // 2], "max_abs": ordered[-1],
-               "what": "relative error of the predicted tensor-level peak against the measured one",
-               "device_total": None}
-    # Real cuda trials: the predicted total (tensor peak + runtime terms) against the
-    # device-level peak (reserved + outside the allocator), the quantity that prunes trials.
-    totals = sorted(abs(e) for e in (s.device_total_error for s in steps) if e is not None)
-    if totals:
-        summary["device_total"] = {"trials": len(totals), "median_abs": totals[len(totals) // 2],
-                                   "max_abs": totals[-1], "what": "relative error of the predicted total "
-                                   "against the device-level peak (max_memory_reserved + memory outside the allocator)"}
-    return summary
-
-
-def config_key(train: TrainConfig, *, grad_accum_steps: int, backend: str) -> str:
-    """Identity of a trial in the study, for resuming."""
-    return json.dumps({**train.to_dict(), "grad_accum_steps": grad_accum_steps, "backend": backend},
-                      sort_keys=True)
-
-
-def why_nothing_fits(last: Step, request: TuneRequest) -> str:
-    """Which limit the last, most memory-saving configuration hit, and what to do about it."""
-    from autotune.units import format_bytes
-
-    message = last.result.message or ""
-    if last.train.cpu_offload and "host memory" in message:
-        return (f"no configuration fits: CPU offload fits the GPUs but not the host ({message}); add GPUs or "
-                "nodes (less host memory per node), or pass the nodes' real --host-memory if it is larger")
-    lower = "lower --headroom" + (" or --vllm-gpu-memory-utilization" if request.workload.kind == "grpo" else "")
-    return (f"no configuration fits within {request.describe_limit()}, even at micro-batch 1 with every memory "
-            f"saving allowed: add GPUs, lower --seq-len, or {lower}")
-
-
 class BudgetExhausted(Exception):
     """--max-trials or --time-budget reached: stop trying, choose among what was measured."""
-
-
-@dataclass
-class TuneOutcome:
-    steps: list[Step]
-    winner: Step | None
-    notes: list[str]
 
 
 class Controller:
@@ -230,15 +106,18 @@ class Controller:
         return step
 
     def _could_win(self, train: TrainConfig) -> bool:
-        """False if the estimator puts `train` clearly below the best so far (then noted)."""
+        """False if the estimator puts `train` clearly below the best so far (then noted). Both are
+        estimated the same way (the closed form), so a bias between it and the backend cancels:
+        a candidate is judged by its estimate relative to the best's."""
         best = self._choose()
         if self.estimator is None or best is None or not best.result.throughput or self._find(train):
             return True
         estimate = self.estimator.evaluate(self.request.spec(train)).throughput
-        if estimate is None or estimate >= best.result.throughput * (1 - EXPLORE_MARGIN):
+        reference = self.estimator.evaluate(self.request.spec(best.train)).throughput
+        if estimate is None or not reference or estimate >= reference * (1 - EXPLORE_MARGIN):
             return True
         self.notes.append(f"not explored: {train.label()} (estimated {estimate:,.0f} tokens/s, "
-                          f"{estimate / best.result.throughput - 1:+.1%} vs the best {best.train.label()})")
+                          f"{estimate / reference - 1:+.1%} vs the best {best.train.label()} estimated the same way)")
         return False
 
     def _find(self, train: TrainConfig) -> Step | None:
@@ -364,10 +243,14 @@ class Controller:
     def _distinct_ac_modes(self, modes: list[str], *, exclude: tuple[str, ...] = ()) -> list[str]:
         """Drop modes that checkpoint the same blocks as an earlier one (or an excluded one)."""
         layers = self.request.model.num_layers
-        seen = {checkpointed_blocks(m, layers) for m in exclude}
+        def what(mode: str) -> tuple:
+            ac = Checkpointing.parse(mode)  # op-level differs from full in what it saves, not in blocks
+            return ac.policy, ac.blocks(layers)
+
+        seen = {what(m) for m in exclude}
         distinct = []
         for mode in modes:
-            blocks = checkpointed_blocks(mode, layers)
+            blocks = what(mode)
             if blocks not in seen:
                 seen.add(blocks)
                 distinct.append(mode)
@@ -377,7 +260,7 @@ class Controller:
         space = self.request.space
         ceiling = self.request.max_micro_batch
         lighter_first = [f"every:{k}" for k in sorted(space.lighter_every, reverse=True)]  # least recompute first
-        if mode.activation_checkpointing == "full" and not mode.cpu_offload:
+        if mode.activation_checkpointing.mode == "full" and not mode.cpu_offload:
             for ac in self._distinct_ac_modes(lighter_first, exclude=("full",)):
                 if not self._could_win(largest.with_(activation_checkpointing=ac)):
                     continue
@@ -386,7 +269,12 @@ class Controller:
                                 "recompute than checkpointing all of them")
                 if step.fits:
                     break
-        if (mode.activation_checkpointing == "none" and space.checkpointing
+            for ac in (str(Checkpointing(mode="op", policy=policy)) for policy in space.op_level):
+                if self._could_win(largest.with_(activation_checkpointing=ac)):
+                    self.run("explore", largest.with_(activation_checkpointing=ac),
+                             f"op-level checkpointing ({ac}) of every block: saves matmul outputs, so backward "
+                             "recomputes less than full checkpointing")
+        if (mode.activation_checkpointing.mode == "none" and space.checkpointing
                 and space.explore_checkpointed_larger_micro_batch and largest.micro_batch_size < ceiling):
             bigger = min(ceiling, largest.micro_batch_size * 2)
             for ac in self._distinct_ac_modes([*lighter_first, "full"]):
@@ -402,12 +290,37 @@ class Controller:
                     if best is None or (largest_here.result.throughput or 0) >= (best.result.throughput or 0):
                         self._align(largest_here.train)
                     break
+        self._explore_hsdp()
         best = self._choose()
         if (best is not None and space.explore_no_reshard and best.train.reshard_after_forward
                 and self._could_win(best.train.with_(reshard_after_forward=False))):
             self.run("explore", best.train.with_(reshard_after_forward=False),
                      "keep gathered parameters after forward (no reshard): saves an all-gather per block "
                      "in backward if memory allows")
+
+    def _explore_hsdp(self) -> None:
+        """On several nodes: shard within groups of a node (then 2, 4, ... nodes) and replicate across
+        them, smallest group first: the all-gathers and reduce-scatters stay on the fastest links,
+        and only a gradient all-reduce of each shard crosses groups. A smaller group holds a larger
+        shard per GPU, so the first group that fits is the one to grow."""
+        cluster, best = self.request.cluster, self._choose()
+        if not self.request.space.hsdp or cluster.num_nodes < 2 or best is None:
+            return
+        group = cluster.gpus_per_node
+        while group < cluster.num_gpus:
+            train = best.train.with_(shard_group_size=group)
+            if self._could_win(train):
+                where = ("all-gathers and reduce-scatters stay within a node" if group == cluster.gpus_per_node
+                         else f"all-gathers and reduce-scatters span {group // cluster.gpus_per_node} nodes, "
+                              f"not {cluster.num_nodes}")
+                step = self.run("explore", train,
+                                f"HSDP: shard within groups of {group} GPUs, replicate across "
+                                f"{cluster.num_gpus // group} groups: {where}, plus one all-reduce of each "
+                                "gradient shard across groups")
+                if step.fits:
+                    self._align(self._grow(step.train, stage="explore", until_saturated=True))
+                    return
+            group *= 2
 
     def _choose(self) -> Step | None:
         tolerance = self.request.tolerance

@@ -261,15 +261,48 @@ def _ring_gbps(cluster: Cluster) -> float:
     return gpu.intra_node_gbps * INTRA_NODE_BUS_EFFICIENCY
 
 
-def estimate_step_time(work: StepWork, cluster: Cluster) -> StepTime:
-    """Roofline time of one optimizer step on `cluster` (see the module docstring)."""
+def hsdp_comm_seconds(work: StepWork, cluster: Cluster, *, shard_group_size: int) -> tuple[float, float]:
+    """(intra-node, inter-node) seconds of one step's collectives under HSDP: parameters sharded
+    within groups of `shard_group_size` GPUs (consecutive ranks: a node, or whole nodes) and
+    replicated across the r = n / size groups.
+
+    The all-gathers and reduce-scatters run as rings within a group: on NVLink when the group
+    fits in a node, else at the inter-node rate. Each reduced gradient shard (1/size of the
+    gradient bytes) is then all-reduced across the groups, 2(r-1)/r of it on a ring (FSDP2 does
+    it after every reduce-scatter), across nodes whenever there are several.
+    """
+    n, size = cluster.num_gpus, shard_group_size or cluster.num_gpus
+    replicas = n // size
+    intra_gbps = cluster.gpu.intra_node_gbps * INTRA_NODE_BUS_EFFICIENCY
+    inter_gbps = cluster.gpu.inter_node_gbps * INTER_NODE_BUS_EFFICIENCY
+    group_bytes = (work.allgather_bytes_per_gpu + work.reduce_scatter_bytes_per_gpu) * (size - 1) / size
+    group_s = group_bytes / ((intra_gbps if size <= cluster.gpus_per_node else inter_gbps) * 1e9)
+    allreduce_bytes = 2 * (replicas - 1) / replicas * work.reduce_scatter_bytes_per_gpu / size
+    allreduce_s = allreduce_bytes / ((inter_gbps if cluster.num_nodes > 1 else intra_gbps) * 1e9)
+    intra_s = inter_s = 0.0
+    if size <= cluster.gpus_per_node:
+        intra_s += group_s
+    else:
+        inter_s += group_s
+    if cluster.num_nodes > 1:
+        inter_s += allreduce_s
+    else:
+        intra_s += allreduce_s
+    return intra_s, inter_s
+
+
+def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: int = 0) -> StepTime:
+    """Roofline time of one optimizer step on `cluster` (see the module docstring);
+    `shard_group_size` > 0: HSDP (see hsdp_comm_seconds)."""
     gpu = cluster.gpu
     n = cluster.num_gpus
     tokens_per_microbatch = work.tokens_per_step / (work.num_microbatches * n)
     compute_s = work.flops_per_gpu / (gpu.peak_tflops * 1e12 * matmul_efficiency(gpu, tokens_per_microbatch))
 
     comm_s = 0.0
-    if n > 1:
+    if shard_group_size and shard_group_size < n:
+        comm_s = sum(hsdp_comm_seconds(work, cluster, shard_group_size=shard_group_size))
+    elif n > 1:
         ring_bytes = (work.allgather_bytes_per_gpu + work.reduce_scatter_bytes_per_gpu) * (n - 1) / n
         comm_s = ring_bytes / (_ring_gbps(cluster) * 1e9)
     offload_s = (work.host_to_device_bytes + work.device_to_host_bytes) / (host_link_gbps(gpu) * 1e9)

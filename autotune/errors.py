@@ -19,3 +19,7 @@ class TrialError(AutotuneError):
 
 class StorageUnavailable(AutotuneError):
     """The study's storage stayed unreachable longer than autotune waits (exit code 5)."""
+
+
+class NothingFits(AutotuneError):
+    """No configuration fits (autotune.tune; the CLI exits 3): the message says which limit and what to do."""

@@ -1,4 +1,10 @@
-"""The one FSDP2 wrapping function: real trials apply it, the simulator traces it, exports describe it.
+"""The one FSDP2 wrapping function and the one device mesh: real trials apply them, the
+simulator traces them, exports copy them.
+
+`ParallelDims` (after torchtitan's) says how the world is split: `dp_shard` ranks hold one
+copy of the parameters between them, `dp_replicate` such groups each hold a copy (HSDP:
+sharded within a group, the gradients all-reduced across groups). `build_mesh` makes the mesh
+`fully_shard` receives: 1-D for plain FSDP, 2-D `(dp_replicate, dp_shard)` for HSDP.
 
 Order matters, as in torchtitan's parallelize_llama: activation checkpointing wraps blocks
 first (fully_shard must see the wrapper so the recompute also all-gathers), then each decoder
@@ -13,7 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from autotune.config import PARAM_DTYPE_NAMES, TrainConfig, is_checkpointed
+from autotune.config import PARAM_DTYPE_NAMES, TrainConfig
+from autotune.knobs import Checkpointing
 from autotune.errors import UnsupportedModelError
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2", "and other "
@@ -73,18 +80,96 @@ def mixed_precision_policy(precision: str):
     return MixedPrecisionPolicy(param_dtype=PARAM_DTYPES[precision], reduce_dtype=torch.float32)
 
 
-def apply_ac(blocks: Blocks, mode: str) -> int:
-    """Wrap checkpointed blocks in place (non-reentrant). Returns how many were wrapped."""
+@dataclass(frozen=True)
+class ParallelDims:
+    """How the ranks split: `dp_replicate` groups of `dp_shard` ranks. Ranks are numbered node by
+    node (torchrun), and a mesh is laid out row-major, so a shard group of up to a node's GPUs
+    stays within a node: its all-gathers and reduce-scatters never leave it."""
+
+    dp_replicate: int
+    dp_shard: int
+
+    @classmethod
+    def of(cls, train: TrainConfig, world_size: int) -> "ParallelDims":
+        shard = train.shard_group_size or world_size
+        if world_size % shard:
+            raise ValueError(f"shard group size {shard} does not divide the world size {world_size}")
+        return cls(dp_replicate=world_size // shard, dp_shard=shard)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def hsdp(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.dp_replicate, self.dp_shard) if self.hsdp else (self.dp_shard,)
+
+    @property
+    def dim_names(self) -> tuple[str, ...]:
+        return ("dp_replicate", "dp_shard") if self.hsdp else ("dp_shard",)
+
+    def build_mesh(self, device_type: str):
+        """The mesh fully_shard takes: a 2-D one shards over its last dimension and replicates over
+        the first (HSDP)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, self.shape, mesh_dim_names=self.dim_names)
+
+
+def op_sac_policy(policy: str):
+    """The op-level selective checkpointing policy: which op outputs a checkpointed block saves
+    (the rest is recomputed in backward). `mm` saves every matmul output; `alt-mm` every other
+    one (torchtitan's `op` selective AC, whose save list this is: matmuls, attention kernels,
+    the reduce-scatter of tensor parallelism, max). Returns a fresh policy per forward: the
+    matmul count must restart for each forward and each recompute."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    matmuls = {aten.mm.default, aten.addmm.default, aten.linear.default}
+    save = set(matmuls) | {aten.max.default, torch.ops._c10d_functional.reduce_scatter_tensor.default}
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+        if hasattr(aten, name):
+            save.add(getattr(aten, name).default)
+    counts = {"forward": 0, "recompute": 0}
+
+    def decide(ctx, func, *args, **kwargs):
+        if func in matmuls:
+            phase = "recompute" if ctx.is_recompute else "forward"
+            counts[phase] += 1
+            if policy == "alt-mm" and counts[phase] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return decide
+
+
+def apply_ac(blocks: Blocks, ac: Checkpointing) -> int:
+    """Wrap checkpointed blocks in place (non-reentrant); op-level checkpointing wraps every
+    block with a selective policy. Returns how many were wrapped."""
+    from functools import partial
+
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
         checkpoint_wrapper,
     )
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+    def contexts(policy: str):
+        return create_selective_checkpoint_contexts(op_sac_policy(policy))
+
+    options = {}
+    if ac.mode == "op":
+        options = dict(context_fn=partial(contexts, ac.policy), preserve_rng_state=False)
     wrapped = 0
     layers = blocks.layers
     for index in range(len(layers)):
-        if is_checkpointed(mode, index):
-            layers[index] = checkpoint_wrapper(layers[index], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        if ac.wraps_block(index):
+            layers[index] = checkpoint_wrapper(layers[index], checkpoint_impl=CheckpointImpl.NO_REENTRANT, **options)
             wrapped += 1
     return wrapped
 

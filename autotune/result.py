@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import autotune
-from autotune.controller import Step, TuneRequest, prediction_summary
+from autotune.records import Step, TuneRequest, prediction_summary
+from autotune import knobs
 from autotune.config import PARAM_DTYPE_BYTES, PARAM_DTYPE_NAMES
 from autotune.runtime_memory import ALLOC_CONF_ENV, alloc_conf
 from autotune.secrets import mask
@@ -168,9 +169,7 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
         "fsdp": {
             "param_dtype": PARAM_DTYPE_NAMES[train.precision],
             "reduce_dtype": "float32",
-            "activation_checkpointing": train.activation_checkpointing,
-            "cpu_offload": train.cpu_offload,
-            "reshard_after_forward": train.reshard_after_forward,
+            **knobs.fsdp_section(train.knob_values()),
             "wrap": wrap,
             "sharded_grad_scaler": train.precision == "fp16",
         },

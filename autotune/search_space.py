@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.config import OPTIMIZER_IMPLS, PRECISIONS
+from autotune.knobs import OP_POLICIES
 from autotune.errors import UsageError
 
 DEFAULT_SPACE = Path(__file__).resolve().parent.parent / "search_spaces" / "default.toml"
@@ -15,7 +16,8 @@ DEFAULT_SPACE = Path(__file__).resolve().parent.parent / "search_spaces" / "defa
 # key -> (type, validator description). Everything the file may contain, nothing else.
 _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "baseline": {"precision": str, "reshard_after_forward": bool, "optimizer_impl": str},
-    "checkpointing": {"enabled": bool, "lighter_every": list},
+    "checkpointing": {"enabled": bool, "lighter_every": list, "op_level": list},
+    "hsdp": {"enabled": bool},
     "offload": {"enabled": bool},
     "micro_batch": {"max": int, "refine": bool},
     "explore": {"no_reshard": bool, "checkpointed_larger_micro_batch": bool},
@@ -31,6 +33,10 @@ class SearchSpace:
     optimizer_impl: str = "fused"
     checkpointing: bool = True
     lighter_every: tuple[int, ...] = (2, 4)
+    op_level: tuple[str, ...] = ("alt-mm",)
+    """Op-level selective checkpointing policies tried where full checkpointing was needed."""
+    hsdp: bool = True
+    """On several nodes, try sharding within node groups and replicating across them."""
     offload: bool = True
     max_micro_batch: int = 64
     refine: bool = True
@@ -90,6 +96,10 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
     if not all(isinstance(k, int) and not isinstance(k, bool) and k >= 2 for k in lighter):
         raise UsageError(f"search space {where!r}: checkpointing.lighter_every must be a list of "
                          f"integers >= 2, got {lighter!r}")
+    op_level = get("checkpointing", "op_level", ["alt-mm"])
+    if not all(p in OP_POLICIES for p in op_level):
+        raise UsageError(f"search space {where!r}: checkpointing.op_level must be a list of "
+                         f"{', '.join(OP_POLICIES)} (or empty), got {op_level!r}")
     max_mb = get("micro_batch", "max", 64)
     if max_mb < 1:
         raise UsageError(f"search space {where!r}: micro_batch.max must be >= 1, got {max_mb}")
@@ -99,6 +109,8 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
         optimizer_impl=optimizer_impl,
         checkpointing=get("checkpointing", "enabled", True),
         lighter_every=tuple(sorted(set(lighter))),
+        op_level=tuple(dict.fromkeys(op_level)),
+        hsdp=get("hsdp", "enabled", True),
         offload=get("offload", "enabled", True),
         max_micro_batch=max_mb,
         refine=get("micro_batch", "refine", True),

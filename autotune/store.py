@@ -21,8 +21,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from autotune.config import OPTIMIZER_IMPLS, PRECISIONS, ac_every
-from autotune.controller import Step, TuneRequest, config_key
+from autotune import knobs
+from autotune.records import Step, TuneRequest, config_key
 from autotune.errors import StorageUnavailable, UsageError
 
 STUDY_DB = "autotune.db"
@@ -277,25 +277,13 @@ class TrialStore:
                                       "reason": step.reason})
             return step.reused_from
         import optuna
-        from optuna.distributions import CategoricalDistribution, IntDistribution
         from optuna.trial import TrialState
 
         record = step_record(step)
         record["run_id"] = run_id
         train = step.train
         # Fixed value spaces (a study refuses a parameter whose space changes between trials).
-        params = {"micro_batch_size": train.micro_batch_size,
-                  "checkpoint_every": ac_every(train.activation_checkpointing) or 0,
-                  "cpu_offload": train.cpu_offload,
-                  "reshard_after_forward": train.reshard_after_forward,
-                  "precision": train.precision,
-                  "optimizer_impl": train.optimizer_impl}
-        distributions = {"micro_batch_size": IntDistribution(1, 1 << 16),
-                         "checkpoint_every": IntDistribution(0, 1 << 16),
-                         "cpu_offload": CategoricalDistribution([False, True]),
-                         "reshard_after_forward": CategoricalDistribution([True, False]),
-                         "precision": CategoricalDistribution(list(PRECISIONS)),
-                         "optimizer_impl": CategoricalDistribution(list(OPTIMIZER_IMPLS))}
+        params, distributions = knobs.optuna_params(train.knob_values())
         value = step.result.throughput
         if step.fits:
             state, values = TrialState.COMPLETE, [float(value) if value is not None else 0.0]

@@ -52,7 +52,7 @@ def trace_cost(repeats: int) -> None:
     print("## trace cost: llama-7b shape, world size 8, seq 4096, micro-batch 1, no checkpointing")
     model = resolve_model("llama-7b")
     tracer = Tracer()
-    mesh = fake_mesh(8)
+    mesh = fake_mesh(ParallelDims(dp_replicate=1, dp_shard=8))
 
     def trace(depth: int, mb: int = 1):
         return tracer.trace(model, depth=depth, mesh=mesh, world_size=8, seq_len=4096, grad_accum_steps=1,

@@ -78,12 +78,14 @@ def test_gpu_catalog():
 
 
 @pytest.mark.parametrize("text, expected", [("none", "none"), ("full", "full"), ("every:2", "every:2"),
-                                            ("every-3", "every:3"), ("every:1", "full"), ("FULL", "full")])
+                                            ("every-3", "every:3"), ("every:1", "full"), ("FULL", "full"),
+                                            ("op", "op"), ("op:alt-mm", "op"), ("op:mm", "op:mm")])
 def test_parse_ac(text, expected):
-    assert parse_ac(text) == expected
+    assert str(parse_ac(text)) == expected
+    assert parse_ac(str(parse_ac(text))) == parse_ac(text)  # the string form reads back as the same value
 
 
-@pytest.mark.parametrize("text", ["some", "every:0", "every:x", "every"])
+@pytest.mark.parametrize("text", ["some", "every:0", "every:x", "every", "op:all"])
 def test_parse_ac_refuses(text):
     with pytest.raises(UsageError):
         parse_ac(text)

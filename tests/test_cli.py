@@ -426,3 +426,22 @@ def test_sigterm_keeps_finished_trials_and_leaves_no_process(tmp_path):
     time.sleep(1)
     alive = [pid for pid in children if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     assert not alive, f"left running: {alive}"
+
+
+def test_the_library_call_returns_what_the_command_writes(tmp_path, capsys):
+    import autotune
+    from autotune.errors import NothingFits, UsageError
+
+    runs = tmp_path / "runs"
+    document = autotune.tune("tiny-llama", gpus=2, global_tokens="64K", backend="analytic", runs_dir=str(runs))
+    assert capsys.readouterr().out == ""  # a library call prints nothing
+    (run,) = run_dirs(runs)
+    assert json.loads((run / "best.json").read_text()) == document
+    jsonschema.validate(document, SCHEMA)
+    with pytest.raises(UsageError, match="no option 'gpu_typo'"):
+        autotune.tune("tiny-llama", gpus=2, global_tokens="64K", gpu_typo="h100")
+    with pytest.raises(UsageError, match="did you mean h100-80gb"):
+        autotune.tune("tiny-llama", gpus=2, global_tokens="64K", gpu_type="h100", runs_dir=str(runs))
+    with pytest.raises(NothingFits, match="no configuration fits"):
+        autotune.tune("tiny-llama", gpus=2, global_tokens="64K", backend="analytic", gpu_memory="1MiB",
+                      runs_dir=str(runs))

@@ -10,7 +10,7 @@ from dataclasses import replace
 from autotune.backends.base import Figure, TrialBackend, TrialResult
 from autotune.catalog.gpus import GPUS
 from autotune.catalog.models import resolve_model
-from autotune.config import Cluster, TrainConfig, ac_every
+from autotune.config import Cluster, TrainConfig
 from autotune.controller import Controller, TuneRequest
 from autotune.search_space import SearchSpace
 
@@ -31,7 +31,7 @@ class FormulaBackend(TrialBackend):
     def evaluate(self, spec):
         train = spec.train
         self.calls.append(train)
-        every = ac_every(train.activation_checkpointing)
+        every = train.activation_checkpointing.block_every
         kept = 1.0 if every is None else (1 - 1 / every) * 0.9 + 0.1
         states = self.states * (0.1 if train.cpu_offload else 1.0) + (0 if train.reshard_after_forward else 2 * GiB)
         peak = int(states + train.micro_batch_size * self.activation * kept)
@@ -206,3 +206,27 @@ def test_estimated_backends_skip_exploration_that_cannot_win():
     assert any(note.startswith("not explored") for note in estimated.notes)
     measured = Controller(request_for(75), FormulaBackend(memory_source="measured"), estimator=Pessimist()).tune()
     assert [s for s in measured.steps if s.train.activation_checkpointing != "none"]
+
+
+def test_hsdp_is_searched_on_several_nodes_only_and_wins_where_it_is_faster():
+    """Shard groups of a node (then 2, 4 nodes) are tried after the graph on several nodes; the
+    backend says an HSDP configuration is faster here, and it wins. On one node it is never tried."""
+    import dataclasses
+
+    class HybridFaster(FormulaBackend):
+        def evaluate(self, spec):
+            result = super().evaluate(spec)
+            if spec.train.shard_group_size and result.tokens_per_sec:
+                result.tokens_per_sec = Figure(result.tokens_per_sec.value * 1.2, "estimated", "formula")
+            return result
+
+    one_node = Controller(request_for(75), HybridFaster()).tune()
+    assert not [s for s in one_node.steps if s.train.shard_group_size]
+    request = request_for(75)
+    request = dataclasses.replace(request, cluster=dataclasses.replace(request.cluster, num_nodes=2))
+    outcome = Controller(request, HybridFaster()).tune()
+    tried = [s.train.shard_group_size for s in outcome.steps if s.train.shard_group_size]
+    assert tried and tried[0] == 4  # a node's GPUs first
+    assert outcome.winner.train.shard_group_size == 4
+    off = dataclasses.replace(request, space=SearchSpace(hsdp=False))
+    assert not [s for s in Controller(off, HybridFaster()).tune().steps if s.train.shard_group_size]

@@ -90,3 +90,23 @@ def test_fsdp_step_work_assembles_volumes_and_offload():
     offload = cm.fsdp_step_work(**sizes, cpu_offload=True)
     assert offload.cpu_optimizer_params == 450 // 4 + 1  # ceil: the first ranks hold the remainder
     assert offload.device_to_host_bytes == 2 * 450 * 4 / 4
+
+
+def test_hsdp_moves_the_gather_traffic_onto_the_node_links():
+    """On 8 nodes, sharding within a node leaves only the gradient shards' all-reduce on the
+    inter-node links: far less communication time than sharding over all 64 GPUs; groups of
+    whole nodes keep all their traffic inter-node."""
+
+    cluster = Cluster(num_gpus=64, num_nodes=8)
+    work = cm.fsdp_step_work(flops_per_gpu=1e15, model_flops_per_gpu=1e15, tokens_per_gpu_step=4096,
+                                    num_gpus=64, block_params=800_000_000, num_blocks=80,
+                                    root_params=2_000_000_000, param_bytes=2)
+    fsdp = cm.estimate_step_time(work, cluster)
+    node = cm.estimate_step_time(work, cluster, shard_group_size=8)
+    intra, inter = cm.hsdp_comm_seconds(work, cluster, shard_group_size=8)
+    assert intra > 0 and inter > 0 and node.comm_s == pytest.approx(intra + inter)
+    assert node.comm_s < fsdp.comm_s
+    assert cm.hsdp_comm_seconds(work, cluster, shard_group_size=32)[0] == 0.0
+    single = Cluster(num_gpus=8)
+    assert cm.estimate_step_time(work, single, shard_group_size=8).comm_s == \
+        cm.estimate_step_time(work, single).comm_s  # one group of every GPU is plain FSDP

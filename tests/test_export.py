@@ -370,6 +370,35 @@ def test_fsdp2_script_trains_on_two_cpu_ranks_with_gloo(run_result, tmp_path):
     assert (checkpoint / ".metadata").exists()  # a sharded DCP checkpoint, as recommended
 
 
+@pytest.mark.slow
+def test_fsdp2_script_trains_hsdp_with_op_level_checkpointing_on_four_cpu_ranks(run_result, tmp_path):
+    """The exported script builds the 2-D mesh (2 replicas of 2-rank shard groups) with the same
+    ParallelDims real trials use, and trains with op-level checkpointing."""
+    result = _micro_llama_result(run_result)
+    result["fsdp"].update(activation_checkpointing="op", shard_group_size=2)
+    result.update(gpus=4, grad_accum_steps=1)
+    path, exported = write(tmp_path, result, "fsdp2")
+    assert not exported.warnings or not any(w.startswith(("shard_group_size", "activation_checkpointing"))
+                                            for w in exported.warnings)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+               str(path), "--steps", "2"]
+    output = _run_to_completion(command, tmp_path, timeout_s=200)
+    losses = [float(v) for v in re.findall(r"step \d+ loss (\S+)", output)]
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses), output[-2000:]
+
+
+def test_knobs_a_stack_cannot_express_are_warned_about(run_result):
+    """HSDP and op-level checkpointing: exact where the stack has them, a warning where it does not."""
+    result = llama3_8b(variant(run_result, activation_checkpointing="op", shard_group_size=1))
+    for fmt in ("fsdp2", "torchtitan"):
+        assert not any(w.startswith(("shard_group_size", "activation_checkpointing"))
+                       for w in export_result(result, fmt).warnings), fmt
+    for fmt in ("accelerate", "hf-trainer", "llama-cookbook"):
+        warnings = export_result(result, fmt).warnings
+        assert any(w.startswith("shard_group_size: unsupported") for w in warnings), fmt
+        assert any(w.startswith("activation_checkpointing: approximated") and "op-level" in w for w in warnings), fmt
+
+
 @pytest.mark.parametrize("fmt", ["fsdp1", "lightning-fsdp1"])
 def test_fsdp1_exports_keep_rope_buffers_in_fp32(run_result, tmp_path, fmt):
     """FSDP1 casts buffers with `_cast_buffers_to_dtype_and_device` and the MixedPrecision's buffer_dtype
@@ -403,7 +432,7 @@ def test_every_k_checkpointing_reaches_transformers_exactly(run_result, tmp_path
     """every:K through transformers' own every_n_layers: the blocks it checkpoints are the tuned ones."""
     from transformers import TrainingArguments
 
-    from autotune.config import checkpointed_blocks
+    from autotune.knobs import Checkpointing
 
     config_class = TrainingArguments
     if fmt == "trl":
@@ -421,7 +450,7 @@ def test_every_k_checkpointing_reaches_transformers_exactly(run_result, tmp_path
         model = build_model(resolve_model("tiny-llama"))
     model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every)
     theirs = [i for i, layer in enumerate(model.model.layers) if layer.gradient_checkpointing]
-    assert set(theirs) == checkpointed_blocks(result["fsdp"]["activation_checkpointing"], len(model.model.layers))
+    assert set(theirs) == Checkpointing.parse(result["fsdp"]["activation_checkpointing"]).blocks(len(model.model.layers))
     # Same blocks, but said: transformers' model-level checkpointing costs an extra all-gather under FSDP.
     assert any(w.startswith("activation_checkpointing: approximated") and "all-gather" in w for w in exported.warnings)
 
@@ -474,15 +503,16 @@ def _torchtitan_python() -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ac, offload, reshard", [("full", False, True), ("none", True, False)])
-def test_torchtitan_parses_the_export_and_builds_the_tuned_model(run_result, tmp_path, ac, offload, reshard):
+@pytest.mark.parametrize("ac, offload, reshard, group", [("full", False, True, 0), ("none", True, False, 0),
+                                                         ("op", False, True, 1)])
+def test_torchtitan_parses_the_export_and_builds_the_tuned_model(run_result, tmp_path, ac, offload, reshard, group):
     """torchtitan 0.3's ConfigManager parses the exported command line; the model it names, built on
     the meta device, has the tuned model's blocks and parameter count; every tuned knob arrived."""
     from autotune.catalog.models import resolve_model
     from autotune.export._torchtitan import overrides_of
 
     result = llama3_8b(variant(run_result, activation_checkpointing=ac, cpu_offload=offload,
-                               reshard_after_forward=reshard))
+                               reshard_after_forward=reshard, shard_group_size=group))
     path, exported = write(tmp_path, result, "torchtitan")
     proc = subprocess.run([_torchtitan_python(), "-c", TORCHTITAN_CHECK, *overrides_of(path.read_text())],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
@@ -495,10 +525,11 @@ def test_torchtitan_parses_the_export_and_builds_the_tuned_model(run_result, tmp
     assert got["local"] == result["micro_batch_size"] and got["seq_len"] == result["seq_len"]
     assert got["global"] == result["micro_batch_size"] * result["gpus"] * result["grad_accum_steps"]
     assert got["shard"] * got["replicate"] == result["gpus"]
+    assert got["replicate"] == (result["gpus"] // group if group else 1)  # HSDP: the tuned 2-D mesh
     assert got["param_dtype"] == result["fsdp"]["param_dtype"] and got["reduce_dtype"] == "float32"
     assert got["offload"] is offload and got["reshard"] == ("always" if reshard else "never")
     assert got["optimizer"] == result["optimizer"]["impl"]
-    assert got["ac"] == ({"full": "FullAC.Config", "none": None}[ac])
+    assert got["ac"] == ({"full": "FullAC.Config", "none": None, "op": "SelectiveAC.Config"}[ac])
     subprocess.run(["bash", "-n", str(path)], check=True)
 
 

@@ -54,9 +54,8 @@ def _spec(model: str, ac: str, mb: int, reshard: bool, optimizer_impl: str = "fu
                                        reshard_after_forward=reshard, optimizer_impl=optimizer_impl))
 
 
-@pytest.fixture(scope="module")
-def measured_and_predicted():
-    specs = [_spec(*row) for row in MATRIX]
+def measure_and_predict(specs: list[TrialSpec]) -> tuple[list[TrialSpec], list, list]:
+    """Every spec run for real (one launch of gloo ranks) and simulated for that CPU run."""
     # Two steps: the second is the steady state (optimizer state exists), as the simulator predicts.
     with RealBackend(device="cpu", warmup_steps=1, timed_steps=1) as real:
         measured = real.evaluate_many(specs)
@@ -68,20 +67,29 @@ def measured_and_predicted():
     return specs, measured, predicted
 
 
-@pytest.mark.parametrize("index", range(len(MATRIX)), ids=["-".join(map(str, row)) for row in MATRIX])
-def test_tensor_peak_matches_a_real_gloo_run(measured_and_predicted, index):
-    specs, measured, predicted = measured_and_predicted
-    real, sim = measured[index], predicted[index]
+def assert_tensor_peaks_agree(spec: TrialSpec, real, sim) -> None:
     assert real.status == "ok", real.message
     assert sim.status == "ok", sim.message
     real_peak = real.extras["tensor_peak_bytes"]
     sim_peak = sim.extras["tensor_peak_bytes"]
     assert real_peak > 0
     assert abs(sim_peak - real_peak) <= 0.01 * real_peak, (
-        f"{specs[index].train.label()}: predicted {sim_peak:,} B, measured {real_peak:,} B")
+        f"{spec.train.label()}: predicted {sim_peak:,} B, measured {real_peak:,} B")
     # With no runtime margin on a CPU run, the predicted figure is the tensor peak itself.
     assert sim.peak_bytes == sim_peak
     assert sim.peak_memory.source == "predicted"
+
+
+@pytest.fixture(scope="module")
+def measured_and_predicted():
+    return measure_and_predict([_spec(*row) for row in MATRIX])
+
+
+@pytest.mark.parametrize("index", range(len(MATRIX)), ids=["-".join(map(str, row)) for row in MATRIX])
+def test_tensor_peak_matches_a_real_gloo_run(measured_and_predicted, index):
+    specs, measured, predicted = measured_and_predicted
+    real, sim = measured[index], predicted[index]
+    assert_tensor_peaks_agree(specs[index], real, sim)
 
 
 def test_shallow_traces_were_extrapolated_where_the_model_allows(measured_and_predicted):

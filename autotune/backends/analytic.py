@@ -26,7 +26,7 @@ from functools import lru_cache
 from autotune import costmodel
 from autotune.runtime_memory import runtime_memory
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
-from autotune.config import TrialSpec, is_checkpointed
+from autotune.config import TrialSpec
 from autotune.units import format_bytes
 from autotune.catalog.models import ModelSpec
 
@@ -125,7 +125,9 @@ class MemoryEstimate:
 def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     """Closed-form per-rank memory of one FSDP2 training step (see the module docstring)."""
     shape = model_shape(spec.model)
-    train, world = spec.train, spec.cluster.num_gpus
+    # Parameters are sharded over the shard group: every GPU, or an HSDP group. Op-level
+    # checkpointing is counted as full (a lower bound: it also keeps matmul outputs).
+    train, world = spec.train, spec.train.shard_group_size or spec.cluster.num_gpus
     d = PARAM_BYTES[train.precision]
     tokens = train.micro_batch_size * spec.seq_len
     num_layers, block = shape.num_layers, shape.block_params
@@ -145,7 +147,7 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     block_gathered = block * d
     per_layer = activation_bytes_per_token(shape, d) * tokens
     checkpoint_input = shape.hidden * d * tokens
-    saved = [checkpoint_input if is_checkpointed(train.activation_checkpointing, i) else per_layer
+    saved = [checkpoint_input if train.activation_checkpointing.wraps_block(i) else per_layer
              for i in range(num_layers)]
     final_norm = (4 * shape.hidden + 2 * d * shape.hidden) * tokens
     logits = 12 * tokens * shape.vocab  # fp32 log-softmax output + two fp32 gradients
@@ -170,7 +172,7 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     for i in reversed(range(num_layers)):
         done = num_layers - 1 - i
         gathered = block_gathered * (1 if train.reshard_after_forward else i + 1)
-        recompute = per_layer if is_checkpointed(train.activation_checkpointing, i) else 0.0
+        recompute = per_layer if train.activation_checkpointing.wraps_block(i) else 0.0
         candidates.append((f"backward of block {i}", dict(
             parameters=sharded_params + root_gathered + gathered,
             gradients=max(accumulated_grads, done * block_grad_shard) + head_grad,
@@ -188,7 +190,7 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     breakdown = dict.fromkeys(MEMORY_CATEGORIES, 0) | {name: int(value) for name, value in parts.items()}
     tensor_peak = sum(breakdown.values())
     breakdown["runtime_overhead"] = runtime_memory(
-        spec.cluster.gpu, world_size=world, gpus_per_node=spec.cluster.gpus_per_node,
+        spec.cluster.gpu, world_size=spec.cluster.num_gpus, gpus_per_node=spec.cluster.gpus_per_node,
         tensor_peak_bytes=tensor_peak).total_bytes
 
     per_rank_host = costmodel.HOST_PROCESS_BYTES
@@ -209,7 +211,7 @@ def step_work(spec: TrialSpec) -> costmodel.StepWork:
     tokens_per_gpu = train.micro_batch_size * spec.seq_len * spec.grad_accum_steps
     model_flops = model_flops_per_token(spec.model, spec.seq_len, num_parameters=shape.num_parameters)
     # A checkpointed block runs its forward again: 2 FLOPs per parameter plus attention's 4*h*s.
-    num_checkpointed = sum(is_checkpointed(train.activation_checkpointing, i) for i in range(shape.num_layers))
+    num_checkpointed = sum(train.activation_checkpointing.wraps_block(i) for i in range(shape.num_layers))
     recompute = num_checkpointed * (2 * shape.block_params + 4 * shape.hidden * spec.seq_len)
     return costmodel.fsdp_step_work(
         flops_per_gpu=tokens_per_gpu * (model_flops + recompute), model_flops_per_gpu=tokens_per_gpu * model_flops,
@@ -230,7 +232,8 @@ class AnalyticBackend(TrialBackend):
         started = time.perf_counter()
         try:
             memory = estimate_memory(spec)
-            step = costmodel.estimate_step_time(step_work(spec), spec.cluster)
+            step = costmodel.estimate_step_time(step_work(spec), spec.cluster,
+                                                shard_group_size=spec.train.shard_group_size)
         except (KeyError, TypeError, ValueError) as exc:  # a config the closed form cannot read
             return TrialResult(status="error", message=f"analytic estimate failed: {type(exc).__name__}: {exc}",
                                duration_s=time.perf_counter() - started)

@@ -13,17 +13,16 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from autotune.config import ac_every
+from autotune import knobs as knob_registry
+from autotune.knobs import Checkpointing
 from autotune.errors import UsageError
 from autotune.runtime_memory import ALLOC_CONF_ENV, RECOMMENDED_ALLOC_CONF
 
 Status = Literal["mapped", "approximated", "unsupported"]
 
-# The knobs autotune tunes or fixes; every exporter accounts for each of them.
+# The knobs autotune tunes (autotune/knobs.py) or fixes; every exporter accounts for each of them.
 KNOBS: tuple[str, ...] = (
-    "precision", "reduce_dtype", "activation_checkpointing", "cpu_offload", "reshard_after_forward",
-    "micro_batch_size", "grad_accum_steps", "wrap", "world_size", "state_dict_type", "optimizer_impl",
-    "alloc_conf",
+    *knob_registry.BY_NAME, "reduce_dtype", "grad_accum_steps", "wrap", "world_size", "state_dict_type", "alloc_conf",
 )
 
 
@@ -86,14 +85,31 @@ class Tuned:
     workload: str = "sft"
     """'grpo': tuned for TRL GRPO with vLLM colocated (results from before the knob: sft)."""
     vllm_gpu_memory_utilization: float | None = None
+    shard_group_size: int = 0
+    """HSDP: GPUs per shard group (replicated across groups); 0 = plain FSDP over every GPU."""
 
     @property
     def gpus_per_node(self) -> int:
         return self.gpus // self.nodes
 
     @property
+    def checkpointing(self) -> Checkpointing:
+        return Checkpointing.parse(self.activation_checkpointing)
+
+    @property
     def ac_every(self) -> int | None:
-        return ac_every(self.activation_checkpointing)
+        """Blocks checkpointed whole, one every this many (op-level: every block, 1)."""
+        return self.checkpointing.block_every
+
+    @property
+    def op_level_ac(self) -> bool:
+        return self.checkpointing.mode == "op"
+
+    @property
+    def hsdp_degrees(self) -> tuple[int, int]:
+        """(replicate, shard) degrees of the data-parallel mesh."""
+        shard = self.shard_group_size or self.gpus
+        return self.gpus // shard, shard
 
     @property
     def checkpointed_blocks(self) -> int:
@@ -103,6 +119,8 @@ class Tuned:
     @property
     def sharding_strategy(self) -> str:
         """FSDP1's name for reshard_after_forward (FULL_SHARD = ZeRO-3, SHARD_GRAD_OP = ZeRO-2)."""
+        if self.shard_group_size == self.gpus_per_node:  # FSDP1's hybrid sharding: within a node
+            return "HYBRID_SHARD" if self.reshard_after_forward else "_HYBRID_SHARD_ZERO2"
         return "FULL_SHARD" if self.reshard_after_forward else "SHARD_GRAD_OP"
 
     @property
@@ -120,6 +138,7 @@ class Tuned:
         try:
             fsdp, model = result["fsdp"], result["model"]
             plan = result.get("checkpoint") or _plan(result)
+            values = knob_registry.from_result(result)
             return cls(
                 run_id=str(result.get("run_id") or "(unnamed run)"),
                 tool=str(result.get("provenance", {}).get("tool", "autotune")),
@@ -128,7 +147,8 @@ class Tuned:
                 wrap=fsdp["wrap"], gpus=int(result["gpus"]), nodes=int(result.get("nodes", 1)),
                 seq_len=int(result["seq_len"]), precision=result["precision"],
                 param_dtype=fsdp["param_dtype"], reduce_dtype=fsdp["reduce_dtype"],
-                activation_checkpointing=fsdp["activation_checkpointing"],
+                activation_checkpointing=str(Checkpointing.parse(fsdp["activation_checkpointing"])),
+                shard_group_size=int(values["shard_group_size"]),
                 cpu_offload=bool(fsdp["cpu_offload"]),
                 reshard_after_forward=bool(fsdp["reshard_after_forward"]),
                 micro_batch_size=int(result["micro_batch_size"]),
@@ -180,10 +200,39 @@ class Mapper:
         assert not missing, f"exporter left knobs unaccounted for: {sorted(missing)}"
 
 
+EXPRESSIBLE = ("op_level_ac", "hsdp")
+"""Knob values only some stacks can express: an exporter names those it writes in build_export's
+`expresses`; for the rest the mapping is derived here, as approximated or unsupported."""
+
+
+def map_knobs_not_expressed(tuned: Tuned, mapper: Mapper, *, stack: str, expresses: tuple[str, ...]) -> None:
+    """Downgrade or add the mappings of knob values the stack cannot express (see EXPRESSIBLE)."""
+    unknown = set(expresses) - set(EXPRESSIBLE)
+    assert not unknown, f"unknown expressible values {sorted(unknown)}"
+    if tuned.op_level_ac and "op_level_ac" not in expresses:
+        mapper.mappings[:] = [
+            KnobMapping(m.knob, "approximated", m.key,
+                        f"{stack} has no op-level selective checkpointing ({tuned.activation_checkpointing} was "
+                        f"tuned): every block is checkpointed whole instead (less memory, more recompute)")
+            if m.knob == "activation_checkpointing" and m.status == "mapped" else m for m in mapper.mappings]
+    if "shard_group_size" in {m.knob for m in mapper.mappings}:
+        return
+    if not tuned.shard_group_size:
+        mapper.mapped("shard_group_size", "plain FSDP: parameters sharded over every GPU, as tuned")
+    elif "hsdp" not in expresses:
+        replicate, shard = tuned.hsdp_degrees
+        mapper.unsupported("shard_group_size",
+                           f"HSDP (shard within groups of {shard} GPUs, replicate across {replicate}) is not "
+                           f"written for {stack}: set its hybrid-sharding option by hand, or shard over every GPU "
+                           "(less memory per GPU, more inter-node traffic than tuned)")
+
+
 def build_export(*, fmt: str, filename: str, target: str, tuned: Tuned, mapper: Mapper, body: str,
-                 prologue: str = "") -> Export:
+                 prologue: str = "", expresses: tuple[str, ...] = ()) -> Export:
     """Assemble the file: optional prologue (shebang), the header comment, then the body, with
-    the allocator setting the prediction assumed pinned where the file can set it."""
+    the allocator setting the prediction assumed pinned where the file can set it. `expresses`:
+    which of EXPRESSIBLE the file writes exactly."""
+    map_knobs_not_expressed(tuned, mapper, stack=target, expresses=expresses)
     body = pin_allocator(filename, tuned=tuned, mapper=mapper, body=body)
     if tuned.workload == "grpo" and fmt != "trl":
         mapper.warn(f"tuned for TRL GRPO with vLLM colocated ({tuned.vllm_gpu_memory_utilization:g} of each GPU "
@@ -224,7 +273,9 @@ def header(*, tuned: Tuned, target: str, mapper: Mapper) -> str:
         f"Targets: {target}.",
         f"Tuned: {tuned.precision} params, {tuned.reduce_dtype} gradient reduction, "
         f"activation checkpointing {tuned.activation_checkpointing}, cpu_offload {tuned.cpu_offload}, "
-        f"reshard_after_forward {tuned.reshard_after_forward}, micro-batch {tuned.micro_batch_size}, "
+        f"reshard_after_forward {tuned.reshard_after_forward}, "
+        f"{'HSDP %d x %d (replicate x shard)' % tuned.hsdp_degrees if tuned.shard_group_size else 'FSDP over every GPU'}, "
+        f"micro-batch {tuned.micro_batch_size}, "
         f"grad accumulation {tuned.grad_accum_steps}, seq_len {tuned.seq_len}.",
         f"Checkpoints: {tuned.state_dict_type} state dict ({tuned.state_dict_reason}).",
         *([f"Workload: TRL GRPO, vLLM colocated with vllm_gpu_memory_utilization "

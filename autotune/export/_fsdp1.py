@@ -42,6 +42,9 @@ def _map_common(m: Mapper, t: Tuned, *, ac_key: str, sharding_key: str, offload_
         m.mapped("activation_checkpointing", ac_key,
                  f"blocks whose self_attn.layer_idx % {t.ac_every} == 0, as tuned")
     m.mapped("reshard_after_forward", f"{sharding_key}={t.sharding_strategy}")
+    if _hybrid(t):
+        m.mapped("shard_group_size", f"{sharding_key}={t.sharding_strategy} (FSDP1 shards within each node, "
+                                     "replicates across nodes: the tuned groups of one node)")
     if t.cpu_offload:
         m.approximated("cpu_offload", offload_key,
                        "FSDP1 offloads parameters and gradients and steps the optimizer on the CPU like "
@@ -135,6 +138,7 @@ def wrap(model):
     return model
 '''
     return build_export(fmt="fsdp1", filename="fsdp1_kwargs.py", target=FSDP1_TARGET, tuned=t, mapper=m,
+                        expresses=_hybrid(t),
                         body=body)
 
 
@@ -206,4 +210,10 @@ def make_strategy() -> FSDPStrategy:
     m.warn("FSDP1 (FSDPStrategy): flat parameters per wrapped block, not the FSDP2 per-parameter sharding "
            "that was traced and measured; memory and speed differ. The `lightning` format is FSDP2")
     return build_export(fmt="lightning-fsdp1", filename="lightning_fsdp1.py", target=_lightning_target(), tuned=t,
+                        expresses=_hybrid(t),
                         mapper=m, body=body)
+
+
+def _hybrid(t: Tuned) -> tuple[str, ...]:
+    """FSDP1's HYBRID_SHARD shards within a node: it expresses HSDP with groups of one node only."""
+    return ("hsdp",) if t.shard_group_size and t.shard_group_size == t.gpus_per_node else ()

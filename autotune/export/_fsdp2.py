@@ -13,7 +13,7 @@ import textwrap
 
 import torch
 
-from autotune import config as _config
+from autotune import knobs as _knobs
 from autotune import parallel as _parallel
 from autotune import training as _training
 from autotune.export._base import Export, Mapper, Tuned, build_export
@@ -22,9 +22,9 @@ TARGET = f"PyTorch FSDP2 (torch.distributed.fsdp.fully_shard), torch {torch.__ve
 
 # Copied verbatim, in dependency order.
 _SOURCES = (
-    _config.ac_every, _config.is_checkpointed,
+    _knobs.Checkpointing, _parallel.ParallelDims,
     _parallel.Blocks, _parallel.find_decoder_blocks, _parallel._block_class_name, _parallel.mixed_precision_policy,
-    _parallel.apply_ac, _parallel.apply_fsdp, _parallel.parallelize,
+    _parallel.op_sac_policy, _parallel.apply_ac, _parallel.apply_fsdp, _parallel.parallelize,
     _training.make_optimizer, _training.token_batches, _training.train_step,
 )
 
@@ -38,7 +38,8 @@ def map_parallelize_knobs(m: Mapper, *, precision_also: str = "") -> None:
     """The knobs autotune's own parallelize() applies, for every export that embeds it."""
     m.mapped("precision", "MixedPrecisionPolicy(param_dtype=...) in parallelize()" + precision_also)
     m.mapped("reduce_dtype", "MixedPrecisionPolicy(reduce_dtype=torch.float32) in parallelize()")
-    m.mapped("activation_checkpointing", "apply_ac in parallelize() (checkpoint_wrapper, NO_REENTRANT)")
+    m.mapped("activation_checkpointing", "apply_ac in parallelize() (checkpoint_wrapper, NO_REENTRANT; op-level: "
+                                         "create_selective_checkpoint_contexts(op_sac_policy))")
     m.mapped("cpu_offload", "CPUOffloadPolicy(pin_memory=True) in parallelize()",
              "applied on GPUs only: pinning host memory needs an accelerator")
     m.mapped("reshard_after_forward", "fully_shard(reshard_after_forward=...) in parallelize()")
@@ -53,7 +54,9 @@ def export_fsdp2(tuned: Tuned) -> Export:
     m.mapped("world_size", f"torchrun --nnodes {tuned.nodes} --nproc_per_node {tuned.gpus_per_node}")
     m.mapped("state_dict_type", f"save_checkpoint ({tuned.state_dict_type})")
     m.mapped("optimizer_impl", f"make_optimizer(impl={tuned.optimizer_impl!r})")
+    m.mapped("shard_group_size", "ParallelDims.of(TUNED, world).build_mesh(): 1-D, or 2-D (replicate, shard) for HSDP")
     return build_export(fmt="fsdp2", filename="train_fsdp2.py", target=TARGET, tuned=tuned, mapper=m,
+                        expresses=("op_level_ac", "hsdp"),
                         prologue="#!/usr/bin/env python\n", body=_script(tuned))
 
 
@@ -81,12 +84,13 @@ import os
 import time
 import warnings
 from collections.abc import Iterator
+import re
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 {tuned_and_wrapping(t)}
 # ---- Model, checkpoint and main loop -----------------------------------------------------
@@ -133,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         device = torch.device("cpu")
     if world != WORLD_SIZE and rank == 0:
         print(f"note: tuned for {{WORLD_SIZE}} ranks, running on {{world}}: memory and speed will differ")
-    mesh = init_device_mesh(device.type, (world,))
+    mesh = ParallelDims.of(TUNED, world).build_mesh(device.type)
 
     model = build_model()
     parallelize(model, mesh, TUNED, allow_offload=use_cuda)
@@ -179,16 +183,14 @@ class TrainConfig:
     """The knobs autotune tuned (the fields of autotune.config.TrainConfig)."""
 
     precision: str
-    activation_checkpointing: str
+    activation_checkpointing: "Checkpointing"
     cpu_offload: bool
     reshard_after_forward: bool
     micro_batch_size: int
     optimizer_impl: str
+    shard_group_size: int
 
 
-TUNED = TrainConfig(precision={t.precision!r}, activation_checkpointing={t.activation_checkpointing!r},
-                    cpu_offload={t.cpu_offload!r}, reshard_after_forward={t.reshard_after_forward!r},
-                    micro_batch_size={t.micro_batch_size!r}, optimizer_impl={t.optimizer_impl!r})
 GRAD_ACCUM_STEPS = {t.grad_accum_steps}
 SEQ_LEN = {t.seq_len}
 WORLD_SIZE = {t.gpus}
@@ -200,11 +202,18 @@ STATE_DICT_TYPE = {t.state_dict_type!r}  # {t.state_dict_reason}
 # but unsharded gradients of every block are kept until then (more memory than was tuned).
 DEFER_GRAD_SYNC = False
 
-# ---- Copied from autotune.config, autotune.parallel and autotune.training ----------------
+# ---- Copied from autotune.knobs, autotune.parallel and autotune.training ----------------
 
 
 class UnsupportedModelError(ValueError):
     pass
+
+
+UsageError = ValueError
+AC_MODES = {_knobs.AC_MODES!r}
+OP_POLICIES = {_knobs.OP_POLICIES!r}
+_EVERY = re.compile({_knobs._EVERY.pattern!r})
+_OP = re.compile({_knobs._OP.pattern!r})
 
 
 SUPPORTED_FAMILIES = {_parallel.SUPPORTED_FAMILIES!r}
@@ -212,6 +221,12 @@ PARAM_DTYPES = {{{dtypes}}}
 
 
 {copied_sources()}
+
+
+TUNED = TrainConfig(precision={t.precision!r}, activation_checkpointing=Checkpointing.parse({t.activation_checkpointing!r}),
+                    cpu_offload={t.cpu_offload!r}, reshard_after_forward={t.reshard_after_forward!r},
+                    micro_batch_size={t.micro_batch_size!r}, optimizer_impl={t.optimizer_impl!r},
+                    shard_group_size={t.shard_group_size!r})
 
 '''
 

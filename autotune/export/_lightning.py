@@ -33,6 +33,7 @@ def export_lightning(t: Tuned) -> Export:
         m.warn("fp16: Lightning's ModelParallelStrategy runs no sharded grad scaler here, so the loss is not "
                "scaled as in the tuned run (torch's ShardedGradScaler): prefer bf16, or scale the loss yourself")
     return build_export(fmt="lightning", filename="lightning_fsdp2.py", tuned=t, mapper=m, body=_script(t),
+                        expresses=("op_level_ac",),
                         target=f"Lightning {_lightning_version()} ModelParallelStrategy (FSDP2 fully_shard)")
 
 
@@ -52,9 +53,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch

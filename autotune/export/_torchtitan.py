@@ -62,7 +62,15 @@ def export_torchtitan(t: Tuned) -> Export:
         param = t.param_dtype
         m.mapped("precision", "--training.mixed-precision-param")
     m.mapped("reduce_dtype", "--training.mixed-precision-reduce float32")
-    if t.ac_every is None:
+    if t.op_level_ac:
+        ac = "activation-checkpoint:selective"  # 0.3's SelectiveAC is the op-level policy (0.2: mode selective, op)
+        if t.checkpointing.policy == "alt-mm":
+            m.mapped("activation_checkpointing", ac, "torchtitan's op SAC: every other matmul output saved, as tuned")
+        else:
+            m.approximated("activation_checkpointing", ac,
+                           f"torchtitan's op SAC saves every other matmul output; {t.activation_checkpointing} "
+                           "(every matmul) was tuned: less memory, more recompute than tuned")
+    elif t.ac_every is None:
         ac = "activation-checkpoint:none"
         m.mapped("activation_checkpointing", ac)
     elif t.ac_every == 1:
@@ -74,6 +82,9 @@ def export_torchtitan(t: Tuned) -> Export:
                        f"torchtitan 0.3 has no every-K-blocks checkpointing (its selective mode is per-op): all "
                        f"{t.num_layers} blocks are checkpointed instead of {t.checkpointed_blocks} (less memory, "
                        "more recompute than tuned)")
+    replicate, shard = t.hsdp_degrees
+    m.mapped("shard_group_size", f"--parallelism.data-parallel-replicate-degree {replicate} "
+                                 f"--parallelism.data-parallel-shard-degree {shard}")
     m.mapped("cpu_offload", "--training.enable-cpu-offload / --training.no-enable-cpu-offload")
     m.mapped("reshard_after_forward", "--parallelism.fsdp-reshard-after-forward always|never")
     m.mapped("micro_batch_size", "--training.local-batch-size")
@@ -98,8 +109,8 @@ def export_torchtitan(t: Tuned) -> Export:
         ("--training.mixed-precision-param", param),
         ("--training.mixed-precision-reduce", "float32"),
         ("--training.enable-cpu-offload" if t.cpu_offload else "--training.no-enable-cpu-offload", None),
-        ("--parallelism.data-parallel-replicate-degree", 1),
-        ("--parallelism.data-parallel-shard-degree", t.gpus),
+        ("--parallelism.data-parallel-replicate-degree", replicate),
+        ("--parallelism.data-parallel-shard-degree", shard),
         ("--parallelism.fsdp-reshard-after-forward", "always" if t.reshard_after_forward else "never"),
         ("--optimizer.implementation", t.optimizer_impl),
     ]
@@ -111,6 +122,7 @@ def export_torchtitan(t: Tuned) -> Export:
             f"{t.grad_accum_steps} accumulation steps).\n"
             "set -euo pipefail\n" + " \\\n".join(lines) + "\n")
     return build_export(fmt="torchtitan", filename="torchtitan.sh", target=TARGET, tuned=t, mapper=m,
+                        expresses=("op_level_ac", "hsdp"),
                         prologue="#!/usr/bin/env bash\n", body=body)
 
 

@@ -162,8 +162,6 @@ def _alive(pid: int) -> bool:
 def _setup(job: dict[str, Any]):
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     from autotune.backends.real._faults import FAULT_ENV, parse_faults
 
     if job["device"] == "cuda":
@@ -187,8 +185,24 @@ def _setup(job: dict[str, Any]):
                        alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     else:
         dist.init_process_group(backend, timeout=timeout)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    return device, mesh, faults, runtime
+    return device, _Meshes(device.type), faults, runtime
+
+
+class _Meshes:
+    """The launch's device meshes, one per ParallelDims, built when a trial first needs it: every
+    rank runs the same trials in the same order, so every rank creates the same groups."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+        self._built: dict[Any, Any] = {}
+
+    def for_spec(self, spec):
+        from autotune.parallel import ParallelDims
+
+        dims = ParallelDims.of(spec.train, spec.cluster.num_gpus)
+        if dims not in self._built:
+            self._built[dims] = dims.build_mesh(self.device_type)
+        return self._built[dims]
 
 
 def _warm_collectives(device) -> None:
@@ -221,7 +235,7 @@ def _run_one(item: dict[str, Any], *, job: dict[str, Any], out: Path, rank: int,
     assert spec.cluster.num_gpus == world_size, (spec.cluster.num_gpus, world_size)
     if rank == 0:
         write_json(out / "started" / str(index), time.time())
-    figures = run_trial(spec, mesh=mesh, device=device, rank=rank, warmup_steps=job["warmup_steps"],
+    figures = run_trial(spec, mesh=mesh.for_spec(spec), device=device, rank=rank, warmup_steps=job["warmup_steps"],
                         timed_steps=job["timed_steps"], seed=job["seed"], faults=faults,
                         trial_index=index)
     from autotune.backends.real._launcher import node_name

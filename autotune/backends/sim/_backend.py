@@ -141,19 +141,20 @@ class SimBackend(TrialBackend):
 
     # --- tracing ---------------------------------------------------------------------------------
 
-    def _mesh(self, world_size: int):
+    def _mesh(self, spec: TrialSpec):
         from autotune.backends.sim._fakepg import fake_mesh
+        from autotune.parallel import ParallelDims
 
-        mesh = fake_mesh(world_size)
-        if mesh is not self._mesh_in_use:
-            self._tracer.clear()  # sharded models belong to the previous group's mesh
-            self._mesh_in_use = mesh
+        mesh = fake_mesh(ParallelDims.of(spec.train, spec.cluster.num_gpus))
+        if spec.cluster.num_gpus != self._mesh_in_use:
+            self._tracer.clear()  # sharded models belong to the previous process group's meshes
+            self._mesh_in_use = spec.cluster.num_gpus
         return mesh
 
     def _trace_key(self, spec: TrialSpec, *, depth: int, micro_batch_size: int, keep_middle: bool) -> tuple:
         train = spec.train.with_(micro_batch_size=micro_batch_size, cpu_offload=False)
         return (spec.model.name, repr(sorted(spec.model.config_dict.items())), depth, spec.cluster.num_gpus,
-                spec.seq_len, train, spec.grad_accum_steps > 1, keep_middle, self.device_kind,
+                spec.seq_len, train.cache_key(), spec.grad_accum_steps > 1, keep_middle, self.device_kind,
                 spec.workload.weight_sync)
 
     def _trace(self, spec: TrialSpec, *, depth: int, micro_batch_size: int, keep_middle: bool) -> StepTrace:
@@ -161,7 +162,7 @@ class SimBackend(TrialBackend):
         world_size = spec.cluster.num_gpus
         key = self._trace_key(spec, depth=depth, micro_batch_size=micro_batch_size, keep_middle=keep_middle)
         if key not in self._traces:
-            mesh = self._mesh(world_size)
+            mesh = self._mesh(spec)
             self._traces[key] = self._tracer.trace(
                 spec.model, depth=depth, mesh=mesh, world_size=world_size, train=train, seq_len=spec.seq_len,
                 grad_accum_steps=spec.grad_accum_steps, keep_middle=keep_middle,
@@ -294,7 +295,7 @@ class SimBackend(TrialBackend):
             num_blocks=spec.model.num_layers, root_params=trace.root_params,
             param_bytes=_PARAM_BYTES[spec.train.precision], reshard_after_forward=spec.train.reshard_after_forward,
             cpu_offload=spec.train.cpu_offload, num_microbatches=accum)
-        step = costmodel.estimate_step_time(work, spec.cluster)
+        step = costmodel.estimate_step_time(work, spec.cluster, shard_group_size=spec.train.shard_group_size)
         extras["step_time"] = step.to_dict()
         extras["mfu_estimated"] = step.mfu
         basis = f"{step.basis}; FLOPs counted in the trace (recomputation included)"

@@ -10,14 +10,15 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from autotune.errors import TrialError
+from autotune.parallel import ParallelDims
 
 _FAKE_BACKEND = "fake"
-_mesh_cache: dict[int, object] = {}
+_mesh_cache: dict[object, object] = {}
 
 
-def fake_mesh(world_size: int):
-    """A 1-D CPU device mesh over a fake process group of `world_size` ranks (this is rank 0)."""
-    from torch.distributed.device_mesh import init_device_mesh
+def fake_mesh(dims: ParallelDims):
+    """The CPU device mesh of `dims` (ParallelDims.build_mesh, as real trials build it) over a fake
+    process group of its world size (this is rank 0)."""
     # Importing fake_pg registers the "fake" backend with torch.distributed.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -27,12 +28,14 @@ def fake_mesh(world_size: int):
                 f"a real process group ({dist.get_backend()}) is initialised in this process; the "
                 "simulator needs the fake one and will not replace it: run the sim backend in a "
                 "process of its own")
-        if dist.get_world_size() == world_size and world_size in _mesh_cache:
-            return _mesh_cache[world_size]
+        if dist.get_world_size() == dims.world_size:
+            if dims not in _mesh_cache:
+                _mesh_cache[dims] = dims.build_mesh("cpu")
+            return _mesh_cache[dims]
         release_fake_group()
-    dist.init_process_group(_FAKE_BACKEND, store=FakeStore(), rank=0, world_size=world_size)
-    _mesh_cache[world_size] = init_device_mesh("cpu", (world_size,))
-    return _mesh_cache[world_size]
+    dist.init_process_group(_FAKE_BACKEND, store=FakeStore(), rank=0, world_size=dims.world_size)
+    _mesh_cache[dims] = dims.build_mesh("cpu")
+    return _mesh_cache[dims]
 
 
 def release_fake_group() -> None:

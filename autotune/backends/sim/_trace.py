@@ -67,7 +67,7 @@ FLOP_FORMULAS = {op: _grouped_query_safe(formula) if "scaled_dot_product" in str
                  for op, formula in FLOP_FORMULAS.items()}
 
 from autotune.catalog.models import ModelSpec  # noqa: E402
-from autotune.config import TrainConfig, ac_every
+from autotune.config import TrainConfig
 from autotune.parallel import Blocks, parallelize
 from autotune.training import build_model, make_optimizer, sync_weights_to_vllm, token_batches, train_step
 
@@ -107,7 +107,7 @@ def period_of(train: TrainConfig, model: ModelSpec) -> int:
     """Blocks per repeating pattern of the traced step: the least common multiple of the
     checkpointing period (k for 'every:k', else 1) and the model's own layer pattern (2 where
     sliding and full attention alternate)."""
-    every = ac_every(train.activation_checkpointing)
+    every = train.activation_checkpointing.block_every
     return math.lcm(every if every and every > 1 else 1, model.layer_period)
 
 
@@ -375,7 +375,7 @@ class Tracer:
         # Every knob but the two that do not change the built model: a new knob can never reuse
         # a model built for another value of it.
         key = (model_spec.name, repr(sorted(model_spec.config_dict.items())), depth, world_size,
-               train.with_(micro_batch_size=1, cpu_offload=False))
+               train.with_(micro_batch_size=1, cpu_offload=False).cache_key())
         if key in self._models:
             return self._models[key]
         if len(self._models) >= self._max_cached_models:

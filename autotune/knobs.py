@@ -1,0 +1,312 @@
+"""The tuned knobs, defined once.
+
+Each `Knob` says what a `TrainConfig` field is: its type and default, how a value is read from
+the command line or a stored result (old spellings included), how it is written to JSON, its
+Optuna parameter, its fragment of a configuration's label, where it sits in best.json and its
+CLI flag. Everything that lists knobs derives from `KNOBS`: TrainConfig's validation and
+serialisation, the `trial` command's flags, the study's flattened parameters, best.json's fsdp
+section, the simulator's cache keys (so a new knob can never reuse a stale trace) and the
+exporters' completeness check (every exporter must account for every knob).
+
+Adding a knob: one `Knob` entry below, the TrainConfig field, and its apply/trace code in
+parallel.py (docs/KNOBS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from autotune.errors import UsageError
+
+PRECISIONS: tuple[str, ...] = ("bf16", "fp16", "fp32")
+OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")
+"""AdamW implementations: `fused` (one kernel per step: HF Trainer's and torchtitan's default on GPUs),
+`foreach` (torch.optim's default on CUDA: temporaries for a whole group of parameters at once),
+`for-loop` (one parameter at a time: the least memory)."""
+
+# --- activation checkpointing: a typed value -------------------------------------------------------
+
+AC_MODES: tuple[str, ...] = ("none", "full", "every", "op")
+OP_POLICIES: tuple[str, ...] = ("alt-mm", "mm")
+"""Op-level selective checkpointing policies: `alt-mm` saves every other matmul's output
+(torchtitan's `op` selective AC: mm, attention and reduce-scatter outputs are saved, but only
+every second mm), `mm` saves every matmul's output; everything else is recomputed."""
+_EVERY = re.compile(r"^every[:\-](\d+)$")
+_OP = re.compile(r"^(?:op|selective-op|sac)(?:[:\-]([a-z\-]+))?$")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Checkpointing:
+    """Activation checkpointing of the decoder blocks.
+
+    none: nothing recomputed. full: every block checkpointed whole. every (K >= 2): blocks 0, K,
+    2K, ... checkpointed whole (torchtitan's selective layer AC). op: every block checkpointed
+    with an op-level policy (torch.utils.checkpoint.create_selective_checkpoint_contexts) that
+    saves matmul outputs and recomputes the rest.
+    """
+
+    mode: Literal["none", "full", "every", "op"] = "none"
+    every: int = 1
+    policy: str = ""
+
+    def __post_init__(self) -> None:
+        if self.mode not in AC_MODES:
+            raise UsageError(f"activation checkpointing mode {self.mode!r} is not one of {', '.join(AC_MODES)}")
+        if self.mode == "every" and (not isinstance(self.every, int) or self.every < 2):
+            raise UsageError(f"every:K checkpointing needs K >= 2, got {self.every!r} (every:1 is 'full')")
+        if self.mode == "op" and self.policy not in OP_POLICIES:
+            raise UsageError(f"op-level checkpointing policy {self.policy!r} is not one of {', '.join(OP_POLICIES)}")
+
+    @classmethod
+    def parse(cls, value: Any) -> "Checkpointing":
+        """From a Checkpointing, its string ('none', 'full', 'every:K', 'op', 'op:mm') or the dict
+        to_json wrote. Results stored before the type existed hold the strings."""
+        if isinstance(value, Checkpointing):
+            return value
+        if isinstance(value, dict):
+            return cls(**value)
+        text = str(value).strip().lower()
+        if text in ("none", "full"):
+            return cls(mode=text)
+        match = _EVERY.match(text)
+        if match and int(match.group(1)) >= 1:
+            k = int(match.group(1))
+            return cls(mode="full") if k == 1 else cls(mode="every", every=k)
+        match = _OP.match(text)
+        if match and (match.group(1) or "alt-mm") in OP_POLICIES:
+            return cls(mode="op", policy=match.group(1) or "alt-mm")
+        raise UsageError(f"activation checkpointing {value!r} is not one of none, full, every:K (K a positive "
+                         f"integer, e.g. every:2), op (op-level: {', '.join('op:' + p for p in OP_POLICIES)})")
+
+    def __str__(self) -> str:
+        if self.mode == "every":
+            return f"every:{self.every}"
+        if self.mode == "op":
+            return "op" if self.policy == "alt-mm" else f"op:{self.policy}"
+        return self.mode
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to another Checkpointing or to a string naming the same value (stored results and
+        callers written before the type compare with 'none', 'full', 'every:K')."""
+        if isinstance(other, str):
+            try:
+                other = Checkpointing.parse(other)
+            except UsageError:
+                return False
+        return isinstance(other, Checkpointing) and str(self) == str(other)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    @property
+    def block_every(self) -> int | None:
+        """Blocks wrapped in a checkpoint, one every this many: None for none, 1 for full and op."""
+        return {"none": None, "full": 1, "op": 1}.get(self.mode, self.every)
+
+    def wraps_block(self, index: int) -> bool:
+        every = self.block_every
+        return every is not None and index % every == 0
+
+    def blocks(self, num_layers: int) -> frozenset[int]:
+        """The blocks wrapped in a model of `num_layers`: on a 2-layer model every:2 and every:4
+        are the same configuration."""
+        return frozenset(i for i in range(num_layers) if self.wraps_block(i))
+
+
+# --- the registry ------------------------------------------------------------------------------
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise UsageError(f"expected true or false, got {value!r}")
+
+
+def _choice(name: str, choices: tuple[str, ...]) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        if value not in choices:
+            raise UsageError(f"{name} {value!r} is not one of {', '.join(choices)}")
+        return value
+    return parse
+
+
+def _positive(name: str) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"{name} must be a positive integer, got {value!r}")
+        return value
+    return parse
+
+
+def _group_size(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UsageError(f"HSDP shard group size must be 0 (shard over every GPU) or a positive number of GPUs, "
+                         f"got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class Knob:
+    """One tuned knob: a TrainConfig field and everything derived from it."""
+
+    name: str
+    """The TrainConfig field."""
+    default: Any
+    help: str
+    parse: Callable[[Any], Any]
+    """A CLI or stored value to the typed value; UsageError (one line, how to fix) when invalid."""
+    flag: str
+    """The `trial` command's flag."""
+    result_path: tuple[str, ...]
+    """Where best.json holds the value."""
+    legacy_default: Any = None
+    """What a best.json written before the knob existed ran (None: the default)."""
+    label: Callable[[Any], str] = lambda value: ""
+    """The fragment of TrainConfig.label(): '' when it says nothing."""
+    to_json: Callable[[Any], Any] = lambda value: value
+    optuna: Callable[[Any], dict[str, tuple[Any, Any]]] | None = None
+    """value -> {parameter: (encoded value, distribution factory)}: fixed value spaces, since a
+    study refuses a parameter whose space changes between trials."""
+    choices: tuple[Any, ...] | None = None
+    boolean: bool = False
+    alternative: Any = None
+    keyed_at_default: bool = True
+    """False for knobs added after studies existed: a trial's identity (controller.config_key)
+    leaves them out at their default, so a resumed study still finds its old trials."""
+    """A valid non-default value (tests change every knob to it: each must change the cache key)."""
+
+    def add_argument(self, parser: argparse._ActionsContainer) -> None:
+        dest = self.name
+        if self.boolean:
+            parser.add_argument(self.flag, dest=dest, action=argparse.BooleanOptionalAction,
+                                default=self.default, help=self.help)
+        else:
+            parser.add_argument(self.flag, dest=dest, default=self.to_json(self.default), help=self.help,
+                                choices=self.choices, type=type(self.to_json(self.default)))
+
+    def from_result(self, document: dict[str, Any]) -> Any:
+        node: Any = document
+        for part in self.result_path:
+            if not isinstance(node, dict) or part not in node:
+                return self.default if self.legacy_default is None else self.legacy_default
+            node = node[part]
+        return node
+
+
+def _int_param(name: str, encode: Callable[[Any], int]):
+    def params(value: Any) -> dict[str, tuple[Any, Any]]:
+        from optuna.distributions import IntDistribution
+
+        return {name: (encode(value), lambda: IntDistribution(0, 1 << 16))}
+    return params
+
+
+def _categorical_param(name: str, choices: tuple[Any, ...], encode: Callable[[Any], Any] = lambda v: v):
+    def params(value: Any) -> dict[str, tuple[Any, Any]]:
+        from optuna.distributions import CategoricalDistribution
+
+        return {name: (encode(value), lambda: CategoricalDistribution(list(choices)))}
+    return params
+
+
+def _ac_params(value: Checkpointing) -> dict[str, tuple[Any, Any]]:
+    params = _int_param("checkpoint_every", lambda v: 0 if v.mode in ("none", "op") else v.block_every)(value)
+    if value.mode == "op":  # a parameter only op-level trials carry: older studies stay valid
+        params.update(_categorical_param("checkpoint_op_policy", OP_POLICIES)(value.policy))
+    return params
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob(name="precision", default="bf16", flag="--precision", choices=PRECISIONS,
+         parse=_choice("precision", PRECISIONS), result_path=("precision",),
+         help="parameter/compute dtype; gradients are reduced in fp32 in every mode",
+         label=lambda v: v, optuna=_categorical_param("precision", PRECISIONS), alternative="fp32"),
+    Knob(name="micro_batch_size", default=1, flag="--micro-batch", parse=_positive("micro-batch size"),
+         result_path=("micro_batch_size",), help="sequences per GPU per forward/backward",
+         label=lambda v: f"mb={v}", optuna=_int_param("micro_batch_size", int), alternative=2),
+    Knob(name="activation_checkpointing", default=Checkpointing(), flag="--ac", parse=Checkpointing.parse,
+         result_path=("fsdp", "activation_checkpointing"), to_json=str,
+         help="activation checkpointing: none, full, every:K (blocks 0, K, 2K, ...) or op / op:mm "
+              "(op-level selective: save every other / every matmul output, recompute the rest)",
+         label=lambda v: f"ac={v}", optuna=_ac_params, alternative=Checkpointing(mode="op", policy="alt-mm")),
+    Knob(name="cpu_offload", default=False, flag="--offload", parse=_bool, boolean=True,
+         result_path=("fsdp", "cpu_offload"),
+         help="FSDP2 CPUOffloadPolicy: sharded params, grads and optimizer state live on the host",
+         label=lambda v: "offload" if v else "", optuna=_categorical_param("cpu_offload", (False, True)),
+         alternative=True),
+    Knob(name="reshard_after_forward", default=True, flag="--reshard", parse=_bool, boolean=True,
+         result_path=("fsdp", "reshard_after_forward"),
+         help="free gathered block parameters after forward (ZeRO-3); --no-reshard keeps them (ZeRO-2-like)",
+         label=lambda v: "" if v else "no-reshard",
+         optuna=_categorical_param("reshard_after_forward", (True, False)), alternative=False),
+    Knob(name="shard_group_size", default=0, flag="--hsdp", parse=_group_size,
+         result_path=("fsdp", "shard_group_size"),
+         help="HSDP: shard parameters within groups of this many GPUs (dividing the GPUs per node) and "
+              "replicate across groups (a 2-D mesh: replicate x shard); 0 shards over every GPU (plain FSDP)",
+         label=lambda v: f"hsdp={v}" if v else "", optuna=_int_param("shard_group_size", int), alternative=2,
+         keyed_at_default=False),
+    Knob(name="optimizer_impl", default="fused", flag="--optimizer-impl", choices=OPTIMIZER_IMPLS,
+         parse=_choice("optimizer implementation", OPTIMIZER_IMPLS), result_path=("optimizer", "impl"),
+         legacy_default="for-loop",  # results written before the knob existed ran the per-parameter loop
+         help="AdamW implementation traced and run (default fused, as HF Trainer and torchtitan use on GPUs); "
+              "exports pin it, so the memory a user gets is the memory predicted",
+         label=lambda v: "" if v == "fused" else f"adamw={v}",
+         optuna=_categorical_param("optimizer_impl", OPTIMIZER_IMPLS), alternative="foreach"),
+)
+BY_NAME: dict[str, Knob] = {knob.name: knob for knob in KNOBS}
+
+
+def to_json(values: dict[str, Any]) -> dict[str, Any]:
+    """A TrainConfig's fields as JSON values, in registry order."""
+    return {knob.name: knob.to_json(values[knob.name]) for knob in KNOBS}
+
+
+def cache_key(values: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """What a configuration contributes to a cache key: every knob, by name, so a new knob's value
+    is always part of it."""
+    return tuple(to_json(values).items())
+
+
+def identity(values: dict[str, Any]) -> dict[str, Any]:
+    """A configuration's identity in a study (what resuming matches trials on)."""
+    return {knob.name: knob.to_json(values[knob.name]) for knob in KNOBS
+            if knob.keyed_at_default or values[knob.name] != knob.default}
+
+
+def label(values: dict[str, Any]) -> str:
+    return " ".join(part for knob in KNOBS if (part := knob.label(values[knob.name])))
+
+
+def optuna_params(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(params, distributions) of a configuration as an Optuna trial records them."""
+    params, distributions = {}, {}
+    for knob in KNOBS:
+        if knob.optuna is None:
+            continue
+        for name, (value, distribution) in knob.optuna(values[knob.name]).items():
+            params[name], distributions[name] = value, distribution()
+    return params, distributions
+
+
+def from_result(document: dict[str, Any]) -> dict[str, Any]:
+    """The knob values a best.json records (defaults for knobs it predates)."""
+    return {knob.name: knob.from_result(document) for knob in KNOBS}
+
+
+def fsdp_section(values: dict[str, Any]) -> dict[str, Any]:
+    """The knobs best.json keeps in its fsdp section."""
+    return {knob.name: knob.to_json(values[knob.name]) for knob in KNOBS if knob.result_path[0] == "fsdp"}
+
+
+def add_arguments(parser: argparse._ActionsContainer, *, skip: tuple[str, ...] = ()) -> None:
+    for knob in KNOBS:
+        if knob.name not in skip:
+            knob.add_argument(parser)
+
+
+def from_args(args: argparse.Namespace) -> dict[str, Any]:
+    return {knob.name: getattr(args, knob.name) for knob in KNOBS if hasattr(args, knob.name)}

@@ -1,0 +1,147 @@
+"""The records of a tuning run: what was asked (TuneRequest), each step taken (Step) and the
+outcome. The controller produces them; the store and the result document read them, without
+importing the controller.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from autotune.backends.base import TrialResult
+from autotune.batch import DEFAULT_TOLERANCE, GlobalBatch, plan_global_batch
+from autotune.catalog.models import ModelSpec
+from autotune import knobs
+from autotune.config import Cluster, TrainConfig, TrialSpec, Workload, memory_limit_bytes
+from autotune.search_space import SearchSpace
+
+DEFAULT_HEADROOM = 0.10
+"""Fraction of GPU memory kept free: allocator fragmentation spikes, NCCL growth, a longer batch."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneRequest:
+    model: ModelSpec
+    cluster: Cluster
+    seq_len: int
+    target_tokens: int
+    tolerance: float = DEFAULT_TOLERANCE
+    headroom: float = DEFAULT_HEADROOM
+    space: SearchSpace = field(default_factory=SearchSpace)
+    max_trials: int | None = None
+    time_budget_s: float | None = None
+    workload: Workload = field(default_factory=Workload)
+
+    @property
+    def memory_limit_bytes(self) -> int:
+        return memory_limit_bytes(self.cluster.capacity_bytes, headroom=self.headroom, workload=self.workload)
+
+    def describe_limit(self) -> str:
+        """How the limit was reached from the capacity, for messages."""
+        from autotune.units import format_bytes
+
+        capacity = self.cluster.capacity_bytes
+        vllm = self.workload.vllm_bytes(capacity)
+        share = (f" less vLLM's {self.workload.vllm_gpu_memory_utilization:g} ({format_bytes(vllm)})"
+                 if vllm else "")
+        return (f"{format_bytes(self.memory_limit_bytes)} per GPU ({format_bytes(capacity)}{share}, "
+                f"less {self.headroom:.0%} headroom)")
+
+    @property
+    def max_micro_batch(self) -> int:
+        """Beyond this, even one accumulation step overshoots the global batch."""
+        per_gpu_sequences = self.target_tokens // (self.cluster.num_gpus * self.seq_len)
+        return max(1, min(self.space.max_micro_batch, per_gpu_sequences))
+
+    def global_batch(self, micro_batch_size: int) -> GlobalBatch:
+        return plan_global_batch(target_tokens=self.target_tokens, num_gpus=self.cluster.num_gpus,
+                                 seq_len=self.seq_len, micro_batch_size=micro_batch_size)
+
+    def spec(self, train: TrainConfig) -> TrialSpec:
+        return TrialSpec(model=self.model, cluster=self.cluster, seq_len=self.seq_len, train=train,
+                         grad_accum_steps=self.global_batch(train.micro_batch_size).grad_accum_steps,
+                         memory_limit_bytes=self.memory_limit_bytes, workload=self.workload)
+
+
+@dataclass(kw_only=True)
+class Step:
+    """One evaluated configuration and why the controller tried it."""
+
+    step: int
+    stage: str
+    train: TrainConfig
+    batch: GlobalBatch
+    result: TrialResult
+    fits: bool
+    reason: str
+    backend: str
+    predicted: TrialResult | None = None
+    reused_from: int | None = None
+
+    @property
+    def prediction_error(self) -> float | None:
+        """(predicted - measured) / measured tensor-level peak, where a trial has both."""
+        if self.predicted is None or self.result.status != "ok" or self.result.peak_memory is None:
+            return None
+        if self.result.peak_memory.source != "measured":
+            return None
+        measured = self.result.extras.get("tensor_peak_bytes")
+        predicted = self.predicted.extras.get("tensor_peak_bytes")
+        if not measured or predicted is None:
+            return None
+        return (predicted - measured) / measured
+
+    @property
+    def device_total_error(self) -> float | None:
+        """(predicted total - measured device-level peak) / measured, for real cuda trials."""
+        if self.prediction_error is None or self.predicted.peak_memory is None:
+            return None
+        measured = self.result.extras.get("device_peak_bytes")
+        return (self.predicted.peak_memory.value - measured) / measured if measured else None
+
+
+def prediction_summary(steps: list[Step]) -> dict | None:
+    """How far the simulator's tensor peaks were from the measured ones over a run."""
+    errors = [s.prediction_error for s in steps if s.prediction_error is not None]
+    if not errors:
+        return None
+    ordered = sorted(abs(e) for e in errors)
+    summary = {"trials": len(errors), "median_abs": ordered[len(ordered) // 2], "max_abs": ordered[-1],
+               "what": "relative error of the predicted tensor-level peak against the measured one",
+               "device_total": None}
+    # Real cuda trials: the predicted total (tensor peak + runtime terms) against the
+    # device-level peak (reserved + outside the allocator), the quantity that prunes trials.
+    totals = sorted(abs(e) for e in (s.device_total_error for s in steps) if e is not None)
+    if totals:
+        summary["device_total"] = {"trials": len(totals), "median_abs": totals[len(totals) // 2],
+                                   "max_abs": totals[-1], "what": "relative error of the predicted total "
+                                   "against the device-level peak (max_memory_reserved + memory outside the allocator)"}
+    return summary
+
+
+def config_key(train: TrainConfig, *, grad_accum_steps: int, backend: str) -> str:
+    """Identity of a trial in the study, for resuming."""
+    return json.dumps({**knobs.identity(train.knob_values()), "grad_accum_steps": grad_accum_steps, "backend": backend},
+                      sort_keys=True)
+
+
+def why_nothing_fits(last: Step, request: TuneRequest) -> str:
+    """Which limit the last, most memory-saving configuration hit, and what to do about it."""
+    from autotune.units import format_bytes
+
+    message = last.result.message or ""
+    if last.train.cpu_offload and "host memory" in message:
+        return (f"no configuration fits: CPU offload fits the GPUs but not the host ({message}); add GPUs or "
+                "nodes (less host memory per node), or pass the nodes' real --host-memory if it is larger")
+    lower = "lower --headroom" + (" or --vllm-gpu-memory-utilization" if request.workload.kind == "grpo" else "")
+    return (f"no configuration fits within {request.describe_limit()}, even at micro-batch 1 with every memory "
+            f"saving allowed: add GPUs, lower --seq-len, or {lower}")
+
+
+@dataclass
+class TuneOutcome:
+    steps: list[Step]
+    winner: Step | None
+    notes: list[str]
+
+

@@ -1,0 +1,108 @@
+"""The knob registry by behaviour: every knob reaches the simulator's cache keys, the command line,
+best.json and back, the study, and every exporter; old results still load."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from autotune import cache, knobs
+from autotune.backends.sim import SimBackend
+from autotune.catalog.models import resolve_model
+from autotune.cli import EXIT_OK, EXIT_USAGE, main
+from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.knobs import Checkpointing
+
+TINY = ["--model", "tiny-llama", "--gpus", "4", "--global-tokens", "64K"]
+
+
+def _spec(**changes) -> TrialSpec:
+    return TrialSpec(model=resolve_model("tiny-llama"), cluster=Cluster(num_gpus=4), seq_len=256,
+                     train=TrainConfig(**changes))
+
+
+def test_train_config_has_one_field_per_knob():
+    assert set(f.name for f in dataclasses.fields(TrainConfig)) == set(knobs.BY_NAME)
+
+
+@pytest.mark.parametrize("knob", knobs.KNOBS, ids=[k.name for k in knobs.KNOBS])
+def test_every_knob_changes_the_simulators_cache_keys(knob):
+    """A knob whose value changes must never reuse a prediction or a trace made for another value."""
+    sim = SimBackend(device_kind="cpu")
+    base, changed = _spec(), _spec(**{knob.name: knob.alternative})
+    assert changed.train != base.train
+    assert (cache.key_of("sim-result", sim._cache_inputs(base))
+            != cache.key_of("sim-result", sim._cache_inputs(changed)))
+    keys = [sim._trace_key(s, depth=2, micro_batch_size=1, keep_middle=True) for s in (base, changed)]
+    if knob.name not in ("micro_batch_size", "cpu_offload"):  # traced at the micro-batch asked; offload modelled
+        assert keys[0] != keys[1]
+
+
+@pytest.mark.parametrize("knob", knobs.KNOBS, ids=[k.name for k in knobs.KNOBS])
+def test_every_knob_round_trips_through_the_cli_and_best_json(knob, tmp_path, capsys):
+    """The flag reaches the trial; a best.json holding the value is re-evaluated with it."""
+    value = knob.to_json(knob.alternative)
+    flag = ([f"--{'no-' if not value else ''}{knob.flag[2:]}"] if knob.boolean else [knob.flag, str(value)])
+    assert main(["trial", "--model", "tiny-llama", "--gpus", "4", "--backend", "analytic", *flag]) == EXIT_OK
+    printed = json.loads(capsys.readouterr().out)["config"]
+    assert printed[knob.name] == value
+    assert TrainConfig.from_dict(printed) == TrainConfig(**{knob.name: knob.alternative})
+
+    runs = tmp_path / "runs"
+    assert main([*TINY, "--backend", "analytic", "--runs-dir", str(runs), "--json"]) == EXIT_OK
+    document = json.loads(capsys.readouterr().out)
+    node = document
+    for part in knob.result_path[:-1]:
+        node = node.setdefault(part, {})
+    node[knob.result_path[-1]] = value
+    best = tmp_path / "best.json"
+    best.write_text(json.dumps(document))
+    assert main(["trial", "--config", str(best), "--backend", "analytic"]) == EXIT_OK
+    assert json.loads(capsys.readouterr().out)["config"][knob.name] == value
+
+
+def test_a_result_from_before_the_new_knobs_loads(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    assert main([*TINY, "--backend", "analytic", "--runs-dir", str(runs), "--json"]) == EXIT_OK
+    document = json.loads(capsys.readouterr().out)
+    document["fsdp"].pop("shard_group_size")
+    document.pop("optimizer")
+    document["fsdp"]["activation_checkpointing"] = "every:2"
+    train = TrainConfig.from_result(document)
+    assert train.shard_group_size == 0 and train.optimizer_impl == "for-loop"  # what such runs ran
+    assert train.activation_checkpointing == Checkpointing(mode="every", every=2)
+    from autotune.export import export_result
+
+    assert "HSDP" not in "".join(export_result(document, "fsdp2").warnings)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--hsdp", "3"], "must divide the 4 GPUs per node"),
+    (["--ac", "op:all"], "op:alt-mm"),
+    (["--hsdp", "-1"], "shard group size must be 0"),
+])
+def test_bad_knob_values_are_one_line_usage_errors(argv, message, capsys):
+    assert main(["trial", "--model", "tiny-llama", "--gpus", "4", "--backend", "analytic", *argv]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_study_parameters_keep_their_value_spaces_and_old_trials_match():
+    """A study refuses a parameter whose distribution changes; resuming matches trials recorded
+    before the new knobs existed (their identity has no shard_group_size)."""
+    from autotune.controller import config_key
+
+    params, distributions = knobs.optuna_params(TrainConfig(activation_checkpointing="op:mm").knob_values())
+    assert params["checkpoint_op_policy"] == "mm" and params["checkpoint_every"] == 0
+    plain, _ = knobs.optuna_params(TrainConfig(activation_checkpointing="every:2").knob_values())
+    assert plain["checkpoint_every"] == 2 and "checkpoint_op_policy" not in plain
+    for name, dist in distributions.items():
+        dist._contains(dist.to_internal_repr(params[name]))
+    old = json.dumps({"precision": "bf16", "activation_checkpointing": "full", "cpu_offload": False,
+                      "reshard_after_forward": True, "micro_batch_size": 2, "optimizer_impl": "fused",
+                      "grad_accum_steps": 1, "backend": "sim"}, sort_keys=True)
+    train = TrainConfig(activation_checkpointing="full", micro_batch_size=2)
+    assert config_key(train, grad_accum_steps=1, backend="sim") == old
+    assert config_key(train.with_(shard_group_size=2), grad_accum_steps=1, backend="sim") != old
