@@ -143,6 +143,45 @@ def bench_compute(model, *, device, dtype, seq_len: int, token_counts=TOKEN_COUN
                 memory=dict(points=mem_points, bytes_per_s=mem_rate, fixed_s=mem_fixed))
 
 
+def bench_tracker(model, *, seq_len: int) -> dict[str, Any]:
+    """Per-op cost of the cpu backend's tensor-memory tracker (CapacityTracker, a MemTracker that
+    runs on every dispatched op of a real cpu trial): forward + backward of a 1-block bf16 copy
+    of the model with and without it, divided by the ops dispatched (counted by a dispatch mode)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autotune.backends.real._capacity import CapacityTracker
+    from autotune.training import build_model
+
+    net = build_model(model, num_layers=1).to(torch.bfloat16)
+    ids = torch.randint(0, int(model.config_dict["vocab_size"]), (1, seq_len))
+
+    def step():
+        net(input_ids=ids, labels=ids).loss.backward()
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    device = torch.device("cpu")
+    plain = _timed(step, device=device, repeats=5)
+    tracker = CapacityTracker(capacity_bytes=None)
+    tracker.track_external(net)
+
+    def tracked_step():
+        tracker.reset_mod_stats()  # MemTracker refuses a second forward otherwise (as the trials do)
+        step()
+
+    with tracker:
+        tracked = _timed(tracked_step, device=device, repeats=5)
+    return dict(ops=Count.ops, plain_s=plain, tracked_s=tracked, per_op_s=max(tracked - plain, 0.0) / Count.ops)
+
+
 def bench_adamw(model, *, device, world_size: int, impl: str) -> dict[str, Any]:
     """AdamW (autotune's make_optimizer) over one rank's shard of the model's parameters."""
     import torch
@@ -234,6 +273,8 @@ def _worker(rank: int, world_size: int, port: int, job: dict[str, Any], out_path
         torch.cuda.set_device(device)
         before = torch.cuda.mem_get_info(device)  # creates the context
         context = before[1] - before[0] - torch.cuda.memory_reserved(device)
+        # device_id= initialises the communicator eagerly: NCCL's memory is what appears outside
+        # the allocator from here to after the first all-gather and reduce-scatter.
         dist.init_process_group("nccl", device_id=device)
     else:
         torch.set_num_threads(1)  # torchrun's OMP_NUM_THREADS=1, as every cpu trial runs
@@ -246,7 +287,7 @@ def _worker(rank: int, world_size: int, port: int, job: dict[str, Any], out_path
 
         result["device_name"] = torch.cuda.get_device_name(device)
         result["context_bytes"] = int(context)
-        outside_before = measure_outside_allocator(device)["outside_allocator_bytes"]
+        outside_before = int(context)
         probe = torch.ones(2**20, device=device)
         gathered = torch.empty(2**20 * world_size, device=device)
         dist.all_gather_into_tensor(gathered, probe)
@@ -263,7 +304,11 @@ def _worker(rank: int, world_size: int, port: int, job: dict[str, Any], out_path
     result["compute_bf16"] = bench_compute(model, device=device, dtype=dtype, seq_len=job["seq_len"])
     result["compute_fp32"] = bench_compute(model, device=device, dtype=torch.float32, seq_len=job["seq_len"],
                                            token_counts=TOKEN_COUNTS[:2])
+    if not cuda:
+        result["tracker"] = bench_tracker(model, seq_len=job["seq_len"])
     result["adamw"] = bench_adamw(model, device=device, world_size=world_size, impl=job["optimizer_impl"])
+    if cuda:  # CPU offload steps AdamW on the host: every local rank at once, as a node's ranks do
+        result["adamw_cpu"] = bench_adamw(model, device=torch.device("cpu"), world_size=world_size, impl="foreach")
     if world_size > 1:
         result["collectives"] = bench_collectives(job["unit_bytes"], device=device, world_size=world_size)
     if cuda:
@@ -372,12 +417,23 @@ def profile_from_measurements(raw: dict[str, Any], *, name: str | None = None) -
                                        "FSDP2 overlaps collectives on side CUDA streams" if backend == "cuda" else
                                        "gloo on CPU: FSDP2's collectives run on the compute thread's timeline "
                                        "(no CUDA streams), so none of them hides")
+    if raw.get("tracker"):
+        t = raw["tracker"]
+        f["tracked_op_us"] = HardwareFigure(
+            t["per_op_s"] * 1e6, m, f"the cpu backend's tensor-memory tracker (CapacityTracker) per dispatched op: "
+            f"forward+backward of a 1-block bf16 {raw['job']['model']} in {t['plain_s'] * 1e3:.1f} ms without, "
+            f"{t['tracked_s'] * 1e3:.1f} ms with it, {t['ops']} ops, on {on}")
     adam = raw["adamw"]
     per_s = adam["params_per_s"]
-    f["cpu_adam_params_per_s"] = HardwareFigure(
-        per_s if backend == "cpu" else per_s, m,
-        f"autotune's make_optimizer({raw['job']['optimizer_impl']}) step over a {world}-rank shard "
-        f"({adam['params']:,} parameters) in {adam['seconds'] * 1e3:.1f} ms on {on}")
+    if backend == "cpu":
+        f["cpu_adam_params_per_s"] = HardwareFigure(
+            per_s, m, f"autotune's make_optimizer({raw['job']['optimizer_impl']}) step over a {world}-rank shard "
+            f"({adam['params']:,} parameters) in {adam['seconds'] * 1e3:.1f} ms on {on}, per rank")
+    else:
+        host = raw["adamw_cpu"]
+        f["cpu_adam_params_per_s"] = HardwareFigure(
+            host["params_per_s"] * world, m, f"foreach AdamW on the host over a {world}-rank shard, all {world} "
+            f"local ranks at once: {host['params_per_s']:.3g} params/s each x {world} (the node's rate)")
     f["optimizer_gbps"] = HardwareFigure(per_s * 28 / 1e9, m, "the same AdamW step as bytes (28 per parameter)")
     copies = raw.get("host_copies")
     f["host_link_gbps"] = HardwareFigure(

@@ -316,6 +316,8 @@ class OpWork:
     attention_ops: float = 0.0
     memory_bytes: float = 0.0
     memory_ops: float = 0.0
+    dispatched_ops: float = 0.0
+    """Every op dispatched, views included."""
 
     @classmethod
     def from_trace(cls, op_work: dict[str, float]) -> "OpWork":
@@ -398,14 +400,24 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
     n = num_gpus
     fp32 = precision == "fp32"
     tokens_per_microbatch = tokens_per_step / (n * num_microbatches)
-    matmul_rate = rate_at(profile, "matmul_tflops" + ("_fp32" if fp32 else ""), tokens_per_microbatch) \
-        or p["matmul_tflops"]
-    attention_rate = rate_at(profile, "attention_tflops" + ("_fp32" if fp32 else ""), tokens_per_microbatch) \
-        or p["attention_tflops"]
     mb = num_microbatches
-    matmul_s = mb * (ops.matmul_flops / (matmul_rate * 1e12) + ops.matmul_ops * p["matmul_op_us"] * 1e-6)
-    attention_s = mb * (ops.attention_flops / (attention_rate * 1e12) + ops.attention_ops * p["attention_op_us"] * 1e-6)
+
+    def kernels(kind: str, flops: float, count: float) -> float:
+        # A rate measured at this many tokens (calibrate's `name@T` table) already includes the
+        # kernels' fixed cost at the model's shapes; the plain figure needs it added per kernel.
+        name = f"{kind}_tflops" + ("_fp32" if fp32 else "")
+        at_shape = rate_at(profile, name, tokens_per_microbatch)
+        if at_shape is not None and any(key.startswith(name + "@") for key in p.figures):
+            return flops / (at_shape * 1e12)
+        rate = p.get(name) or p[f"{kind}_tflops"]
+        return flops / (rate * 1e12) + count * p[f"{kind}_op_us"] * 1e-6
+
+    matmul_s = mb * kernels("matmul", ops.matmul_flops, ops.matmul_ops)
+    attention_s = mb * kernels("attention", ops.attention_flops, ops.attention_ops)
     memory_s = mb * (ops.memory_bytes / (p["memory_gbps"] * 1e9) + ops.memory_ops * p["memory_op_us"] * 1e-6)
+    # A cpu profile's `tracked_op_us`: the cpu backend's tensor-memory tracker (the CPU's "device",
+    # autotune/backends/real/_capacity.py) runs Python on every dispatched op of a real cpu trial.
+    memory_s += mb * ops.dispatched_ops * (p.get("tracked_op_us") or 0.0) * 1e-6
     compute_s = matmul_s + attention_s + memory_s
 
     inter = num_nodes > 1

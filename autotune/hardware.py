@@ -34,6 +34,8 @@ Figures (all per GPU, or per CPU rank for a cpu profile):
     cpu_adam_params_per_s  fp32 AdamW parameters a node's CPUs step per second (CPU offload, or
                            the whole optimizer step of a cpu run, per rank)
     optimizer_gbps         bandwidth of the on-device AdamW step (28 bytes per parameter)
+    tracked_op_us          (cpu, calibrated) what the cpu backend's tensor-memory tracker adds to
+                           every dispatched op of a real cpu trial
     cuda_context_bytes, nccl_communicator_bytes, cublas_workspace_bytes (cuda, calibrated only):
                            runtime memory terms that replace autotune/runtime_memory.py's estimates
 """
@@ -58,7 +60,7 @@ FIGURE_UNITS = {
     "inter_node_gbps": "GB/s", "inter_node_latency_us": "us", "comm_overlap": "fraction",
     "host_link_gbps": "GB/s", "cpu_adam_params_per_s": "params/s", "optimizer_gbps": "GB/s",
     "cuda_context_bytes": "bytes", "nccl_communicator_bytes": "bytes", "cublas_workspace_bytes": "bytes",
-    "reserved_over_allocated": "ratio",
+    "reserved_over_allocated": "ratio", "tracked_op_us": "us",
 }
 REQUIRED = ("matmul_tflops", "matmul_op_us", "attention_tflops", "attention_op_us", "memory_gbps", "memory_op_us",
             "intra_node_gbps", "intra_node_latency_us", "inter_node_gbps", "inter_node_latency_us", "comm_overlap",

@@ -277,6 +277,8 @@ class _SiteTracker(FSDPMemTracker):
             op_flops = formula(*args, **(kwargs or {}), out_val=out)
             self.flops += op_flops
         if self.count_flops and out is not NotImplemented and not self._in_opt and self.phase is None:
+            if self._counts_as_op:  # not the metadata queries fake tensors make
+                self.op_work["dispatched_ops"] = self.op_work.get("dispatched_ops", 0) + 1
             kind = _op_kind(func)
             if kind is not None:
                 work = self.op_work
