@@ -161,8 +161,9 @@ def why_winner(winner: Step, steps: list[Step], request: TuneRequest) -> dict[st
 def _trial_command(request: TuneRequest, step: Step) -> str:
     """The `autotune trial` that measures `step`'s configuration for real."""
     t = step.train
+    backend = step.result.extras.get("real_backend", "cuda")  # cpu: the estimate was of a cpu run
     return (f"autotune trial --model {request.model.name} --gpus {request.cluster.num_gpus} "
-            f"--nodes {request.cluster.num_nodes} --gpu-type {request.cluster.gpu.name} --backend cuda "
+            f"--nodes {request.cluster.num_nodes} --gpu-type {request.cluster.gpu.name} --backend {backend} "
             f"--seq-len {request.seq_len} --micro-batch {t.micro_batch_size} "
             f"--grad-accum {step.batch.grad_accum_steps} --ac {t.activation_checkpointing} "
             f"--{'' if t.reshard_after_forward else 'no-'}reshard --{'' if t.cpu_offload else 'no-'}offload "

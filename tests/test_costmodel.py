@@ -141,3 +141,31 @@ def test_cuda_calibration_measures_runtime_memory_terms(tmp_path):
     assert 100 * 2**20 < profile["cuda_context_bytes"] < 4 * 2**30
     assert profile["reserved_over_allocated"] >= 1.0
     assert profile["host_link_gbps"] > 1.0
+
+
+def test_a_close_call_between_estimates_names_the_real_trials_that_decide(tmp_path):
+    """tune on a cpu profile: the winner's estimate carries its range, and where the runner-up
+    falls inside it best.json says so and names the two real cpu trials."""
+    import glob
+
+    figures = {name: {"value": value, "source": "data sheet", "basis": "test profile"} for name, value in dict(
+        matmul_tflops=0.1, matmul_op_us=10, attention_tflops=0.05, attention_op_us=10, memory_gbps=20,
+        memory_op_us=5, intra_node_gbps=0.5, intra_node_latency_us=100, inter_node_gbps=0.5,
+        inter_node_latency_us=100, comm_overlap=0, host_link_gbps=0, cpu_adam_params_per_s=1e8,
+        optimizer_gbps=3, tracked_op_us=300).items()}
+    profile = tmp_path / "cpu.json"
+    profile.write_text(json.dumps({"schema": "autotune-hardware/1", "name": "test-cpu", "device": "cpu",
+                                   "figures": figures}))
+    proc = subprocess.run([sys.executable, "-m", "autotune", "tune", "--model", "micro-llama", "--gpus", "2",
+                           "--backend", "sim", "--hardware", str(profile), "--global-tokens", "1024",
+                           "--gpu-memory", "2GiB", "--runs-dir", str(tmp_path / "runs")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    best = json.loads(Path(glob.glob(str(tmp_path / "runs" / "*" / "best.json"))[0]).read_text())
+    assert best["throughput_source"] == "estimated" and "profile test-cpu" in best["throughput_basis"]
+    why = best["why_winner"]
+    low, high = why["range_tokens_per_sec"]
+    assert low < best["tokens_per_sec"] < high
+    assert why["close_call"]  # micro-llama: the last configurations differ by a few percent
+    assert len(why["decide_with"]) == 2 and all("--backend cpu" in c for c in why["decide_with"])
+    assert "not settled" in why["sentence"] and "not settled" in proc.stdout

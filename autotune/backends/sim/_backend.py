@@ -74,7 +74,12 @@ class SimBackend(TrialBackend):
             else "a CPU gloo run (tensor peak)"
         return (f"sim: memory predicted by tracing the real model with fake tensors "
                 f"({'depth-extrapolated' if self.extrapolate else 'full depth'}) for {what}; "
-                f"throughput {'estimated (roofline)' if self.device_kind == 'cuda' else 'not estimated'}")
+                f"throughput {self._throughput_description()}")
+
+    def _throughput_description(self) -> str:
+        if self.hardware is not None and self.hardware.device == self.device_kind:
+            return f"estimated (per-operation cost model on {self.hardware.describe()})"
+        return "estimated (roofline)" if self.device_kind == "cuda" else "not estimated (no CPU profile)"
 
     @property
     def _tracer(self):
@@ -317,6 +322,7 @@ class SimBackend(TrialBackend):
                 extras["mfu_estimated"] = op_step.mfu
             low, high = costmodel.estimate_range(op_step.tokens_per_sec, profile)
             extras["tokens_per_sec_range"] = [low, high]
+            extras["real_backend"] = self.device_kind  # the real trial that checks this estimate
             basis = (f"{op_step.basis}; ops counted in the trace (recomputation included); range "
                      f"{low:,.0f}-{high:,.0f} from the validation errors ({costmodel.range_source(profile)})")
             return Figure(op_step.tokens_per_sec, "estimated", basis), ""
