@@ -79,7 +79,7 @@ def test_published_runs_leave_one_out():
     scores = _bench().run_published()
     assert scores["median_abs_error"] <= 0.10
     assert scores["worst_abs_error"] <= 0.25
-    assert scores["order_ok"]
+    assert scores["order_ok"]  # vacuous while no two rows share model and hardware (docs/COSTMODEL.md)
 
 
 def test_shipped_profiles_cover_the_catalog_with_sources():
