@@ -143,9 +143,9 @@ def bench_compute(model, *, device, dtype, seq_len: int, token_counts=TOKEN_COUN
                 memory=dict(points=mem_points, bytes_per_s=mem_rate, fixed_s=mem_fixed))
 
 
-def bench_tracker(model, *, seq_len: int) -> dict[str, Any]:
+def bench_tracker(model, *, seq_len: int, pairs: int = 9) -> dict[str, Any]:
     """Per-op cost of the cpu backend's tensor-memory tracker (CapacityTracker, a MemTracker that
-    runs on every dispatched op of a real cpu trial): forward + backward of a 1-block bf16 copy
+    runs on every dispatched op of a real cpu trial): forward + backward of a 2-block bf16 copy
     of the model with and without it, divided by the ops dispatched (counted by a dispatch mode)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -153,7 +153,7 @@ def bench_tracker(model, *, seq_len: int) -> dict[str, Any]:
     from autotune.backends.real._capacity import CapacityTracker
     from autotune.training import build_model
 
-    net = build_model(model, num_layers=1).to(torch.bfloat16)
+    net = build_model(model, num_layers=2).to(torch.bfloat16)
     ids = torch.randint(0, int(model.config_dict["vocab_size"]), (1, seq_len))
 
     def step():
@@ -168,8 +168,6 @@ def bench_tracker(model, *, seq_len: int) -> dict[str, Any]:
 
     with Count():
         step()
-    device = torch.device("cpu")
-    plain = _timed(step, device=device, repeats=5)
     tracker = CapacityTracker(capacity_bytes=None)
     tracker.track_external(net)
 
@@ -177,9 +175,22 @@ def bench_tracker(model, *, seq_len: int) -> dict[str, Any]:
         tracker.reset_mod_stats()  # MemTracker refuses a second forward otherwise (as the trials do)
         step()
 
-    with tracker:
-        tracked = _timed(tracked_step, device=device, repeats=5)
-    return dict(ops=Count.ops, plain_s=plain, tracked_s=tracked, per_op_s=max(tracked - plain, 0.0) / Count.ops)
+    # Interleaved pairs, the median of the per-pair differences: the machine's load drifts less
+    # within a pair than between two blocks of timings.
+    step()
+    plains, differences = [], []
+    for _ in range(pairs):
+        start = time.perf_counter()
+        step()
+        plain = time.perf_counter() - start
+        with tracker:
+            start = time.perf_counter()
+            tracked_step()
+            tracked = time.perf_counter() - start
+        plains.append(plain)
+        differences.append(tracked - plain)
+    plain, extra = statistics.median(plains), max(statistics.median(differences), 0.0)
+    return dict(ops=Count.ops, plain_s=plain, tracked_s=plain + extra, per_op_s=extra / Count.ops, pairs=pairs)
 
 
 def bench_adamw(model, *, device, world_size: int, impl: str) -> dict[str, Any]:
@@ -421,8 +432,9 @@ def profile_from_measurements(raw: dict[str, Any], *, name: str | None = None) -
         t = raw["tracker"]
         f["tracked_op_us"] = HardwareFigure(
             t["per_op_s"] * 1e6, m, f"the cpu backend's tensor-memory tracker (CapacityTracker) per dispatched op: "
-            f"forward+backward of a 1-block bf16 {raw['job']['model']} in {t['plain_s'] * 1e3:.1f} ms without, "
-            f"{t['tracked_s'] * 1e3:.1f} ms with it, {t['ops']} ops, on {on}")
+            f"forward+backward of a 2-block bf16 {raw['job']['model']} in {t['plain_s'] * 1e3:.1f} ms without, "
+            f"{t['tracked_s'] * 1e3:.1f} ms with it (median of {t.get('pairs', 5)} interleaved pairs), {t['ops']} ops, "
+            f"on {on}")
     adam = raw["adamw"]
     per_s = adam["params_per_s"]
     if backend == "cpu":
