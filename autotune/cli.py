@@ -34,7 +34,7 @@ class Terminated(KeyboardInterrupt):
     are kept, trial workers are stopped and temporary folders removed on the way out."""
 
 
-COMMANDS = ("tune", "trial", "export", "report", "agent", "sweep", "regress")
+COMMANDS = ("tune", "trial", "export", "report", "agent", "sweep", "regress", "calibrate")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -95,6 +95,9 @@ def _add_problem_options(parser: argparse.ArgumentParser, *, model_required: boo
     group.add_argument("--host-memory", help="host memory per node, e.g. 1TiB (checked for CPU offload)")
     group.add_argument("--seq-len", type=_positive_int, help="training sequence length (default: the "
                                                              "catalog entry's)")
+    group.add_argument("--hardware", metavar="PROFILE",
+                       help="hardware profile the sim backend estimates step time on: a JSON file from "
+                            "`autotune calibrate` or a catalog GPU name (default: the GPU's shipped profile)")
     group.add_argument("--backend", default="auto", choices=("auto", "sim", "analytic", "cpu", "cuda"),
                        help="how trials run: sim (fake-tensor trace: memory predicted, time estimated), "
                             "analytic (closed form, estimated), cpu (real gloo trials), cuda (real "
@@ -178,6 +181,15 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--heartbeat", type=float, default=10.0,
                        help="seconds between a worker's heartbeats; the problem of a worker silent for 3 goes "
                             "to another (default 10)")
+
+    calibrate = sub.add_parser("calibrate", help="measure this machine (GEMMs, memory, collectives, AdamW; "
+                                                 "on GPUs also runtime memory) into a hardware profile")
+    calibrate.add_argument("--backend", choices=("cpu", "cuda"), default="cpu",
+                           help="cpu: CPU ranks with gloo (default); cuda: every local GPU with NCCL")
+    calibrate.add_argument("--model", default="tiny-llama",
+                           help="catalog model whose shapes the GEMMs and FSDP units take (default tiny-llama)")
+    calibrate.add_argument("--ranks", type=_positive_int, help="ranks (default: 2 on cpu, every GPU on cuda)")
+    calibrate.add_argument("--out", help="profile JSON to write (default: hardware-<backend>.json)")
 
     regress = sub.add_parser("regress", help="compare a sweep's winners with an earlier sweep of the same matrix")
     regress.add_argument("sweep", help="the sweep's name")
@@ -355,6 +367,11 @@ def _make_backend(name: str, args: argparse.Namespace):
     if name in ("cpu", "cuda"):
         return get_backend(name, timeout_s=args.timeout, nnodes=args.nodes or 1, rdzv_endpoint=args.rdzv_endpoint,
                            shared_dir=args.shared_dir)
+    if name == "sim" and getattr(args, "hardware", None):
+        from autotune.hardware import load_profile
+
+        profile = load_profile(args.hardware)  # a cpu profile: the sim predicts a cpu backend run here
+        return get_backend(name, hardware=profile, device_kind=profile.device)
     return get_backend(name)
 
 
@@ -368,6 +385,19 @@ def _predictor_for(name: str):
 
 
 # -- commands -----------------------------------------------------------------------------------------
+def cmd_calibrate(args: argparse.Namespace, console) -> int:
+    from autotune.calibrate import calibrate
+
+    out = args.out or f"hardware-{args.backend}.json"
+    profile, raw = calibrate(backend=args.backend, model_name=args.model, out=out, world_size=args.ranks)
+    console.note(f"measured on {profile.machine.get('cpu') or profile.machine.get('machine')} in "
+                 f"{raw['duration_s']:.0f} s; profile {profile.name} written to {out}")
+    for name, figure in profile.figures.items():
+        console.note(f"  {name:28s} {figure.value:14.6g}  ({figure.source}: {figure.basis})")
+    console.note(f"use it with: autotune tune --backend sim --hardware {out} ...")
+    return 0
+
+
 def cmd_tune(args: argparse.Namespace, console) -> int:
     code, _ = run_tune(args, console)
     return code
@@ -708,7 +738,8 @@ def _main(argv: list[str], console) -> int:
     try:
         args = parse_args(argv)
         handler = {"tune": cmd_tune, "trial": cmd_trial, "export": cmd_export, "report": cmd_report,
-                   "agent": cmd_agent, "sweep": cmd_sweep, "regress": cmd_regress}[args.command]
+                   "agent": cmd_agent, "sweep": cmd_sweep, "regress": cmd_regress,
+                   "calibrate": cmd_calibrate}[args.command]
         return handler(args, console)
     except UsageError as exc:
         console.error_line(f"error: {exc}")

@@ -247,17 +247,18 @@ def host_link_gbps(gpu: GPUSpec) -> float:
     return _PCIE_GBPS.get(gpu.name, _PCIE_GEN4_GBPS)
 
 
-def matmul_efficiency(gpu: GPUSpec, tokens_per_microbatch: float) -> float:
+def matmul_efficiency(gpu: GPUSpec, tokens_per_microbatch: float, top: float | None = None) -> float:
     """Fraction of peak FLOP/s reached with this many tokens per GPU per micro-batch."""
-    top = MATMUL_EFFICIENCY.get(gpu.name, DEFAULT_MATMUL_EFFICIENCY)
+    top = MATMUL_EFFICIENCY.get(gpu.name, DEFAULT_MATMUL_EFFICIENCY) if top is None else top
     return top * tokens_per_microbatch / (tokens_per_microbatch + HALF_EFFICIENCY_TOKENS)
 
 
-def _ring_gbps(cluster: Cluster) -> float:
+def _ring_gbps(cluster: Cluster, inter_node_bus_efficiency: float | None = None) -> float:
     """Achieved per-GPU bandwidth of the slowest hop of a ring over the cluster, GB/s."""
     gpu = cluster.gpu
     if cluster.num_nodes > 1:
-        return gpu.inter_node_gbps * INTER_NODE_BUS_EFFICIENCY
+        return gpu.inter_node_gbps * (INTER_NODE_BUS_EFFICIENCY if inter_node_bus_efficiency is None
+                                      else inter_node_bus_efficiency)
     return gpu.intra_node_gbps * INTRA_NODE_BUS_EFFICIENCY
 
 
@@ -291,20 +292,24 @@ def hsdp_comm_seconds(work: StepWork, cluster: Cluster, *, shard_group_size: int
     return intra_s, inter_s
 
 
-def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: int = 0) -> StepTime:
+def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: int = 0,
+                       matmul_top_efficiency: float | None = None,
+                       inter_node_bus_efficiency: float | None = None) -> StepTime:
     """Roofline time of one optimizer step on `cluster` (see the module docstring);
-    `shard_group_size` > 0: HSDP (see hsdp_comm_seconds)."""
+    `shard_group_size` > 0: HSDP (see hsdp_comm_seconds). The last two keyword arguments replace
+    the fitted constants (leave-one-out validation refits them)."""
     gpu = cluster.gpu
     n = cluster.num_gpus
     tokens_per_microbatch = work.tokens_per_step / (work.num_microbatches * n)
-    compute_s = work.flops_per_gpu / (gpu.peak_tflops * 1e12 * matmul_efficiency(gpu, tokens_per_microbatch))
+    compute_s = work.flops_per_gpu / (gpu.peak_tflops * 1e12 * matmul_efficiency(gpu, tokens_per_microbatch,
+                                                                                  matmul_top_efficiency))
 
     comm_s = 0.0
     if shard_group_size and shard_group_size < n:
         comm_s = sum(hsdp_comm_seconds(work, cluster, shard_group_size=shard_group_size))
     elif n > 1:
         ring_bytes = (work.allgather_bytes_per_gpu + work.reduce_scatter_bytes_per_gpu) * (n - 1) / n
-        comm_s = ring_bytes / (_ring_gbps(cluster) * 1e9)
+        comm_s = ring_bytes / (_ring_gbps(cluster, inter_node_bus_efficiency) * 1e9)
     offload_s = (work.host_to_device_bytes + work.device_to_host_bytes) / (host_link_gbps(gpu) * 1e9)
 
     # Collectives and offload copies run on side streams under compute. What cannot hide: the
@@ -330,3 +335,200 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
         mfu=model_flops / (seconds * gpu.peak_tflops * 1e12) if seconds > 0 else 0.0,
         basis=estimate_basis(gpu) + (f" on {cluster.num_nodes} nodes" if cluster.num_nodes > 1 else ""),
     )
+
+
+# --- The per-operation step-time model (issue 11) ---------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class OpWork:
+    """The ops of forward + backward of one micro-batch on one rank, as the simulator's trace
+    counted them (`StepTrace.op_work`; recomputation included)."""
+
+    matmul_flops: float = 0.0
+    matmul_ops: float = 0.0
+    attention_flops: float = 0.0
+    attention_ops: float = 0.0
+    memory_bytes: float = 0.0
+    memory_ops: float = 0.0
+    dispatched_ops: float = 0.0
+    """Every op dispatched, views included."""
+
+    @classmethod
+    def from_trace(cls, op_work: dict[str, float]) -> "OpWork":
+        return cls(**{k: float(op_work.get(k, 0.0)) for k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpStepTime:
+    """The per-operation estimate of one optimizer step on one rank (seconds), by part."""
+
+    seconds: float
+    matmul_s: float
+    attention_s: float
+    memory_s: float
+    comm_s: float
+    exposed_comm_s: float
+    offload_s: float
+    optimizer_s: float
+    tokens_per_sec: float
+    mfu: float | None
+    basis: str
+
+    @property
+    def compute_s(self) -> float:
+        return self.matmul_s + self.attention_s + self.memory_s
+
+    def to_dict(self) -> dict:
+        return {**{k: getattr(self, k) for k in self.__dataclass_fields__}, "compute_s": self.compute_s}
+
+
+def rate_at(profile, name: str, tokens: float) -> float | None:
+    """A profile rate at `tokens` per micro-batch: its `name@T` figures (measured at the model's
+    shapes by calibrate) interpolated linearly in log(tokens), held flat beyond the ends; else
+    the plain `name` figure, or None."""
+    import math
+
+    table = sorted((int(key.split("@", 1)[1]), fig.value) for key, fig in profile.figures.items()
+                   if key.startswith(name + "@"))
+    if not table:
+        return profile.get(name)
+    if tokens <= table[0][0]:
+        return table[0][1]
+    for (t0, r0), (t1, r1) in zip(table, table[1:]):
+        if tokens <= t1:
+            w = (math.log(tokens) - math.log(t0)) / (math.log(t1) - math.log(t0))
+            return r0 + w * (r1 - r0)
+    return table[-1][1]
+
+
+def collective_seconds(nbytes: float, *, ranks: int, gbps: float, latency_us: float) -> float:
+    """One ring all-gather or reduce-scatter of `nbytes` (unsharded) over `ranks` ranks:
+    latency plus the (n-1)/n share each rank sends at the bus bandwidth."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return latency_us * 1e-6 + nbytes * (ranks - 1) / ranks / (gbps * 1e9)
+
+
+def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int = 1, num_blocks: int,
+                          block_params: int, root_params: int, param_bytes: int, tokens_per_step: int,
+                          num_microbatches: int = 1, reshard_after_forward: bool = True,
+                          cpu_offload: bool = False, precision: str = "bf16",
+                          model_flops_per_gpu: float | None = None, peak_tflops: float | None = None,
+                          shard_group_size: int = 0) -> OpStepTime:
+    """Step time of one rank from the traced ops on a hardware profile (autotune/hardware.py).
+
+    compute per micro-batch = matmul FLOPs / rate + matmuls x fixed cost
+                            + attention FLOPs / rate + attention kernels x fixed cost
+                            + memory-bound bytes / bandwidth + memory-bound ops x fixed cost
+    communication per FSDP unit and micro-batch: all-gather of the unit in forward, again in
+    backward when resharded (never the root), reduce-scatter of its fp32 gradients; each a
+    latency plus bytes over the bus bandwidth (inter-node figures when the job spans nodes).
+    overlap: FSDP2 prefetches one unit ahead, so a block's collectives hide under a block's
+    compute; exposed = the root's all-gather and the last reduce-scatter (nothing to hide under)
+    plus, per block, what its collectives take beyond its compute. Where the profile says
+    collectives block compute (`comm_overlap` 0: gloo on CPU), all of it is exposed.
+    HSDP (`shard_group_size` g < n): the unit's collectives run within its group of g ranks (on
+    the node's links when the group fits in a node), then each gradient shard is all-reduced across
+    the n/g replicas (a ring all-reduce: twice a reduce-scatter's traffic, inter-node across nodes).
+    optimizer: AdamW over the rank's shard on the device (28 bytes per parameter at
+    `optimizer_gbps`), or on the host (`cpu_adam_params_per_s`, shared by a node's ranks) with CPU
+    offload or on a cpu profile; offload adds the host<->device copies of the fp32 shards.
+    """
+    p = profile
+    n = num_gpus
+    fp32 = precision == "fp32"
+    tokens_per_microbatch = tokens_per_step / (n * num_microbatches)
+    mb = num_microbatches
+
+    def kernels(kind: str, flops: float, count: float) -> float:
+        # A rate measured at this many tokens (calibrate's `name@T` table) already includes the
+        # kernels' fixed cost at the model's shapes; the plain figure needs it added per kernel.
+        name = f"{kind}_tflops" + ("_fp32" if fp32 else "")
+        at_shape = rate_at(profile, name, tokens_per_microbatch)
+        if at_shape is not None and any(key.startswith(name + "@") for key in p.figures):
+            return flops / (at_shape * 1e12)
+        rate = p.get(name) or p[f"{kind}_tflops"]
+        return flops / (rate * 1e12) + count * p[f"{kind}_op_us"] * 1e-6
+
+    matmul_s = mb * kernels("matmul", ops.matmul_flops, ops.matmul_ops)
+    attention_s = mb * kernels("attention", ops.attention_flops, ops.attention_ops)
+    memory_s = mb * (ops.memory_bytes / (p["memory_gbps"] * 1e9) + ops.memory_ops * p["memory_op_us"] * 1e-6)
+    # A cpu profile's `tracked_op_us`: the cpu backend's tensor-memory tracker (the CPU's "device",
+    # autotune/backends/real/_capacity.py) runs Python on every dispatched op of a real cpu trial.
+    memory_s += mb * ops.dispatched_ops * (p.get("tracked_op_us") or 0.0) * 1e-6
+    compute_s = matmul_s + attention_s + memory_s
+
+    group = shard_group_size if 0 < shard_group_size < n else n
+    replicas = n // group
+    inter = num_nodes > 1 and group > n // num_nodes  # the shard group spans nodes
+    ag_bw = p["inter_node_gbps" if inter else "intra_node_gbps"]
+    ag_lat = p["inter_node_latency_us" if inter else "intra_node_latency_us"]
+    rs_bw = (None if inter else p.get("intra_node_rs_gbps")) or ag_bw
+    rs_lat = (None if inter else p.get("intra_node_rs_latency_us")) or ag_lat
+    ar_inter = num_nodes > 1  # replicas sit on other nodes whenever there are several
+    ar_bw = p["inter_node_gbps" if ar_inter else "intra_node_gbps"]
+    ar_lat = p["inter_node_latency_us" if ar_inter else "intra_node_latency_us"]
+
+    def ag(params: int) -> float:
+        return collective_seconds(params * param_bytes, ranks=group, gbps=ag_bw, latency_us=ag_lat)
+
+    def rs(params: int) -> float:
+        # HSDP: the reduce-scattered fp32 shard is then all-reduced across the replicas.
+        return collective_seconds(params * 4, ranks=group, gbps=rs_bw, latency_us=rs_lat) + \
+            2 * collective_seconds(params * 4 / group, ranks=replicas, gbps=ar_bw, latency_us=ar_lat)
+
+    block_comm = ag(block_params) * (2 if reshard_after_forward else 1) + rs(block_params)
+    root_comm = ag(root_params) + rs(root_params)
+    comm_mb = num_blocks * block_comm + root_comm
+    offload_mb = 0.0
+    if cpu_offload:
+        h2d, d2h = offload_bytes(block_params=block_params, num_blocks=num_blocks, root_params=root_params,
+                                 num_gpus=group, reshard_after_forward=reshard_after_forward)
+        offload_mb = (h2d + d2h) / (p["host_link_gbps"] * 1e9)
+    overlap = min(max(p["comm_overlap"], 0.0), 1.0)
+    per_block_compute = compute_s / mb / max(num_blocks, 1)
+    side_block = block_comm + offload_mb / max(num_blocks + 1, 1)
+    hidden_exposed = root_comm + offload_mb / max(num_blocks + 1, 1) + \
+        num_blocks * max(side_block - per_block_compute, 0.0)
+    exposed_mb = overlap * min(hidden_exposed, comm_mb + offload_mb) + (1 - overlap) * (comm_mb + offload_mb)
+    comm_s, offload_s = comm_mb * mb, offload_mb * mb
+    exposed_s = exposed_mb * mb
+    exposed_comm_s = exposed_s * (comm_s / (comm_s + offload_s)) if comm_s + offload_s else 0.0
+
+    shard_params = -(-(root_params + num_blocks * block_params) // group)
+    if cpu_offload or p.device == "cpu":
+        ranks_sharing = max(n // num_nodes, 1) if cpu_offload and p.device == "cuda" else 1
+        optimizer_s = shard_params * ranks_sharing / p["cpu_adam_params_per_s"]
+    else:
+        optimizer_s = shard_params * 28 / (p["optimizer_gbps"] * 1e9)
+
+    seconds = compute_s + exposed_s + optimizer_s
+    mfu = None
+    if model_flops_per_gpu is not None and peak_tflops and seconds > 0:
+        mfu = model_flops_per_gpu / (seconds * peak_tflops * 1e12)
+    return OpStepTime(seconds=seconds, matmul_s=matmul_s, attention_s=attention_s, memory_s=memory_s,
+                      comm_s=comm_s, exposed_comm_s=exposed_comm_s, offload_s=offload_s, optimizer_s=optimizer_s,
+                      tokens_per_sec=tokens_per_step / seconds if seconds > 0 else 0.0, mfu=mfu,
+                      basis=f"estimated: per-operation cost model on {profile.describe()}"
+                            + (f", {num_nodes} nodes" if num_nodes > 1 else ""))
+
+
+ESTIMATE_ERROR = {
+    "cpu": (0.60, "the largest median error of three 24-configuration CPU grid runs (9.0%, 59.7%, 17.9%; worst "
+                  "19.5%, 120.5%, 58.1%), benchmarks/bench_costmodel.py --grid --bracket, docs/BENCHMARKS.md"),
+    "cuda": (0.20, "the worst leave-one-out error over the published full-shard runs (20.1%), "
+                   "benchmarks/bench_costmodel.py --published"),
+}
+"""Relative error an estimate carries, by the profile's device, from the validation that can
+fail (docs/COSTMODEL.md, "Validation"): the range printed with every estimated throughput."""
+
+
+def estimate_range(tokens_per_sec: float, profile) -> tuple[float, float]:
+    """(low, high) tokens/s around an estimate, from the validation errors."""
+    err = ESTIMATE_ERROR[profile.device][0]
+    return tokens_per_sec * (1 - err), tokens_per_sec * (1 + err)
+
+
+def range_source(profile) -> str:
+    err, where = ESTIMATE_ERROR[profile.device]
+    return f"+-{err:.0%}, {where}"

@@ -137,9 +137,38 @@ def why_winner(winner: Step, steps: list[Step], request: TuneRequest) -> dict[st
     gain = (winner.result.throughput or 0) / runner.result.throughput - 1
     sentence = (f"step {winner.step} ({winner.train.label()}) won with {figure(winner)}, {gain:+.1%} against the "
                 f"runner-up, step {runner.step} ({runner.train.label()}) at {figure(runner)}")
-    if winner.result.tokens_per_sec and winner.result.tokens_per_sec.source == "estimated":
+    section = {"winner_step": winner.step, "runner_up_step": runner.step}
+    estimated = winner.result.tokens_per_sec and winner.result.tokens_per_sec.source == "estimated"
+    span = winner.result.extras.get("tokens_per_sec_range") if estimated else None
+    if span and winner.result.tokens_per_sec.value:
+        # The ranges come from the cost model's validation errors (autotune/costmodel.py).
+        low = span[0] / winner.result.tokens_per_sec.value
+        close = (runner.result.throughput or 0) >= (winner.result.throughput or 0) * low
+        section.update(range_tokens_per_sec=span, close_call=close)
+        if close:
+            commands = [_trial_command(request, s) for s in (winner, runner)]
+            section["decide_with"] = commands
+            sentence += (f"; the two estimates are within the estimate's range ({span[0]:,.0f}-{span[1]:,.0f} "
+                         f"tokens/s) of each other, so the ranking is not settled: a real trial of each decides "
+                         f"({commands[0]}; {commands[1]})")
+        else:
+            sentence += (f"; the runner-up is outside the winner's estimated range ({span[0]:,.0f}-{span[1]:,.0f} "
+                         "tokens/s)")
+    elif estimated:
         sentence += "; both are estimates, so a real trial of the two decides a close call"
-    return {"winner_step": winner.step, "runner_up_step": runner.step, "sentence": sentence}
+    return {**section, "sentence": sentence}
+
+
+def _trial_command(request: TuneRequest, step: Step) -> str:
+    """The `autotune trial` that measures `step`'s configuration for real."""
+    t = step.train
+    backend = step.result.extras.get("real_backend", "cuda")  # cpu: the estimate was of a cpu run
+    return (f"autotune trial --model {request.model.name} --gpus {request.cluster.num_gpus} "
+            f"--nodes {request.cluster.num_nodes} --gpu-type {request.cluster.gpu.name} --backend {backend} "
+            f"--seq-len {request.seq_len} --micro-batch {t.micro_batch_size} "
+            f"--grad-accum {step.batch.grad_accum_steps} --ac {t.activation_checkpointing} "
+            f"--{'' if t.reshard_after_forward else 'no-'}reshard --{'' if t.cpu_offload else 'no-'}offload "
+            f"--precision {t.precision}")
 
 
 def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backend: str, wrap: str,

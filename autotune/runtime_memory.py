@@ -157,7 +157,7 @@ def nccl_communicator_bytes(*, ranks: int, inter_node: bool, environ: Mapping[st
 
 def runtime_memory(gpu: GPUSpec, *, world_size: int, gpus_per_node: int, tensor_peak_bytes: int,
                    largest_allocation_bytes: int = 0, offload_staging_bytes: int = 0, communicators: int = 1,
-                   environ: Mapping[str, str] | None = None) -> RuntimeMemory:
+                   environ: Mapping[str, str] | None = None, calibrated=None) -> RuntimeMemory:
     """The runtime terms of one rank of a job. `largest_allocation_bytes` is the step's largest
     single tensor (the simulator traces it); `communicators` is the number of NCCL process
     groups the configuration creates (1 for a 1-D mesh over the whole world; HSDP's shard and
@@ -193,7 +193,34 @@ def runtime_memory(gpu: GPUSpec, *, world_size: int, gpus_per_node: int, tensor_
                    f"{of_peak:.0%} of the tensor peak{staging_note}, with {ALLOC_CONF_ENV}={conf} ({measured_part})",
                    in_allocator=True),
     )
+    if calibrated is not None:
+        terms = _calibrated_terms(terms, calibrated, world_size=world_size, communicators=communicators)
     return RuntimeMemory(terms=terms, alloc_conf=conf)
+
+
+def _calibrated_terms(terms, profile, *, world_size: int, communicators: int) -> tuple[MemoryTerm, ...]:
+    """Replace the context, NCCL and cuBLAS terms by what `autotune calibrate --backend cuda`
+    measured (a calibrated cuda profile, autotune/hardware.py); the others stay estimates."""
+    where = f"calibrated profile {profile.name}, {profile.date[:10]}"
+    ranks = profile.machine.get("calibrated_world_size") or profile.versions.get("world_size")
+    out = []
+    for term in terms:
+        if term.name == "cuda_context" and profile.get("cuda_context_bytes") is not None:
+            term = MemoryTerm("cuda_context", int(profile["cuda_context_bytes"]), "measured",
+                              f"mem_get_info around CUDA initialisation ({where})", in_allocator=False)
+        elif term.name == "nccl" and profile.get("nccl_communicator_bytes") is not None:
+            same = ranks is None or int(ranks) == world_size
+            term = MemoryTerm("nccl", int(profile["nccl_communicator_bytes"]) * communicators,
+                              "measured" if same else "estimated",
+                              f"{communicators} communicator(s) x the memory after the first all-gather and "
+                              f"reduce-scatter at world size {ranks or '?'} ({where})"
+                              + ("" if same else f"; this job has {world_size} ranks"), in_allocator=False)
+        elif term.name == "cublas_workspace" and profile.get("cublas_workspace_bytes") is not None:
+            term = MemoryTerm("cublas_workspace", int(profile["cublas_workspace_bytes"]) * CUBLAS_WORKSPACE_STREAMS,
+                              "measured", f"{CUBLAS_WORKSPACE_STREAMS} streams x the workspace of the first bf16 "
+                              f"matmul ({where})", in_allocator=True)
+        out.append(term)
+    return tuple(out)
 
 
 def measure_outside_allocator(device) -> dict[str, int]:

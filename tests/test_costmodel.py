@@ -1,51 +1,37 @@
-"""The shared cost model: roofline arithmetic, collective volumes, runtime margins."""
+"""The step-time model against things it was not derived from: independent FLOP counts, real CPU
+trials on a calibrated profile, and published runs held out of the fit (leave-one-out)."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from autotune import costmodel as cm
+from autotune import hardware
 from autotune.catalog.gpus import GPUS
-from autotune.config import Cluster
+from autotune.config import Cluster, TrainConfig, TrialSpec
 
 H100 = GPUS["h100-80gb"]
+TAU_FLOOR = 0.6
+"""Kendall tau the 5-configuration CPU check must reach (one discordant pair of ten is 0.8)."""
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_roofline_matches_a_hand_calculation():
-    cluster = Cluster(num_gpus=8, gpu=H100)
-    tokens_per_mb = 4096
-    work = cm.StepWork(flops_per_gpu=1e15, tokens_per_step=tokens_per_mb * 8, num_microbatches=1,
-                       allgather_bytes_per_gpu=16e9, reduce_scatter_bytes_per_gpu=0.0, num_fsdp_units=None)
-    step = cm.estimate_step_time(work, cluster)
-    eff = cm.MATMUL_EFFICIENCY['h100-80gb'] * tokens_per_mb / (tokens_per_mb + cm.HALF_EFFICIENCY_TOKENS)
-    compute = 1e15 / (989e12 * eff)
-    comm = 16e9 * 7 / 8 / (450e9 * cm.INTRA_NODE_BUS_EFFICIENCY)
-    assert step.compute_s == pytest.approx(compute)
-    assert step.comm_s == pytest.approx(comm)
-    # Comm (~39 ms) is shorter than compute (~2 s) and no unit term was given: fully hidden.
-    assert step.exposed_comm_s == 0.0
-    assert step.seconds == pytest.approx(compute)
-    assert step.tokens_per_sec == pytest.approx(tokens_per_mb * 8 / compute)
-    assert step.mfu == pytest.approx(1e15 / (compute * 989e12))
-    assert step.basis.startswith("estimated: roofline on h100-80gb")
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_costmodel", ROOT / "benchmarks" / "bench_costmodel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_comm_beyond_compute_is_exposed_and_units_expose_first_and_last():
-    cluster = Cluster(num_gpus=8, gpu=H100)
-    base = dict(flops_per_gpu=2e13, tokens_per_step=8 * 512, allgather_bytes_per_gpu=20e9,
-                reduce_scatter_bytes_per_gpu=20e9)
-    step = cm.estimate_step_time(cm.StepWork(**base), cluster)
-    assert step.comm_s > step.compute_s
-    assert step.exposed_comm_s == pytest.approx(step.comm_s - step.compute_s)
-    with_units = cm.estimate_step_time(cm.StepWork(**base, num_fsdp_units=10), cluster)
-    assert with_units.exposed_comm_s == pytest.approx(step.exposed_comm_s + step.comm_s / 10)
-    assert with_units.seconds > step.seconds
-
-
-def test_multi_node_rings_run_at_nic_bandwidth():
+def test_multi_node_rings_are_slower_and_say_so():
     work = cm.StepWork(flops_per_gpu=1e12, tokens_per_step=16 * 4096, allgather_bytes_per_gpu=1e10)
     one = cm.estimate_step_time(work, Cluster(num_gpus=16, num_nodes=1, gpu=H100))
     two = cm.estimate_step_time(work, Cluster(num_gpus=16, num_nodes=2, gpu=H100))
-    assert two.comm_s / one.comm_s == pytest.approx(
-        H100.intra_node_gbps * cm.INTRA_NODE_BUS_EFFICIENCY / (H100.inter_node_gbps * cm.INTER_NODE_BUS_EFFICIENCY))
+    assert two.comm_s > one.comm_s
     assert "2 nodes" in two.basis
 
 
@@ -55,28 +41,45 @@ def test_single_gpu_has_no_collective_time():
     assert step.comm_s == 0.0
 
 
-def test_offload_adds_pcie_copies_and_a_cpu_adam_step():
-    cluster = Cluster(num_gpus=8, gpu=H100)
-    plain = cm.StepWork(flops_per_gpu=1e15, tokens_per_step=8 * 4096)
-    offload = cm.StepWork(flops_per_gpu=1e15, tokens_per_step=8 * 4096, host_to_device_bytes=5e9,
-                          device_to_host_bytes=5e9, cpu_optimizer_params=10**9)
-    a, b = cm.estimate_step_time(plain, cluster), cm.estimate_step_time(offload, cluster)
-    assert b.offload_s == pytest.approx(10e9 / (cm.host_link_gbps(H100) * 1e9))
-    assert b.cpu_optimizer_s == pytest.approx(8 * 10**9 / cm.CPU_ADAM_PARAMS_PER_S_PER_NODE)
-    assert b.seconds > a.seconds + b.cpu_optimizer_s * 0.99
+def test_traced_matmul_flops_match_an_independent_count():
+    """The trace's matmul FLOPs (torch's formulas at every dispatched op) against 6 x tokens x the
+    parameters of the model's nn.Linear layers, counted on a meta-device build, plus 2 x tokens
+    x the block linears again for each block full checkpointing recomputes, less each block's
+    last matmul (mlp.down_proj): torch.utils.checkpoint stops recomputing once every saved tensor
+    backward needs is back (early stop, on by default), and down_proj's output is not one."""
+    import torch
+    from torch import nn
+
+    from autotune.backends.sim import SimBackend
+    from autotune.catalog.models import resolve_model
+    from autotune.training import build_model
+
+    model = resolve_model("micro-llama")
+    with torch.device("meta"):
+        net = build_model(model)
+    linears = [m for m in net.modules() if isinstance(m, nn.Linear)]
+    head = net.get_output_embeddings()
+    block_linear = sum(m.weight.numel() for m in linears if m is not head)
+    down = sum(m.weight.numel() for name, m in net.named_modules() if name.endswith("mlp.down_proj"))
+    head_params = head.weight.numel()
+    backend = SimBackend(device_kind="cpu", extrapolate=False)
+    for ac, recompute in (("none", 0), ("full", 1)):
+        spec = TrialSpec(model=model, cluster=Cluster(num_gpus=2), seq_len=64,
+                         train=TrainConfig(micro_batch_size=2, activation_checkpointing=ac))
+        result = backend.evaluate(spec)
+        work = result.extras["op_work"]
+        tokens = 2 * 64
+        expected = 6 * tokens * (block_linear + head_params) + recompute * 2 * tokens * (block_linear - down)
+        assert work["matmul_flops"] == pytest.approx(expected, rel=1e-6), ac
+        assert work["matmul_flops"] + work["attention_flops"] == pytest.approx(result.extras["flops_per_gpu_per_step"])
 
 
-def test_collective_bytes_counts_fsdp2_passes():
-    vol = cm.collective_bytes(block_params=100, num_blocks=4, root_params=50, param_bytes=2,
-                              reshard_after_forward=True, num_microbatches=3)
-    # forward gathers blocks + root, backward the blocks again; fp32 reduce-scatter of all.
-    assert vol.allgather_bytes == 3 * (400 * 2 * 2 + 50 * 2)
-    assert vol.reduce_scatter_bytes == 3 * 450 * 4
-    kept = cm.collective_bytes(block_params=100, num_blocks=4, root_params=50, param_bytes=2,
-                               reshard_after_forward=False)
-    assert kept.allgather_bytes == 450 * 2
-    h2d, d2h = cm.offload_bytes(block_params=100, num_blocks=4, root_params=50, num_gpus=2)
-    assert (h2d, d2h) == (850 * 4 / 2, 450 * 4 / 2)
+def test_published_runs_leave_one_out():
+    """Each full-shard published run predicted with the constants refitted on the others."""
+    scores = _bench().run_published()
+    assert scores["median_abs_error"] <= 0.10
+    assert scores["worst_abs_error"] <= 0.25
+    assert scores["order_ok"]  # vacuous while no two rows share model and hardware (docs/COSTMODEL.md)
 
 
 def test_fsdp_step_work_assembles_volumes_and_offload():
@@ -110,3 +113,115 @@ def test_hsdp_moves_the_gather_traffic_onto_the_node_links():
     single = Cluster(num_gpus=8)
     assert cm.estimate_step_time(work, single, shard_group_size=8).comm_s == \
         cm.estimate_step_time(work, single).comm_s  # one group of every GPU is plain FSDP
+
+
+def test_shipped_profiles_cover_the_catalog_with_sources():
+    for gpu in GPUS.values():
+        profile = hardware.shipped_profile(gpu)
+        assert not profile.calibrated and profile.device == "cuda"
+        for name in hardware.REQUIRED:
+            figure = profile.figures[name]
+            assert figure.source in ("data sheet", "published run") and figure.basis, (gpu.name, name)
+        again = hardware.HardwareProfile.from_dict(json.loads(json.dumps(profile.to_dict())))
+        assert again.figures == profile.figures
+
+
+@pytest.mark.parametrize("content, message", [
+    ("not json", "not readable JSON"),
+    ('{"schema": "other"}', "not an autotune hardware profile"),
+    ('{"schema": "autotune-hardware/1", "device": "cpu", "figures": {}}', "missing figures"),
+])
+def test_a_bad_profile_is_a_one_line_usage_error(tmp_path, content, message):
+    path = tmp_path / "profile.json"
+    path.write_text(content)
+    proc = subprocess.run([sys.executable, "-m", "autotune", "trial", "--model", "micro-llama", "--gpus", "2",
+                           "--backend", "sim", "--hardware", str(path)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_cpu_estimates_rank_real_trials_on_a_calibrated_profile(tmp_path):
+    """The cheap version of benchmarks/bench_costmodel.py --grid: calibrate this machine, then
+    estimate and really run 5 configurations of tiny-llama on 2 gloo ranks."""
+    bench = _bench()
+    from autotune.calibrate import calibrate
+
+    profile, _ = calibrate(backend="cpu", model_name="tiny-llama", out=str(tmp_path / "cpu.json"))
+    assert profile.calibrated and all(f.source == "measured" for f in profile.figures.values())
+    configs = [dict(micro_batch_size=mb, activation_checkpointing=ac)
+               for mb, ac in ((1, "full"), (2, "none"), (4, "full"), (8, "every:2"), (8, "none"))]
+    specs = bench.grid_specs(configs)
+    estimated = bench.estimate_sim(specs, hardware.load_profile(str(tmp_path / "cpu.json")))
+    measured = bench.measure_cpu(specs)
+    scores = bench.grid_scores(estimated, measured)
+    print(scores)
+    # Ranking and pick are asserted; the absolute error is printed, not asserted: calibration and
+    # trials run minutes apart on a shared 2-core VM whose load swings 2-6x (docs/COSTMODEL.md).
+    assert scores["kendall_tau"] >= TAU_FLOOR, scores
+    assert scores["pick_shortfall"] <= 0.10, scores
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (calibrate --backend cuda)")
+def test_cuda_calibration_measures_runtime_memory_terms(tmp_path):
+    from autotune.calibrate import calibrate
+
+    profile, raw = calibrate(backend="cuda", model_name="tiny-llama", out=str(tmp_path / "gpu.json"))
+    for name in ("cuda_context_bytes", "nccl_communicator_bytes", "cublas_workspace_bytes", "reserved_over_allocated"):
+        assert profile.figures[name].source == "measured"
+    assert 100 * 2**20 < profile["cuda_context_bytes"] < 4 * 2**30
+    assert profile["reserved_over_allocated"] >= 1.0
+    assert profile["host_link_gbps"] > 1.0
+
+
+def test_a_close_call_between_estimates_names_the_real_trials_that_decide(tmp_path):
+    """tune on a cpu profile: the winner's estimate carries its range, and where the runner-up
+    falls inside it best.json says so and names the two real cpu trials."""
+    import glob
+
+    figures = {name: {"value": value, "source": "data sheet", "basis": "test profile"} for name, value in dict(
+        matmul_tflops=0.1, matmul_op_us=10, attention_tflops=0.05, attention_op_us=10, memory_gbps=20,
+        memory_op_us=5, intra_node_gbps=0.5, intra_node_latency_us=100, inter_node_gbps=0.5,
+        inter_node_latency_us=100, comm_overlap=0, host_link_gbps=0, cpu_adam_params_per_s=1e8,
+        optimizer_gbps=3, tracked_op_us=300).items()}
+    profile = tmp_path / "cpu.json"
+    profile.write_text(json.dumps({"schema": "autotune-hardware/1", "name": "test-cpu", "device": "cpu",
+                                   "figures": figures}))
+    proc = subprocess.run([sys.executable, "-m", "autotune", "tune", "--model", "micro-llama", "--gpus", "2",
+                           "--backend", "sim", "--hardware", str(profile), "--global-tokens", "1024",
+                           "--gpu-memory", "2GiB", "--runs-dir", str(tmp_path / "runs")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    best = json.loads(Path(glob.glob(str(tmp_path / "runs" / "*" / "best.json"))[0]).read_text())
+    assert best["throughput_source"] == "estimated" and "profile test-cpu" in best["throughput_basis"]
+    why = best["why_winner"]
+    low, high = why["range_tokens_per_sec"]
+    assert low < best["tokens_per_sec"] < high
+    assert why["close_call"]  # micro-llama: the last configurations differ by a few percent
+    assert len(why["decide_with"]) == 2 and all("--backend cpu" in c for c in why["decide_with"])
+    assert "not settled" in why["sentence"] and "not settled" in proc.stdout
+
+
+def test_per_op_model_runs_hsdp_collectives_within_the_group():
+    """The per-operation model under HSDP on 2 nodes of 8 against its own plain-FSDP figure and a
+    count of the bytes: sharding within a node moves the gathers onto the node's links, so it must
+    spend less time communicating when those are 10x faster, and a group of every GPU is plain FSDP."""
+    profile = hardware.shipped_profile(GPUS["h100-80gb"])
+    ops = cm.OpWork(matmul_flops=1e14, matmul_ops=500, memory_bytes=1e10, memory_ops=1000, dispatched_ops=3000)
+    common = dict(profile=profile, num_gpus=16, num_nodes=2, num_blocks=32, block_params=200_000_000,
+                  root_params=500_000_000, param_bytes=2, tokens_per_step=16 * 4096)
+    fsdp = cm.estimate_op_step_time(ops, **common)
+    node = cm.estimate_op_step_time(ops, **common, shard_group_size=8)
+    assert cm.estimate_op_step_time(ops, **common, shard_group_size=16).comm_s == fsdp.comm_s
+    assert profile["intra_node_gbps"] > 5 * profile["inter_node_gbps"]
+    assert node.comm_s < fsdp.comm_s
+    # The bytes each rank moves: gathers over the node (7/8 of each unit) plus the replica all-reduce
+    # of its 1/8 gradient shard across 2 nodes (2 x 1/2 of it), at least what bandwidth alone costs.
+    params = 32 * 200_000_000 + 500_000_000
+    gathered = (32 * 200_000_000 * 2 + 500_000_000) * 2 * 7 / 8
+    scattered = params * 4 * 7 / 8
+    allreduced = 2 * params * 4 / 8 / 2
+    floor = (gathered + scattered) / (profile["intra_node_gbps"] * 1e9) + allreduced / (profile["inter_node_gbps"] * 1e9)
+    assert floor <= node.comm_s < floor * 1.05

@@ -52,10 +52,14 @@ class SimBackend(TrialBackend):
     throughput_source = "estimated"
 
     def __init__(self, *, device_kind: Literal["cuda", "cpu"] = "cuda", extrapolate: bool = True,
-                 extrapolate_micro_batch: bool = True, max_cached_models: int = 24, screen: bool = True) -> None:
+                 extrapolate_micro_batch: bool = True, max_cached_models: int = 24, screen: bool = True,
+                 hardware=None) -> None:
         if device_kind not in ("cuda", "cpu"):
             raise ValueError(f"device_kind must be 'cuda' or 'cpu', got {device_kind!r}")
         self.device_kind = device_kind
+        self.hardware = hardware
+        """A HardwareProfile (autotune/hardware.py) the step time is estimated on; None: the
+        shipped profile of the cluster's GPU (no throughput for a CPU run without one)."""
         self.extrapolate = extrapolate
         self.extrapolate_micro_batch = extrapolate_micro_batch
         self.screen = screen
@@ -70,7 +74,12 @@ class SimBackend(TrialBackend):
             else "a CPU gloo run (tensor peak)"
         return (f"sim: memory predicted by tracing the real model with fake tensors "
                 f"({'depth-extrapolated' if self.extrapolate else 'full depth'}) for {what}; "
-                f"throughput {'estimated (roofline)' if self.device_kind == 'cuda' else 'not estimated'}")
+                f"throughput {self._throughput_description()}")
+
+    def _throughput_description(self) -> str:
+        if self.hardware is not None and self.hardware.device == self.device_kind:
+            return f"estimated (per-operation cost model on {self.hardware.describe()})"
+        return "estimated (roofline)" if self.device_kind == "cuda" else "not estimated (no CPU profile)"
 
     @property
     def _tracer(self):
@@ -114,7 +123,8 @@ class SimBackend(TrialBackend):
         """Everything a prediction depends on besides versions and code (cache.fingerprint)."""
         return dict(spec=spec.to_dict(), device_kind=self.device_kind, extrapolate=self.extrapolate,
                     extrapolate_micro_batch=self.extrapolate_micro_batch, screen=self.screen,
-                    environment={name: os.environ.get(name) for name in RUNTIME_ENV})
+                    environment={name: os.environ.get(name) for name in RUNTIME_ENV},
+                    hardware=self.hardware.to_dict() if self.hardware is not None else None)
 
     def _screened(self, spec: TrialSpec) -> TrialResult | None:
         """The closed form's verdict where it is far over the limit, else None (trace it)."""
@@ -180,7 +190,7 @@ class SimBackend(TrialBackend):
         if depths is None:
             trace = self._trace(spec, depth=num_layers, micro_batch_size=mb, keep_middle=True)
             return trace.sites, trace, dict(traced_layers=[num_layers], extrapolated=False,
-                                            flops_per_microbatch=trace.flops)
+                                            flops_per_microbatch=trace.flops, op_work=dict(trace.op_work))
         # A configuration seen before at another micro-batch is being grown: trace micro-batches
         # 2 and 3 once, then every larger one is free. A first look traces the one asked for.
         family = self._trace_key(spec, depth=0, micro_batch_size=1, keep_middle=False)
@@ -192,7 +202,8 @@ class SimBackend(TrialBackend):
                   for d in depths for m in mbs}
         combined = extrapolate(traces, num_layers=num_layers, micro_batch_size=mb, period=period)
         notes = dict(traced_layers=list(depths), traced_micro_batches=list(mbs), extrapolated=True,
-                     flops_per_microbatch=combined.flops, dropped_sites=combined.dropped_sites)
+                     flops_per_microbatch=combined.flops, dropped_sites=combined.dropped_sites,
+                     op_work=dict(combined.op_work or {}))
         return combined.sites, traces[depths[0], mbs[0]], notes
 
     # --- the result ------------------------------------------------------------------------------
@@ -222,7 +233,9 @@ class SimBackend(TrialBackend):
                           trace.sync_largest_allocation_bytes)
             runtime = runtime_memory(spec.cluster.gpu, world_size=world_size,
                                      gpus_per_node=spec.cluster.gpus_per_node, tensor_peak_bytes=tensor_peak,
-                                     largest_allocation_bytes=largest, offload_staging_bytes=root_staging)
+                                     largest_allocation_bytes=largest, offload_staging_bytes=root_staging,
+                                     calibrated=self.hardware if self.hardware is not None and self.hardware.calibrated
+                                     and self.hardware.device == "cuda" else None)
         overhead = runtime.total_bytes if runtime else 0
         total = tensor_peak + overhead
         breakdown = dict.fromkeys(MEMORY_CATEGORIES, 0)
@@ -255,7 +268,8 @@ class SimBackend(TrialBackend):
             extras.update(runtime_memory=runtime.to_dict(), predicted_allocated_bytes=int(tensor_peak + workspace),
                           predicted_reserved_bytes=int(tensor_peak + runtime.in_allocator_bytes),
                           predicted_device_bytes=int(total))
-        throughput, message = self._throughput(spec, trace, notes["flops_per_microbatch"], extras)
+        throughput, message = self._throughput(spec, trace, notes["flops_per_microbatch"], extras,
+                                               op_work=notes.get("op_work"))
         host_figure = None
         if host_per_node is not None:
             host_figure = Figure(host_per_node, "estimated",
@@ -279,15 +293,41 @@ class SimBackend(TrialBackend):
                            extras=extras)
 
     def _throughput(self, spec: TrialSpec, trace: StepTrace, flops_per_microbatch: float,
-                    extras: dict[str, Any]) -> tuple[Figure | None, str]:
+                    extras: dict[str, Any], op_work: dict[str, float] | None = None) -> tuple[Figure | None, str]:
         from autotune.catalog.models import model_flops_per_token
+        from autotune.hardware import profile_for
 
         accum = spec.grad_accum_steps
         world_size = spec.cluster.num_gpus
         tokens_per_gpu_step = spec.train.micro_batch_size * spec.seq_len * accum
         extras["flops_per_gpu_per_step"] = flops_per_microbatch * accum
-        if self.device_kind == "cpu":
-            return None, "throughput not estimated for a CPU run (no CPU roofline)"
+        hardware = self.hardware if self.hardware is not None and self.hardware.device == self.device_kind else None
+        if self.device_kind == "cpu" and hardware is None:
+            return None, ("throughput not estimated for a CPU run without a CPU profile "
+                          "(autotune calibrate --backend cpu, then --hardware PROFILE)")
+        if op_work and hardware is not None:
+            # The per-operation model on a profile given with --hardware (validated against real
+            # CPU trials, docs/COSTMODEL.md); without one, the roofline the published runs check.
+            profile = profile_for(spec.cluster.gpu, hardware)
+            op_step = costmodel.estimate_op_step_time(
+                costmodel.OpWork.from_trace(op_work), profile=profile, num_gpus=world_size,
+                num_nodes=spec.cluster.num_nodes, num_blocks=spec.model.num_layers,
+                block_params=trace.block_params, root_params=trace.root_params,
+                param_bytes=_PARAM_BYTES[spec.train.precision], tokens_per_step=tokens_per_gpu_step * world_size,
+                num_microbatches=accum, reshard_after_forward=spec.train.reshard_after_forward,
+                cpu_offload=spec.train.cpu_offload, precision=spec.train.precision,
+                model_flops_per_gpu=model_flops_per_token(spec.model, spec.seq_len) * tokens_per_gpu_step,
+                peak_tflops=spec.cluster.gpu.peak_tflops if self.device_kind == "cuda" else None,
+                shard_group_size=spec.train.shard_group_size)
+            extras["step_time"] = op_step.to_dict()
+            if op_step.mfu is not None:
+                extras["mfu_estimated"] = op_step.mfu
+            low, high = costmodel.estimate_range(op_step.tokens_per_sec, profile)
+            extras["tokens_per_sec_range"] = [low, high]
+            extras["real_backend"] = self.device_kind  # the real trial that checks this estimate
+            basis = (f"{op_step.basis}; ops counted in the trace (recomputation included); range "
+                     f"{low:,.0f}-{high:,.0f} from the validation errors ({costmodel.range_source(profile)})")
+            return Figure(op_step.tokens_per_sec, "estimated", basis), ""
         work = costmodel.fsdp_step_work(
             flops_per_gpu=flops_per_microbatch * accum,
             model_flops_per_gpu=model_flops_per_token(spec.model, spec.seq_len) * tokens_per_gpu_step,
@@ -298,7 +338,11 @@ class SimBackend(TrialBackend):
         step = costmodel.estimate_step_time(work, spec.cluster, shard_group_size=spec.train.shard_group_size)
         extras["step_time"] = step.to_dict()
         extras["mfu_estimated"] = step.mfu
-        basis = f"{step.basis}; FLOPs counted in the trace (recomputation included)"
+        shipped = profile_for(spec.cluster.gpu)
+        low, high = costmodel.estimate_range(step.tokens_per_sec, shipped)
+        extras["tokens_per_sec_range"] = [low, high]
+        basis = (f"{step.basis}; FLOPs counted in the trace (recomputation included); range {low:,.0f}-{high:,.0f} "
+                 f"({costmodel.range_source(shipped)})")
         return Figure(step.tokens_per_sec, "estimated", basis), ""
 
 

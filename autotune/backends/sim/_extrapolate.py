@@ -44,6 +44,9 @@ class Extrapolated:
     dropped_sites: int
     """Sites seen in some shallow traces only, left out: the optimizer's steps of the deeper
     copy's extra blocks (which repeat the steps of blocks both copies have)."""
+    op_work: dict[str, float] | None = None
+    """`StepTrace.op_work` of the full model, extrapolated like the FLOPs (every block adds the
+    same ops)."""
 
 
 def _affine(v11: int, v21: int, v12: int, v22: int, x: int, y: int) -> int:
@@ -82,4 +85,6 @@ def extrapolate(traces: dict[tuple[int, int], StepTrace], *, num_layers: int, mi
         cats = set().union(*(t.sites[key] for t in corners))
         sites[key] = {cat: _affine(*(t.sites[key].get(cat, 0) for t in corners), x, y) for cat in cats}
     flops = _affine(*(int(t.flops) for t in corners), x, y)
-    return Extrapolated(sites=sites, flops=float(flops), dropped_sites=len(every - common))
+    kinds = set().union(*(t.op_work for t in corners))
+    op_work = {k: float(_affine(*(int(t.op_work.get(k, 0)) for t in corners), x, y)) for k in kinds}
+    return Extrapolated(sites=sites, flops=float(flops), dropped_sites=len(every - common), op_work=op_work)

@@ -66,6 +66,38 @@ def _grouped_query_safe(formula):
 FLOP_FORMULAS = {op: _grouped_query_safe(formula) if "scaled_dot_product" in str(op) else formula
                  for op, formula in FLOP_FORMULAS.items()}
 
+OP_KINDS = ("matmul", "attention", "memory")
+"""How the step-time model costs an op (autotune/costmodel.py, `OpWork`): matmuls by FLOPs,
+attention kernels by FLOPs, every other op that makes or writes a tensor by the bytes it reads
+and writes. Views, metadata queries and collectives (costed per FSDP unit) are not counted."""
+
+
+@functools.cache
+def _op_kind(func) -> str | None:
+    packet = func._overloadpacket
+    if "scaled_dot_product" in str(packet) or "flash_attention" in str(packet):
+        return "attention"
+    if packet in (_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm):
+        return "matmul"
+    if func.namespace not in ("aten", "prims"):  # c10d / _c10d_functional collectives, fsdp ops
+        return None
+    returns = func._schema.returns
+    if not returns or not any("Tensor" in str(ret.type) for ret in returns):
+        return "memory" if func._schema.name.endswith("_") else None  # in-place foreach/optimizer ops
+    if all(ret.alias_info is not None and not ret.alias_info.is_write for ret in returns):
+        return None  # a view: moves nothing
+    return "memory"
+
+
+def _tensor_bytes(values) -> int:
+    total = 0
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+        elif isinstance(value, (list, tuple)):
+            total += _tensor_bytes(value)
+    return total
+
 from autotune.catalog.models import ModelSpec  # noqa: E402
 from autotune.config import TrainConfig
 from autotune.parallel import Blocks, parallelize
@@ -135,6 +167,9 @@ class StepTrace:
     sync_largest_allocation_bytes: int = 0
     """The same for the weight sync (a full fp32 parameter), when it was traced: it does not grow
     with the micro-batch."""
+    op_work: dict[str, float] = field(default_factory=dict)
+    """Forward + backward of one micro-batch on one rank, by how the step-time model costs each
+    op (`OP_KINDS`): '<kind>_ops' (count), 'matmul_flops', 'attention_flops', 'memory_bytes'."""
 
 
 def _next_pow2(n: int) -> int:
@@ -163,6 +198,7 @@ class _SiteTracker(FSDPMemTracker):
         self.largest_allocation = 0
         self.count_flops = False
         self.flops = 0
+        self.op_work: dict[str, float] = {}
         self._optimizer_ops: list[dict[str, int]] = []
         self._position_of = position_of
         self.sites: dict[SiteKey, tuple[int, dict, int]] = {}
@@ -236,8 +272,23 @@ class _SiteTracker(FSDPMemTracker):
         # FLOPs from torch's flop-counter formulas, counted here: FlopCounterMode's module hooks
         # would keep tensors alive under activation checkpointing and change the memory traced.
         formula = FLOP_FORMULAS.get(func._overloadpacket) if self.count_flops and out is not NotImplemented else None
+        op_flops = 0
         if formula is not None:
-            self.flops += formula(*args, **(kwargs or {}), out_val=out)
+            op_flops = formula(*args, **(kwargs or {}), out_val=out)
+            self.flops += op_flops
+        if self.count_flops and out is not NotImplemented and not self._in_opt and self.phase is None:
+            if self._counts_as_op:  # not the metadata queries fake tensors make
+                self.op_work["dispatched_ops"] = self.op_work.get("dispatched_ops", 0) + 1
+            kind = _op_kind(func)
+            if kind is not None:
+                work = self.op_work
+                work[f"{kind}_ops"] = work.get(f"{kind}_ops", 0) + 1
+                if kind == "memory":
+                    moved = _tensor_bytes(args) + _tensor_bytes((kwargs or {}).values()) + _tensor_bytes(
+                        out if isinstance(out, (tuple, list)) else (out,))
+                    work["memory_bytes"] = work.get("memory_bytes", 0) + moved
+                else:
+                    work[f"{kind}_flops"] = work.get(f"{kind}_flops", 0) + op_flops
         return out
 
     def _update_peak_stats(self, peak_state) -> None:
@@ -369,7 +420,8 @@ class Tracer:
                          block_params=built.block_params, root_params=built.root_params,
                          pinned_param_bytes=dict(built.pinned), duration_s=time.perf_counter() - start,
                          largest_allocation_bytes=int(tracker.largest_allocation),
-                         sync_largest_allocation_bytes=built.sync_largest_allocation if weight_sync else 0)
+                         sync_largest_allocation_bytes=built.sync_largest_allocation if weight_sync else 0,
+                         op_work=dict(tracker.op_work))
 
     def _built(self, model_spec: ModelSpec, *, depth: int, mesh, world_size: int, train: TrainConfig) -> _Built:
         # Every knob but the two that do not change the built model: a new knob can never reuse

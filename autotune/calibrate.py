@@ -1,0 +1,488 @@
+"""`autotune calibrate`: microbenchmarks of this machine, written as a hardware profile.
+
+    autotune calibrate [--backend cpu|cuda] [--model tiny-llama] [--out PROFILE.json]
+
+Everything here is *measured* on the machine it runs on, in about a minute:
+
+* GEMM throughput at the model's shapes (the projections and the LM head, at several token
+  counts): a least-squares fit of time = FLOPs / rate + fixed cost per kernel;
+* attention (scaled_dot_product_attention, forward + backward, FLOPs by torch's flop-counter
+  formulas, as the simulator's trace counts them) the same way;
+* memory bandwidth of elementwise ops at activation sizes: time = bytes / bandwidth + fixed cost;
+* all-gather and reduce-scatter at the model's FSDP unit sizes across the local ranks (gloo on
+  CPU with 2 ranks, NCCL across every local GPU): time = latency + bytes (n-1)/n / bandwidth;
+* the AdamW step (autotune's own `make_optimizer`) over one rank's shard of the model;
+* cuda only: pinned host<->device copies, and issue 12's runtime memory terms: the CUDA context
+  (mem_get_info around initialisation), cuBLAS workspace, NCCL memory after the first all-gather
+  and reduce-scatter at the local world size, and reserved vs allocated over a short FSDP2 step.
+
+The compute benchmarks run on every rank at once, as a training job's ranks do (on CPU one
+thread per rank: torchrun's OMP_NUM_THREADS=1 default), and rank 0's figures are kept.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from autotune.hardware import HardwareFigure, HardwareProfile, machine_description
+
+TOKEN_COUNTS = (256, 512, 1024, 2048)
+"""Tokens per micro-batch the GEMMs are timed at (the rows of every projection)."""
+COLLECTIVE_SIZES_FRACTIONS = (0.125, 0.5, 1.0, 2.0)
+
+
+def fit_linear(work: list[float], seconds: list[float]) -> tuple[float, float]:
+    """(rate per second, fixed seconds) of time = work / rate + fixed, least squares, with the
+    fixed cost kept >= 0 (refit through the origin when the free fit is negative)."""
+    n = len(work)
+    if n < 2:
+        raise ValueError("need at least two points to fit")
+    mx, my = sum(work) / n, sum(seconds) / n
+    sxx = sum((x - mx) ** 2 for x in work)
+    slope = sum((x - mx) * (y - my) for x, y in zip(work, seconds)) / sxx if sxx else 0.0
+    fixed = my - slope * mx
+    if fixed < 0 or slope <= 0:
+        fixed = 0.0
+        slope = sum(x * y for x, y in zip(work, seconds)) / sum(x * x for x in work)
+    return 1.0 / slope, fixed
+
+
+def _timed(fn, *, device, repeats: int = 5, min_s: float = 0.02, calls: int | None = None) -> float:
+    """Median seconds of one call of `fn`, after a warm-up call; calls are batched until a
+    timing lasts at least `min_s` (the clock's resolution and Python overhead), or `calls` at a
+    time (collectives: every rank must make the same number of calls)."""
+    import torch
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    fn()
+    sync()
+    fixed = calls is not None
+    calls = calls or 1
+    while True:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        elapsed = time.perf_counter() - start
+        if fixed or elapsed >= min_s or calls >= 1024:
+            break
+        calls *= 4
+    samples = [elapsed / calls]
+    for _ in range(repeats - 1):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples)
+
+
+def _model_shapes(model) -> dict[str, int]:
+    cfg = model.config_dict
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    return dict(hidden=hidden, ffn=int(cfg["intermediate_size"]), vocab=int(cfg["vocab_size"]), heads=heads,
+                kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=int(cfg.get("head_dim") or hidden // heads))
+
+
+def bench_compute(model, *, device, dtype, seq_len: int, token_counts=TOKEN_COUNTS) -> dict[str, Any]:
+    """GEMMs at the model's shapes, SDPA forward+backward, elementwise ops: raw points and fits."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    s = _model_shapes(model)
+    gemm_points, mem_points, attn_points = [], [], []
+    by_tokens: dict[int, list[float]] = {}
+    for tokens in token_counts:
+        # F.linear, as the model's projections and LM head run (x @ W^T)
+        for k, n in ((s["hidden"], s["hidden"]), (s["hidden"], s["ffn"]), (s["ffn"], s["hidden"]),
+                     (s["hidden"], s["vocab"])):
+            x = torch.randn(tokens, k, device=device, dtype=dtype)
+            w = torch.randn(n, k, device=device, dtype=dtype)
+            point = (2.0 * tokens * k * n, _timed(lambda: F.linear(x, w), device=device))
+            gemm_points.append(point)
+            by_tokens.setdefault(tokens, [0.0, 0.0])
+            by_tokens[tokens][0] += point[0]
+            by_tokens[tokens][1] += point[1]
+        for width in (s["hidden"], s["ffn"]):
+            x = torch.randn(tokens, width, device=device, dtype=dtype)
+            y = torch.randn(tokens, width, device=device, dtype=dtype)
+            mem_points.append((3.0 * x.numel() * x.element_size(), _timed(lambda: x * y, device=device)))
+            xf = x.float()
+            mem_points.append((2.0 * xf.numel() * xf.element_size() * 1.5, _timed(lambda: xf.to(dtype), device=device)))
+    attn_by_tokens: dict[int, float] = {}
+    for batch in sorted({max(t // seq_len, 1) for t in token_counts}):
+        q = torch.randn(batch, s["heads"], seq_len, s["head_dim"], device=device, dtype=dtype, requires_grad=True)
+        k = torch.randn(batch, s["heads"], seq_len, s["head_dim"], device=device, dtype=dtype, requires_grad=True)
+        v = torch.randn(batch, s["heads"], seq_len, s["head_dim"], device=device, dtype=dtype, requires_grad=True)
+
+        def attention():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.backward(torch.ones_like(out))
+
+        shape = tuple(q.shape)
+        flops = sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape, shape, shape)
+        attn_points.append((float(flops), _timed(attention, device=device)))
+        attn_by_tokens[batch * seq_len] = attn_points[-1][0] / attn_points[-1][1]
+    gemm_rate, gemm_fixed = fit_linear(*zip(*gemm_points))
+    attn_rate, attn_fixed = fit_linear(*zip(*attn_points))
+    mem_rate, mem_fixed = fit_linear(*zip(*mem_points))
+    return dict(gemm=dict(points=gemm_points, flops_per_s=gemm_rate, fixed_s=gemm_fixed,
+                          flops_per_s_by_tokens={t: f / sec for t, (f, sec) in by_tokens.items()}),
+                attention=dict(points=attn_points, flops_per_s=attn_rate, fixed_s=attn_fixed, kernels_per_point=1,
+                               flops_per_s_by_tokens=attn_by_tokens),
+                memory=dict(points=mem_points, bytes_per_s=mem_rate, fixed_s=mem_fixed))
+
+
+def bench_tracker(model, *, seq_len: int, pairs: int = 9) -> dict[str, Any]:
+    """Per-op cost of the cpu backend's tensor-memory tracker (CapacityTracker, a MemTracker that
+    runs on every dispatched op of a real cpu trial): forward + backward of a 2-block bf16 copy
+    of the model with and without it, divided by the ops dispatched (counted by a dispatch mode)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autotune.backends.real._capacity import CapacityTracker
+    from autotune.training import build_model
+
+    net = build_model(model, num_layers=2).to(torch.bfloat16)
+    ids = torch.randint(0, int(model.config_dict["vocab_size"]), (1, seq_len))
+
+    def step():
+        net(input_ids=ids, labels=ids).loss.backward()
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    tracker = CapacityTracker(capacity_bytes=None)
+    tracker.track_external(net)
+
+    def tracked_step():
+        tracker.reset_mod_stats()  # MemTracker refuses a second forward otherwise (as the trials do)
+        step()
+
+    # Interleaved pairs, the median of the per-pair differences: the machine's load drifts less
+    # within a pair than between two blocks of timings.
+    step()
+    plains, differences = [], []
+    for _ in range(pairs):
+        start = time.perf_counter()
+        step()
+        plain = time.perf_counter() - start
+        with tracker:
+            start = time.perf_counter()
+            tracked_step()
+            tracked = time.perf_counter() - start
+        plains.append(plain)
+        differences.append(tracked - plain)
+    plain, extra = statistics.median(plains), max(statistics.median(differences), 0.0)
+    return dict(ops=Count.ops, plain_s=plain, tracked_s=plain + extra, per_op_s=extra / Count.ops, pairs=pairs)
+
+
+def bench_adamw(model, *, device, world_size: int, impl: str) -> dict[str, Any]:
+    """AdamW (autotune's make_optimizer) over one rank's shard of the model's parameters."""
+    import torch
+    from torch import nn
+
+    from autotune.training import make_optimizer
+
+    s = _model_shapes(model)
+    layers = int(model.config_dict["num_hidden_layers"])
+    shapes = [(s["vocab"], s["hidden"]), (s["vocab"], s["hidden"])]
+    for _ in range(layers):
+        shapes += [(s["hidden"], s["hidden"])] * 2 + [(s["kv_heads"] * s["head_dim"], s["hidden"])] * 2
+        shapes += [(s["ffn"], s["hidden"])] * 3
+    holder = nn.Module()
+    holder.params = nn.ParameterList(
+        nn.Parameter(torch.randn(max(rows // world_size, 1), cols, device=device)) for rows, cols in shapes)
+    for p in holder.params:
+        p.grad = torch.randn_like(p)
+    optimizer = make_optimizer(holder, impl=impl)
+    count = sum(p.numel() for p in holder.params)
+    seconds = _timed(optimizer.step, device=device, repeats=3)
+    return dict(params=count, seconds=seconds, params_per_s=count / seconds)
+
+
+def bench_collectives(unit_bytes: list[int], *, device, world_size: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    ag_points, rs_points = [], []
+    for nbytes in unit_bytes:
+        numel = max(nbytes // 4 // world_size * world_size, world_size)
+        full = torch.empty(numel, device=device)
+        shard = torch.ones(numel // world_size, device=device)
+        dist.barrier()
+        ag_points.append((float(numel * 4), _timed(lambda: dist.all_gather_into_tensor(full, shard), device=device, calls=8)))
+        dist.barrier()
+        rs_points.append((float(numel * 4), _timed(lambda: dist.reduce_scatter_tensor(shard, full), device=device, calls=8)))
+    out = {}
+    for name, points in (("all_gather", ag_points), ("reduce_scatter", rs_points)):
+        scaled = [(b * (world_size - 1) / world_size, t) for b, t in points]
+        rate, fixed = fit_linear(*zip(*scaled))
+        out[name] = dict(points=points, bus_bytes_per_s=rate, latency_s=fixed)
+    return out
+
+
+def bench_host_copies(*, device, nbytes: int = 256 * 2**20) -> dict[str, float]:
+    import torch
+
+    host = torch.empty(nbytes // 4, pin_memory=True)
+    dev = torch.empty(nbytes // 4, device=device)
+    h2d = _timed(lambda: dev.copy_(host, non_blocking=True), device=device, repeats=3)
+    d2h = _timed(lambda: host.copy_(dev, non_blocking=True), device=device, repeats=3)
+    return dict(h2d_bytes_per_s=nbytes / h2d, d2h_bytes_per_s=nbytes / d2h)
+
+
+def short_fsdp_step_memory(model, *, device, mesh, seq_len: int) -> dict[str, int]:
+    """Reserved vs allocated over one short FSDP2 step of a 2-block copy of the model (cuda)."""
+    import torch
+
+    from autotune.config import TrainConfig
+    from autotune.parallel import parallelize
+    from autotune.training import build_model, make_optimizer, token_batches, train_step
+
+    train = TrainConfig(micro_batch_size=1)
+    with torch.device(device):
+        net = build_model(model, num_layers=2)
+    parallelize(net, mesh, train)
+    optimizer = make_optimizer(net)
+    torch.cuda.reset_peak_memory_stats(device)
+    batches = token_batches(vocab_size=int(model.config_dict["vocab_size"]), micro_batch_size=1, seq_len=seq_len,
+                            device=device)
+    for _ in range(2):
+        train_step(net, optimizer, batches)
+    torch.cuda.synchronize(device)
+    return dict(max_allocated_bytes=int(torch.cuda.max_memory_allocated(device)),
+                max_reserved_bytes=int(torch.cuda.max_memory_reserved(device)))
+
+
+def _worker(rank: int, world_size: int, port: int, job: dict[str, Any], out_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from autotune.catalog.models import resolve_model
+
+    cuda = job["backend"] == "cuda"
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    if cuda:
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        before = torch.cuda.mem_get_info(device)  # creates the context
+        context = before[1] - before[0] - torch.cuda.memory_reserved(device)
+        # device_id= initialises the communicator eagerly: NCCL's memory is what appears outside
+        # the allocator from here to after the first all-gather and reduce-scatter.
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        torch.set_num_threads(1)  # torchrun's OMP_NUM_THREADS=1, as every cpu trial runs
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    model = resolve_model(job["model"])
+    result: dict[str, Any] = dict(device=str(device), world_size=world_size)
+    if cuda:
+        from autotune.runtime_memory import measure_outside_allocator
+
+        result["device_name"] = torch.cuda.get_device_name(device)
+        result["context_bytes"] = int(context)
+        outside_before = int(context)
+        probe = torch.ones(2**20, device=device)
+        gathered = torch.empty(2**20 * world_size, device=device)
+        dist.all_gather_into_tensor(gathered, probe)
+        dist.reduce_scatter_tensor(probe, gathered)
+        torch.cuda.synchronize(device)
+        result["nccl_bytes"] = int(measure_outside_allocator(device)["outside_allocator_bytes"] - outside_before)
+        allocated = torch.cuda.memory_allocated(device)
+        a = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16)
+        b = a @ a
+        torch.cuda.synchronize(device)
+        result["cublas_workspace_bytes"] = int(torch.cuda.memory_allocated(device) - allocated - a.nbytes - b.nbytes)
+        del a, b, probe, gathered
+    dtype = torch.bfloat16
+    result["compute_bf16"] = bench_compute(model, device=device, dtype=dtype, seq_len=job["seq_len"])
+    result["compute_fp32"] = bench_compute(model, device=device, dtype=torch.float32, seq_len=job["seq_len"],
+                                           token_counts=TOKEN_COUNTS[:2])
+    if not cuda:
+        result["tracker"] = bench_tracker(model, seq_len=job["seq_len"])
+    result["adamw"] = bench_adamw(model, device=device, world_size=world_size, impl=job["optimizer_impl"])
+    if cuda:  # CPU offload steps AdamW on the host: every local rank at once, as a node's ranks do
+        result["adamw_cpu"] = bench_adamw(model, device=torch.device("cpu"), world_size=world_size, impl="foreach")
+    if world_size > 1:
+        result["collectives"] = bench_collectives(job["unit_bytes"], device=device, world_size=world_size)
+    if cuda:
+        result["host_copies"] = bench_host_copies(device=device)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cuda", (world_size,))
+        result["fsdp_step"] = short_fsdp_step_memory(model, device=device, mesh=mesh, seq_len=job["seq_len"])
+    dist.barrier()
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def measure(*, backend: str = "cpu", model_name: str = "tiny-llama", world_size: int | None = None,
+            seq_len: int | None = None, optimizer_impl: str | None = None) -> dict[str, Any]:
+    """Run the microbenchmarks in `world_size` fresh processes; rank 0's raw measurements."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from autotune.catalog.models import resolve_model
+    from autotune.errors import UsageError
+
+    if backend not in ("cpu", "cuda"):
+        raise UsageError(f"calibrate --backend must be cpu or cuda, got {backend!r}")
+    if backend == "cuda" and not torch.cuda.is_available():
+        raise UsageError("calibrate --backend cuda: no CUDA GPU is visible here (use --backend cpu)")
+    model = resolve_model(model_name)
+    if world_size is None:
+        world_size = torch.cuda.device_count() if backend == "cuda" else 2
+    seq_len = seq_len or model.default_seq_len
+    cfg = model.config_dict
+    block, root = model.block_parameters, model.root_parameters
+    param_bytes = 2
+    unit_bytes = sorted({int(block * param_bytes * f) for f in COLLECTIVE_SIZES_FRACTIONS} |
+                        {int(root * param_bytes), int(block * 4), int(root * 4)})
+    job = dict(backend=backend, model=model_name, seq_len=seq_len, unit_bytes=unit_bytes,
+               optimizer_impl=optimizer_impl or ("fused" if backend == "cuda" else "foreach"),
+               num_layers=int(cfg["num_hidden_layers"]))
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "calibration.json")
+        mp.start_processes(_worker, args=(world_size, _free_port(), job, out_path), nprocs=world_size,
+                           start_method="spawn", join=True)
+        raw = json.loads(Path(out_path).read_text())
+    raw["job"] = job
+    raw["duration_s"] = time.perf_counter() - start
+    return raw
+
+
+def profile_from_measurements(raw: dict[str, Any], *, name: str | None = None) -> HardwareProfile:
+    """A calibrated profile: every figure `measured`, its basis the benchmark and its fit."""
+    import torch
+
+    backend = raw["job"]["backend"]
+    world = raw["world_size"]
+    on = raw.get("device_name") or f"{world} CPU rank(s), 1 thread each"
+    m = "measured"
+    f: dict[str, HardwareFigure] = {}
+    for dtype, suffix in (("bf16", ""), ("fp32", "_fp32")):
+        comp = raw[f"compute_{dtype}"]
+        f[f"matmul_tflops{suffix}"] = HardwareFigure(
+            comp["gemm"]["flops_per_s"] / 1e12, m, f"{dtype} GEMMs at {raw['job']['model']}'s projection and LM-head "
+            f"shapes, {len(comp['gemm']['points'])} points, fit time = FLOPs / rate + fixed, on {on}")
+        f[f"attention_tflops{suffix}"] = HardwareFigure(
+            comp["attention"]["flops_per_s"] / 1e12, m, f"{dtype} SDPA forward+backward at the model's heads and sequence, FLOPs by torch's sdpa formulas, on {on}")
+        for what, key in (("matmul", "gemm"), ("attention", "attention")):
+            for tokens, rate in sorted(comp[key]["flops_per_s_by_tokens"].items(), key=lambda kv: int(kv[0])):
+                f[f"{what}_tflops{suffix}@{int(tokens)}"] = HardwareFigure(
+                    rate / 1e12, m, f"{dtype} {what} rate at {tokens} tokens per micro-batch (the model's shapes), on {on}")
+        if not suffix:
+            f["matmul_op_us"] = HardwareFigure(comp["gemm"]["fixed_s"] * 1e6, m, "fixed cost per GEMM from the same fit")
+            f["attention_op_us"] = HardwareFigure(comp["attention"]["fixed_s"] * 1e6, m,
+                                                  "fixed cost per attention kernel from the same fit")
+            f["memory_gbps"] = HardwareFigure(comp["memory"]["bytes_per_s"] / 1e9, m,
+                                              f"elementwise multiply and casts at activation sizes, bytes read + "
+                                              f"written, fit time = bytes / bandwidth + fixed, on {on}")
+            f["memory_op_us"] = HardwareFigure(comp["memory"]["fixed_s"] * 1e6, m, "fixed cost per op from the same fit")
+    coll = raw.get("collectives")
+    link = "NCCL" if backend == "cuda" else "gloo"
+    if coll:
+        ag, rs = coll["all_gather"], coll["reduce_scatter"]
+        sizes = f"{len(ag['points'])} sizes from {min(b for b, _ in ag['points']) / 2**20:.2f} to " \
+                f"{max(b for b, _ in ag['points']) / 2**20:.1f} MiB (the model's FSDP units)"
+        f["intra_node_gbps"] = HardwareFigure(ag["bus_bytes_per_s"] / 1e9, m,
+                                              f"{link} all_gather_into_tensor over {world} local ranks, {sizes}")
+        f["intra_node_latency_us"] = HardwareFigure(ag["latency_s"] * 1e6, m, "fixed cost from the same fit")
+        f["intra_node_rs_gbps"] = HardwareFigure(rs["bus_bytes_per_s"] / 1e9, m,
+                                                 f"{link} reduce_scatter_tensor over {world} local ranks, {sizes}")
+        f["intra_node_rs_latency_us"] = HardwareFigure(rs["latency_s"] * 1e6, m, "fixed cost from the same fit")
+    else:
+        f["intra_node_gbps"] = HardwareFigure(0.0, m, "one rank: no collective measured")
+        f["intra_node_latency_us"] = HardwareFigure(0.0, m, "one rank: no collective measured")
+    # Across nodes nothing was measured: the intra-node figures stand in, and say so.
+    f["inter_node_gbps"] = HardwareFigure(f["intra_node_gbps"].value, m,
+                                          "not measured across nodes (one machine): the intra-node figure")
+    f["inter_node_latency_us"] = HardwareFigure(f["intra_node_latency_us"].value, m,
+                                                "not measured across nodes (one machine): the intra-node figure")
+    f["comm_overlap"] = HardwareFigure(1.0 if backend == "cuda" else 0.0, m if backend == "cuda" else "measured",
+                                       "FSDP2 overlaps collectives on side CUDA streams" if backend == "cuda" else
+                                       "gloo on CPU: FSDP2's collectives run on the compute thread's timeline "
+                                       "(no CUDA streams), so none of them hides")
+    if raw.get("tracker"):
+        t = raw["tracker"]
+        f["tracked_op_us"] = HardwareFigure(
+            t["per_op_s"] * 1e6, m, f"the cpu backend's tensor-memory tracker (CapacityTracker) per dispatched op: "
+            f"forward+backward of a 2-block bf16 {raw['job']['model']} in {t['plain_s'] * 1e3:.1f} ms without, "
+            f"{t['tracked_s'] * 1e3:.1f} ms with it (median of {t.get('pairs', 5)} interleaved pairs), {t['ops']} ops, "
+            f"on {on}")
+    adam = raw["adamw"]
+    per_s = adam["params_per_s"]
+    if backend == "cpu":
+        f["cpu_adam_params_per_s"] = HardwareFigure(
+            per_s, m, f"autotune's make_optimizer({raw['job']['optimizer_impl']}) step over a {world}-rank shard "
+            f"({adam['params']:,} parameters) in {adam['seconds'] * 1e3:.1f} ms on {on}, per rank")
+    else:
+        host = raw["adamw_cpu"]
+        f["cpu_adam_params_per_s"] = HardwareFigure(
+            host["params_per_s"] * world, m, f"foreach AdamW on the host over a {world}-rank shard, all {world} "
+            f"local ranks at once: {host['params_per_s']:.3g} params/s each x {world} (the node's rate)")
+    f["optimizer_gbps"] = HardwareFigure(per_s * 28 / 1e9, m, "the same AdamW step as bytes (28 per parameter)")
+    copies = raw.get("host_copies")
+    f["host_link_gbps"] = HardwareFigure(
+        min(copies["h2d_bytes_per_s"], copies["d2h_bytes_per_s"]) / 1e9 if copies else 0.0, m,
+        "pinned 256 MiB copies, the slower direction" if copies else "cpu: no host-device link")
+    if backend == "cuda":
+        f["cuda_context_bytes"] = HardwareFigure(raw["context_bytes"], m, "mem_get_info around CUDA initialisation")
+        f["nccl_communicator_bytes"] = HardwareFigure(
+            raw["nccl_bytes"], m, f"device memory outside the allocator after the first all-gather and "
+            f"reduce-scatter at world size {world}")
+        f["cublas_workspace_bytes"] = HardwareFigure(raw["cublas_workspace_bytes"], m,
+                                                     "allocated by the first bf16 matmul beyond its tensors")
+        step = raw["fsdp_step"]
+        f["reserved_over_allocated"] = HardwareFigure(
+            step["max_reserved_bytes"] / max(step["max_allocated_bytes"], 1), m,
+            f"max_memory_reserved / max_memory_allocated over two FSDP2 steps of a 2-block "
+            f"{raw['job']['model']}, {os.environ.get('PYTORCH_CUDA_ALLOC_CONF', 'default allocator')}")
+    gpu = None
+    if backend == "cuda":
+        from autotune.catalog.gpus import detect_gpu
+
+        spec = detect_gpu()
+        gpu = spec.name if spec else None
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    machine = machine_description()
+    versions = dict(torch=torch.__version__, cuda=torch.version.cuda, world_size=world,
+                    autotune_model=raw["job"]["model"], seq_len=raw["job"]["seq_len"])
+    label = name or (f"{gpu or 'gpu'}-{machine.get('hostname', 'host')}" if backend == "cuda"
+                     else f"cpu-{machine.get('hostname', 'host')}")
+    return HardwareProfile(name=label, device=backend, gpu=gpu, figures=f, calibrated=True, date=date,
+                           machine=machine, versions=versions)
+
+
+def calibrate(*, backend: str = "cpu", model_name: str = "tiny-llama", out: str | None = None,
+              world_size: int | None = None, name: str | None = None) -> tuple[HardwareProfile, dict[str, Any]]:
+    raw = measure(backend=backend, model_name=model_name, world_size=world_size)
+    profile = profile_from_measurements(raw, name=name)
+    if out:
+        profile.save(out)
+    return profile, raw
