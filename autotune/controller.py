@@ -63,6 +63,11 @@ SAMPLER_SLACK = 0.02
 sampler's own work between trials is not free."""
 
 
+SAMPLER_MEMORY_MARGIN = 0.25
+"""On estimated backends a sampled configuration whose closed-form peak exceeds the limit by more
+than this is not traced (the closed form is within ~5% of the trace, op-level counted as full)."""
+
+
 class BudgetExhausted(Exception):
     """--max-trials or --time-budget reached: stop trying, choose among what was measured."""
 
@@ -409,7 +414,8 @@ class Controller:
                 tried[step.train] = max(tried.get(step.train, 0.0), value)
                 study.add_trial(optuna.trial.create_trial(params=p, distributions=distributions, value=value))
         stats = {"sampler": "optuna TPESampler", "seed": SAMPLER_SEED, "space_size": size,
-                 "from_graph": len(tried), "sampled": 0, "predicted_not_to_fit": 0, "estimated_slower": 0,
+                 "from_graph": len(tried), "sampled": 0, "predicted_not_to_fit": 0, "estimated_not_to_fit": 0,
+                 "estimated_slower": 0,
                  "stopped": "", "source": "knob domains in autotune/knobs.py"}
         self.sampling = stats
         rng = random.Random(SAMPLER_SEED)
@@ -445,7 +451,8 @@ class Controller:
         self.notes.append(f"sampled beyond the graph ({stats['sampler']}, seed {SAMPLER_SEED}, {size:,} "
                           f"configurations in the knob space): {stats['sampled']} trials, "
                           f"{stats['predicted_not_to_fit']} predicted not to fit (not launched), "
-                          f"{stats['estimated_slower']} estimated slower than the best (not traced); "
+                          f"{stats['estimated_not_to_fit']} estimated far over the memory limit and "
+                          f"{stats['estimated_slower']} estimated slower than the best (neither traced); "
                           f"stopped: {stats['stopped']}")
 
     def _untried(self, domains: dict[str, tuple], tried: dict, rng: random.Random) -> TrainConfig:
@@ -466,7 +473,11 @@ class Controller:
                 return 0.0
         best = self._choose()
         if self.estimator is not None and best is not None and best.result.throughput:
-            estimate = self.estimator.evaluate(spec).throughput
+            closed_form = self.estimator.evaluate(spec)
+            if (closed_form.peak_bytes or 0) > self.request.memory_limit_bytes * (1 + SAMPLER_MEMORY_MARGIN):
+                stats["estimated_not_to_fit"] += 1  # not traced: far over the limit even allowing the bias
+                return 0.0
+            estimate = closed_form.throughput
             reference = self.estimator.evaluate(self.request.spec(best.train)).throughput
             if estimate is not None and reference and estimate < reference * (1 - EXPLORE_MARGIN):
                 stats["estimated_slower"] += 1

@@ -306,3 +306,12 @@ def test_the_sampler_never_launches_what_the_simulator_predicts_not_to_fit():
     assert outcome.sampling["predicted_not_to_fit"] > 0
     assert not [s for s in outcome.steps if s.stage == "sample" and s.result.status == "pruned"]
     assert outcome.steps[-1].stage == "confirm"  # time was kept for the confirmation
+
+
+def test_estimated_backends_do_not_trace_samples_far_over_the_limit():
+    backend, estimator = FormulaBackend(), FormulaBackend()
+    outcome = Controller(request_for(75, time_budget_s=3), backend, estimator=estimator).tune()
+    sampled = [s.train for s in outcome.steps if s.stage == "sample"]
+    assert sampled and outcome.sampling["estimated_not_to_fit"] > 0
+    for train in sampled:  # re-estimated apart: none of the traced ones is far over the 75 GiB limit
+        assert FormulaBackend().evaluate(request_for(75).spec(train)).peak_memory.value <= 75 * GiB * 1.25
