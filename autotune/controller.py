@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable
 
 from autotune import knobs
-
 from autotune.backends.base import TrialBackend, TrialResult
 from autotune.batch import within_tolerance
 from autotune.config import Checkpointing, TrainConfig
@@ -57,11 +56,9 @@ SAMPLER_REPEATS = 20
 """Consecutive proposals of configurations already tried after which the sampler is helped to an
 untried one (drawn at random, seeded): TPE converges and would keep proposing its favourite."""
 
-
 SAMPLER_SLACK = 0.02
 """Sampling stops this fraction of --time-budget early (besides the longest trial's time): the
 sampler's own work between trials is not free."""
-
 
 SAMPLER_MEMORY_MARGIN = 0.25
 """On estimated backends a sampled configuration whose closed-form peak exceeds the limit by more
