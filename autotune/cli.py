@@ -508,7 +508,8 @@ def _tune_in_run_dir(args: argparse.Namespace, console, *, request, store, finis
         console.error_line(f"{reason}; trials are in {run_dir}")
         return EXIT_NOTHING_FITS, None
     document = build_result(request, outcome.winner, outcome.steps, backend=backend_name,
-                            wrap=model.block_class, run_id=run_id, study=store.name, notes=outcome.notes)
+                            wrap=model.block_class, run_id=run_id, study=store.name, notes=outcome.notes,
+                            sampling=outcome.sampling)
     text = dumps(document)
     write_atomic(run_dir / "best.json", text)
     if args.out:

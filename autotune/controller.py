@@ -7,7 +7,10 @@
     5 align          the largest fitting micro-batch whose global batch is within tolerance
     6 explore        beyond the graph: lighter checkpointing, checkpointing with larger
                      micro-batches, no resharding -- these can beat the graph's first fit
-    7 confirm        real backends re-run the winner once more
+    7 sample         only under --time-budget, while it lasts: an Optuna sampler (TPE, seeded)
+                     draws from every knob's domain (autotune.knobs), the simulator first as
+                     the free oracle; configurations tried already are never repeated
+    8 confirm        real backends re-run the winner once more
 
 Every step is recorded with its reason. Where trials are real, the simulator predicts each
 configuration first and those predicted not to fit are recorded as `pruned`, never launched.
@@ -15,9 +18,12 @@ configuration first and those predicted not to fit are recorded as `pruned`, nev
 
 from __future__ import annotations
 
+import math
+import random
 import time
 from collections.abc import Callable
 
+from autotune import knobs
 from autotune.backends.base import TrialBackend, TrialResult
 from autotune.batch import within_tolerance
 from autotune.config import Checkpointing, TrainConfig
@@ -38,6 +44,25 @@ this far below the best so far is not evaluated: it cannot win (estimates agree 
 SATURATION_GAIN = 0.02
 """Exploration stops doubling a micro-batch once a doubling gains less than this in tokens/sec
 while still below the best configuration found: throughput saturates with the micro-batch."""
+
+
+SAMPLER_SEED = 0
+"""The sampler beyond the graph is seeded: the same problem samples the same configurations."""
+
+SAMPLER_STARTUP = 8
+"""TPE's random draws before it models where the fast configurations are."""
+
+SAMPLER_REPEATS = 20
+"""Consecutive proposals of configurations already tried after which the sampler is helped to an
+untried one (drawn at random, seeded): TPE converges and would keep proposing its favourite."""
+
+SAMPLER_SLACK = 0.02
+"""Sampling stops this fraction of --time-budget early (besides the longest trial's time): the
+sampler's own work between trials is not free."""
+
+SAMPLER_MEMORY_MARGIN = 0.25
+"""On estimated backends a sampled configuration whose closed-form peak exceeds the limit by more
+than this is not traced (the closed form is within ~5% of the trace, op-level counted as full)."""
 
 
 class BudgetExhausted(Exception):
@@ -63,6 +88,9 @@ class Controller:
         self.notes: list[str] = []
         self._started = time.monotonic()
         self._evaluated = 0
+        self._longest_trial_s = 0.0
+        self.sampling: dict | None = None
+        """What the sampler beyond the graph did (None: it did not run)."""
 
     # -- one trial -------------------------------------------------------------------------------
     def run(self, stage: str, train: TrainConfig, reason: str, *, reuse: bool = True) -> Step:
@@ -92,7 +120,9 @@ class Controller:
                                      memory_breakdown=predicted.memory_breakdown,
                                      message=f"not launched: {predicted.message or 'predicted out of memory'}")
             else:
+                began = time.monotonic()
                 result = self.backend.evaluate(spec)
+                self._longest_trial_s = max(self._longest_trial_s, time.monotonic() - began)
             self._evaluated += 1
         peak = result.peak_bytes
         fits = result.ok and (peak is None or peak <= request.memory_limit_bytes)
@@ -134,6 +164,7 @@ class Controller:
     def tune(self) -> TuneOutcome:
         try:
             self._walk()
+            self._sample()
         except BudgetExhausted as exc:
             self.notes.append(f"stopped early: {exc}; the winner is the best of what was evaluated")
         winner = self._choose()
@@ -149,7 +180,7 @@ class Controller:
                                       f"({confirmation.result.status}); winner kept from step {winner.step}")
             except BudgetExhausted as exc:
                 self.notes.append(f"winner not confirmed: {exc}")
-        return TuneOutcome(steps=self.steps, winner=winner, notes=self.notes)
+        return TuneOutcome(steps=self.steps, winner=winner, notes=self.notes, sampling=self.sampling)
 
     def _walk(self) -> None:
         space, cluster = self.request.space, self.request.cluster
@@ -321,6 +352,137 @@ class Controller:
                     self._align(self._grow(step.train, stage="explore", until_saturated=True))
                     return
             group *= 2
+
+    # -- beyond the graph: sampling under --time-budget ----------------------------------------------
+    def _sample_domains(self) -> dict[str, tuple]:
+        request, space, cluster = self.request, self.request.space, self.request.cluster
+        base = self.steps[0].train
+        groups = []
+        group = cluster.gpus_per_node
+        while space.hsdp and cluster.num_nodes > 1 and group < cluster.num_gpus:
+            groups.append(group)
+            group *= 2
+        ctx = knobs.SampleContext(
+            precision=base.precision, micro_batches=tuple(sorted(self._aligned_sizes(request.max_micro_batch))),
+            num_layers=request.model.num_layers, checkpointing=space.checkpointing, op_level=space.checkpointing,
+            # Real CPU trials cannot apply CPUOffloadPolicy (no accelerator): they would run without it.
+            offload=space.offload and self.backend.name != "cpu",
+            reshard=(True, False) if space.explore_no_reshard else (base.reshard_after_forward,),
+            hsdp_groups=tuple(groups))
+        return knobs.sample_domains(ctx)
+
+    def _sample_value(self, step: Step) -> float:
+        """What the sampler maximises: tokens/s of a configuration that fits the global batch, else 0."""
+        if not step.fits or not within_tolerance(step.batch, self.request.tolerance):
+            return 0.0
+        return float(step.result.throughput or 0.0)
+
+    def _time_left(self) -> float:
+        return self.request.time_budget_s - (time.monotonic() - self._started)
+
+    def _sample(self) -> None:
+        """While --time-budget lasts, after the graph's winner: draw configurations from every knob's
+        domain with a seeded TPE sampler. A real trial is launched only for a configuration the
+        simulator predicts to fit (the others are counted, not recorded); on estimated backends a
+        configuration the closed form puts clearly below the best is not traced either."""
+        if self.request.time_budget_s is None or self._choose() is None:
+            return
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        domains = self._sample_domains()
+        names = list(domains)
+        encode = {name: {knobs.BY_NAME[name].to_json(v): v for v in values} for name, values in domains.items()}
+        distributions = {name: optuna.distributions.CategoricalDistribution(list(encode[name]))
+                         for name in names}
+        size = math.prod(len(v) for v in domains.values())
+        sampler = optuna.samplers.TPESampler(seed=SAMPLER_SEED, n_startup_trials=SAMPLER_STARTUP)
+        study = optuna.create_study(direction="maximize", sampler=sampler)
+
+        def params(train: TrainConfig) -> dict | None:
+            values = {n: knobs.BY_NAME[n].to_json(getattr(train, n)) for n in names}
+            return values if all(v in encode[n] for n, v in values.items()) else None
+
+        # What the graph evaluated teaches the sampler first; those configurations are never repeated.
+        tried: dict[TrainConfig, float] = {}
+        for step in self.steps:
+            if step.stage != "confirm" and (p := params(step.train)) is not None:
+                value = self._sample_value(step)
+                tried[step.train] = max(tried.get(step.train, 0.0), value)
+                study.add_trial(optuna.trial.create_trial(params=p, distributions=distributions, value=value))
+        stats = {"sampler": "optuna TPESampler", "seed": SAMPLER_SEED, "space_size": size,
+                 "from_graph": len(tried), "sampled": 0, "predicted_not_to_fit": 0, "estimated_not_to_fit": 0,
+                 "estimated_slower": 0,
+                 "stopped": "", "source": "knob domains in autotune/knobs.py"}
+        self.sampling = stats
+        rng = random.Random(SAMPLER_SEED)
+        repeats = 0
+        reserve = 1 if self.backend.memory_source == "measured" else 0  # the confirmation trial's time
+        try:
+            while True:
+                if len(tried) >= size:
+                    stats["stopped"] = f"space exhausted: all {size} configurations tried"
+                    break
+                # Never start a trial that cannot finish in time (nor one that leaves none to confirm).
+                margin = self._longest_trial_s * (1 + reserve) + SAMPLER_SLACK * self.request.time_budget_s
+                if self._time_left() <= margin:
+                    stats["stopped"] = (f"--time-budget {self.request.time_budget_s:g}s spent" +
+                                        (" (the longest trial's time kept for the confirmation)" if reserve else ""))
+                    break
+                if repeats >= SAMPLER_REPEATS:  # help a converged sampler to an untried configuration
+                    untried = self._untried(domains, tried, rng)
+                    study.enqueue_trial({n: knobs.BY_NAME[n].to_json(getattr(untried, n)) for n in names})
+                    repeats = 0
+                trial = study.ask(distributions)
+                train = TrainConfig(**{n: encode[n][trial.params[n]] for n in names})
+                if train in tried:
+                    study.tell(trial, tried[train])
+                    repeats += 1
+                    continue
+                repeats = 0
+                value = self._sample_one(train, stats)
+                tried[train] = value
+                study.tell(trial, value)
+        except BudgetExhausted as exc:  # --max-trials: the confirmation says what it could not do
+            stats["stopped"] = str(exc)
+        self.notes.append(f"sampled beyond the graph ({stats['sampler']}, seed {SAMPLER_SEED}, {size:,} "
+                          f"configurations in the knob space): {stats['sampled']} trials, "
+                          f"{stats['predicted_not_to_fit']} predicted not to fit (not launched), "
+                          f"{stats['estimated_not_to_fit']} estimated far over the memory limit and "
+                          f"{stats['estimated_slower']} estimated slower than the best (neither traced); "
+                          f"stopped: {stats['stopped']}")
+
+    def _untried(self, domains: dict[str, tuple], tried: dict, rng: random.Random) -> TrainConfig:
+        """A configuration not tried yet, at random (the space is small enough to draw until one is new)."""
+        names = list(domains)
+        while True:
+            train = TrainConfig(**{n: rng.choice(domains[n]) for n in names})
+            if train not in tried:
+                return train
+
+    def _sample_one(self, train: TrainConfig, stats: dict) -> float:
+        """Evaluate one sampled configuration, the free oracle first; returns the sampler's value."""
+        spec = self.request.spec(train)
+        if self.predictor is not None:  # real trials: the simulator predicts first, for free
+            predicted = self.predictor.evaluate(spec)
+            if predicted.status == "oom":
+                stats["predicted_not_to_fit"] += 1
+                return 0.0
+        best = self._choose()
+        if self.estimator is not None and best is not None and best.result.throughput:
+            closed_form = self.estimator.evaluate(spec)
+            if (closed_form.peak_bytes or 0) > self.request.memory_limit_bytes * (1 + SAMPLER_MEMORY_MARGIN):
+                stats["estimated_not_to_fit"] += 1  # not traced: far over the limit even allowing the bias
+                return 0.0
+            estimate = closed_form.throughput
+            reference = self.estimator.evaluate(self.request.spec(best.train)).throughput
+            if estimate is not None and reference and estimate < reference * (1 - EXPLORE_MARGIN):
+                stats["estimated_slower"] += 1
+                return estimate * best.result.throughput / reference  # on the backend's scale
+        step = self.run("sample", train, f"drawn by the sampler beyond the graph (TPE, seed {SAMPLER_SEED}): "
+                                         "a configuration the graph did not try")
+        stats["sampled"] += 1
+        return self._sample_value(step)
 
     def _choose(self) -> Step | None:
         tolerance = self.request.tolerance

@@ -174,10 +174,12 @@ class Knob:
     choices: tuple[Any, ...] | None = None
     boolean: bool = False
     alternative: Any = None
+    """A valid non-default value (tests change every knob to it: each must change the cache key)."""
     keyed_at_default: bool = True
     """False for knobs added after studies existed: a trial's identity (controller.config_key)
     leaves them out at their default, so a resumed study still finds its old trials."""
-    """A valid non-default value (tests change every knob to it: each must change the cache key)."""
+    domain: Callable[["SampleContext"], tuple[Any, ...]] | None = None
+    """The values the sampler beyond the graph draws from (None: the default only)."""
 
     def add_argument(self, parser: argparse._ActionsContainer) -> None:
         dest = self.name
@@ -195,6 +197,40 @@ class Knob:
                 return self.default if self.legacy_default is None else self.legacy_default
             node = node[part]
         return node
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleContext:
+    """What bounds the sampled space beyond the graph: the problem and the search-space file."""
+
+    precision: str
+    """The graph's precision (sampling never changes the numerics)."""
+    micro_batches: tuple[int, ...]
+    """Micro-batches whose global batch is within tolerance."""
+    num_layers: int
+    checkpointing: bool = True
+    op_level: bool = True
+    offload: bool = True
+    reshard: tuple[bool, ...] = (True, False)
+    hsdp_groups: tuple[int, ...] = ()
+    """HSDP group sizes that apply (several nodes): node, 2 nodes, ..."""
+
+    def every(self) -> tuple[int, ...]:
+        """every:K values checkpointing distinct sets of blocks (K up to the number of layers)."""
+        seen, values = {frozenset(range(self.num_layers))}, []  # full's blocks
+        for k in range(2, max(2, self.num_layers) + 1):
+            blocks = Checkpointing(mode="every", every=k).blocks(self.num_layers)
+            if blocks not in seen:
+                seen.add(blocks)
+                values.append(k)
+        return tuple(values[:6])  # the lightest few: beyond every:7, one block in eight changes little
+
+
+def _ac_domain(ctx: SampleContext) -> tuple[Checkpointing, ...]:
+    if not ctx.checkpointing:
+        return (Checkpointing(),)
+    return (Checkpointing(), Checkpointing(mode="full"), *(Checkpointing(mode="every", every=k) for k in ctx.every()),
+            *((Checkpointing(mode="op", policy=p) for p in OP_POLICIES) if ctx.op_level else ()))
 
 
 def _int_param(name: str, encode: Callable[[Any], int]):
@@ -224,38 +260,43 @@ KNOBS: tuple[Knob, ...] = (
     Knob(name="precision", default="bf16", flag="--precision", choices=PRECISIONS,
          parse=_choice("precision", PRECISIONS), result_path=("precision",),
          help="parameter/compute dtype; gradients are reduced in fp32 in every mode",
-         label=lambda v: v, optuna=_categorical_param("precision", PRECISIONS), alternative="fp32"),
+         label=lambda v: v, optuna=_categorical_param("precision", PRECISIONS), alternative="fp32",
+         domain=lambda ctx: (ctx.precision,)),
     Knob(name="micro_batch_size", default=1, flag="--micro-batch", parse=_positive("micro-batch size"),
          result_path=("micro_batch_size",), help="sequences per GPU per forward/backward",
-         label=lambda v: f"mb={v}", optuna=_int_param("micro_batch_size", int), alternative=2),
+         label=lambda v: f"mb={v}", optuna=_int_param("micro_batch_size", int), alternative=2,
+         domain=lambda ctx: ctx.micro_batches),
     Knob(name="activation_checkpointing", default=Checkpointing(), flag="--ac", parse=Checkpointing.parse,
          result_path=("fsdp", "activation_checkpointing"), to_json=str,
          help="activation checkpointing: none, full, every:K (blocks 0, K, 2K, ...) or op / op:mm "
               "(op-level selective: save every other / every matmul output, recompute the rest)",
-         label=lambda v: f"ac={v}", optuna=_ac_params, alternative=Checkpointing(mode="op", policy="alt-mm")),
+         label=lambda v: f"ac={v}", optuna=_ac_params, alternative=Checkpointing(mode="op", policy="alt-mm"),
+         domain=_ac_domain),
     Knob(name="cpu_offload", default=False, flag="--offload", parse=_bool, boolean=True,
          result_path=("fsdp", "cpu_offload"),
          help="FSDP2 CPUOffloadPolicy: sharded params, grads and optimizer state live on the host",
          label=lambda v: "offload" if v else "", optuna=_categorical_param("cpu_offload", (False, True)),
-         alternative=True),
+         alternative=True, domain=lambda ctx: (False, True) if ctx.offload else (False,)),
     Knob(name="reshard_after_forward", default=True, flag="--reshard", parse=_bool, boolean=True,
          result_path=("fsdp", "reshard_after_forward"),
          help="free gathered block parameters after forward (ZeRO-3); --no-reshard keeps them (ZeRO-2-like)",
          label=lambda v: "" if v else "no-reshard",
-         optuna=_categorical_param("reshard_after_forward", (True, False)), alternative=False),
+         optuna=_categorical_param("reshard_after_forward", (True, False)), alternative=False,
+         domain=lambda ctx: ctx.reshard),
     Knob(name="shard_group_size", default=0, flag="--hsdp", parse=_group_size,
          result_path=("fsdp", "shard_group_size"),
          help="HSDP: shard parameters within groups of this many GPUs (dividing the GPUs per node) and "
               "replicate across groups (a 2-D mesh: replicate x shard); 0 shards over every GPU (plain FSDP)",
          label=lambda v: f"hsdp={v}" if v else "", optuna=_int_param("shard_group_size", int), alternative=2,
-         keyed_at_default=False),
+         keyed_at_default=False, domain=lambda ctx: (0, *ctx.hsdp_groups)),
     Knob(name="optimizer_impl", default="fused", flag="--optimizer-impl", choices=OPTIMIZER_IMPLS,
          parse=_choice("optimizer implementation", OPTIMIZER_IMPLS), result_path=("optimizer", "impl"),
          legacy_default="for-loop",  # results written before the knob existed ran the per-parameter loop
          help="AdamW implementation traced and run (default fused, as HF Trainer and torchtitan use on GPUs); "
               "exports pin it, so the memory a user gets is the memory predicted",
          label=lambda v: "" if v == "fused" else f"adamw={v}",
-         optuna=_categorical_param("optimizer_impl", OPTIMIZER_IMPLS), alternative="foreach"),
+         optuna=_categorical_param("optimizer_impl", OPTIMIZER_IMPLS), alternative="foreach",
+         domain=lambda ctx: OPTIMIZER_IMPLS),
 )
 BY_NAME: dict[str, Knob] = {knob.name: knob for knob in KNOBS}
 
@@ -300,6 +341,11 @@ def from_result(document: dict[str, Any]) -> dict[str, Any]:
 def fsdp_section(values: dict[str, Any]) -> dict[str, Any]:
     """The knobs best.json keeps in its fsdp section."""
     return {knob.name: knob.to_json(values[knob.name]) for knob in KNOBS if knob.result_path[0] == "fsdp"}
+
+
+def sample_domains(ctx: SampleContext) -> dict[str, tuple[Any, ...]]:
+    """Each knob's values for the sampler beyond the graph (a knob without a domain: its default)."""
+    return {knob.name: tuple(knob.domain(ctx)) if knob.domain else (knob.default,) for knob in KNOBS}
 
 
 def add_arguments(parser: argparse._ActionsContainer, *, skip: tuple[str, ...] = ()) -> None:

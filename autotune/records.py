@@ -143,5 +143,7 @@ class TuneOutcome:
     steps: list[Step]
     winner: Step | None
     notes: list[str]
+    sampling: dict | None = None
+    """What the sampler beyond the graph did under --time-budget (None: it did not run)."""
 
 

@@ -172,7 +172,7 @@ def _trial_command(request: TuneRequest, step: Step) -> str:
 
 
 def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backend: str, wrap: str,
-                 run_id: str, study: str, notes: list[str]) -> dict[str, Any]:
+                 run_id: str, study: str, notes: list[str], sampling: dict | None = None) -> dict[str, Any]:
     train, result, batch = winner.train, winner.result, winner.batch
     peak, tps = result.peak_memory, result.tokens_per_sec
     host = result.host_memory_per_node
@@ -226,6 +226,9 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
         "predicted": winner.predicted.to_dict() if winner.predicted else None,
         "prediction_error": prediction_summary(steps),
         "decision_path": decision_path(steps),
+        # Which part of the search found the winner: the graph's stages, or `sample` beyond it.
+        "found_by": found_by(winner, steps),
+        "sampling": sampling,
         "why_winner": why_winner(winner, steps, request),
         "notes": notes,
         "backend": backend,
@@ -238,6 +241,14 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
     if plan_checkpoint is not None:
         document["checkpoint"] = plan_checkpoint(document)
     return document
+
+
+def found_by(winner: Step, steps: list[Step]) -> dict[str, Any]:
+    """The step (and stage) that found the winner: a confirmation names the step it re-ran."""
+    origin = winner
+    if winner.stage == "confirm":
+        origin = next((s for s in steps if s.train == winner.train and s.stage != "confirm"), winner)
+    return {"step": origin.step, "stage": origin.stage, "beyond_the_graph": origin.stage == "sample"}
 
 
 def memory_parts(winner) -> dict[str, Any]:

@@ -445,3 +445,65 @@ def test_the_library_call_returns_what_the_command_writes(tmp_path, capsys):
     with pytest.raises(NothingFits, match="no configuration fits"):
         autotune.tune("tiny-llama", gpus=2, global_tokens="64K", backend="analytic", gpu_memory="1MiB",
                       runs_dir=str(runs))
+
+
+def test_time_budget_samples_beyond_the_graph_and_never_launches_a_predicted_oom(tmp_path, capsys, monkeypatch):
+    """Real gloo trials (tiny-llama, 2 ranks) under a GPU-memory limit that prunes the larger
+    micro-batches: every launched trial is re-predicted here by a fresh simulator (a count made
+    apart from the controller's) and must fit; sampled trials show as `sample`; the budget holds."""
+    import time
+
+    import autotune.cli as cli
+    from autotune.backends import get_backend
+
+    launched = []
+    make_backend = cli._make_backend
+
+    def spy(name, args):
+        backend = make_backend(name, args)
+        evaluate = backend.evaluate
+
+        def counted(spec):
+            launched.append(spec)
+            return evaluate(spec)
+        backend.evaluate = counted
+        return backend
+
+    monkeypatch.setattr(cli, "_make_backend", spy)
+    runs = tmp_path / "runs"
+    argv = ["--model", "tiny-llama", "--gpus", "2", "--global-tokens", "4096", "--seq-len", "256",
+            "--backend", "cpu", "--gpu-memory", "120MiB", "--headroom", "0", "--runs-dir", str(runs)]
+    # The graph first, without a budget (however long a loaded machine takes); the budgeted run
+    # resumes the study, so its graph steps are reused trials and the budget goes to sampling.
+    assert main(argv) == EXIT_OK
+    (graph_run,) = run_dirs(runs)
+    assert "sample" not in [s["stage"] for s in json.loads((graph_run / "best.json").read_text())["decision_path"]]
+    budget = 75
+    began = time.monotonic()
+    assert main([*argv, "--time-budget", str(budget)]) == EXIT_OK
+    elapsed = time.monotonic() - began
+    out = capsys.readouterr().out
+    (run,) = [d for d in run_dirs(runs) if d != graph_run]
+    document = json.loads((run / "best.json").read_text())
+    jsonschema.validate(document, SCHEMA)
+    path = document["decision_path"]
+    stages = [s["stage"] for s in path]
+    assert "sample" in stages and " sample " in out
+    assert stages.index("sample") > stages.index("baseline")
+    assert not [s for s in path if s["stage"] == "sample" and s["status"] == "pruned"]
+    sampled = [json.dumps(s["config"], sort_keys=True) for s in path if s["stage"] == "sample"]
+    graph = [json.dumps(s["config"], sort_keys=True) for s in path if s["stage"] not in ("sample", "confirm")]
+    assert len(set(sampled)) == len(sampled) and not set(sampled) & set(graph)
+    assert document["sampling"]["sampled"] >= 1
+    # The winner's origin: a confirmation names the step it confirmed.
+    found = document["found_by"]
+    assert found["stage"] != "confirm" and path[found["step"] - 1]["stage"] == found["stage"]
+    oracle = get_backend("sim", device_kind="cpu")
+    try:
+        for spec in launched:
+            predicted = oracle.evaluate(spec)
+            assert predicted.status == "ok" and predicted.peak_bytes <= 120 * 2**20, spec.train.label()
+    finally:
+        oracle.close()
+    # Started trials stop in time for the confirmation; one trial (~10 s here) of slack.
+    assert elapsed < budget + 30

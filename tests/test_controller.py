@@ -230,3 +230,88 @@ def test_hsdp_is_searched_on_several_nodes_only_and_wins_where_it_is_faster():
     assert outcome.winner.train.shard_group_size == 4
     off = dataclasses.replace(request, space=SearchSpace(hsdp=False))
     assert not [s for s in Controller(off, HybridFaster()).tune().steps if s.train.shard_group_size]
+
+
+# -- beyond the graph: the sampler under --time-budget -------------------------------------------------
+class SlowBackend(FormulaBackend):
+    """The formula, taking `seconds` per trial (a budget is spent in trials, not in sampling)."""
+
+    def __init__(self, seconds, **kw):
+        super().__init__(**kw)
+        self.seconds = seconds
+
+    def evaluate(self, spec):
+        import time
+
+        time.sleep(self.seconds)
+        return super().evaluate(spec)
+
+
+def test_without_a_time_budget_nothing_is_sampled():
+    outcome = Controller(request_for(75), FormulaBackend()).tune()
+    assert "sample" not in [s.stage for s in outcome.steps]
+    assert outcome.sampling is None
+
+
+def test_the_sampler_finds_what_the_graph_did_not_try_after_the_graph_path():
+    graph = Controller(request_for(75), FormulaBackend()).tune()
+    backend = FormulaBackend()
+    outcome = Controller(request_for(75, time_budget_s=3), backend).tune()
+    stages_seen = [s.stage for s in outcome.steps]
+    first = stages_seen.index("sample")
+    # The graph's path comes first, exactly as without a budget; then only sampled trials.
+    assert [(s.stage, s.train) for s in outcome.steps[:first]] == [(s.stage, s.train) for s in graph.steps]
+    assert set(stages_seen[first:]) == {"sample"}
+    sampled = [s.train for s in outcome.steps[first:]]
+    assert len(sampled) >= 5
+    # Never a repeat: neither of the graph's configurations nor of another sampled one.
+    assert len(set(sampled)) == len(sampled) and not set(sampled) & {s.train for s in graph.steps}
+    assert len(backend.calls) == len(outcome.steps) == len(set(backend.calls))
+    # The formula pays for larger micro-batches beyond the graph's first checkpointing fit.
+    assert outcome.winner.stage == "sample"
+    assert outcome.winner.result.throughput > graph.winner.result.throughput
+
+
+def test_the_sampler_stops_when_the_space_is_exhausted():
+    # 4,096 tokens on 8 GPUs x 256: micro-batches 1 and 2; only the optimizer implementation varies
+    # besides (no checkpointing, offload, reshard or HSDP to sample): 2 x 3 configurations in all.
+    space = SearchSpace(checkpointing=False, offload=False, explore_no_reshard=False)
+    backend = FormulaBackend()
+    outcome = Controller(request_for(75, target=4096, space=space, time_budget_s=60), backend).tune()
+    evaluated = {(t.micro_batch_size, t.optimizer_impl) for t in backend.calls}
+    assert evaluated == {(m, impl) for m in (1, 2) for impl in ("fused", "foreach", "for-loop")}
+    assert len(backend.calls) == 6
+    assert "exhausted" in outcome.sampling["stopped"]
+
+
+def test_the_sampler_respects_the_time_budget():
+    import time
+
+    began = time.monotonic()
+    outcome = Controller(request_for(75, time_budget_s=1.5), SlowBackend(0.05)).tune()
+    elapsed = time.monotonic() - began
+    assert elapsed < 1.5 + 0.2  # never starts a trial it cannot finish (one trial: 0.05 s)
+    assert outcome.sampling["sampled"] >= 3
+
+
+def test_the_sampler_never_launches_what_the_simulator_predicts_not_to_fit():
+    measured = FormulaBackend(memory_source="measured")
+    predictor = FormulaBackend(states=22 * GiB)  # predicts a little more than is measured
+    outcome = Controller(request_for(75, time_budget_s=3), measured, predictor=predictor).tune()
+    limit = 75 * GiB
+    # Counted independently: every configuration the measured backend ran, re-predicted.
+    for train in measured.calls:
+        spec = request_for(75).spec(train)
+        assert FormulaBackend(states=22 * GiB).evaluate(spec).peak_memory.value <= limit
+    assert outcome.sampling["predicted_not_to_fit"] > 0
+    assert not [s for s in outcome.steps if s.stage == "sample" and s.result.status == "pruned"]
+    assert outcome.steps[-1].stage == "confirm"  # time was kept for the confirmation
+
+
+def test_estimated_backends_do_not_trace_samples_far_over_the_limit():
+    backend, estimator = FormulaBackend(), FormulaBackend()
+    outcome = Controller(request_for(75, time_budget_s=3), backend, estimator=estimator).tune()
+    sampled = [s.train for s in outcome.steps if s.stage == "sample"]
+    assert sampled and outcome.sampling["estimated_not_to_fit"] > 0
+    for train in sampled:  # re-estimated apart: none of the traced ones is far over the 75 GiB limit
+        assert FormulaBackend().evaluate(request_for(75).spec(train)).peak_memory.value <= 75 * GiB * 1.25

@@ -106,3 +106,20 @@ def test_study_parameters_keep_their_value_spaces_and_old_trials_match():
     train = TrainConfig(activation_checkpointing="full", micro_batch_size=2)
     assert config_key(train, grad_accum_steps=1, backend="sim") == old
     assert config_key(train.with_(shard_group_size=2), grad_accum_steps=1, backend="sim") != old
+
+
+def test_the_sampled_domains_follow_the_problem():
+    from autotune.knobs import Checkpointing, SampleContext, sample_domains
+
+    # 4 layers: every:2 -> blocks {0, 2}, every:3 -> {0, 3}, every:4 and beyond -> {0}: three distinct.
+    domains = sample_domains(SampleContext(precision="bf16", micro_batches=(1, 2, 4), num_layers=4,
+                                           hsdp_groups=(8, 16)))
+    assert domains["activation_checkpointing"] == (
+        "none", "full", "every:2", "every:3", "every:4", "op", "op:mm")
+    assert domains["precision"] == ("bf16",) and domains["micro_batch_size"] == (1, 2, 4)
+    assert domains["shard_group_size"] == (0, 8, 16)
+    assert set(domains["cpu_offload"]) == {False, True}
+    narrow = sample_domains(SampleContext(precision="fp16", micro_batches=(1,), num_layers=4, checkpointing=False,
+                                          offload=False, reshard=(True,)))
+    assert narrow["activation_checkpointing"] == (Checkpointing(),) and narrow["cpu_offload"] == (False,)
+    assert narrow["reshard_after_forward"] == (True,) and narrow["shard_group_size"] == (0,)
