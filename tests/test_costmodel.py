@@ -142,14 +142,22 @@ def test_a_bad_profile_is_a_one_line_usage_error(tmp_path, content, message):
     assert len(errors) == 1 and message in errors[0] and "Traceback" not in proc.stderr
 
 
+def calibrate_with_the_command(out: Path, backend: str) -> "hardware.HardwareProfile":
+    """`autotune calibrate` in its own process, as users run it: its ranks are started with
+    multiprocessing's spawn, whose resource tracker would otherwise outlive the call as a child
+    of the test process (and read as a leaked trial process to tests/test_real.py's check)."""
+    proc = subprocess.run([sys.executable, "-m", "autotune", "calibrate", "--backend", backend, "--model",
+                           "tiny-llama", "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return hardware.load_profile(str(out))
+
+
 @pytest.mark.slow
 def test_cpu_estimates_rank_real_trials_on_a_calibrated_profile(tmp_path):
     """The cheap version of benchmarks/bench_costmodel.py --grid: calibrate this machine, then
     estimate and really run 5 configurations of tiny-llama on 2 gloo ranks."""
     bench = _bench()
-    from autotune.calibrate import calibrate
-
-    profile, _ = calibrate(backend="cpu", model_name="tiny-llama", out=str(tmp_path / "cpu.json"))
+    profile = calibrate_with_the_command(tmp_path / "cpu.json", "cpu")
     assert profile.calibrated and all(f.source == "measured" for f in profile.figures.values())
     configs = [dict(micro_batch_size=mb, activation_checkpointing=ac)
                for mb, ac in ((1, "full"), (2, "none"), (4, "full"), (8, "every:2"), (8, "none"))]
@@ -166,9 +174,7 @@ def test_cpu_estimates_rank_real_trials_on_a_calibrated_profile(tmp_path):
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (calibrate --backend cuda)")
 def test_cuda_calibration_measures_runtime_memory_terms(tmp_path):
-    from autotune.calibrate import calibrate
-
-    profile, raw = calibrate(backend="cuda", model_name="tiny-llama", out=str(tmp_path / "gpu.json"))
+    profile = calibrate_with_the_command(tmp_path / "gpu.json", "cuda")
     for name in ("cuda_context_bytes", "nccl_communicator_bytes", "cublas_workspace_bytes", "reserved_over_allocated"):
         assert profile.figures[name].source == "measured"
     assert 100 * 2**20 < profile["cuda_context_bytes"] < 4 * 2**30
