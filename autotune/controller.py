@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 
 from autotune import knobs
+from autotune.backends.analytic import SCREEN_MARGIN
 from autotune.backends.base import TrialBackend, TrialResult
 from autotune.batch import within_tolerance
 from autotune.config import Checkpointing, TrainConfig
@@ -59,10 +60,6 @@ untried one (drawn at random, seeded): TPE converges and would keep proposing it
 SAMPLER_SLACK = 0.02
 """Sampling stops this fraction of --time-budget early (besides the longest trial's time): the
 sampler's own work between trials is not free."""
-
-SAMPLER_MEMORY_MARGIN = 0.25
-"""On estimated backends a sampled configuration whose closed-form peak exceeds the limit by more
-than this is not traced (the closed form is within ~5% of the trace, op-level counted as full)."""
 
 
 class BudgetExhausted(Exception):
@@ -136,19 +133,29 @@ class Controller:
         return step
 
     def _could_win(self, train: TrainConfig) -> bool:
-        """False if the estimator puts `train` clearly below the best so far (then noted). Both are
-        estimated the same way (the closed form), so a bias between it and the backend cancels:
-        a candidate is judged by its estimate relative to the best's."""
-        best = self._choose()
-        if self.estimator is None or best is None or not best.result.throughput or self._find(train):
+        """False if the estimator puts `train` clearly below the best so far (then noted)."""
+        if self._find(train) or (slower := self._slower_than_best(train)) is None:
             return True
-        estimate = self.estimator.evaluate(self.request.spec(train)).throughput
-        reference = self.estimator.evaluate(self.request.spec(best.train)).throughput
-        if estimate is None or not reference or estimate >= reference * (1 - EXPLORE_MARGIN):
-            return True
+        estimate, reference, best = slower
         self.notes.append(f"not explored: {train.label()} (estimated {estimate:,.0f} tokens/s, "
                           f"{estimate / reference - 1:+.1%} vs the best {best.train.label()} estimated the same way)")
         return False
+
+    def _slower_than_best(self, train: TrainConfig, estimated: TrialResult | None = None
+                          ) -> tuple[float, float, Step] | None:
+        """(the estimate of `train`, the estimate of the best's configuration, the best) where the
+        estimator puts `train` more than EXPLORE_MARGIN below the best so far, else None. Both are
+        estimated the same way (the closed form), so a bias between it and the backend cancels: a
+        candidate is judged by its estimate relative to the best's. `estimated`: `train`'s estimate,
+        when the caller has it already."""
+        best = self._choose()
+        if self.estimator is None or best is None or not best.result.throughput:
+            return None
+        estimate = (estimated or self.estimator.evaluate(self.request.spec(train))).throughput
+        reference = self.estimator.evaluate(self.request.spec(best.train)).throughput
+        if estimate is None or not reference or estimate >= reference * (1 - EXPLORE_MARGIN):
+            return None
+        return estimate, reference, best
 
     def _find(self, train: TrainConfig) -> Step | None:
         return next((s for s in self.steps if s.train == train and s.stage != "confirm"), None)
@@ -471,12 +478,11 @@ class Controller:
         best = self._choose()
         if self.estimator is not None and best is not None and best.result.throughput:
             closed_form = self.estimator.evaluate(spec)
-            if (closed_form.peak_bytes or 0) > self.request.memory_limit_bytes * (1 + SAMPLER_MEMORY_MARGIN):
+            if (closed_form.peak_bytes or 0) > self.request.memory_limit_bytes * SCREEN_MARGIN:
                 stats["estimated_not_to_fit"] += 1  # not traced: far over the limit even allowing the bias
                 return 0.0
-            estimate = closed_form.throughput
-            reference = self.estimator.evaluate(self.request.spec(best.train)).throughput
-            if estimate is not None and reference and estimate < reference * (1 - EXPLORE_MARGIN):
+            if (slower := self._slower_than_best(train, closed_form)) is not None:
+                estimate, reference, best = slower
                 stats["estimated_slower"] += 1
                 return estimate * best.result.throughput / reference  # on the backend's scale
         step = self.run("sample", train, f"drawn by the sampler beyond the graph (TPE, seed {SAMPLER_SEED}): "

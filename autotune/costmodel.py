@@ -253,16 +253,17 @@ def matmul_efficiency(gpu: GPUSpec, tokens_per_microbatch: float, top: float | N
     return top * tokens_per_microbatch / (tokens_per_microbatch + HALF_EFFICIENCY_TOKENS)
 
 
-def _ring_gbps(cluster: Cluster, inter_node_bus_efficiency: float | None = None) -> float:
-    """Achieved per-GPU bandwidth of the slowest hop of a ring over the cluster, GB/s."""
+def _link_gbps(cluster: Cluster, *, inter_node: bool, inter_node_bus_efficiency: float | None = None) -> float:
+    """Achieved per-GPU ring bandwidth on the node's links or across nodes, GB/s."""
     gpu = cluster.gpu
-    if cluster.num_nodes > 1:
+    if inter_node:
         return gpu.inter_node_gbps * (INTER_NODE_BUS_EFFICIENCY if inter_node_bus_efficiency is None
                                       else inter_node_bus_efficiency)
     return gpu.intra_node_gbps * INTRA_NODE_BUS_EFFICIENCY
 
 
-def hsdp_comm_seconds(work: StepWork, cluster: Cluster, *, shard_group_size: int) -> tuple[float, float]:
+def hsdp_comm_seconds(work: StepWork, cluster: Cluster, *, shard_group_size: int,
+                      inter_node_bus_efficiency: float | None = None) -> tuple[float, float]:
     """(intra-node, inter-node) seconds of one step's collectives under HSDP: parameters sharded
     within groups of `shard_group_size` GPUs (consecutive ranks: a node, or whole nodes) and
     replicated across the r = n / size groups.
@@ -274,22 +275,16 @@ def hsdp_comm_seconds(work: StepWork, cluster: Cluster, *, shard_group_size: int
     """
     n, size = cluster.num_gpus, shard_group_size or cluster.num_gpus
     replicas = n // size
-    intra_gbps = cluster.gpu.intra_node_gbps * INTRA_NODE_BUS_EFFICIENCY
-    inter_gbps = cluster.gpu.inter_node_gbps * INTER_NODE_BUS_EFFICIENCY
+    seconds = {False: 0.0, True: 0.0}  # by inter_node
+    group_inter = size > cluster.gpus_per_node
     group_bytes = (work.allgather_bytes_per_gpu + work.reduce_scatter_bytes_per_gpu) * (size - 1) / size
-    group_s = group_bytes / ((intra_gbps if size <= cluster.gpus_per_node else inter_gbps) * 1e9)
+    seconds[group_inter] += group_bytes / (_link_gbps(cluster, inter_node=group_inter,
+                                                      inter_node_bus_efficiency=inter_node_bus_efficiency) * 1e9)
+    replicas_inter = cluster.num_nodes > 1
     allreduce_bytes = 2 * (replicas - 1) / replicas * work.reduce_scatter_bytes_per_gpu / size
-    allreduce_s = allreduce_bytes / ((inter_gbps if cluster.num_nodes > 1 else intra_gbps) * 1e9)
-    intra_s = inter_s = 0.0
-    if size <= cluster.gpus_per_node:
-        intra_s += group_s
-    else:
-        inter_s += group_s
-    if cluster.num_nodes > 1:
-        inter_s += allreduce_s
-    else:
-        intra_s += allreduce_s
-    return intra_s, inter_s
+    seconds[replicas_inter] += allreduce_bytes / (_link_gbps(cluster, inter_node=replicas_inter,
+                                                             inter_node_bus_efficiency=inter_node_bus_efficiency) * 1e9)
+    return seconds[False], seconds[True]
 
 
 def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: int = 0,
@@ -306,10 +301,12 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
 
     comm_s = 0.0
     if shard_group_size and shard_group_size < n:
-        comm_s = sum(hsdp_comm_seconds(work, cluster, shard_group_size=shard_group_size))
+        comm_s = sum(hsdp_comm_seconds(work, cluster, shard_group_size=shard_group_size,
+                                       inter_node_bus_efficiency=inter_node_bus_efficiency))
     elif n > 1:
         ring_bytes = (work.allgather_bytes_per_gpu + work.reduce_scatter_bytes_per_gpu) * (n - 1) / n
-        comm_s = ring_bytes / (_ring_gbps(cluster, inter_node_bus_efficiency) * 1e9)
+        comm_s = ring_bytes / (_link_gbps(cluster, inter_node=cluster.num_nodes > 1,
+                                          inter_node_bus_efficiency=inter_node_bus_efficiency) * 1e9)
     offload_s = (work.host_to_device_bytes + work.device_to_host_bytes) / (host_link_gbps(gpu) * 1e9)
 
     # Collectives and offload copies run on side streams under compute. What cannot hide: the

@@ -28,6 +28,11 @@ from autotune.runtime_memory import runtime_memory
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
 from autotune.config import TrialSpec
 from autotune.units import format_bytes
+
+SCREEN_MARGIN = 1.25
+"""A configuration whose closed-form peak is over the memory limit by more than this factor cannot
+fit: the closed form is within a few percent of traces (docs/COSTMODEL.md; op-level checkpointing
+counted as full), so the simulator and the sampler skip tracing it."""
 from autotune.catalog.models import ModelSpec
 
 __all__ = ["AnalyticBackend", "ModelShape", "model_shape", "MemoryEstimate", "estimate_memory",

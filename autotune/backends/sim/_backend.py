@@ -10,9 +10,10 @@ import os
 from typing import TYPE_CHECKING
 
 from autotune import cache, costmodel
+from autotune.backends.analytic import SCREEN_MARGIN
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
 from autotune.backends.sim._extrapolate import extrapolate, shallow_depths
-from autotune.config import TrialSpec
+from autotune.config import PARAM_DTYPE_BYTES, TrialSpec
 from autotune.errors import AutotuneError
 from autotune.runtime_memory import runtime_memory
 from autotune.units import format_bytes
@@ -28,13 +29,8 @@ RUNTIME_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "NCCL_BUFFSIZE", "NCCL_MAX_NCHANNELS",
 """Environment variables the runtime memory terms read: part of a cached prediction's key."""
 
 GiB = 2**30
-_PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _MB_BASE = (2, 3)
 """Micro-batches larger than these are extrapolated from them (see _extrapolate)."""
-SCREEN_MARGIN = 1.25
-"""A configuration whose closed-form estimate is over the limit by more than this factor is
-reported out of memory without tracing: the closed form is within 2% of traces on the models
-checked (docs/COSTMODEL.md), so 25% over cannot fit, and a trace of it would cost seconds."""
 
 
 class SimBackend(TrialBackend):
@@ -76,9 +72,16 @@ class SimBackend(TrialBackend):
                 f"({'depth-extrapolated' if self.extrapolate else 'full depth'}) for {what}; "
                 f"throughput {self._throughput_description()}")
 
+    @property
+    def _profile(self):
+        """The hardware profile that applies to what this backend predicts (a cpu profile for a
+        CPU run, a GPU one for a GPU run), or None."""
+        hardware = self.hardware
+        return hardware if hardware is not None and hardware.device == self.device_kind else None
+
     def _throughput_description(self) -> str:
-        if self.hardware is not None and self.hardware.device == self.device_kind:
-            return f"estimated (per-operation cost model on {self.hardware.describe()})"
+        if self._profile is not None:
+            return f"estimated (per-operation cost model on {self._profile.describe()})"
         return "estimated (roofline)" if self.device_kind == "cuda" else "not estimated (no CPU profile)"
 
     @property
@@ -234,8 +237,7 @@ class SimBackend(TrialBackend):
             runtime = runtime_memory(spec.cluster.gpu, world_size=world_size,
                                      gpus_per_node=spec.cluster.gpus_per_node, tensor_peak_bytes=tensor_peak,
                                      largest_allocation_bytes=largest, offload_staging_bytes=root_staging,
-                                     calibrated=self.hardware if self.hardware is not None and self.hardware.calibrated
-                                     and self.hardware.device == "cuda" else None)
+                                     calibrated=self._profile if self._profile and self._profile.calibrated else None)
         overhead = runtime.total_bytes if runtime else 0
         total = tensor_peak + overhead
         breakdown = dict.fromkeys(MEMORY_CATEGORIES, 0)
@@ -301,7 +303,7 @@ class SimBackend(TrialBackend):
         world_size = spec.cluster.num_gpus
         tokens_per_gpu_step = spec.train.micro_batch_size * spec.seq_len * accum
         extras["flops_per_gpu_per_step"] = flops_per_microbatch * accum
-        hardware = self.hardware if self.hardware is not None and self.hardware.device == self.device_kind else None
+        hardware = self._profile
         if self.device_kind == "cpu" and hardware is None:
             return None, ("throughput not estimated for a CPU run without a CPU profile "
                           "(autotune calibrate --backend cpu, then --hardware PROFILE)")
@@ -313,7 +315,7 @@ class SimBackend(TrialBackend):
                 costmodel.OpWork.from_trace(op_work), profile=profile, num_gpus=world_size,
                 num_nodes=spec.cluster.num_nodes, num_blocks=spec.model.num_layers,
                 block_params=trace.block_params, root_params=trace.root_params,
-                param_bytes=_PARAM_BYTES[spec.train.precision], tokens_per_step=tokens_per_gpu_step * world_size,
+                param_bytes=PARAM_DTYPE_BYTES[spec.train.precision], tokens_per_step=tokens_per_gpu_step * world_size,
                 num_microbatches=accum, reshard_after_forward=spec.train.reshard_after_forward,
                 cpu_offload=spec.train.cpu_offload, precision=spec.train.precision,
                 model_flops_per_gpu=model_flops_per_token(spec.model, spec.seq_len) * tokens_per_gpu_step,
@@ -333,7 +335,7 @@ class SimBackend(TrialBackend):
             model_flops_per_gpu=model_flops_per_token(spec.model, spec.seq_len) * tokens_per_gpu_step,
             tokens_per_gpu_step=tokens_per_gpu_step, num_gpus=world_size, block_params=trace.block_params,
             num_blocks=spec.model.num_layers, root_params=trace.root_params,
-            param_bytes=_PARAM_BYTES[spec.train.precision], reshard_after_forward=spec.train.reshard_after_forward,
+            param_bytes=PARAM_DTYPE_BYTES[spec.train.precision], reshard_after_forward=spec.train.reshard_after_forward,
             cpu_offload=spec.train.cpu_offload, num_microbatches=accum)
         step = costmodel.estimate_step_time(work, spec.cluster, shard_group_size=spec.train.shard_group_size)
         extras["step_time"] = step.to_dict()
