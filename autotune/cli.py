@@ -389,6 +389,7 @@ def cmd_calibrate(args: argparse.Namespace, console) -> int:
     from autotune.calibrate import calibrate
 
     out = args.out or f"hardware-{args.backend}.json"
+    _check_out_file(out)  # before a minute of measuring, not after
     profile, raw = calibrate(backend=args.backend, model_name=args.model, out=out, world_size=args.ranks)
     console.note(f"measured on {profile.machine.get('cpu') or profile.machine.get('machine')} in "
                  f"{raw['duration_s']:.0f} s; profile {profile.name} written to {out}")

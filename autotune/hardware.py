@@ -109,9 +109,10 @@ class HardwareProfile:
                     figures={k: f.to_dict(k) for k, f in self.figures.items()})
 
     def save(self, path: str | os.PathLike) -> Path:
+        from autotune.files import write_atomic
+
         out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        write_atomic(out, json.dumps(self.to_dict(), indent=2) + "\n")  # never a half-written profile
         return out
 
     @classmethod
