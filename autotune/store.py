@@ -143,20 +143,45 @@ def _is_outage(exc: BaseException) -> bool:
     return False
 
 
+def _wait_through_outages(call, url: str):
+    """call(), retried with backoff while the storage is unreachable: for up to
+    $AUTOTUNE_STORAGE_OUTAGE_S (default 120 s), said once on stderr, then StorageUnavailable.
+    `call` is a retry-safe storage operation (it starts a fresh session each time)."""
+    import sys
+    import time
+
+    from autotune.secrets import mask
+
+    limit = float(os.environ.get(STORAGE_OUTAGE_ENV, DEFAULT_STORAGE_OUTAGE_S))
+    start, pause, said = time.monotonic(), 0.5, False
+    while True:
+        try:
+            return call()
+        except Exception as exc:
+            if not _is_outage(exc):
+                raise
+            waited = time.monotonic() - start
+            cause = mask(str(exc.__cause__ or exc).splitlines()[0])
+            if waited > limit:
+                raise StorageUnavailable(f"storage {mask(url)!r} unreachable for {waited:.0f} s "
+                                         f"({cause}); finished trials are in it, rerun to resume") from None
+            if not said:
+                print(f"autotune: storage unreachable ({cause}); retrying for up to {limit:.0f} s",
+                      file=sys.stderr, flush=True)
+                said = True
+        time.sleep(pause)
+        pause = min(pause * 2, 5.0)
+
+
 @functools.cache
 def _patient_storage_class():
-    """RDBStorage whose every call waits through a storage outage: retried with backoff for up to
-    $AUTOTUNE_STORAGE_OUTAGE_S (default 120 s), said once on stderr, then StorageUnavailable.
+    """RDBStorage whose every call waits through a storage outage (_wait_through_outages).
     Only the outermost call retries (calls nest). A write whose commit reached the server just as
     the connection dropped can be applied twice (a rare duplicate trial, never a lost one)."""
     import inspect
-    import sys
     import threading
-    import time
 
     import optuna
-
-    from autotune.secrets import mask
 
     depth = threading.local()
 
@@ -165,30 +190,19 @@ def _patient_storage_class():
         def call(self, *args, **kwargs):
             if getattr(depth, "n", 0):
                 return method(self, *args, **kwargs)
-            limit = float(os.environ.get(STORAGE_OUTAGE_ENV, DEFAULT_STORAGE_OUTAGE_S))
-            start, pause, said = time.monotonic(), 0.5, False
-            while True:
+
+            def once():
                 depth.n = 1
                 try:
                     return method(self, *args, **kwargs)
-                except Exception as exc:
-                    if not _is_outage(exc):
-                        raise
-                    waited = time.monotonic() - start
-                    cause = mask(str(exc.__cause__ or exc).splitlines()[0])
-                    if waited > limit:
-                        raise StorageUnavailable(f"storage {mask(self.url)!r} unreachable for {waited:.0f} s "
-                                                 f"({cause}); finished trials are in it, rerun to resume") from None
-                    if not said:
-                        print(f"autotune: storage unreachable ({cause}); retrying for up to {limit:.0f} s",
-                              file=sys.stderr, flush=True)
-                        said = True
+                except Exception:
                     with contextlib.suppress(Exception):
-                        self.remove_session()  # a fresh session (and pooled connection) for the retry
+                        self.remove_session()  # a fresh session (and pooled connection) for a retry
+                    raise
                 finally:
                     depth.n = 0
-                time.sleep(pause)
-                pause = min(pause * 2, 5.0)
+
+            return _wait_through_outages(once, self.url)
 
         return call
 
@@ -204,6 +218,12 @@ def _patient_storage_class():
     return type("PatientRDBStorage", (optuna.storages.RDBStorage,), methods)
 
 
+_OPENED: set[str] = set()
+"""Storages this process has opened. Opening one the first time fails at once (a wrong URL, a
+server down at start: the user's to fix); opening it again (a sweep worker starting its next
+problem's study) waits through an outage like every other storage call."""
+
+
 def create_study(url: str, name: str, *, storage_options: dict | None = None):
     """(study, created): optuna's study `name`, created or loaded, safe when workers start together
     on a new database: the loser of a schema or study creation race retries after a short random
@@ -217,7 +237,11 @@ def create_study(url: str, name: str, *, storage_options: dict | None = None):
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "A new study created" lines in our output
     for attempt in range(_CREATION_ATTEMPTS):
         try:
-            storage = rdb_storage(url, **(storage_options or {}))
+            if url in _OPENED:
+                storage = _wait_through_outages(lambda: rdb_storage(url, **(storage_options or {})), url)
+            else:
+                storage = rdb_storage(url, **(storage_options or {}))
+                _OPENED.add(url)
             try:
                 return optuna.create_study(storage=storage, study_name=name, direction="maximize"), True
             except optuna.exceptions.DuplicatedStudyError:

@@ -145,3 +145,39 @@ def test_workers_wait_through_the_database_being_down_for_15_seconds(server, tmp
     assert len(done) == 4, [(t.number, t.state.name, t.user_attrs.get("state"), t.user_attrs.get("message"))
                             for t in trials]
     assert_no_password(server, runs, out, err)
+
+
+def test_a_study_opened_during_an_outage_waits_if_the_storage_was_reachable_before(server, capsys, monkeypatch):
+    """A sweep worker opens a new study per problem; when the server goes down between two
+    problems, the next open waits for it (as every storage call does) instead of recording the
+    problem as failed. A storage never reached in this process still fails at once."""
+    import threading
+
+    from autotune import store
+    from autotune.errors import StorageUnavailable
+
+    monkeypatch.setenv(store.STORAGE_OUTAGE_ENV, "60")
+    url = server.url.replace("tuner@", f"tuner:{server.password}@")
+    store.create_study(url, "before")  # the worker's queue: the storage reached once
+    server.stop()
+    restart = threading.Timer(4.0, server.start)
+    restart.start()
+    try:
+        reopened, created = store.create_study(url, "next-problem")
+    finally:
+        restart.join()
+    assert created and reopened.study_name == "next-problem"
+    assert "storage unreachable" in capsys.readouterr().err
+
+    monkeypatch.setenv(store.STORAGE_OUTAGE_ENV, "2")
+    server.stop()
+    try:
+        with pytest.raises(StorageUnavailable) as raised:
+            store.create_study(url, "while-down")
+        assert server.password not in str(raised.value)
+    finally:
+        server.start()
+    unseen = url.replace(f":{server.port}/", f":{_free_port()}/")  # never reached: no waiting
+    with pytest.raises(Exception) as raised:
+        store.create_study(unseen, "elsewhere")
+    assert not isinstance(raised.value, StorageUnavailable)
