@@ -35,6 +35,7 @@ from typing import Any
 from autotune.hardware import HardwareFigure, HardwareProfile, machine_description
 
 TOKEN_COUNTS = (256, 512, 1024, 2048)
+CUDA_TOKEN_COUNTS = (512, 2048, 8192, 16384)  # a GPU's matmuls reach their rate at training sizes
 """Tokens per micro-batch the GEMMs are timed at (the rows of every projection)."""
 COLLECTIVE_SIZES_FRACTIONS = (0.125, 0.5, 1.0, 2.0)
 
@@ -120,7 +121,8 @@ def bench_compute(model, *, device, dtype, seq_len: int, token_counts=TOKEN_COUN
             xf = x.float()
             mem_points.append((2.0 * xf.numel() * xf.element_size() * 1.5, _timed(lambda: xf.to(dtype), device=device)))
     attn_by_tokens: dict[int, float] = {}
-    for batch in sorted({max(t // seq_len, 1) for t in token_counts}):
+    # At least two batch sizes, so the fit has two points when every token count is <= one sequence.
+    for batch in sorted({max(t // seq_len, 1) for t in token_counts} | {1, 2}):
         q = torch.randn(batch, s["heads"], seq_len, s["head_dim"], device=device, dtype=dtype, requires_grad=True)
         k = torch.randn(batch, s["heads"], seq_len, s["head_dim"], device=device, dtype=dtype, requires_grad=True)
         v = torch.randn(batch, s["heads"], seq_len, s["head_dim"], device=device, dtype=dtype, requires_grad=True)
@@ -248,24 +250,30 @@ def bench_host_copies(*, device, nbytes: int = 256 * 2**20) -> dict[str, float]:
     return dict(h2d_bytes_per_s=nbytes / h2d, d2h_bytes_per_s=nbytes / d2h)
 
 
-def short_fsdp_step_memory(model, *, device, mesh, seq_len: int) -> dict[str, int]:
-    """Reserved vs allocated over one short FSDP2 step of a 2-block copy of the model (cuda)."""
+def short_fsdp_steps(model, *, device, mesh, seq_len: int, steps: int = 2) -> None:
+    """Two optimizer steps of a 2-block copy of the model, wrapped as trials wrap it (any device)."""
     import torch
 
     from autotune.config import TrainConfig
     from autotune.parallel import parallelize
     from autotune.training import build_model, make_optimizer, token_batches, train_step
 
-    train = TrainConfig(micro_batch_size=1)
     with torch.device(device):
         net = build_model(model, num_layers=2)
-    parallelize(net, mesh, train)
+    parallelize(net, mesh, TrainConfig(micro_batch_size=1))
     optimizer = make_optimizer(net)
-    torch.cuda.reset_peak_memory_stats(device)
     batches = token_batches(vocab_size=int(model.config_dict["vocab_size"]), micro_batch_size=1, seq_len=seq_len,
                             device=device)
-    for _ in range(2):
-        train_step(net, optimizer, batches)
+    for _ in range(steps):
+        train_step(net, optimizer, batches, grad_accum_steps=1)
+
+
+def short_fsdp_step_memory(model, *, device, mesh, seq_len: int) -> dict[str, int]:
+    """Reserved vs allocated over two short FSDP2 steps of a 2-block copy of the model (cuda)."""
+    import torch
+
+    torch.cuda.reset_peak_memory_stats(device)
+    short_fsdp_steps(model, device=device, mesh=mesh, seq_len=seq_len)
     torch.cuda.synchronize(device)
     return dict(max_allocated_bytes=int(torch.cuda.max_memory_allocated(device)),
                 max_reserved_bytes=int(torch.cuda.max_memory_reserved(device)))
@@ -312,9 +320,11 @@ def _worker(rank: int, world_size: int, port: int, job: dict[str, Any], out_path
         result["cublas_workspace_bytes"] = int(torch.cuda.memory_allocated(device) - allocated - a.nbytes - b.nbytes)
         del a, b, probe, gathered
     dtype = torch.bfloat16
-    result["compute_bf16"] = bench_compute(model, device=device, dtype=dtype, seq_len=job["seq_len"])
+    counts = CUDA_TOKEN_COUNTS if cuda else TOKEN_COUNTS
+    result["compute_bf16"] = bench_compute(model, device=device, dtype=dtype, seq_len=job["seq_len"],
+                                           token_counts=counts)
     result["compute_fp32"] = bench_compute(model, device=device, dtype=torch.float32, seq_len=job["seq_len"],
-                                           token_counts=TOKEN_COUNTS[:2])
+                                           token_counts=counts[:2])
     if not cuda:
         result["tracker"] = bench_tracker(model, seq_len=job["seq_len"])
     result["adamw"] = bench_adamw(model, device=device, world_size=world_size, impl=job["optimizer_impl"])
@@ -365,6 +375,10 @@ def measure(*, backend: str = "cpu", model_name: str = "tiny-llama", world_size:
     job = dict(backend=backend, model=model_name, seq_len=seq_len, unit_bytes=unit_bytes,
                optimizer_impl=optimizer_impl or ("fused" if backend == "cuda" else "foreach"),
                num_layers=int(cfg["num_hidden_layers"]))
+    if backend == "cuda":  # the allocator setting real trials run with (before the ranks start CUDA)
+        from autotune.runtime_memory import ALLOC_CONF_ENV, alloc_conf
+
+        os.environ[ALLOC_CONF_ENV] = alloc_conf(os.environ)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "calibration.json")

@@ -52,15 +52,34 @@ measured 32 MiB after one bf16 matmul on MEASURED_ON."""
 CUBLAS_WORKSPACE_STREAMS = 2
 """Workspaces an FSDP2 training step leaves allocated: 65-66 MiB stayed allocated after every
 trial on MEASURED_ON (two streams' workspaces)."""
+@dataclass(frozen=True)
+class FragmentationRule:
+    """Reserved-but-unallocated memory at the peak for one allocator setting: the larger of
+    (of_largest x the step's largest single allocation + of_root_shard x the root FSDP unit's
+    fp32 parameter shard) and of_peak x the tensor peak."""
+
+    of_largest: float
+    of_root_shard: float
+    of_peak: float
+    basis: str
+
+
 FRAGMENTATION = {
-    "expandable_segments": (1.0, 0.0),
-    "default": (1.0, 0.12),
+    "expandable_segments": FragmentationRule(
+        0.521, 1.111, 0.0,
+        "a least-squares fit, no intercept, to 14 configurations of two tied-embedding models at seq 1024 "
+        "(qwen2.5-0.5b and llama3.2-1b, world size 1; every row within 80 MiB of its gap); checked out of "
+        "sample at seq 2048 on qwen2.5-0.5b and qwen2.5-1.5b (docs/BENCHMARKS.md, GPU check)"),
+    "default": FragmentationRule(
+        1.0, 0.0, 0.12,
+        "the gap was 0.87-1.58x the largest allocation over seven qwen2.5-0.5b configurations; 12% of the "
+        "peak is the median over a tiny-llama tune"),
 }
-"""Reserved-but-unallocated memory at the peak, by allocator setting, as (x the largest single
-allocation, x the tensor peak), the larger of the two. Measured on MEASURED_ON with expandable
-segments over six qwen2.5-0.5b configurations: the gap was 0.63-1.0x the largest allocation
-(the fp32 logits), exactly 1.0x at micro-batch 2; the default allocator's 12% is the median
-over a tiny-llama tune there (docs/BENCHMARKS.md, GPU check)."""
+"""By allocator setting, measured on MEASURED_ON. With expandable segments the gap is about half the
+largest allocation (the fp32 logits: at the loss the logits and their gradient are made while the
+bf16 logits' hole is too small for either, so the mapped segment grows past it) plus about the
+root unit's fp32 shard (the embedding's gradient and optimizer update likewise). Not measured at
+world size > 1: the root term is taken per shard there, as the tensors it follows are."""
 
 # --- NCCL channel buffers (estimated from NCCL's documented defaults) -------------------------------
 NCCL_BUFFSIZE_DEFAULT = 4 * MiB
@@ -156,10 +175,12 @@ def nccl_communicator_bytes(*, ranks: int, inter_node: bool, environ: Mapping[st
 
 
 def runtime_memory(gpu: GPUSpec, *, world_size: int, gpus_per_node: int, tensor_peak_bytes: int,
-                   largest_allocation_bytes: int = 0, offload_staging_bytes: int = 0, communicators: int = 1,
+                   largest_allocation_bytes: int = 0, root_shard_bytes: int = 0, offload_staging_bytes: int = 0,
+                   communicators: int = 1,
                    environ: Mapping[str, str] | None = None, calibrated=None) -> RuntimeMemory:
     """The runtime terms of one rank of a job. `largest_allocation_bytes` is the step's largest
-    single tensor (the simulator traces it); `communicators` is the number of NCCL process
+    single tensor (the simulator traces it); `root_shard_bytes` the root FSDP unit's fp32
+    parameters on this rank (embeddings, final norm, an untied LM head); `communicators` is the number of NCCL process
     groups the configuration creates (1 for a 1-D mesh over the whole world; HSDP's shard and
     replicate groups add one each). `offload_staging_bytes`: with CPU offload, the root's fp32
     shard copied up at the start of forward; without expandable segments its cached block is
@@ -174,8 +195,9 @@ def runtime_memory(gpu: GPUSpec, *, world_size: int, gpus_per_node: int, tensor_
                                                    environ=environ)
     workspace, workspace_basis = cublas_workspace_bytes(environ)
     setting = "expandable_segments" if expandable_segments(conf) else "default"
-    of_largest, of_peak = FRAGMENTATION[setting]
-    fragmentation = int(max(of_largest * largest_allocation_bytes, of_peak * tensor_peak_bytes))
+    rule = FRAGMENTATION[setting]
+    fragmentation = int(max(rule.of_largest * largest_allocation_bytes + rule.of_root_shard * root_shard_bytes,
+                            rule.of_peak * tensor_peak_bytes))
     staging_note = ""
     if setting == "default" and offload_staging_bytes:
         fragmentation += offload_staging_bytes
@@ -189,8 +211,10 @@ def runtime_memory(gpu: GPUSpec, *, world_size: int, gpus_per_node: int, tensor_
                    f"{CUBLAS_WORKSPACE_STREAMS} streams x {workspace // MiB} MiB ({workspace_basis})",
                    in_allocator=True),
         MemoryTerm("fragmentation", fragmentation, "estimated",
-                   f"the larger of {of_largest:g}x the largest allocation ({largest_allocation_bytes // MiB} MiB) and "
-                   f"{of_peak:.0%} of the tensor peak{staging_note}, with {ALLOC_CONF_ENV}={conf} ({measured_part})",
+                   f"the larger of {rule.of_largest:g}x the largest allocation ({largest_allocation_bytes // MiB} MiB)"
+                   f" + {rule.of_root_shard:g}x the root unit's fp32 shard ({root_shard_bytes // MiB} MiB) and "
+                   f"{rule.of_peak:.0%} of the tensor peak{staging_note}, with {ALLOC_CONF_ENV}={conf} "
+                   f"({measured_part}; {rule.basis})",
                    in_allocator=True),
     )
     if calibrated is not None:

@@ -174,7 +174,14 @@ def rescore(report: dict, predictions: dict[str, dict], predicted_on: str) -> di
     """A measured report's rows against other predictions (the simulator changed since, say):
     the measurements are kept, the predicted figures and errors recomputed."""
     for row in report["rows"] + report["oom_agreement"]:
-        predicted = TrialResult.from_dict(predictions[key(row["world"], row["label"])])
+        predicted = predictions.get(key(row["world"], row["label"]))
+        if predicted is None and row.get("limit_bytes"):
+            # A capped trial whose cap was set from older predictions: the uncapped case's new
+            # prediction, judged against the cap the trial ran under.
+            predicted = dict(predictions[key(row["world"], row["label"].split(" under ")[0])])
+            total = (predicted.get("peak_memory") or {}).get("value")
+            predicted["status"] = "ok" if total is not None and total <= row["limit_bytes"] else "oom"
+        predicted = TrialResult.from_dict(predicted)
         extras = predicted.extras
         row.update(predicted_status=predicted.status,
                    predicted_tensor=extras.get("predicted_allocated_bytes", extras.get("tensor_peak_bytes")),

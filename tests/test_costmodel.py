@@ -3,6 +3,7 @@ trials on a calibrated profile, and published runs held out of the fit (leave-on
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -170,6 +171,30 @@ def test_cpu_estimates_rank_real_trials_on_a_calibrated_profile(tmp_path):
     # trials run minutes apart on a shared 2-core VM whose load swings 2-6x (docs/COSTMODEL.md).
     assert scores["kendall_tau"] >= TAU_FLOOR, scores
     assert scores["pick_shortfall"] <= 0.10, scores
+
+
+def test_calibration_pieces_the_cuda_path_uses_run_on_cpu():
+    """What `calibrate --backend cuda` runs besides the memory counters, run here on CPU: the
+    short FSDP2 steps (real training steps of the model, wrapped as trials wrap it) and the
+    compute benchmarks at a sequence longer than every token count (one attention batch size
+    per token count: the fit still needs two)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autotune import calibrate
+    from autotune.catalog.models import resolve_model
+
+    model = resolve_model("micro-llama")
+    compute = calibrate.bench_compute(model, device=torch.device("cpu"), dtype=torch.float32, seq_len=256,
+                                      token_counts=(32, 64))
+    assert len(compute["attention"]["points"]) >= 2 and compute["attention"]["flops_per_s"] > 0
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(calibrate._free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        calibrate.short_fsdp_steps(model, device=torch.device("cpu"), mesh=init_device_mesh("cpu", (1,)), seq_len=32)
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (calibrate --backend cuda)")

@@ -52,7 +52,7 @@ def test_runtime_terms_follow_the_environment_they_name():
     assert terms(8, 8, CUBLAS_WORKSPACE_CONFIG=":16:8")["cublas_workspace"] < eight["cublas_workspace"]
     # Without expandable segments the caching allocator keeps more reserved than allocated.
     default = terms(8, 8, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False")
-    assert default["fragmentation"] >= eight["fragmentation"] >= 2 * 2**30
+    assert default["fragmentation"] > eight["fragmentation"] > 0
 
 
 def test_out_of_memory_is_recognised_however_it_surfaces():

@@ -61,11 +61,15 @@ def test_breakdown_sums_to_the_peak_and_says_what_it_is(gpu_sim):
     terms = {t["name"]: t for t in result.extras["runtime_memory"]["terms"]}
     assert set(terms) == {"cuda_context", "nccl", "cublas_workspace", "fragmentation"}
     assert sum(t["bytes"] for t in terms.values()) == overhead
-    # Fragmentation scales with the largest single allocation, the fp32 logits here
-    # (micro-batch x sequence x vocabulary x 4 bytes: counted from the model's shape).
+    # Fragmentation grows with the largest single allocation, the fp32 logits here (micro-batch x
+    # sequence x vocabulary x 4 bytes, counted from the model's shape): by about half of it
+    # (measured on an H100 with expandable segments, docs/BENCHMARKS.md).
     spec = _spec(activation_checkpointing="every:2", micro_batch_size=2)
     logits = 2 * spec.seq_len * spec.model.config_dict["vocab_size"] * 4
-    assert terms["fragmentation"]["bytes"] >= logits
+    assert terms["fragmentation"]["bytes"] >= logits // 2
+    doubled = gpu_sim.evaluate(_spec(activation_checkpointing="every:2", micro_batch_size=4))
+    grown = {t["name"]: t["bytes"] for t in doubled.extras["runtime_memory"]["terms"]}["fragmentation"]
+    assert grown - terms["fragmentation"]["bytes"] == pytest.approx(0.5 * logits, rel=0.1)
     assert result.tokens_per_sec.source == "estimated" and result.tokens_per_sec.value > 0
     assert result.extras["flops_per_gpu_per_step"] > 0
 

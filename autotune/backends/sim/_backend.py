@@ -237,6 +237,7 @@ class SimBackend(TrialBackend):
             runtime = runtime_memory(spec.cluster.gpu, world_size=world_size,
                                      gpus_per_node=spec.cluster.gpus_per_node, tensor_peak_bytes=tensor_peak,
                                      largest_allocation_bytes=largest, offload_staging_bytes=root_staging,
+                                     root_shard_bytes=_root_shard_bytes(spec),
                                      calibrated=self._profile if self._profile and self._profile.calibrated else None)
         overhead = runtime.total_bytes if runtime else 0
         total = tensor_peak + overhead
@@ -371,3 +372,10 @@ def _weight_sync(sites: dict, peak_key: tuple, *, source: str = "predicted") -> 
 SYNC_HOW = ("TRL's colocate weight sync as traced: named_parameters() in order, each fp32 shard gathered with "
             "full_tensor() while the previous full parameter is still held (trl/generation/vllm_generation.py, "
             "VLLMGeneration.sync_weights / _iter_fsdp2_params)")
+
+
+def _root_shard_bytes(spec: TrialSpec) -> int:
+    """The root FSDP unit's fp32 parameters on one rank (what the fragmentation rule scales with)."""
+    from autotune.parallel import ParallelDims
+
+    return spec.model.root_parameters * PARAM_DTYPE_BYTES["fp32"] // ParallelDims.of(spec.train, spec.cluster.num_gpus).dp_shard
