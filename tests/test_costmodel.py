@@ -189,6 +189,9 @@ def test_calibration_pieces_the_cuda_path_uses_run_on_cpu():
     compute = calibrate.bench_compute(model, device=torch.device("cpu"), dtype=torch.float32, seq_len=256,
                                       token_counts=(32, 64))
     assert len(compute["attention"]["points"]) >= 2 and compute["attention"]["flops_per_s"] > 0
+    from autotune.backends.sim._fakepg import release_fake_group
+
+    release_fake_group()  # another test's simulator may hold the process's (fake) default group
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(calibrate._free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
