@@ -44,10 +44,20 @@ class TrainConfig:
     optimizer_impl: str = _D["optimizer_impl"].default
     shard_group_size: int = _D["shard_group_size"].default
     """HSDP: shard within groups of this many GPUs, replicate across them; 0 = every GPU (FSDP)."""
+    reshard_group_size: int = _D["reshard_group_size"].default
+    """Reshard block parameters after forward to groups of this many GPUs; 0 = as reshard_after_forward."""
 
     def __post_init__(self) -> None:
         for knob in knobs.KNOBS:
             object.__setattr__(self, knob.name, knob.parse(getattr(self, knob.name)))
+        if self.reshard_group_size and not self.reshard_after_forward:
+            # Kept gathered after forward: there is nothing to reshard to a group (one configuration, one name).
+            object.__setattr__(self, "reshard_group_size", 0)
+
+    @property
+    def fsdp_reshard_after_forward(self) -> bool | int:
+        """What fully_shard takes for the blocks: a bool, or the group size to reshard to."""
+        return self.reshard_group_size or self.reshard_after_forward
 
     @property
     def ac(self) -> Checkpointing:
@@ -199,6 +209,13 @@ class TrialSpec:
         elif size and (per_node % size if size <= per_node else size % per_node or gpus % size):
             raise UsageError(f"--hsdp {size}: the shard group size must divide the {per_node} GPUs per node "
                              f"(or be a multiple of it dividing {gpus}); 0 shards over every GPU")
+        shard = self.train.shard_group_size or gpus
+        group = self.train.reshard_group_size
+        if group == shard:  # resharding to the whole shard group is plain resharding: one name
+            object.__setattr__(self, "train", self.train.with_(reshard_group_size=0))
+        elif group and (group > shard or shard % group):
+            raise UsageError(f"--reshard-group {group}: the group must be a factor of the {shard} GPUs parameters "
+                             f"are sharded over (e.g. {min(per_node, shard)}, a node's); 0 reshards over all of them")
 
     @property
     def limit_bytes(self) -> int:

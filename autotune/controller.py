@@ -335,6 +335,25 @@ class Controller:
             self.run("explore", best.train.with_(reshard_after_forward=False),
                      "keep gathered parameters after forward (no reshard): saves an all-gather per block "
                      "in backward if memory allows")
+        self._explore_reshard_to_a_node()
+
+    def _explore_reshard_to_a_node(self) -> None:
+        """On several nodes, when parameters are sharded across nodes: reshard each block after
+        forward to a node's GPUs only (FSDP2's reshard_after_forward=N), so backward's all-gather
+        stays on the node's links, for 1/N of the block kept between forward and backward."""
+        cluster, best = self.request.cluster, self._choose()
+        if (best is None or not self.request.space.explore_no_reshard or cluster.num_nodes < 2
+                or not best.train.reshard_after_forward or best.train.reshard_group_size):
+            return
+        shard = best.train.shard_group_size or cluster.num_gpus
+        group = cluster.gpus_per_node
+        if shard <= group or shard % group:
+            return
+        train = best.train.with_(reshard_group_size=group)
+        if self._could_win(train):
+            self.run("explore", train,
+                     f"reshard after forward to a node's {group} GPUs: backward's all-gather stays within a node "
+                     f"(not across {shard // group} nodes), each block keeping 1/{group} of its parameters")
 
     def _explore_hsdp(self) -> None:
         """On several nodes: shard within groups of a node (then 2, 4, ... nodes) and replicate across
@@ -375,7 +394,8 @@ class Controller:
             # Real CPU trials cannot apply CPUOffloadPolicy (no accelerator): they would run without it.
             offload=space.offload and self.backend.name != "cpu",
             reshard=(True, False) if space.explore_no_reshard else (base.reshard_after_forward,),
-            hsdp_groups=tuple(groups))
+            hsdp_groups=tuple(groups),
+            reshard_groups=(cluster.gpus_per_node,) if space.explore_no_reshard and cluster.num_nodes > 1 else ())
         return knobs.sample_domains(ctx)
 
     def _sample_value(self, step: Step) -> float:

@@ -15,7 +15,7 @@ calibrated against. Callers count the work (FLOPs, collective bytes, offload cop
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autotune.catalog.gpus import GPUSpec
 from autotune.config import Cluster
@@ -156,6 +156,9 @@ class StepWork:
     num_fsdp_units: int | None = None
     """FSDP groups per micro-batch (blocks + root). Their first all-gather and last
     reduce-scatter cannot overlap compute; None leaves that term out."""
+    backward_allgather_bytes_per_gpu: float = 0.0
+    """The part of `allgather_bytes_per_gpu` that backward gathers again (blocks resharded after
+    forward): what resharding to smaller groups moves onto the group's links."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -238,6 +241,8 @@ def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_p
         allgather_bytes_per_gpu=volume.allgather_bytes, reduce_scatter_bytes_per_gpu=volume.reduce_scatter_bytes,
         host_to_device_bytes=h2d, device_to_host_bytes=d2h,
         cpu_optimizer_params=-(-total_params // num_gpus) if cpu_offload else 0,
+        backward_allgather_bytes_per_gpu=float(block_params * num_blocks * param_bytes * num_microbatches)
+        if reshard_after_forward else 0.0,
         num_fsdp_units=num_blocks + 1,
     )
 
@@ -287,12 +292,14 @@ def hsdp_comm_seconds(work: StepWork, cluster: Cluster, *, shard_group_size: int
     return seconds[False], seconds[True]
 
 
-def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: int = 0,
+def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: int = 0, reshard_group_size: int = 0,
                        matmul_top_efficiency: float | None = None,
                        inter_node_bus_efficiency: float | None = None) -> StepTime:
     """Roofline time of one optimizer step on `cluster` (see the module docstring);
-    `shard_group_size` > 0: HSDP (see hsdp_comm_seconds). The last two keyword arguments replace
-    the fitted constants (leave-one-out validation refits them)."""
+    `shard_group_size` > 0: HSDP (see hsdp_comm_seconds); `reshard_group_size` > 0: backward's
+    all-gathers run in rings of that many GPUs (on the node's links when they fit in a node).
+    The last two keyword arguments replace the fitted constants (leave-one-out validation refits
+    them)."""
     gpu = cluster.gpu
     n = cluster.num_gpus
     tokens_per_microbatch = work.tokens_per_step / (work.num_microbatches * n)
@@ -300,12 +307,20 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
                                                                                   matmul_top_efficiency))
 
     comm_s = 0.0
+    shard = shard_group_size if 0 < shard_group_size < n else n
+    if 0 < reshard_group_size < shard and work.backward_allgather_bytes_per_gpu:
+        moved = work.backward_allgather_bytes_per_gpu
+        work = replace(work, allgather_bytes_per_gpu=work.allgather_bytes_per_gpu - moved,
+                       backward_allgather_bytes_per_gpu=0.0)
+        across = reshard_group_size > cluster.gpus_per_node
+        comm_s += moved * (reshard_group_size - 1) / reshard_group_size / (_link_gbps(
+            cluster, inter_node=across, inter_node_bus_efficiency=inter_node_bus_efficiency) * 1e9)
     if shard_group_size and shard_group_size < n:
-        comm_s = sum(hsdp_comm_seconds(work, cluster, shard_group_size=shard_group_size,
-                                       inter_node_bus_efficiency=inter_node_bus_efficiency))
+        comm_s += sum(hsdp_comm_seconds(work, cluster, shard_group_size=shard_group_size,
+                                        inter_node_bus_efficiency=inter_node_bus_efficiency))
     elif n > 1:
         ring_bytes = (work.allgather_bytes_per_gpu + work.reduce_scatter_bytes_per_gpu) * (n - 1) / n
-        comm_s = ring_bytes / (_link_gbps(cluster, inter_node=cluster.num_nodes > 1,
+        comm_s += ring_bytes / (_link_gbps(cluster, inter_node=cluster.num_nodes > 1,
                                           inter_node_bus_efficiency=inter_node_bus_efficiency) * 1e9)
     offload_s = (work.host_to_device_bytes + work.device_to_host_bytes) / (host_link_gbps(gpu) * 1e9)
 
@@ -411,7 +426,7 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
                           num_microbatches: int = 1, reshard_after_forward: bool = True,
                           cpu_offload: bool = False, precision: str = "bf16",
                           model_flops_per_gpu: float | None = None, peak_tflops: float | None = None,
-                          shard_group_size: int = 0) -> OpStepTime:
+                          shard_group_size: int = 0, reshard_group_size: int = 0) -> OpStepTime:
     """Step time of one rank from the traced ops on a hardware profile (autotune/hardware.py).
 
     compute per micro-batch = matmul FLOPs / rate + matmuls x fixed cost
@@ -474,7 +489,16 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
         return collective_seconds(params * 4, ranks=group, gbps=rs_bw, latency_us=rs_lat) + \
             2 * collective_seconds(params * 4 / group, ranks=replicas, gbps=ar_bw, latency_us=ar_lat)
 
-    block_comm = ag(block_params) * (2 if reshard_after_forward else 1) + rs(block_params)
+    def ag_backward(params: int) -> float:
+        # Resharded after forward to groups of `reshard_group_size`: backward gathers within one.
+        if not 0 < reshard_group_size < group:
+            return ag(params)
+        across = num_nodes > 1 and reshard_group_size > n // num_nodes
+        return collective_seconds(params * param_bytes, ranks=reshard_group_size,
+                                  gbps=p["inter_node_gbps" if across else "intra_node_gbps"],
+                                  latency_us=p["inter_node_latency_us" if across else "intra_node_latency_us"])
+
+    block_comm = ag(block_params) + (ag_backward(block_params) if reshard_after_forward else 0.0) + rs(block_params)
     root_comm = ag(root_params) + rs(root_params)
     comm_mb = num_blocks * block_comm + root_comm
     offload_mb = 0.0

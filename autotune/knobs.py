@@ -149,6 +149,13 @@ def _group_size(value: Any) -> int:
     return value
 
 
+def _reshard_group(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value == 1:
+        raise UsageError(f"reshard group size must be 0 (reshard over the whole shard group, or not at all with "
+                         f"--no-reshard) or a number of GPUs >= 2, got {value!r} (1 is --no-reshard)")
+    return value
+
+
 @dataclass(frozen=True, kw_only=True)
 class Knob:
     """One tuned knob: a TrainConfig field and everything derived from it."""
@@ -214,6 +221,8 @@ class SampleContext:
     reshard: tuple[bool, ...] = (True, False)
     hsdp_groups: tuple[int, ...] = ()
     """HSDP group sizes that apply (several nodes): node, 2 nodes, ..."""
+    reshard_groups: tuple[int, ...] = ()
+    """Reshard-after-forward group sizes that apply (several nodes): a node's GPUs."""
 
     def every(self) -> tuple[int, ...]:
         """every:K values checkpointing distinct sets of blocks (K up to the number of layers)."""
@@ -289,6 +298,13 @@ KNOBS: tuple[Knob, ...] = (
               "replicate across groups (a 2-D mesh: replicate x shard); 0 shards over every GPU (plain FSDP)",
          label=lambda v: f"hsdp={v}" if v else "", optuna=_int_param("shard_group_size", int), alternative=2,
          keyed_at_default=False, domain=lambda ctx: (0, *ctx.hsdp_groups)),
+    Knob(name="reshard_group_size", default=0, flag="--reshard-group", parse=_reshard_group,
+         result_path=("fsdp", "reshard_group_size"),
+         help="after forward, reshard block parameters to groups of this many GPUs (a factor of the shard "
+              "group, e.g. a node's GPUs: backward's all-gather stays within the group) instead of over the "
+              "whole shard group; FSDP2's reshard_after_forward=N. 0: as --reshard says (--no-reshard ignores it)",
+         label=lambda v: f"reshard={v}" if v else "", optuna=_int_param("reshard_group_size", int), alternative=2,
+         keyed_at_default=False, domain=lambda ctx: (0, *ctx.reshard_groups)),
     Knob(name="optimizer_impl", default="fused", flag="--optimizer-impl", choices=OPTIMIZER_IMPLS,
          parse=_choice("optimizer implementation", OPTIMIZER_IMPLS), result_path=("optimizer", "impl"),
          legacy_default="for-loop",  # results written before the knob existed ran the per-parameter loop

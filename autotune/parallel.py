@@ -189,7 +189,7 @@ def apply_fsdp(model: nn.Module, blocks: Blocks, mesh, train: TrainConfig, *, al
     mp = mixed_precision_policy(train.precision)
     for block in blocks.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=train.reshard_after_forward)
+                    reshard_after_forward=train.fsdp_reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=False)
 
 

@@ -168,7 +168,9 @@ def _trial_command(request: TuneRequest, step: Step) -> str:
             f"--seq-len {request.seq_len} --micro-batch {t.micro_batch_size} "
             f"--grad-accum {step.batch.grad_accum_steps} --ac {t.activation_checkpointing} "
             f"--{'' if t.reshard_after_forward else 'no-'}reshard --{'' if t.cpu_offload else 'no-'}offload "
-            f"--precision {t.precision}")
+            f"--precision {t.precision} --optimizer-impl {t.optimizer_impl}"
+            + (f" --hsdp {t.shard_group_size}" if t.shard_group_size else "")
+            + (f" --reshard-group {t.reshard_group_size}" if t.reshard_group_size else ""))
 
 
 def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backend: str, wrap: str,

@@ -208,18 +208,23 @@ def test_estimated_backends_skip_exploration_that_cannot_win():
     assert [s for s in measured.steps if s.train.activation_checkpointing != "none"]
 
 
+def _faster_where(applies):
+    """A FormulaBackend that says configurations where `applies(train)` run 20% faster."""
+    class Faster(FormulaBackend):
+        def evaluate(self, spec):
+            result = super().evaluate(spec)
+            if applies(spec.train) and result.tokens_per_sec:
+                result.tokens_per_sec = Figure(result.tokens_per_sec.value * 1.2, "estimated", "formula")
+            return result
+    return Faster
+
+
 def test_hsdp_is_searched_on_several_nodes_only_and_wins_where_it_is_faster():
     """Shard groups of a node (then 2, 4 nodes) are tried after the graph on several nodes; the
     backend says an HSDP configuration is faster here, and it wins. On one node it is never tried."""
     import dataclasses
 
-    class HybridFaster(FormulaBackend):
-        def evaluate(self, spec):
-            result = super().evaluate(spec)
-            if spec.train.shard_group_size and result.tokens_per_sec:
-                result.tokens_per_sec = Figure(result.tokens_per_sec.value * 1.2, "estimated", "formula")
-            return result
-
+    HybridFaster = _faster_where(lambda train: train.shard_group_size)
     one_node = Controller(request_for(75), HybridFaster()).tune()
     assert not [s for s in one_node.steps if s.train.shard_group_size]
     request = request_for(75)
@@ -230,6 +235,24 @@ def test_hsdp_is_searched_on_several_nodes_only_and_wins_where_it_is_faster():
     assert outcome.winner.train.shard_group_size == 4
     off = dataclasses.replace(request, space=SearchSpace(hsdp=False))
     assert not [s for s in Controller(off, HybridFaster()).tune().steps if s.train.shard_group_size]
+
+
+def test_resharding_to_a_node_is_searched_when_shards_span_nodes():
+    """On several nodes with parameters sharded over all of them, resharding after forward to a
+    node's GPUs is tried after the graph (here the backend says it is faster, and it wins); on
+    one node, or when the shard group is a node already, it is never tried."""
+    import dataclasses
+
+    NodeLocalBackwardFaster = _faster_where(lambda train: train.reshard_group_size)
+    one_node = Controller(request_for(75), NodeLocalBackwardFaster()).tune()
+    assert not [s for s in one_node.steps if s.train.reshard_group_size]
+    request = request_for(75)
+    request = dataclasses.replace(request, cluster=dataclasses.replace(request.cluster, num_nodes=2),
+                                  space=SearchSpace(hsdp=False))
+    outcome = Controller(request, NodeLocalBackwardFaster()).tune()
+    tried = [s.train.reshard_group_size for s in outcome.steps if s.train.reshard_group_size]
+    assert tried == [request.cluster.gpus_per_node]
+    assert outcome.winner.train.reshard_group_size == request.cluster.gpus_per_node
 
 
 # -- beyond the graph: the sampler under --time-budget -------------------------------------------------

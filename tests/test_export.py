@@ -399,6 +399,20 @@ def test_knobs_a_stack_cannot_express_are_warned_about(run_result):
         assert any(w.startswith("activation_checkpointing: approximated") and "op-level" in w for w in warnings), fmt
 
 
+def test_resharding_to_a_group_is_written_where_the_stack_runs_autotunes_parallelize(run_result):
+    """reshard_after_forward=N: the fsdp2 and Lightning exports run autotune's parallelize (which
+    passes it to fully_shard); the other stacks have no such option and warn."""
+    result = llama3_8b(variant(run_result, reshard_group_size=4))
+    for fmt in ("fsdp2", "lightning"):
+        exported = export_result(result, fmt)
+        assert not any(w.startswith("reshard_group_size") for w in exported.warnings), fmt
+    assert "reshard_group_size=4" in export_result(result, "fsdp2").text
+    for fmt in ("accelerate", "hf-trainer", "llama-cookbook", "torchtitan", "fsdp1"):
+        assert any(w.startswith("reshard_group_size: unsupported") for w in export_result(result, fmt).warnings), fmt
+    plain = llama3_8b(variant(run_result))
+    assert not any(w.startswith("reshard_group_size") for w in export_result(plain, "accelerate").warnings)
+
+
 @pytest.mark.parametrize("fmt", ["fsdp1", "lightning-fsdp1"])
 def test_fsdp1_exports_keep_rope_buffers_in_fp32(run_result, tmp_path, fmt):
     """FSDP1 casts buffers with `_cast_buffers_to_dtype_and_device` and the MixedPrecision's buffer_dtype

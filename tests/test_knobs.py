@@ -57,6 +57,8 @@ def test_every_knob_round_trips_through_the_cli_and_best_json(knob, tmp_path, ca
     for part in knob.result_path[:-1]:
         node = node.setdefault(part, {})
     node[knob.result_path[-1]] = value
+    if knob.name == "reshard_group_size":  # a group applies to a configuration that reshards
+        document["fsdp"]["reshard_after_forward"] = True
     best = tmp_path / "best.json"
     best.write_text(json.dumps(document))
     assert main(["trial", "--config", str(best), "--backend", "analytic"]) == EXIT_OK

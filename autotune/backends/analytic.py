@@ -162,8 +162,10 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     inputs = 16 * tokens  # int64 input ids and labels
 
     candidates: list[tuple[str, dict[str, float]]] = []
+    # Resharded to groups of g GPUs after forward: each block keeps 1/g of its gathered parameters.
+    kept_share = 1 / train.reshard_group_size if train.reshard_group_size else 0.0
     if train.reshard_after_forward:
-        kept_blocks, prefetch = 0, block_gathered
+        kept_blocks, prefetch = num_layers * block_gathered * kept_share, block_gathered
     else:
         kept_blocks, prefetch = num_layers * block_gathered, 0.0
     candidates.append(("loss backward", dict(
@@ -176,7 +178,7 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     )))
     for i in reversed(range(num_layers)):
         done = num_layers - 1 - i
-        gathered = block_gathered * (1 if train.reshard_after_forward else i + 1)
+        gathered = block_gathered * (1 + i * kept_share if train.reshard_after_forward else i + 1)
         recompute = per_layer if train.activation_checkpointing.wraps_block(i) else 0.0
         candidates.append((f"backward of block {i}", dict(
             parameters=sharded_params + root_gathered + gathered,
@@ -238,7 +240,8 @@ class AnalyticBackend(TrialBackend):
         try:
             memory = estimate_memory(spec)
             step = costmodel.estimate_step_time(step_work(spec), spec.cluster,
-                                                shard_group_size=spec.train.shard_group_size)
+                                                shard_group_size=spec.train.shard_group_size,
+                                                reshard_group_size=spec.train.reshard_group_size)
         except (KeyError, TypeError, ValueError) as exc:  # a config the closed form cannot read
             return TrialResult(status="error", message=f"analytic estimate failed: {type(exc).__name__}: {exc}",
                                duration_s=time.perf_counter() - started)

@@ -87,6 +87,8 @@ class Tuned:
     vllm_gpu_memory_utilization: float | None = None
     shard_group_size: int = 0
     """HSDP: GPUs per shard group (replicated across groups); 0 = plain FSDP over every GPU."""
+    reshard_group_size: int = 0
+    """Blocks resharded after forward to groups of this many GPUs; 0 = as reshard_after_forward."""
 
     @property
     def gpus_per_node(self) -> int:
@@ -149,6 +151,7 @@ class Tuned:
                 param_dtype=fsdp["param_dtype"], reduce_dtype=fsdp["reduce_dtype"],
                 activation_checkpointing=str(Checkpointing.parse(fsdp["activation_checkpointing"])),
                 shard_group_size=int(values["shard_group_size"]),
+                reshard_group_size=int(values["reshard_group_size"]),
                 cpu_offload=bool(fsdp["cpu_offload"]),
                 reshard_after_forward=bool(fsdp["reshard_after_forward"]),
                 micro_batch_size=int(result["micro_batch_size"]),
@@ -215,6 +218,14 @@ def map_knobs_not_expressed(tuned: Tuned, mapper: Mapper, *, stack: str, express
                         f"{stack} has no op-level selective checkpointing ({tuned.activation_checkpointing} was "
                         f"tuned): every block is checkpointed whole instead (less memory, more recompute)")
             if m.knob == "activation_checkpointing" and m.status == "mapped" else m for m in mapper.mappings]
+    if "reshard_group_size" not in {m.knob for m in mapper.mappings}:
+        if not tuned.reshard_group_size:
+            mapper.mapped("reshard_group_size", "resharded over the whole shard group (or kept gathered), as tuned")
+        else:
+            mapper.unsupported("reshard_group_size",
+                               f"resharding after forward to groups of {tuned.reshard_group_size} GPUs is not "
+                               f"expressible in {stack}: the file reshards over the whole shard group (less memory "
+                               "between forward and backward, backward's all-gather over every shard rank)")
     if "shard_group_size" in {m.knob for m in mapper.mappings}:
         return
     if not tuned.shard_group_size:

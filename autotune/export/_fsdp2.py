@@ -43,6 +43,7 @@ def map_parallelize_knobs(m: Mapper, *, precision_also: str = "") -> None:
     m.mapped("cpu_offload", "CPUOffloadPolicy(pin_memory=True) in parallelize()",
              "applied on GPUs only: pinning host memory needs an accelerator")
     m.mapped("reshard_after_forward", "fully_shard(reshard_after_forward=...) in parallelize()")
+    m.mapped("reshard_group_size", "fully_shard(reshard_after_forward=N) in parallelize() (TUNED.reshard_group_size)")
 
 
 def export_fsdp2(tuned: Tuned) -> Export:
@@ -189,6 +190,12 @@ class TrainConfig:
     micro_batch_size: int
     optimizer_impl: str
     shard_group_size: int
+    reshard_group_size: int = 0
+
+    @property
+    def fsdp_reshard_after_forward(self) -> bool | int:
+        """What fully_shard takes for the blocks: a bool, or the group size to reshard to."""
+        return self.reshard_group_size or self.reshard_after_forward
 
 
 GRAD_ACCUM_STEPS = {t.grad_accum_steps}
@@ -226,7 +233,7 @@ PARAM_DTYPES = {{{dtypes}}}
 TUNED = TrainConfig(precision={t.precision!r}, activation_checkpointing=Checkpointing.parse({t.activation_checkpointing!r}),
                     cpu_offload={t.cpu_offload!r}, reshard_after_forward={t.reshard_after_forward!r},
                     micro_batch_size={t.micro_batch_size!r}, optimizer_impl={t.optimizer_impl!r},
-                    shard_group_size={t.shard_group_size!r})
+                    shard_group_size={t.shard_group_size!r}, reshard_group_size={t.reshard_group_size!r})
 
 '''
 

@@ -321,7 +321,7 @@ class SimBackend(TrialBackend):
                 cpu_offload=spec.train.cpu_offload, precision=spec.train.precision,
                 model_flops_per_gpu=model_flops_per_token(spec.model, spec.seq_len) * tokens_per_gpu_step,
                 peak_tflops=spec.cluster.gpu.peak_tflops if self.device_kind == "cuda" else None,
-                shard_group_size=spec.train.shard_group_size)
+                shard_group_size=spec.train.shard_group_size, reshard_group_size=spec.train.reshard_group_size)
             extras["step_time"] = op_step.to_dict()
             if op_step.mfu is not None:
                 extras["mfu_estimated"] = op_step.mfu
@@ -338,7 +338,8 @@ class SimBackend(TrialBackend):
             num_blocks=spec.model.num_layers, root_params=trace.root_params,
             param_bytes=PARAM_DTYPE_BYTES[spec.train.precision], reshard_after_forward=spec.train.reshard_after_forward,
             cpu_offload=spec.train.cpu_offload, num_microbatches=accum)
-        step = costmodel.estimate_step_time(work, spec.cluster, shard_group_size=spec.train.shard_group_size)
+        step = costmodel.estimate_step_time(work, spec.cluster, shard_group_size=spec.train.shard_group_size,
+                                            reshard_group_size=spec.train.reshard_group_size)
         extras["step_time"] = step.to_dict()
         extras["mfu_estimated"] = step.mfu
         shipped = profile_for(spec.cluster.gpu)

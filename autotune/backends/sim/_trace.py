@@ -434,7 +434,8 @@ class Tracer:
             self._models.pop(next(iter(self._models)))
         with self._fake_mode, _real_mask_decisions():
             model = build_model(model_spec, num_layers=depth)
-            blocks = parallelize(model, mesh, train.with_(cpu_offload=False), allow_offload=False)
+            with _post_forward_meshes_outside_fake_mode():
+                blocks = parallelize(model, mesh, train.with_(cpu_offload=False), allow_offload=False)
             optimizer = make_optimizer(model, impl=train.optimizer_impl)
             _warm_up(model, optimizer, vocab_size=int(model_spec.config_dict["vocab_size"]))
         block_ids = {id(p) for p in blocks.layers.parameters()}
@@ -480,6 +481,28 @@ def _warm_up(model: nn.Module, optimizer: torch.optim.Optimizer, *, vocab_size: 
     exists and FSDP's first-use initialisation (all-gather buffers, lazy init) is done."""
     batches = token_batches(vocab_size=vocab_size, micro_batch_size=1, seq_len=_WARM_UP_TOKENS, device="cpu")
     train_step(model, optimizer, batches, grad_accum_steps=1)
+
+
+@contextmanager
+def _post_forward_meshes_outside_fake_mode():
+    """fully_shard(reshard_after_forward=N) builds the device mesh of N-rank groups from the
+    parent mesh's rank tensor; under FakeTensorMode that tensor would be fake and the mesh cannot
+    read its ranks. Building that mesh (ranks only, no parameter memory) outside the fake mode
+    gives the same FSDP state a real run has."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
+
+    build = _fsdp_init._get_post_forward_mesh_info
+
+    def outside_fake_mode(*args, **kwargs):
+        with unset_fake_temporarily():
+            return build(*args, **kwargs)
+
+    _fully_shard._get_post_forward_mesh_info = outside_fake_mode
+    try:
+        yield
+    finally:
+        _fully_shard._get_post_forward_mesh_info = build
 
 
 @contextmanager
