@@ -425,8 +425,9 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
                             + attention FLOPs / rate + attention kernels x fixed cost
                             + memory-bound bytes / bandwidth + memory-bound ops x fixed cost
     host per micro-batch    = dispatched ops x `host_op_us` (0 where the profile lacks it)
-    compute per micro-batch = device + host on a CPU (the host runs the kernels; the per-kernel
-                              fixed costs are then left out: they are host time, counted once),
+    compute per micro-batch = device + host on a CPU (the host runs the kernels; the matmul and
+                              memory-bound fixed costs are then left out: they are host time,
+                              counted once),
                               max(device, host) on a GPU (the host queues kernels ahead)
     communication per FSDP unit and micro-batch: all-gather of the unit in forward, again in
     backward when resharded (never the root), reduce-scatter of its fp32 gradients; each a
@@ -449,8 +450,10 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
     mb = num_microbatches
 
     host_op_us = p.get("host_op_us")
-    # On a CPU the host runs every op: the per-kernel fixed costs the microbenchmarks fit (a bare
-    # op called from Python) are part of the host time per op a real step measures, not extra.
+    # On a CPU the host runs every op: the fixed cost per matmul and per elementwise op that the
+    # microbenchmarks fit (a bare op called from Python: tens of us) is part of the host time per
+    # op a real step measures, not extra. The attention kernel's fixed cost stays: on a CPU it is
+    # milliseconds of real work per call (the causal mask of the math kernel), not dispatch.
     fixed = 0.0 if host_op_us is not None and p.device == "cpu" else 1.0
 
     def kernels(kind: str, flops: float, count: float) -> float:
@@ -461,7 +464,8 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
         if at_shape is not None and any(key.startswith(name + "@") for key in p.figures):
             return flops / (at_shape * 1e12)
         rate = p.get(name) or p[f"{kind}_tflops"]
-        return flops / (rate * 1e12) + fixed * count * p[f"{kind}_op_us"] * 1e-6
+        per_kernel = p[f"{kind}_op_us"] * (1.0 if kind == "attention" else fixed)
+        return flops / (rate * 1e12) + count * per_kernel * 1e-6
 
     matmul_s = mb * kernels("matmul", ops.matmul_flops, ops.matmul_ops)
     attention_s = mb * kernels("attention", ops.attention_flops, ops.attention_ops)

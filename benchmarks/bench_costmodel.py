@@ -84,13 +84,13 @@ def measure_cpu(specs: list[TrialSpec], *, repeats: int = 1, seed: int = 0) -> l
 def estimate_sim(specs: list[TrialSpec], profile) -> list[float]:
     from autotune.backends.sim import SimBackend
 
-    backend = SimBackend(device_kind="cpu", hardware=profile)
     out = []
-    for spec in specs:
-        result = backend.evaluate(spec)
-        if result.tokens_per_sec is None:
-            raise RuntimeError(f"no estimate for {spec.train}: {result.message}")
-        out.append(result.tokens_per_sec.value)
+    with SimBackend(device_kind="cpu", hardware=profile) as backend:  # releases its fake process group
+        for spec in specs:
+            result = backend.evaluate(spec)
+            if result.tokens_per_sec is None:
+                raise RuntimeError(f"no estimate for {spec.train}: {result.message}")
+            out.append(result.tokens_per_sec.value)
     return out
 
 

@@ -297,7 +297,8 @@ def test_calibrated_host_time_per_op_matches_a_real_step_and_the_trace_count():
     finally:
         dist.destroy_process_group()
     spec = TrialSpec(model=model, cluster=Cluster(num_gpus=1), seq_len=8, train=TrainConfig(micro_batch_size=1))
-    result = SimBackend(device_kind="cpu", extrapolate=False, screen=False).evaluate(spec)
+    with SimBackend(device_kind="cpu", extrapolate=False, screen=False) as backend:  # releases its fake group
+        result = backend.evaluate(spec)
     traced = result.extras["op_work"]["dispatched_ops"]
     wall = sorted(walls)[len(walls) // 2]
     print(f"ops: calibrate {host['ops']}, trace {traced:.0f}; host at 0 tokens {host['host_s_at_zero'] * 1e3:.1f} ms, "
