@@ -12,6 +12,8 @@ Everything here is *measured* on the machine it runs on, in about a minute:
 * all-gather and reduce-scatter at the model's FSDP unit sizes across the local ranks (gloo on
   CPU with 2 ranks, NCCL across every local GPU): time = latency + bytes (n-1)/n / bandwidth;
 * the AdamW step (autotune's own `make_optimizer`) over one rank's shard of the model;
+* the host time per dispatched op (`host_op_us`) of a real FSDP2 forward + backward of a 2-block
+  copy of the model at a few tokens, over the ops it dispatches (bench_host_overhead);
 * cuda only: pinned host<->device copies, and issue 12's runtime memory terms: the CUDA context
   (mem_get_info around initialisation), cuBLAS workspace, NCCL memory after the first all-gather
   and reduce-scatter at the local world size, and reserved vs allocated over a short FSDP2 step.
@@ -268,6 +270,86 @@ def short_fsdp_steps(model, *, device, mesh, seq_len: int, steps: int = 2) -> No
         train_step(net, optimizer, batches, grad_accum_steps=1)
 
 
+HOST_TOKEN_COUNTS = (8, 32)
+"""Tokens of the tiny micro-batches the host overhead is timed at (one sequence each): device
+work is negligible there on a GPU, and small enough on a CPU to extrapolate away."""
+
+
+def count_dispatched_ops(fn) -> int:
+    """Ops `fn` dispatches, counted by a TorchDispatchMode around a real call with the filter the
+    simulator's trace counts `dispatched_ops` with (ops that return tensors or mutate in place,
+    not metadata queries): an independent count of the same quantity."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autotune.backends.sim._trace import _is_step_op
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += _is_step_op(func)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.ops
+
+
+def bench_host_overhead(model, *, device, mesh, token_counts=HOST_TOKEN_COUNTS, repeats: int = 7) -> dict[str, Any]:
+    """Host time per dispatched op of a real FSDP2 forward + backward: a 2-block copy of the model
+    wrapped as trials wrap it (autotune.parallel.parallelize), at micro-batches of a few tokens.
+
+    The host time of a micro-batch is timed from its start to the return of backward() (on a GPU
+    before synchronising: the time the host takes to issue it, Python + dispatcher + autograd +
+    FSDP2 hooks + kernel launches). It is extrapolated linearly to zero tokens from the two token
+    counts (on a CPU the host also runs the kernels), and divided by the ops dispatched, counted
+    independently by a dispatch mode around the same forward + backward."""
+    import torch
+
+    from autotune.config import TrainConfig
+    from autotune.parallel import parallelize
+    from autotune.training import build_model
+
+    with torch.device(device):
+        net = build_model(model, num_layers=2)
+    parallelize(net, mesh, TrainConfig(micro_batch_size=1))
+    vocab = int(model.config_dict["vocab_size"])
+    batches = {t: torch.randint(0, vocab, (1, t), device=device) for t in token_counts}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+
+    def fwd_bwd(ids):
+        net(input_ids=ids, labels=ids).loss.backward()
+
+    def host_seconds(ids) -> tuple[float, float]:
+        sync()
+        start = time.perf_counter()
+        fwd_bwd(ids)
+        host = time.perf_counter() - start
+        sync()
+        wall = time.perf_counter() - start
+        net.zero_grad(set_to_none=True)
+        return host, wall
+
+    for ids in batches.values():  # warm-up: allocator, kernels, FSDP lazy init
+        host_seconds(ids)
+        host_seconds(ids)
+    ops = {t: count_dispatched_ops(lambda: fwd_bwd(ids)) for t, ids in batches.items()}
+    net.zero_grad(set_to_none=True)
+    samples: dict[int, list[float]] = {t: [] for t in token_counts}
+    walls: dict[int, list[float]] = {t: [] for t in token_counts}
+    for _ in range(repeats):  # interleaved: the machine's load drifts less within a round
+        for t, ids in batches.items():
+            host, wall = host_seconds(ids)
+            samples[t].append(host)
+            walls[t].append(wall)
+    (t1, t2) = token_counts[0], token_counts[-1]
+    h1, h2 = statistics.median(samples[t1]), statistics.median(samples[t2])
+    at_zero = max(h1 - (h2 - h1) / (t2 - t1) * t1, 0.0) if t2 != t1 else h1
+    return dict(ops=ops[t1], ops_by_tokens=ops, host_s_by_tokens={t: statistics.median(v) for t, v in samples.items()},
+                wall_s_by_tokens={t: statistics.median(v) for t, v in walls.items()}, host_s_at_zero=at_zero,
+                repeats=repeats, blocks=2)
+
+
 def short_fsdp_step_memory(model, *, device, mesh, seq_len: int) -> dict[str, int]:
     """Reserved vs allocated over two short FSDP2 steps of a 2-block copy of the model (cuda)."""
     import torch
@@ -332,12 +414,14 @@ def _worker(rank: int, world_size: int, port: int, job: dict[str, Any], out_path
         result["adamw_cpu"] = bench_adamw(model, device=torch.device("cpu"), world_size=world_size, impl="foreach")
     if world_size > 1:
         result["collectives"] = bench_collectives(job["unit_bytes"], device=device, world_size=world_size)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world_size,))
     if cuda:
         result["host_copies"] = bench_host_copies(device=device)
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cuda", (world_size,))
         result["fsdp_step"] = short_fsdp_step_memory(model, device=device, mesh=mesh, seq_len=job["seq_len"])
+    # After the memory step: its peak counters must not see this benchmark's cached blocks.
+    result["host_overhead"] = bench_host_overhead(model, device=device, mesh=mesh)
     dist.barrier()
     if rank == 0:
         Path(out_path).write_text(json.dumps(result))
@@ -388,6 +472,43 @@ def measure(*, backend: str = "cpu", model_name: str = "tiny-llama", world_size:
     raw["job"] = job
     raw["duration_s"] = time.perf_counter() - start
     return raw
+
+
+def host_op_figure(raw: dict[str, Any], *, on: str) -> HardwareFigure:
+    """`host_op_us` from bench_host_overhead: the host seconds of a tiny real forward + backward,
+    at zero tokens, per dispatched op. On a CPU (gloo) the collectives of the 2-block copy run on
+    the same thread and the cost model charges them separately, so their time (from this
+    calibration's own all-gather / reduce-scatter fits) is taken out first; on a GPU they run on
+    the device and only their launch is host time."""
+    from autotune.catalog.models import resolve_model
+    from autotune.costmodel import collective_seconds
+
+    h = raw["host_overhead"]
+    host_s = h["host_s_at_zero"]
+    comm_s = 0.0
+    coll = raw.get("collectives")
+    if coll and raw["job"]["backend"] == "cpu":
+        model = resolve_model(raw["job"]["model"])
+        world = raw["world_size"]
+        ag, rs = coll["all_gather"], coll["reduce_scatter"]
+
+        def one(fit, nbytes):
+            return collective_seconds(nbytes, ranks=world, gbps=fit["bus_bytes_per_s"] / 1e9,
+                                      latency_us=fit["latency_s"] * 1e6)
+
+        block, root = model.block_parameters, model.root_parameters
+        # 2 blocks gathered in forward and again in backward (resharded), the root once; fp32
+        # gradients reduce-scattered per unit.
+        comm_s = h["blocks"] * (2 * one(ag, block * 2) + one(rs, block * 4)) + one(ag, root * 2) + one(rs, root * 4)
+    per_op = max(host_s - comm_s, 0.0) / h["ops"]
+    times = ", ".join(f"{t} tokens {s * 1e3:.1f} ms" for t, s in sorted(h["host_s_by_tokens"].items(), key=lambda kv: int(kv[0])))
+    return HardwareFigure(
+        per_op * 1e6, "measured",
+        f"host time of a real FSDP2 forward+backward of a 2-block {raw['job']['model']} wrapped as trials wrap it "
+        f"({times}, medians of {h['repeats']}; to the return of backward(), before any device sync), extrapolated to "
+        f"0 tokens: {host_s * 1e3:.2f} ms" + (f", less {comm_s * 1e3:.2f} ms of gloo collectives (this "
+                                             f"calibration's fits)" if comm_s else "") +
+        f", over {h['ops']} dispatched ops (counted by a dispatch mode around the same step), on {on}")
 
 
 def profile_from_measurements(raw: dict[str, Any], *, name: str | None = None) -> HardwareProfile:
@@ -449,6 +570,8 @@ def profile_from_measurements(raw: dict[str, Any], *, name: str | None = None) -
             f"forward+backward of a 2-block bf16 {raw['job']['model']} in {t['plain_s'] * 1e3:.1f} ms without, "
             f"{t['tracked_s'] * 1e3:.1f} ms with it (median of {t.get('pairs', 5)} interleaved pairs), {t['ops']} ops, "
             f"on {on}")
+    if raw.get("host_overhead"):
+        f["host_op_us"] = host_op_figure(raw, on=on)
     adam = raw["adamw"]
     per_s = adam["params_per_s"]
     if backend == "cpu":

@@ -378,6 +378,13 @@ class OpStepTime:
     matmul_s: float
     attention_s: float
     memory_s: float
+    host_s: float = 0.0
+    """Host time of the dispatched ops (`host_op_us`), 0 without the figure: added to the device
+    time on a CPU, overlapping it on a GPU (compute is the longer of the two)."""
+    host_bound: bool = False
+    """GPU: the host's time exceeds the device's (launch-bound)."""
+    compute_s: float = 0.0
+    """The micro-batches' time: device + host on a CPU, the longer of the two on a GPU."""
     comm_s: float
     exposed_comm_s: float
     offload_s: float
@@ -387,11 +394,11 @@ class OpStepTime:
     basis: str
 
     @property
-    def compute_s(self) -> float:
+    def device_s(self) -> float:
         return self.matmul_s + self.attention_s + self.memory_s
 
     def to_dict(self) -> dict:
-        return {**{k: getattr(self, k) for k in self.__dataclass_fields__}, "compute_s": self.compute_s}
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
 def rate_at(profile, name: str, tokens: float) -> float | None:
@@ -429,9 +436,14 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
                           shard_group_size: int = 0, reshard_group_size: int = 0) -> OpStepTime:
     """Step time of one rank from the traced ops on a hardware profile (autotune/hardware.py).
 
-    compute per micro-batch = matmul FLOPs / rate + matmuls x fixed cost
+    device per micro-batch  = matmul FLOPs / rate + matmuls x fixed cost
                             + attention FLOPs / rate + attention kernels x fixed cost
                             + memory-bound bytes / bandwidth + memory-bound ops x fixed cost
+    host per micro-batch    = dispatched ops x `host_op_us` (0 where the profile lacks it)
+    compute per micro-batch = device + host on a CPU (the host runs the kernels; the matmul and
+                              memory-bound fixed costs are then left out: they are host time,
+                              counted once),
+                              max(device, host) on a GPU (the host queues kernels ahead)
     communication per FSDP unit and micro-batch: all-gather of the unit in forward, again in
     backward when resharded (never the root), reduce-scatter of its fp32 gradients; each a
     latency plus bytes over the bus bandwidth (inter-node figures when the job spans nodes).
@@ -452,6 +464,13 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
     tokens_per_microbatch = tokens_per_step / (n * num_microbatches)
     mb = num_microbatches
 
+    host_op_us = p.get("host_op_us")
+    # On a CPU the host runs every op: the fixed cost per matmul and per elementwise op that the
+    # microbenchmarks fit (a bare op called from Python: tens of us) is part of the host time per
+    # op a real step measures, not extra. The attention kernel's fixed cost stays: on a CPU it is
+    # milliseconds of real work per call (the causal mask of the math kernel), not dispatch.
+    fixed = 0.0 if host_op_us is not None and p.device == "cpu" else 1.0
+
     def kernels(kind: str, flops: float, count: float) -> float:
         # A rate measured at this many tokens (calibrate's `name@T` table) already includes the
         # kernels' fixed cost at the model's shapes; the plain figure needs it added per kernel.
@@ -460,15 +479,28 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
         if at_shape is not None and any(key.startswith(name + "@") for key in p.figures):
             return flops / (at_shape * 1e12)
         rate = p.get(name) or p[f"{kind}_tflops"]
-        return flops / (rate * 1e12) + count * p[f"{kind}_op_us"] * 1e-6
+        per_kernel = p[f"{kind}_op_us"] * (1.0 if kind == "attention" else fixed)
+        return flops / (rate * 1e12) + count * per_kernel * 1e-6
 
     matmul_s = mb * kernels("matmul", ops.matmul_flops, ops.matmul_ops)
     attention_s = mb * kernels("attention", ops.attention_flops, ops.attention_ops)
-    memory_s = mb * (ops.memory_bytes / (p["memory_gbps"] * 1e9) + ops.memory_ops * p["memory_op_us"] * 1e-6)
+    memory_s = mb * (ops.memory_bytes / (p["memory_gbps"] * 1e9) + fixed * ops.memory_ops * p["memory_op_us"] * 1e-6)
     # A cpu profile's `tracked_op_us`: the cpu backend's tensor-memory tracker (the CPU's "device",
     # autotune/backends/real/_capacity.py) runs Python on every dispatched op of a real cpu trial.
     memory_s += mb * ops.dispatched_ops * (p.get("tracked_op_us") or 0.0) * 1e-6
-    compute_s = matmul_s + attention_s + memory_s
+    device_s = matmul_s + attention_s + memory_s
+    # Host time: Python, dispatcher, autograd, FSDP2 hooks and the launch of every dispatched op.
+    # On a CPU the host runs the kernels itself: the two add. On a GPU the host queues kernels
+    # ahead of the device: FSDP2 never blocks the host inside forward and backward (its memory
+    # management uses stream events, not CPU syncs), so within a micro-batch the queue decouples
+    # the two and the micro-batch takes the longer of the device's and the host's time. Every
+    # block repeats the same ops, so the host-to-device ratio is about the same all through the
+    # micro-batch, and the max of the sums is close to the event-by-event schedule.
+    host_s = mb * ops.dispatched_ops * (host_op_us or 0.0) * 1e-6
+    if p.device == "cpu":
+        compute_s = device_s + host_s
+    else:
+        compute_s = max(device_s, host_s)
 
     group = shard_group_size if 0 < shard_group_size < n else n
     replicas = n // group
@@ -528,6 +560,7 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
     if model_flops_per_gpu is not None and peak_tflops and seconds > 0:
         mfu = model_flops_per_gpu / (seconds * peak_tflops * 1e12)
     return OpStepTime(seconds=seconds, matmul_s=matmul_s, attention_s=attention_s, memory_s=memory_s,
+                      host_s=host_s, host_bound=p.device != "cpu" and host_s > device_s, compute_s=compute_s,
                       comm_s=comm_s, exposed_comm_s=exposed_comm_s, offload_s=offload_s, optimizer_s=optimizer_s,
                       tokens_per_sec=tokens_per_step / seconds if seconds > 0 else 0.0, mfu=mfu,
                       basis=f"estimated: per-operation cost model on {profile.describe()}"

@@ -34,6 +34,11 @@ Figures (all per GPU, or per CPU rank for a cpu profile):
     cpu_adam_params_per_s  fp32 AdamW parameters a node's CPUs step per second (CPU offload, or
                            the whole optimizer step of a cpu run, per rank)
     optimizer_gbps         bandwidth of the on-device AdamW step (28 bytes per parameter)
+    host_op_us             host time per dispatched op of a real FSDP2 forward+backward (Python,
+                           dispatcher, autograd, FSDP2 hooks, kernel launch): on a GPU the host
+                           issues kernels ahead of the device, so a micro-batch takes the longer
+                           of its device time and its host time; on a CPU the two add. Absent in
+                           profiles made before it existed: then no host term (the old model)
     tracked_op_us          (cpu, calibrated) what the cpu backend's tensor-memory tracker adds to
                            every dispatched op of a real cpu trial
     cuda_context_bytes, nccl_communicator_bytes, cublas_workspace_bytes (cuda, calibrated only):
@@ -60,7 +65,7 @@ FIGURE_UNITS = {
     "inter_node_gbps": "GB/s", "inter_node_latency_us": "us", "comm_overlap": "fraction",
     "host_link_gbps": "GB/s", "cpu_adam_params_per_s": "params/s", "optimizer_gbps": "GB/s",
     "cuda_context_bytes": "bytes", "nccl_communicator_bytes": "bytes", "cublas_workspace_bytes": "bytes",
-    "reserved_over_allocated": "ratio", "tracked_op_us": "us",
+    "reserved_over_allocated": "ratio", "tracked_op_us": "us", "host_op_us": "us",
 }
 REQUIRED = ("matmul_tflops", "matmul_op_us", "attention_tflops", "attention_op_us", "memory_gbps", "memory_op_us",
             "intra_node_gbps", "intra_node_latency_us", "inter_node_gbps", "inter_node_latency_us", "comm_overlap",
@@ -170,6 +175,15 @@ UNPUBLISHED_MATMUL_FRACTION = 0.50
 INTRA_NODE_BUS_FRACTION = 0.80
 INTER_NODE_BUS_FRACTION = 0.90
 _PCIE_GBPS = {"h100-80gb": 50.0, "h200-141gb": 50.0}
+SHIPPED_HOST_OP_US = 10.0
+SHIPPED_HOST_OP_BASIS = (
+    "not measured: a published order of magnitude, not a data-sheet figure. Eager PyTorch spends ~5-25 us of "
+    "CPU time per op before its kernel runs (Python ~1, pybind ~1, autograd ~1-3, dispatcher ~1-2, backend "
+    "~1-5, cudaLaunchKernel ~1-3 us: J. Lin, 'From PyTorch op to kernel launch', "
+    "jiahuanglin.xyz/all_lessons/gpu_kernel_serving/18_pytorch_to_kernel.html); 10 us, the lower part of that "
+    "range, because the trace's dispatched ops include views and other ops that launch no kernel. Chosen before "
+    "comparing with any measured step; `autotune calibrate --backend cuda` measures it on the machine")
+"""The shipped profiles' host time per dispatched op (see `host_op_us` above)."""
 
 
 def _family(gpu: GPUSpec) -> str | None:
@@ -215,6 +229,7 @@ def shipped_profile(gpu: GPUSpec) -> HardwareProfile:
                                                 "torch.optim.AdamW rate (~28 bytes per parameter): unvalidated"),
         "optimizer_gbps": HardwareFigure(gpu.hbm_gbps * 0.5, "data sheet", "50% of memory bandwidth for the "
                                          "multi-tensor AdamW: unvalidated"),
+        "host_op_us": HardwareFigure(SHIPPED_HOST_OP_US, "data sheet", SHIPPED_HOST_OP_BASIS),
     }
     return HardwareProfile(name=gpu.name, device="cuda", gpu=gpu.name, figures=figures)
 

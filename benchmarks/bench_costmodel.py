@@ -1,6 +1,6 @@
 """Validation of the step-time model that can fail: estimates against measurements it was not fitted to.
 
-    python benchmarks/bench_costmodel.py [--grid] [--published] [--repeats 1] [--json OUT]
+    python benchmarks/bench_costmodel.py [--grid] [--published] [--gpu-recorded] [--repeats 1] [--json OUT]
 
 1. CPU grid (`--grid`): `autotune calibrate --backend cpu` measures this machine (a calibrated
    profile), then 24 configurations of tiny-llama on 2 gloo ranks (micro-batch 1/2/4/8 x
@@ -13,6 +13,10 @@
    efficiency) are refitted on the *other* rows and the held-out row is predicted. A row whose
    GPU family has no other row falls back to the data-sheet default efficiency. Targets: median
    |error| <= 10%, worst <= 25%, same-model same-hardware rows in the published order.
+3. Recorded GPU trials (`--gpu-recorded`): the tokens/s real cuda trials measured on an H100
+   (benchmarks/gpu_check.py reports in benchmarks/results) against the estimate on the H100
+   profiles calibrated there, without and with the host time per dispatched op (`host_op_us`:
+   the shipped default, or `--host-op-from PROFILE`). Median |error| and Kendall tau per model.
 
 Every figure printed says whether it is measured or estimated.
 """
@@ -80,13 +84,13 @@ def measure_cpu(specs: list[TrialSpec], *, repeats: int = 1, seed: int = 0) -> l
 def estimate_sim(specs: list[TrialSpec], profile) -> list[float]:
     from autotune.backends.sim import SimBackend
 
-    backend = SimBackend(device_kind="cpu", hardware=profile)
     out = []
-    for spec in specs:
-        result = backend.evaluate(spec)
-        if result.tokens_per_sec is None:
-            raise RuntimeError(f"no estimate for {spec.train}: {result.message}")
-        out.append(result.tokens_per_sec.value)
+    with SimBackend(device_kind="cpu", hardware=profile) as backend:  # releases its fake process group
+        for spec in specs:
+            result = backend.evaluate(spec)
+            if result.tokens_per_sec is None:
+                raise RuntimeError(f"no estimate for {spec.train}: {result.message}")
+            out.append(result.tokens_per_sec.value)
     return out
 
 
@@ -135,6 +139,9 @@ def run_grid(args) -> dict:
     else:
         estimated = estimate_sim(specs, profile)
         measured = measure_cpu(specs, repeats=args.repeats)
+    # The same profile and trials without the host time per dispatched op (the model before
+    # host_op_us existed): the before/after comparison in the same conditions.
+    without_host = estimate_sim(specs, with_host_op(profile, None)) if "host_op_us" in profile.figures else None
     scores = grid_scores(estimated, measured)
     print(f"\n## CPU grid: {GRID_MODEL}, seq {GRID_SEQ}, 2 gloo ranks, bf16 ({len(specs)} configurations, "
           f"{time.perf_counter() - start:.0f} s)")
@@ -149,8 +156,17 @@ def run_grid(args) -> dict:
           f"Kendall tau {scores['kendall_tau']:.2f} (target >= 0.8); the estimate's pick "
           f"(mb {pick.micro_batch_size}, {pick.activation_checkpointing}, reshard {pick.reshard_after_forward}) "
           f"measured {scores['pick_shortfall']:.1%} below the measured best (target <= 5%)")
-    return dict(profile=profile.to_dict(), estimated=estimated, measured=measured,
-                **{k: v for k, v in scores.items() if k != "errors"})
+    out = dict(profile=profile.to_dict(), estimated=estimated, measured=measured,
+               **{k: v for k, v in scores.items() if k != "errors"})
+    if without_host is not None:
+        before = grid_scores(without_host, measured)
+        print(f"without host_op_us ({profile['host_op_us']:.1f} us per dispatched op, measured), the same trials: "
+              f"median |error| {before['median_abs_error']:.1%}, worst {before['worst_abs_error']:.1%}; Kendall tau "
+              f"{before['kendall_tau']:.2f}; pick {before['pick_shortfall']:.1%} below the measured best; "
+              f"errors from {min(before['errors']):+.0%} to {max(before['errors']):+.0%} (with it: "
+              f"{min(scores['errors']):+.0%} to {max(scores['errors']):+.0%})")
+        out["without_host_op"] = dict(estimated=without_host, **{k: v for k, v in before.items() if k != "errors"})
+    return out
 
 
 def _family(gpu: str) -> str:
@@ -225,23 +241,113 @@ def run_published() -> dict:
     return dict(median_abs_error=med, worst_abs_error=worst, errors=errors, same_model_pairs=pairs, order_ok=order_ok)
 
 
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+GPU_RECORDED = [  # (model, seq, real cuda trials' report, calibrated profile of that model or the nearest)
+    ("qwen2.5-0.5b", 1024, "gpu_check_h100_seq1024_expandable.json", "h100_calibrated_qwen2.5-0.5b.json"),
+    ("qwen2.5-0.5b", 2048, "gpu_check_h100_seq2048_expandable.json", "h100_calibrated_qwen2.5-0.5b.json"),
+    ("llama3.2-1b", 1024, "gpu_check_h100_llama3.2-1b_seq1024_expandable.json", "h100_calibrated_llama3.2-1b.json"),
+    ("llama3.2-1b", 2048, "gpu_check_h100_llama3.2-1b_seq2048_expandable.json", "h100_calibrated_llama3.2-1b.json"),
+    ("qwen2.5-1.5b", 2048, "gpu_check_h100_qwen2.5-1.5b_seq2048_expandable.json", "h100_calibrated_qwen2.5-0.5b.json"),
+]
+
+
+def with_host_op(profile, figure):
+    """`profile` with `host_op_us` set to `figure` (a HardwareFigure), or removed where None."""
+    from dataclasses import replace
+
+    figures = {k: v for k, v in profile.figures.items() if k != "host_op_us"}
+    if figure is not None:
+        figures["host_op_us"] = figure
+    return replace(profile, figures=figures)
+
+
+def run_gpu_recorded(args) -> dict:
+    """Estimates against the tokens/s real cuda trials measured on an H100 (benchmarks/gpu_check.py
+    reports in benchmarks/results), on the calibrated H100 profiles: without the host term
+    (`host_op_us` absent, as those profiles were written) and with it. No GPU needed: the
+    simulator traces, the measurements are the recorded ones."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gpu_check as gc
+
+    from autotune import hardware
+    from autotune.backends.sim import SimBackend
+    from autotune.catalog.models import resolve_model
+
+    host = (hardware.load_profile(args.host_op_from).figures["host_op_us"] if args.host_op_from else
+            hardware.shipped_profile(hardware.GPUS["h100-80gb"]).figures["host_op_us"])
+    print(f"\n## Recorded H100 trials (measured) vs estimates on the calibrated H100 profiles\n"
+          f"after: host_op_us {host.value:.1f} us ({host.source}: {host.basis[:90]}...)")
+    print("| model | seq | configuration | measured tok/s | estimated before | error | estimated after | error | "
+          "host-bound (after) | measured step / traced ops, us |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    cases = dict(gc.CASES)
+    for model_name, seq, report, profile_file in GPU_RECORDED:
+        with open(os.path.join(RESULTS, report)) as fh:
+            recorded = json.load(fh)
+        model = resolve_model(model_name)
+        profile = hardware.load_profile(os.path.join(RESULTS, profile_file))
+        before_backend = SimBackend(device_kind="cuda", hardware=with_host_op(profile, None))
+        after_backend = SimBackend(device_kind="cuda", hardware=with_host_op(profile, host))
+        for row in recorded["rows"]:
+            if row["measured_status"] != "ok" or not row.get("measured_tokens_per_sec"):
+                continue
+            spec = gc.spec_for(model, world=row.get("world", 1), device="cuda", seq_len=seq, **cases[row["label"]])
+            before = before_backend.evaluate(spec)
+            after = after_backend.evaluate(spec)
+            measured = row["measured_tokens_per_sec"]
+            b, a = before.tokens_per_sec.value, after.tokens_per_sec.value
+            bound = after.extras["step_time"].get("host_bound")
+            # The most host time per op the measurement allows: the measured step (less the
+            # optimizer) as if it were all host time, over the traced dispatched ops.
+            ops = (after.extras.get("op_work") or {}).get("dispatched_ops", 0) * spec.grad_accum_steps
+            step_s = spec.train.micro_batch_size * seq * spec.grad_accum_steps * spec.cluster.num_gpus / measured
+            ceiling = (step_s - after.extras["step_time"]["optimizer_s"]) / ops * 1e6 if ops else None
+            rows.append(dict(model=model_name, seq=seq, label=row["label"], measured=measured, before=b, after=a,
+                             host_bound=bound, profile=profile_file, dispatched_ops_per_step=ops,
+                             host_us_per_op_ceiling=ceiling))
+            print(f"| {model_name} | {seq} | {row['label']} | {measured:,.0f} | {b:,.0f} | {b / measured - 1:+.0%} | "
+                  f"{a:,.0f} | {a / measured - 1:+.0%} | {'yes' if bound else 'no'} | "
+                  f"{ceiling or 0:.1f} |", flush=True)
+    summary = {}
+    print("\n| model | rows | median abs error before | after | Kendall tau before | after |")
+    print("|---|---|---|---|---|---|")
+    for model_name in [None] + sorted({r["model"] for r in rows}):
+        sel = [r for r in rows if model_name is None or r["model"] == model_name]
+        m = [r["measured"] for r in sel]
+        scores = {w: grid_scores([r[w] for r in sel], m) for w in ("before", "after")}
+        summary[model_name or "all"] = {w: {k: v for k, v in sc.items() if k != "errors"} for w, sc in scores.items()}
+        print(f"| {model_name or 'all'} | {len(sel)} | {scores['before']['median_abs_error']:.0%} | "
+              f"{scores['after']['median_abs_error']:.0%} | {scores['before']['kendall_tau']:.2f} | "
+              f"{scores['after']['kendall_tau']:.2f} |")
+    return dict(rows=rows, summary=summary, host_op_us=host.to_dict("host_op_us"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", action="store_true", help="the CPU grid (about 4 minutes)")
     parser.add_argument("--published", action="store_true", help="leave-one-out over the published runs")
+    parser.add_argument("--gpu-recorded", action="store_true",
+                        help="estimates against the recorded real H100 trials in benchmarks/results (no GPU needed, "
+                             "about 5 minutes)")
+    parser.add_argument("--host-op-from", metavar="PROFILE",
+                        help="--gpu-recorded: take host_op_us from this profile (a GPU calibration made with it) "
+                             "instead of the shipped default")
     parser.add_argument("--repeats", type=int, default=1, help="measured passes over the grid (median)")
     parser.add_argument("--bracket", action="store_true",
                         help="calibrate before and after the trials, estimate on the geometric mean")
     parser.add_argument("--profile-out", help="also keep the calibrated CPU profile here")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
-    if not (args.grid or args.published):
+    if not (args.grid or args.published or args.gpu_recorded):
         args.grid = args.published = True
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.node()}; torch "
           f"{__import__('torch').__version__}; python {sys.version.split()[0]}")
     report = {}
     if args.published:
         report["published"] = run_published()
+    if args.gpu_recorded:
+        report["gpu_recorded"] = run_gpu_recorded(args)
     if args.grid:
         report["grid"] = run_grid(args)
     if args.json:
