@@ -367,11 +367,13 @@ def _make_backend(name: str, args: argparse.Namespace):
     if name in ("cpu", "cuda"):
         return get_backend(name, timeout_s=args.timeout, nnodes=args.nodes or 1, rdzv_endpoint=args.rdzv_endpoint,
                            shared_dir=args.shared_dir)
-    if name == "sim" and getattr(args, "hardware", None):
-        from autotune.hardware import load_profile
+    if name == "sim":  # the two shallow depths of each configuration traced on two cores
+        if getattr(args, "hardware", None):
+            from autotune.hardware import load_profile
 
-        profile = load_profile(args.hardware)  # a cpu profile: the sim predicts a cpu backend run here
-        return get_backend(name, hardware=profile, device_kind=profile.device)
+            profile = load_profile(args.hardware)  # a cpu profile: the sim predicts a cpu backend run here
+            return get_backend(name, hardware=profile, device_kind=profile.device, parallel=True)
+        return get_backend(name, parallel=True)
     return get_backend(name)
 
 
