@@ -89,7 +89,9 @@ def extrapolation(quick: bool) -> None:
     print("| model | layers | seq | ac | mb | traced blocks | full depth GiB | extrapolated GiB | error | "
           "bytes off | sim s (wall) | full s (wall) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    shallow, whole = SimBackend(device_kind="cuda"), SimBackend(device_kind="cuda", extrapolate=False)
+    # Not screened: a case far over an H100's memory (llama-7b at mb 4) is still traced and compared.
+    shallow = SimBackend(device_kind="cuda", screen=False)
+    whole = SimBackend(device_kind="cuda", extrapolate=False, screen=False)
     errors = []
     for name, ac, mb in EXTRAPOLATION_CASES:
         if quick and name != "llama-7b":

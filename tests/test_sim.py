@@ -251,3 +251,23 @@ def test_a_trace_that_fails_in_the_helper_fails_as_in_the_parent(monkeypatch):
         assert sim._helper is None
     finally:
         sim.close()
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["reshard-then-not", "not-then-reshard"])
+def test_a_model_built_for_one_reshard_mode_predicts_the_other_as_a_fresh_build(first):
+    # Resharding after forward is switched on the built model instead of building (and warming
+    # up) another: the prediction must be the one a model built for that mode gives.
+    deep = _deeper("micro-llama", 8)
+    before = _spec(deep, accum=2, micro_batch_size=2, activation_checkpointing="every:2", reshard_after_forward=first)
+    after = before.with_train(before.train.with_(reshard_after_forward=not first))
+    fresh = SimBackend(device_kind="cpu", screen=False)
+    expected = _prediction(fresh.evaluate(after))
+    fresh.close()
+    reused = SimBackend(device_kind="cpu", screen=False)
+    try:
+        other = _prediction(reused.evaluate(before))
+        assert _prediction(reused.evaluate(after)) == expected
+        assert len(reused._tracer._models) == 2  # one build per shallow depth, not two
+    finally:
+        reused.close()
+    assert other["extras"]["tensor_peak_bytes"] != expected["extras"]["tensor_peak_bytes"]  # the switch matters
