@@ -31,7 +31,8 @@ def can_help() -> bool:
     if setting == "off" or not hasattr(os, "fork"):
         return False
     cores = len(os.sched_getaffinity(0))
-    return cores >= 2 and (setting == "on" or os.getloadavg()[0] <= cores - 1)
+    # At least half a core free over the last minute (this plan's own start counts in it).
+    return cores >= 2 and (setting == "on" or os.getloadavg()[0] < cores - 0.5)
 
 
 class TraceHelper:
