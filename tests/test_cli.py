@@ -410,9 +410,10 @@ def test_sigterm_keeps_finished_trials_and_leaves_no_process(tmp_path):
     assert _still_running(children) == []
 
 
-def _terminate_once_children_run(argv: list[str], *, ready=lambda: True, env: dict | None = None):
-    """Start the CLI, wait until `ready()` and it has child processes, send it SIGTERM: (exit
-    code, stderr, the children's pids)."""
+def _terminate_once_children_run(argv: list[str], *, ready=lambda: True, env: dict | None = None,
+                                 signum: int | None = None):
+    """Start the CLI, wait until `ready()` and it has child processes, send it `signum` (SIGTERM):
+    (exit code, stderr, the children's pids)."""
     import signal
     import time
 
@@ -430,7 +431,7 @@ def _terminate_once_children_run(argv: list[str], *, ready=lambda: True, env: di
                     break
             time.sleep(0.2)
         assert children, "no child process ran"
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum or signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -551,11 +552,15 @@ def test_a_sim_plan_stops_its_helper_process(tmp_path, capsys, monkeypatch):
     assert psutil.Process().children(recursive=True) == []
 
 
-def test_sigterm_while_the_simulator_traces_in_two_processes_leaves_none(tmp_path):
+@pytest.mark.parametrize("signame, code, said", [("SIGTERM", 143, "terminated (SIGTERM)"),
+                                                  ("SIGINT", 130, "interrupted")])
+def test_a_signal_while_the_simulator_traces_in_two_processes_leaves_none(tmp_path, signame, code, said):
+    import signal
+
     config = _deep_model_config(tmp_path, "tiny-llama", 24)
-    code, err, children = _terminate_once_children_run(
+    exit_code, err, children = _terminate_once_children_run(
         ["--model", str(config), "--gpus", "2", "--global-tokens", "64K", "--backend", "sim", "--runs-dir",
-         str(tmp_path / "runs")], env={"AUTOTUNE_SIM_HELPER": "on"})
-    assert code == 143, err
-    assert "terminated (SIGTERM)" in err and "Traceback" not in err
+         str(tmp_path / "runs")], env={"AUTOTUNE_SIM_HELPER": "on"}, signum=getattr(signal, signame))
+    assert exit_code == code, err
+    assert said in err and "Traceback" not in err
     assert _still_running(children) == []
