@@ -1,6 +1,6 @@
 """A second process that traces the deeper of the two shallow copies while this one traces the
 shallower: every configuration needs both, they do not depend on each other, and a trace runs
-on one core, so a 2-core machine plans about twice as fast.
+on one core, so a 2-core machine traces a configuration in a little over half the time.
 
 The helper is forked from the process that needs it once torch and the tracing code are
 imported (imports are what a process start costs: 4 s of a plan). It keeps its own Tracer, so
@@ -30,7 +30,7 @@ def can_help() -> bool:
     setting = os.environ.get(HELPER_ENV, "auto").lower()
     if setting == "off" or not hasattr(os, "fork"):
         return False
-    cores = len(os.sched_getaffinity(0))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     # At least half a core free over the last minute (this plan's own start counts in it).
     return cores >= 2 and (setting == "on" or os.getloadavg()[0] < cores - 0.5)
 
