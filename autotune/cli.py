@@ -475,7 +475,7 @@ def _tune_in_run_dir(args: argparse.Namespace, console, *, request, store, finis
     from autotune.records import why_nothing_fits
     from autotune.files import write_atomic
     from autotune.result import build_result, dumps
-    from autotune.store import step_record, trials_frame
+    from autotune.store import step_record, trials_csv
 
     run_id = run_dir.name
     model = request.model
@@ -501,7 +501,7 @@ def _tune_in_run_dir(args: argparse.Namespace, console, *, request, store, finis
         if predictor is not None:
             predictor.close()
     records = store.trials(run_id=run_id)
-    write_atomic(run_dir / "trials.csv", trials_frame(records).to_csv(index=False))
+    write_atomic(run_dir / "trials.csv", trials_csv(records))
     for note in outcome.notes:
         console.note(note)
         log(f"note: {note}")
