@@ -93,6 +93,11 @@ def test_tune_writes_valid_result_and_resumes(tmp_path, capsys):
     assert document["memory_source"] == "estimated" and document["fsdp"]["wrap"] == "LlamaDecoderLayer"
     assert [s["step"] for s in document["decision_path"]] == list(range(1, len(document["decision_path"]) + 1))
     assert (first / "trials.csv").read_text().count("\n") == len(document["decision_path"]) + 1
+    import pandas as pd  # an independent reader of the table the csv module wrote
+
+    table = pd.read_csv(first / "trials.csv")
+    for column in ("step", "status", "fits", "peak_memory_bytes", "grad_accum_steps", "reason"):
+        assert list(table[column]) == [s[column] for s in document["decision_path"]], column
 
     # The same command again resumes the study: every trial is reused, the winner is the same.
     assert main(argv) == EXIT_OK
