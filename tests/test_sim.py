@@ -271,3 +271,17 @@ def test_a_model_built_for_one_reshard_mode_predicts_the_other_as_a_fresh_build(
     finally:
         reused.close()
     assert other["extras"]["tensor_peak_bytes"] != expected["extras"]["tensor_peak_bytes"]  # the switch matters
+
+
+@pytest.mark.parametrize("setting, load, cores, expected", [
+    ("auto", 0.9, 2, True), ("auto", 1.6, 2, False), ("auto", 0.3, 1, False), ("auto", 2.9, 4, True),
+    ("on", 3.0, 2, True), ("off", 0.0, 2, False)])
+def test_the_helper_starts_where_a_core_is_free_unless_told(monkeypatch, setting, load, cores, expected):
+    import os
+
+    from autotune.backends.sim import _helper
+
+    monkeypatch.setenv(_helper.HELPER_ENV, setting)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert _helper.can_help() is expected
