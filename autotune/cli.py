@@ -367,11 +367,13 @@ def _make_backend(name: str, args: argparse.Namespace):
     if name in ("cpu", "cuda"):
         return get_backend(name, timeout_s=args.timeout, nnodes=args.nodes or 1, rdzv_endpoint=args.rdzv_endpoint,
                            shared_dir=args.shared_dir)
-    if name == "sim" and getattr(args, "hardware", None):
-        from autotune.hardware import load_profile
+    if name == "sim":  # the two shallow depths of each configuration traced on two cores
+        if getattr(args, "hardware", None):
+            from autotune.hardware import load_profile
 
-        profile = load_profile(args.hardware)  # a cpu profile: the sim predicts a cpu backend run here
-        return get_backend(name, hardware=profile, device_kind=profile.device)
+            profile = load_profile(args.hardware)  # a cpu profile: the sim predicts a cpu backend run here
+            return get_backend(name, hardware=profile, device_kind=profile.device, parallel=True)
+        return get_backend(name, parallel=True)
     return get_backend(name)
 
 
@@ -473,7 +475,7 @@ def _tune_in_run_dir(args: argparse.Namespace, console, *, request, store, finis
     from autotune.records import why_nothing_fits
     from autotune.files import write_atomic
     from autotune.result import build_result, dumps
-    from autotune.store import step_record, trials_frame
+    from autotune.store import step_record, trials_csv
 
     run_id = run_dir.name
     model = request.model
@@ -499,7 +501,7 @@ def _tune_in_run_dir(args: argparse.Namespace, console, *, request, store, finis
         if predictor is not None:
             predictor.close()
     records = store.trials(run_id=run_id)
-    write_atomic(run_dir / "trials.csv", trials_frame(records).to_csv(index=False))
+    write_atomic(run_dir / "trials.csv", trials_csv(records))
     for note in outcome.notes:
         console.note(note)
         log(f"note: {note}")

@@ -93,6 +93,11 @@ def test_tune_writes_valid_result_and_resumes(tmp_path, capsys):
     assert document["memory_source"] == "estimated" and document["fsdp"]["wrap"] == "LlamaDecoderLayer"
     assert [s["step"] for s in document["decision_path"]] == list(range(1, len(document["decision_path"]) + 1))
     assert (first / "trials.csv").read_text().count("\n") == len(document["decision_path"]) + 1
+    import pandas as pd  # an independent reader of the table the csv module wrote
+
+    table = pd.read_csv(first / "trials.csv")
+    for column in ("step", "status", "fits", "peak_memory_bytes", "grad_accum_steps", "reason"):
+        assert list(table[column]) == [s[column] for s in document["decision_path"]], column
 
     # The same command again resumes the study: every trial is reused, the winner is the same.
     assert main(argv) == EXIT_OK
@@ -393,39 +398,59 @@ def test_a_storage_password_reaches_no_stream_or_file(tmp_path, capsys, monkeypa
 @pytest.mark.slow
 def test_sigterm_keeps_finished_trials_and_leaves_no_process(tmp_path):
     """What Slurm and systemd send: exit 143, the run marked interrupted, every child gone."""
+    runs = tmp_path / "runs"
+
+    def a_trial_finished() -> bool:
+        logs = list(runs.glob("*/autotune.log"))
+        return bool(logs) and "step 1 " in logs[0].read_text()
+
+    code, err, children = _terminate_once_children_run(
+        ["--model", "micro-llama", "--gpus", "2", "--global-tokens", "2048", "--backend", "cpu", "--runs-dir",
+         str(runs)], ready=a_trial_finished)
+    assert code == 143, err
+    assert "terminated (SIGTERM)" in err and "Traceback" not in err
+    (run,) = run_dirs(runs)
+    assert json.loads((run / "status.json").read_text())["state"] == "interrupted"
+    assert "step 1 " in (run / "autotune.log").read_text()
+    assert _still_running(children) == []
+
+
+def _terminate_once_children_run(argv: list[str], *, ready=lambda: True, env: dict | None = None,
+                                 signum: int | None = None):
+    """Start the CLI, wait until `ready()` and it has child processes, send it `signum` (SIGTERM):
+    (exit code, stderr, the children's pids)."""
     import signal
     import time
 
     import psutil
 
-    runs = tmp_path / "runs"
-    proc = subprocess.Popen([sys.executable, "-m", "autotune", "--model", "micro-llama", "--gpus", "2",
-                             "--global-tokens", "2048", "--backend", "cpu", "--runs-dir", str(runs)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "autotune", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     deadline = time.monotonic() + 240
     children: set[int] = set()
     try:
-        while time.monotonic() < deadline:  # wait until a trial finished and the next one runs
-            logs = list(runs.glob("*/autotune.log"))
-            if logs and "step 1 " in logs[0].read_text():
+        while time.monotonic() < deadline and proc.poll() is None:
+            if ready():
                 children = {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
                 if children:
                     break
-            time.sleep(0.5)
-        assert children, "no trial was running"
-        proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+        assert children, "no child process ran"
+        proc.send_signal(signum or signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 143, err
-    assert "terminated (SIGTERM)" in err and "Traceback" not in err
-    (run,) = run_dirs(runs)
-    assert json.loads((run / "status.json").read_text())["state"] == "interrupted"
-    assert "step 1 " in (run / "autotune.log").read_text()
+    return proc.returncode, err, children
+
+
+def _still_running(pids: set[int]) -> list[int]:
+    import time
+
+    import psutil
+
     time.sleep(1)
-    alive = [pid for pid in children if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
-    assert not alive, f"left running: {alive}"
+    return [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
 
 
 def test_the_library_call_returns_what_the_command_writes(tmp_path, capsys):
@@ -507,3 +532,40 @@ def test_time_budget_samples_beyond_the_graph_and_never_launches_a_predicted_oom
         oracle.close()
     # Started trials stop in time for the confirmation; one trial (~10 s here) of slack.
     assert elapsed < budget + 30
+
+
+def _deep_model_config(tmp_path: Path, name: str, num_layers: int) -> Path:
+    """A catalog model with more blocks: deep enough that the simulator traces shallow copies."""
+    config = tmp_path / f"{name}-{num_layers}.json"
+    config.write_text(json.dumps(resolve_model(name).config_dict
+                                 | {"model_type": "llama", "num_hidden_layers": num_layers}))
+    return config
+
+
+def test_a_sim_plan_stops_its_helper_process(tmp_path, capsys, monkeypatch):
+    # The simulator traces the deeper shallow copy in a helper process (a second core): once
+    # the command returns, nothing of it runs on.
+    import psutil
+
+    monkeypatch.setenv("AUTOTUNE_SIM_HELPER", "on")  # whatever else runs on this machine
+
+    config = _deep_model_config(tmp_path, "micro-llama", 8)
+    argv = ["--model", str(config), "--gpus", "2", "--global-tokens", "2048", "--backend", "sim",
+            "--runs-dir", str(tmp_path / "runs")]
+    assert main(argv) == EXIT_OK
+    assert "extrapolated from 3 and 4 blocks" in capsys.readouterr().out
+    assert psutil.Process().children(recursive=True) == []
+
+
+@pytest.mark.parametrize("signame, code, said", [("SIGTERM", 143, "terminated (SIGTERM)"),
+                                                  ("SIGINT", 130, "interrupted")])
+def test_a_signal_while_the_simulator_traces_in_two_processes_leaves_none(tmp_path, signame, code, said):
+    import signal
+
+    config = _deep_model_config(tmp_path, "tiny-llama", 24)
+    exit_code, err, children = _terminate_once_children_run(
+        ["--model", str(config), "--gpus", "2", "--global-tokens", "64K", "--backend", "sim", "--runs-dir",
+         str(tmp_path / "runs")], env={"AUTOTUNE_SIM_HELPER": "on"}, signum=getattr(signal, signame))
+    assert exit_code == code, err
+    assert said in err and "Traceback" not in err
+    assert _still_running(children) == []

@@ -205,3 +205,87 @@ def test_far_over_the_limit_is_screened_by_the_closed_form_not_traced():
     near = SimBackend(device_kind="cpu").evaluate(_spec("tiny-llama", seq_len=256,
                                                         limit=traced.extras["tensor_peak_bytes"] - 1))
     assert near.peak_memory.source == "predicted"
+
+
+def _prediction(result) -> dict:
+    """What a result predicts (not how long it took)."""
+    data = result.to_dict()
+    data.pop("duration_s", None)
+    return data
+
+
+def test_parallel_traces_predict_what_sequential_ones_do_and_leave_no_process(monkeypatch):
+    # The helper process traces the deeper shallow copy (and, for a grown micro-batch, both of
+    # its micro-batches); the parent traces the other. Same sequence as the decision graph:
+    # first looks, a grown micro-batch extrapolated from 2 and 3, another configuration.
+    import psutil
+
+    monkeypatch.setenv("AUTOTUNE_SIM_HELPER", "on")  # whatever else runs on this machine
+    deep = _deeper("micro-llama", 8)
+    specs = [_spec(deep, accum=2, micro_batch_size=1), _spec(deep, accum=2, micro_batch_size=2),
+             _spec(deep, accum=2, micro_batch_size=5),
+             _spec(deep, accum=2, micro_batch_size=2, activation_checkpointing="every:2"),
+             _spec(deep, gpus=4, micro_batch_size=2, reshard_after_forward=False)]
+    sequential = SimBackend(device_kind="cpu", screen=False)
+    expected = [_prediction(sequential.evaluate(spec)) for spec in specs]
+    sequential.close()
+    assert psutil.Process().children() == []  # a sequential backend starts no process
+    parallel = SimBackend(device_kind="cpu", screen=False, parallel=True)
+    try:
+        got = [_prediction(parallel.evaluate(spec)) for spec in specs]
+        assert len(psutil.Process().children()) == 1  # the helper, started once and reused
+    finally:
+        parallel.close()
+    assert got == expected
+    assert got[2]["extras"]["traced_micro_batches"] == [2, 3]
+    assert psutil.Process().children() == []
+
+
+def test_a_trace_that_fails_in_the_helper_fails_as_in_the_parent(monkeypatch):
+    import psutil
+    from autotune.backends.sim import _trace
+
+    monkeypatch.setattr(_trace, "build_model", lambda *args, **kwargs: nn.Sequential(nn.Linear(4, 4)))
+    monkeypatch.setenv("AUTOTUNE_SIM_HELPER", "on")
+    sim = SimBackend(device_kind="cpu", parallel=True)
+    try:
+        with pytest.raises(UnsupportedModelError, match="supported families"):
+            sim.evaluate(_spec(_deeper("micro-llama", 8)))
+        assert psutil.Process().children() == []  # a failed request stops the helper
+        assert sim._helper is None
+    finally:
+        sim.close()
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["reshard-then-not", "not-then-reshard"])
+def test_a_model_built_for_one_reshard_mode_predicts_the_other_as_a_fresh_build(first):
+    # Resharding after forward is switched on the built model instead of building (and warming
+    # up) another: the prediction must be the one a model built for that mode gives.
+    deep = _deeper("micro-llama", 8)
+    before = _spec(deep, accum=2, micro_batch_size=2, activation_checkpointing="every:2", reshard_after_forward=first)
+    after = before.with_train(before.train.with_(reshard_after_forward=not first))
+    fresh = SimBackend(device_kind="cpu", screen=False)
+    expected = _prediction(fresh.evaluate(after))
+    fresh.close()
+    reused = SimBackend(device_kind="cpu", screen=False)
+    try:
+        other = _prediction(reused.evaluate(before))
+        assert _prediction(reused.evaluate(after)) == expected
+        assert len(reused._tracer._models) == 2  # one build per shallow depth, not two
+    finally:
+        reused.close()
+    assert other["extras"]["tensor_peak_bytes"] != expected["extras"]["tensor_peak_bytes"]  # the switch matters
+
+
+@pytest.mark.parametrize("setting, load, cores, expected", [
+    ("auto", 0.9, 2, True), ("auto", 1.6, 2, False), ("auto", 0.3, 1, False), ("auto", 2.9, 4, True),
+    ("on", 3.0, 2, True), ("off", 0.0, 2, False)])
+def test_the_helper_starts_where_a_core_is_free_unless_told(monkeypatch, setting, load, cores, expected):
+    import os
+
+    from autotune.backends.sim import _helper
+
+    monkeypatch.setenv(_helper.HELPER_ENV, setting)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert _helper.can_help() is expected

@@ -336,6 +336,17 @@ class _Built:
     optimizer_sites: dict[SiteKey, dict[str, int]] | None = None
     sync_sites: dict[SiteKey, dict[str, int]] | None = None
     sync_largest_allocation: int = 0
+    reshard_after_forward: bool = True
+
+
+def _set_reshard_after_forward(built: _Built, reshard: bool) -> None:
+    """Switch the blocks' resharding after forward (the root never reshards, see parallel.py)."""
+    if built.reshard_after_forward == reshard:
+        return
+    for block in built.blocks.layers:
+        block.set_reshard_after_forward(reshard)
+    built.reshard_after_forward = reshard
+    built.optimizer_sites = built.sync_sites = None  # traced once per mode, not assumed alike
 
 
 class _SkipStep:
@@ -424,12 +435,15 @@ class Tracer:
                          op_work=dict(tracker.op_work))
 
     def _built(self, model_spec: ModelSpec, *, depth: int, mesh, world_size: int, train: TrainConfig) -> _Built:
-        # Every knob but the two that do not change the built model: a new knob can never reuse
-        # a model built for another value of it.
+        # Every knob but the three that do not change the built model: a new knob can never reuse
+        # a model built for another value of it. Resharding after forward is switched on the
+        # built model (as FSDP2 allows at run time), which saves a build and a warm-up step.
         key = (model_spec.name, repr(sorted(model_spec.config_dict.items())), depth, world_size,
-               train.with_(micro_batch_size=1, cpu_offload=False).cache_key())
+               train.with_(micro_batch_size=1, cpu_offload=False, reshard_after_forward=True).cache_key())
         if key in self._models:
-            return self._models[key]
+            built = self._models[key]
+            _set_reshard_after_forward(built, train.reshard_after_forward)
+            return built
         if len(self._models) >= self._max_cached_models:
             self._models.pop(next(iter(self._models)))
         with self._fake_mode, _real_mask_decisions():
@@ -446,7 +460,7 @@ class Tracer:
             "root": sum(_next_pow2(p.to_local().numel() * 4) for p in model.parameters() if id(p) not in block_ids),
         }
         built = _Built(model=model, optimizer=optimizer, blocks=blocks, block_params=block_params,
-                       root_params=root_params, pinned=pinned)
+                       root_params=root_params, pinned=pinned, reshard_after_forward=train.reshard_after_forward)
         self._models[key] = built
         return built
 
