@@ -3,7 +3,6 @@ trials on a calibrated profile, and published runs held out of the fit (leave-on
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -175,7 +174,7 @@ def test_cpu_estimates_rank_real_trials_on_a_calibrated_profile(tmp_path):
     assert scores["pick_shortfall"] <= 0.10, scores
 
 
-def test_calibration_pieces_the_cuda_path_uses_run_on_cpu():
+def test_calibration_pieces_the_cuda_path_uses_run_on_cpu(monkeypatch):
     """What `calibrate --backend cuda` runs besides the memory counters, run here on CPU: the
     short FSDP2 steps (real training steps of the model, wrapped as trials wrap it) and the
     compute benchmarks at a sequence longer than every token count (one attention batch size
@@ -194,7 +193,10 @@ def test_calibration_pieces_the_cuda_path_uses_run_on_cpu():
     from autotune.backends.sim._fakepg import release_fake_group
 
     release_fake_group()  # another test's simulator may hold the process's (fake) default group
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(calibrate._free_port()))
+    # monkeypatch: a MASTER_PORT left in this process's environment would reach later tests'
+    # launchers (Lightning takes it, and its rank 0 then fails to listen: address in use).
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(calibrate._free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         calibrate.short_fsdp_steps(model, device=torch.device("cpu"), mesh=init_device_mesh("cpu", (1,)), seq_len=32)
@@ -282,7 +284,10 @@ def test_calibrated_host_time_per_op_matches_a_real_step_and_the_trace_count():
     from autotune.training import build_model
 
     model = resolve_model("micro-llama")  # 2 blocks: the calibration's 2-block copy is the whole model
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(calibrate._free_port()))
+    # monkeypatch: a MASTER_PORT left in this process's environment would reach later tests'
+    # launchers (Lightning takes it, and its rank 0 then fails to listen: address in use).
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(calibrate._free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
@@ -310,13 +315,17 @@ def test_calibrated_host_time_per_op_matches_a_real_step_and_the_trace_count():
     assert 0.3 * wall <= host["host_s_at_zero"] <= 1.5 * wall, (host, wall)
 
 
-def test_profiles_written_before_host_time_still_load_and_estimate():
-    """The H100 profiles calibrated before `host_op_us` existed load and estimate as before (no
-    host term); with the figure, a launch-bound GPU micro-batch takes the host's time, not the
-    device's plus the host's (the host runs ahead of the device), and a CPU adds the two."""
+def test_profiles_written_before_host_time_still_load_and_estimate(tmp_path):
+    """An H100 profile as calibrated before `host_op_us` existed (the real one, that figure taken
+    out of the file) loads and estimates with no host term; with the figure, a launch-bound GPU
+    micro-batch takes the host's time, not the device's plus the host's (the host runs ahead of
+    the device), and a CPU adds the two."""
     from dataclasses import replace
 
-    old = hardware.load_profile(str(ROOT / "benchmarks" / "results" / "h100_calibrated_qwen2.5-0.5b.json"))
+    document = json.loads((ROOT / "benchmarks" / "results" / "h100_calibrated_qwen2.5-0.5b.json").read_text())
+    document["figures"].pop("host_op_us", None)
+    (tmp_path / "old.json").write_text(json.dumps(document))
+    old = hardware.load_profile(str(tmp_path / "old.json"))
     assert "host_op_us" not in old.figures
     ops = cm.OpWork(matmul_flops=1e12, matmul_ops=200, memory_bytes=1e9, memory_ops=2000, dispatched_ops=6000)
     sizes = dict(num_gpus=1, num_blocks=24, block_params=15_000_000, root_params=136_000_000, param_bytes=2,
