@@ -265,7 +265,7 @@ def test_per_op_model_runs_hsdp_collectives_within_the_group():
     assert floor <= node.comm_s < floor * 1.05
 
 
-def test_calibrated_host_time_per_op_matches_a_real_step_and_the_trace_count():
+def test_calibrated_host_time_per_op_matches_a_real_step_and_the_trace_count(monkeypatch):
     """`host_op_us` (calibrate.bench_host_overhead) against what it claims to be: its op count
     against the simulator's independent count of the same step (the trace's `dispatched_ops`,
     fake tensors), and its host time against the wall time of the same real tiny step, which
@@ -283,7 +283,10 @@ def test_calibrated_host_time_per_op_matches_a_real_step_and_the_trace_count():
     from autotune.parallel import parallelize
     from autotune.training import build_model
 
+    from autotune.backends.sim._fakepg import release_fake_group
+
     model = resolve_model("micro-llama")  # 2 blocks: the calibration's 2-block copy is the whole model
+    release_fake_group()  # another test's simulator may hold the process's (fake) default group
     # monkeypatch: a MASTER_PORT left in this process's environment would reach later tests'
     # launchers (Lightning takes it, and its rank 0 then fails to listen: address in use).
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
