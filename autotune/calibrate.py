@@ -37,8 +37,8 @@ from typing import Any
 from autotune.hardware import HardwareFigure, HardwareProfile, machine_description
 
 TOKEN_COUNTS = (256, 512, 1024, 2048)
-CUDA_TOKEN_COUNTS = (512, 2048, 8192, 16384)  # a GPU's matmuls reach their rate at training sizes
 """Tokens per micro-batch the GEMMs are timed at (the rows of every projection)."""
+CUDA_TOKEN_COUNTS = (512, 2048, 8192, 16384)  # a GPU's matmuls reach their rate at training sizes
 COLLECTIVE_SIZES_FRACTIONS = (0.125, 0.5, 1.0, 2.0)
 
 
@@ -252,17 +252,25 @@ def bench_host_copies(*, device, nbytes: int = 256 * 2**20) -> dict[str, float]:
     return dict(h2d_bytes_per_s=nbytes / h2d, d2h_bytes_per_s=nbytes / d2h)
 
 
-def short_fsdp_steps(model, *, device, mesh, seq_len: int, steps: int = 2) -> None:
-    """Two optimizer steps of a 2-block copy of the model, wrapped as trials wrap it (any device)."""
+def _two_block_copy(model, *, device, mesh):
+    """A 2-block copy of the model on `device`, wrapped as trials wrap it (autotune.parallel)."""
     import torch
 
     from autotune.config import TrainConfig
     from autotune.parallel import parallelize
-    from autotune.training import build_model, make_optimizer, token_batches, train_step
+    from autotune.training import build_model
 
     with torch.device(device):
         net = build_model(model, num_layers=2)
     parallelize(net, mesh, TrainConfig(micro_batch_size=1))
+    return net
+
+
+def short_fsdp_steps(model, *, device, mesh, seq_len: int, steps: int = 2) -> None:
+    """Two optimizer steps of a 2-block copy of the model, wrapped as trials wrap it (any device)."""
+    from autotune.training import make_optimizer, token_batches, train_step
+
+    net = _two_block_copy(model, device=device, mesh=mesh)
     optimizer = make_optimizer(net)
     batches = token_batches(vocab_size=int(model.config_dict["vocab_size"]), micro_batch_size=1, seq_len=seq_len,
                             device=device)
@@ -306,13 +314,7 @@ def bench_host_overhead(model, *, device, mesh, token_counts=HOST_TOKEN_COUNTS, 
     independently by a dispatch mode around the same forward + backward."""
     import torch
 
-    from autotune.config import TrainConfig
-    from autotune.parallel import parallelize
-    from autotune.training import build_model
-
-    with torch.device(device):
-        net = build_model(model, num_layers=2)
-    parallelize(net, mesh, TrainConfig(micro_batch_size=1))
+    net = _two_block_copy(model, device=device, mesh=mesh)
     vocab = int(model.config_dict["vocab_size"])
     batches = {t: torch.randint(0, vocab, (1, t), device=device) for t in token_counts}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
@@ -370,6 +372,9 @@ def _worker(rank: int, world_size: int, port: int, job: dict[str, Any], out_path
     cuda = job["backend"] == "cuda"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     if cuda:
+        from autotune.runtime_memory import ALLOC_CONF_ENV, alloc_conf
+
+        os.environ[ALLOC_CONF_ENV] = alloc_conf(os.environ)  # as real trials run, before CUDA starts
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
         before = torch.cuda.mem_get_info(device)  # creates the context
@@ -459,10 +464,6 @@ def measure(*, backend: str = "cpu", model_name: str = "tiny-llama", world_size:
     job = dict(backend=backend, model=model_name, seq_len=seq_len, unit_bytes=unit_bytes,
                optimizer_impl=optimizer_impl or ("fused" if backend == "cuda" else "foreach"),
                num_layers=int(cfg["num_hidden_layers"]))
-    if backend == "cuda":  # the allocator setting real trials run with (before the ranks start CUDA)
-        from autotune.runtime_memory import ALLOC_CONF_ENV, alloc_conf
-
-        os.environ[ALLOC_CONF_ENV] = alloc_conf(os.environ)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "calibration.json")

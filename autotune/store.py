@@ -237,11 +237,11 @@ def create_study(url: str, name: str, *, storage_options: dict | None = None):
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "A new study created" lines in our output
     for attempt in range(_CREATION_ATTEMPTS):
         try:
-            if url in _OPENED:
-                storage = _wait_through_outages(lambda: rdb_storage(url, **(storage_options or {})), url)
-            else:
-                storage = rdb_storage(url, **(storage_options or {}))
-                _OPENED.add(url)
+            def open_storage():
+                return rdb_storage(url, **(storage_options or {}))
+
+            storage = _wait_through_outages(open_storage, url) if url in _OPENED else open_storage()
+            _OPENED.add(url)
             try:
                 return optuna.create_study(storage=storage, study_name=name, direction="maximize"), True
             except optuna.exceptions.DuplicatedStudyError:
