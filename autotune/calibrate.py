@@ -375,6 +375,7 @@ def _worker(rank: int, world_size: int, port: int, job: dict[str, Any], out_path
         from autotune.runtime_memory import ALLOC_CONF_ENV, alloc_conf
 
         os.environ[ALLOC_CONF_ENV] = alloc_conf(os.environ)  # as real trials run, before CUDA starts
+        job = {**job, "alloc_conf": os.environ[ALLOC_CONF_ENV]}
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
         before = torch.cuda.mem_get_info(device)  # creates the context
@@ -387,7 +388,7 @@ def _worker(rank: int, world_size: int, port: int, job: dict[str, Any], out_path
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     model = resolve_model(job["model"])
-    result: dict[str, Any] = dict(device=str(device), world_size=world_size)
+    result: dict[str, Any] = dict(device=str(device), world_size=world_size, alloc_conf=job.get("alloc_conf"))
     if cuda:
         from autotune.runtime_memory import measure_outside_allocator
 
@@ -600,7 +601,7 @@ def profile_from_measurements(raw: dict[str, Any], *, name: str | None = None) -
         f["reserved_over_allocated"] = HardwareFigure(
             step["max_reserved_bytes"] / max(step["max_allocated_bytes"], 1), m,
             f"max_memory_reserved / max_memory_allocated over two FSDP2 steps of a 2-block "
-            f"{raw['job']['model']}, {os.environ.get('PYTORCH_CUDA_ALLOC_CONF', 'default allocator')}")
+            f"{raw['job']['model']}, PYTORCH_CUDA_ALLOC_CONF={raw.get('alloc_conf') or 'unset (default allocator)'}")
     gpu = None
     if backend == "cuda":
         from autotune.catalog.gpus import detect_gpu
