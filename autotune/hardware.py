@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autotune import costmodel
 from autotune.catalog.gpus import GPUS, GPUSpec
 from autotune.errors import UsageError
 
@@ -164,16 +165,18 @@ def load_profile(name_or_path: str) -> HardwareProfile:
 # --- shipped profiles: data sheets and published runs ----------------------------------------------
 
 PUBLISHED_MATMUL_FRACTION = {
-    "a100": (0.74, "the fraction of the A100 dense bf16 peak (312 TFLOP/s) an eager FSDP step's FLOPs run at in "
-                   "torchtitan's Llama 3 8B / 70B runs on 64 A100s (56.8% / 51.7% MFU reported, "
-                   "torchtitan docs/performance.md 2024) and fms-fsdp's Llama 2 70B on 128 A100s"),
-    "hopper": (0.42, "the fraction of the H100 dense bf16 peak (989 TFLOP/s) an eager FSDP step's FLOPs run at in "
-                     "torchtitan's Llama 3 8B on 8 H100s (arXiv 2410.06511, Table 1, FSDP eager)"),
+    "a100": (costmodel.MATMUL_EFFICIENCY["a100-80gb"],
+             "the fraction of the A100 dense bf16 peak (312 TFLOP/s) an eager FSDP step's FLOPs run at in "
+             "torchtitan's Llama 3 and Llama 2 runs on 64 A100s (docs/performance.md 2024) and fms-fsdp's "
+             "on 128 A100s, fitted to all of costmodel.PUBLISHED_RUNS"),
+    "hopper": (costmodel.MATMUL_EFFICIENCY["h100-80gb"],
+               "the fraction of the H100 dense bf16 peak (989 TFLOP/s) an eager FSDP step's FLOPs run at in "
+               "torchtitan's Llama 3 8B on 8 H100s (arXiv 2410.06511, Table 1, FSDP eager)"),
 }
 """Where a public FSDP run on the part exists; checked leave-one-out in benchmarks/bench_costmodel.py."""
-UNPUBLISHED_MATMUL_FRACTION = 0.50
-INTRA_NODE_BUS_FRACTION = 0.80
-INTER_NODE_BUS_FRACTION = 0.90
+UNPUBLISHED_MATMUL_FRACTION = costmodel.DEFAULT_MATMUL_EFFICIENCY
+INTRA_NODE_BUS_FRACTION = costmodel.INTRA_NODE_BUS_EFFICIENCY
+INTER_NODE_BUS_FRACTION = costmodel.INTER_NODE_BUS_EFFICIENCY
 _PCIE_GBPS = {"h100-80gb": 50.0, "h200-141gb": 50.0}
 SHIPPED_HOST_OP_US = 10.0
 SHIPPED_HOST_OP_BASIS = (
@@ -220,8 +223,8 @@ def shipped_profile(gpu: GPUSpec) -> HardwareProfile:
                                           f"link ({sheet}); NCCL ring busbw fraction, unvalidated"),
         "intra_node_latency_us": HardwareFigure(15.0, "data sheet", "NCCL ring latency within a node: unvalidated"),
         "inter_node_gbps": HardwareFigure(gpu.inter_node_gbps * INTER_NODE_BUS_FRACTION, "published run",
-                                          f"{INTER_NODE_BUS_FRACTION:.0%} of the {gpu.inter_node_gbps:g} GB/s per-GPU NIC; "
-                                          "what torchtitan's 64-A100 runs need (docs/COSTMODEL.md)"),
+                                          f"{INTER_NODE_BUS_FRACTION:g}x the {gpu.inter_node_gbps:g} GB/s per-GPU NIC: "
+                                          "what the published multi-node FSDP runs need (docs/COSTMODEL.md)"),
         "inter_node_latency_us": HardwareFigure(40.0, "data sheet", "NCCL ring latency across nodes: unvalidated"),
         "comm_overlap": HardwareFigure(1.0, "data sheet", "FSDP2 runs collectives on side CUDA streams"),
         "host_link_gbps": HardwareFigure(pcie, "data sheet", f"~80% of PCIe Gen{5 if pcie > 30 else 4} x16"),

@@ -10,6 +10,9 @@ Memory per rank is the largest of the moments where FSDP2 training peaks (docs/C
   input and the sharded gradients reduced so far;
 * the optimizer step: parameters, gradients and AdamW state, all sharded.
 
+Op-level checkpointing keeps each block's input, the matmul outputs its policy saves and the
+attention kernel's output; backward recomputes the rest, and only the unsaved matmuls cost FLOPs.
+
 Per-layer activation bytes follow Korthikanti et al. 2022 ("Reducing Activation Recomputation
 in Large Transformer Models", sbh(34 + 5as/h) for GPT), re-derived for the Hugging Face Llama
 block as autograd saves it: fp32 RMSNorm inputs, SwiGLU's four ffn-wide tensors, grouped K/V,
@@ -31,8 +34,8 @@ from autotune.units import format_bytes
 
 SCREEN_MARGIN = 1.25
 """A configuration whose closed-form peak is over the memory limit by more than this factor cannot
-fit: the closed form is within a few percent of traces (docs/COSTMODEL.md; op-level checkpointing
-counted as full), so the simulator and the sampler skip tracing it."""
+fit: the closed form is within a few percent of traces (docs/COSTMODEL.md), so the simulator
+and the sampler skip tracing it."""
 from autotune.catalog.models import ModelSpec
 
 __all__ = ["AnalyticBackend", "ModelShape", "model_shape", "MemoryEstimate", "estimate_memory",
@@ -114,6 +117,35 @@ def activation_bytes_per_token(shape: ModelShape, param_bytes: int) -> float:
     return norms + attention + mlp
 
 
+def _block_matmuls(shape: ModelShape) -> list[tuple[int, int]]:
+    """(input, output) widths of a decoder block's matmuls in forward order: q, k, v, o, then the
+    SwiGLU MLP's gate, up, down. Op-level checkpointing's `alt-mm` policy counts them in this
+    order (autotune/parallel.py: op_sac_policy)."""
+    h, kv, ffn = shape.hidden, shape.kv_width, shape.intermediate
+    return [(h, h), (h, kv), (h, kv), (h, h), (h, ffn), (h, ffn), (ffn, h)]
+
+
+def _op_saved_matmuls(shape: ModelShape, policy: str) -> list[bool]:
+    """Which of the block's matmul outputs op-level checkpointing keeps: all of them (`mm`), or
+    the 1st, 3rd, 5th... (`alt-mm`: every second one is recomputed)."""
+    return [policy == "mm" or i % 2 == 0 for i in range(len(_block_matmuls(shape)))]
+
+
+def op_checkpoint_saved_bytes_per_token(shape: ModelShape, policy: str, param_bytes: int) -> float:
+    """Bytes an op-level checkpointed block keeps for backward per token besides its input: the
+    matmul outputs its policy saves and the attention kernel's output and fp32 logsumexp."""
+    kept = sum(out for (_, out), saved in zip(_block_matmuls(shape), _op_saved_matmuls(shape, policy)) if saved)
+    return param_bytes * (kept + shape.hidden) + 4 * shape.num_heads
+
+
+def op_checkpoint_recompute_flops_per_token(shape: ModelShape, policy: str) -> float:
+    """Forward FLOPs per token backward runs again in an op-level checkpointed block: the matmuls
+    its policy did not save (attention's output is saved, so attention is not recomputed;
+    elementwise ops are not counted, as elsewhere in the closed form)."""
+    return sum(2 * fan_in * out for (fan_in, out), saved in zip(_block_matmuls(shape), _op_saved_matmuls(shape, policy))
+               if not saved)
+
+
 @dataclass(frozen=True, kw_only=True)
 class MemoryEstimate:
     """Per-rank device bytes at the peak, by category, plus what the host must hold."""
@@ -130,8 +162,7 @@ class MemoryEstimate:
 def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     """Closed-form per-rank memory of one FSDP2 training step (see the module docstring)."""
     shape = model_shape(spec.model)
-    # Parameters are sharded over the shard group: every GPU, or an HSDP group. Op-level
-    # checkpointing is counted as full (a lower bound: it also keeps matmul outputs).
+    # Parameters are sharded over the shard group: every GPU, or an HSDP group.
     train, world = spec.train, spec.train.shard_group_size or spec.cluster.num_gpus
     d = PARAM_BYTES[train.precision]
     tokens = train.micro_batch_size * spec.seq_len
@@ -152,6 +183,9 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     block_gathered = block * d
     per_layer = activation_bytes_per_token(shape, d) * tokens
     checkpoint_input = shape.hidden * d * tokens
+    ac = train.activation_checkpointing
+    if ac.mode == "op":  # every block keeps its input and the op outputs its policy saves
+        checkpoint_input += op_checkpoint_saved_bytes_per_token(shape, ac.policy, d) * tokens
     saved = [checkpoint_input if train.activation_checkpointing.wraps_block(i) else per_layer
              for i in range(num_layers)]
     final_norm = (4 * shape.hidden + 2 * d * shape.hidden) * tokens
@@ -179,7 +213,8 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     for i in reversed(range(num_layers)):
         done = num_layers - 1 - i
         gathered = block_gathered * (1 + i * kept_share if train.reshard_after_forward else i + 1)
-        recompute = per_layer if train.activation_checkpointing.wraps_block(i) else 0.0
+        # Recomputing a checkpointed block rebuilds what it did not keep (all of it unless op-level).
+        recompute = per_layer + checkpoint_input - saved[i] if train.activation_checkpointing.wraps_block(i) else 0.0
         candidates.append((f"backward of block {i}", dict(
             parameters=sharded_params + root_gathered + gathered,
             gradients=max(accumulated_grads, done * block_grad_shard) + head_grad,
@@ -217,9 +252,13 @@ def step_work(spec: TrialSpec) -> costmodel.StepWork:
     train = spec.train
     tokens_per_gpu = train.micro_batch_size * spec.seq_len * spec.grad_accum_steps
     model_flops = model_flops_per_token(spec.model, spec.seq_len, num_parameters=shape.num_parameters)
-    # A checkpointed block runs its forward again: 2 FLOPs per parameter plus attention's 4*h*s.
-    num_checkpointed = sum(train.activation_checkpointing.wraps_block(i) for i in range(shape.num_layers))
-    recompute = num_checkpointed * (2 * shape.block_params + 4 * shape.hidden * spec.seq_len)
+    # A checkpointed block runs its forward again: 2 FLOPs per parameter plus attention's 4*h*s;
+    # op-level checkpointing only the matmuls its policy did not save.
+    ac = train.activation_checkpointing
+    num_checkpointed = sum(ac.wraps_block(i) for i in range(shape.num_layers))
+    per_block = (op_checkpoint_recompute_flops_per_token(shape, ac.policy) if ac.mode == "op"
+                 else 2 * shape.block_params + 4 * shape.hidden * spec.seq_len)
+    recompute = num_checkpointed * per_block
     return costmodel.fsdp_step_work(
         flops_per_gpu=tokens_per_gpu * (model_flops + recompute), model_flops_per_gpu=tokens_per_gpu * model_flops,
         tokens_per_gpu_step=tokens_per_gpu, num_gpus=spec.cluster.num_gpus, block_params=shape.block_params,
