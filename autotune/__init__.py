@@ -13,15 +13,16 @@ The pipeline, in the order a run walks it (one folder or module each):
     store.py      the Optuna study and the runs/ folder
     export/       the winner in the formats of other stacks
     report/       the HTML report
-    api.py        autotune.tune(): the tune command as a library call, returning the result document
-    cli.py        the command line
+    options.py    the tune options, typed (TuneOptions), and the validators the CLI's flags use too
+    api.py        the library: autotune.tune() runs the whole pipeline and returns the result document
+    cli.py        the command line: parses flags into the library's options, prints, exits with a code
 """
 
 __version__ = "0.1.0"
 
 
 def tune(model: str, *, gpus: int, global_tokens: int | str, **options):
-    """Run `autotune tune` as a library call and return the result document (autotune/api.py)."""
+    """Tune one problem and return the result document (autotune/api.py; the `tune` command wraps it)."""
     from autotune.api import tune as _tune
 
     return _tune(model, gpus=gpus, global_tokens=global_tokens, **options)

@@ -1,50 +1,323 @@
-"""The library entry point: `autotune.tune(...)` runs what `autotune tune` runs and returns the
-result document (best.json's content) instead of printing it.
+"""The library: `autotune.tune(...)` tunes one problem and returns the result document (best.json's
+content); the `autotune tune` command is a wrapper over it (autotune/cli.py parses the flags into
+TuneOptions, prints through its console, turns the outcome into an exit code).
 
     import autotune
     result = autotune.tune("llama-7b", gpus=8, global_tokens="4M", backend="sim")
     result["fsdp"], result["micro_batch_size"], result["tokens_per_sec"]
 
 Options are the `tune` command's, by their flag names with underscores (`nodes=8`,
-`seq_len=4096`, `runs_dir="runs"`, `export="fsdp2,torchtitan"`, ...), validated exactly as on the
-command line (a bad value raises UsageError with the CLI's one-line message). The run is
-recorded in the study and runs/ like any other. Raises NothingFits when no configuration fits.
+`seq_len=4096`, `runs_dir="runs"`, `export="fsdp2,torchtitan"`, ...), checked by the validators
+the command line uses (autotune/options.py: a bad value raises the CLI's one-line UsageError).
+The run is recorded in the study and runs/ like any other. Raises NothingFits when no
+configuration fits.
+
+The problem-building helpers here (resolve_problem, choose_backend, make_backend, ...) serve the
+other commands too (`autotune trial`, `export`, `calibrate`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 from autotune.errors import NothingFits, UsageError
+from autotune.options import TuneOptions, tune_options
+
+Options = Any  # TuneOptions, or the parsed flags of a command with the same options (`autotune trial`)
 
 
 def tune(model: str, *, gpus: int, global_tokens: int | str, **options: Any) -> dict[str, Any]:
-    from autotune.cli import EXIT_OK, command_options, parse_args, run_tune
+    """Tune `model` on `gpus` GPUs for `global_tokens` per optimizer step; quiet (prints nothing)."""
     from autotune.console import Console
 
-    argv = ["tune", "--model", str(model), "--gpus", str(gpus), "--global-tokens", str(global_tokens)]
-    known = {dest: action for dest, action in command_options("tune").items() if dest != "json"}
-    for name, value in options.items():
-        action = known.get(name)
-        if action is None:
-            raise UsageError(f"autotune.tune() has no option {name!r}; options are the tune command's flags "
-                             f"with underscores: {', '.join(sorted(known))}")
-        flag = action.option_strings[-1]
-        if value is None or value is False:
-            continue
-        argv += [flag] if value is True else [flag, str(value)]
+    checked = tune_options(model=model, gpus=gpus, global_tokens=global_tokens, **options)
+    return run_tune(checked, Console(quiet=True))
 
-    class _Quiet(Console):
-        """Nothing on stdout; the last error line is kept for the exception."""
 
-        last_error = ""
+def run_tune(options: TuneOptions, console) -> dict[str, Any]:
+    """A whole tuning run: the result document, or NothingFits (its message says why and where the
+    trials are). Progress goes to `console` (the CLI's; autotune.tune() passes a quiet one)."""
+    from autotune.batch import DEFAULT_TOLERANCE, check_reachable, check_target
+    from autotune.records import DEFAULT_HEADROOM, TuneRequest
+    from autotune.search_space import load_space
+    from autotune.store import (RunLog, TrialStore, default_storage, ensure_writable, new_run_dir, study_name,
+                                write_run_state)
+    from autotune.units import format_bytes, parse_count
 
-        def error_line(self, text: str) -> None:
-            _Quiet.last_error = text
+    check_multi_node(options)
+    if str(options.global_tokens).strip().startswith("-"):
+        raise UsageError(f"--global-tokens must be positive, got {options.global_tokens}: e.g. 4M")
+    target = parse_count(options.global_tokens, what="--global-tokens")
+    if target < 1:
+        raise UsageError("--global-tokens must be positive, e.g. 4M")
+    tolerance = DEFAULT_TOLERANCE if options.global_tolerance is None else options.global_tolerance
+    workload = resolve_workload(options)
 
-    console = _Quiet(quiet=True)
-    args = parse_args(argv)  # the CLI's validation: a bad value is its one-line UsageError
-    code, document = run_tune(args, console)
-    if code != EXIT_OK or document is None:
-        raise NothingFits(_Quiet.last_error or "no configuration fits")
+    def check_batch(num_gpus: int, seq_len: int) -> None:
+        check_target(target_tokens=target, num_gpus=num_gpus, seq_len=seq_len)
+        check_reachable(target_tokens=target, num_gpus=num_gpus, seq_len=seq_len, tolerance=tolerance)
+
+    model, cluster, seq_len, gpu_note = resolve_problem(options, check_batch=check_batch)
+    space = load_space(options.space)
+    formats = parse_formats(options.export) if options.export else []
+    check_out_file(options.out)
+    check_wrappable(model)
+    runs_dir = ensure_writable(Path(options.runs_dir))
+    backend_name, backend_why = choose_backend(options.backend, cluster)
+    if backend_name in ("cpu", "cuda") and cluster.host_memory_bytes is None:
+        # Real trials run where the job will run: this machine's memory is the host memory per node.
+        detected = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        cluster = dataclasses.replace(cluster, host_memory_bytes=detected)
+        gpu_note += f"; host memory {format_bytes(detected)} per node (detected here; set --host-memory to override)"
+    request = TuneRequest(model=model, cluster=cluster, seq_len=seq_len, target_tokens=target,
+                          tolerance=tolerance,
+                          headroom=DEFAULT_HEADROOM if options.headroom is None else options.headroom,
+                          space=space, max_trials=options.max_trials, time_budget_s=options.time_budget,
+                          workload=workload)
+    store = TrialStore(options.storage or default_storage(runs_dir), options.study or study_name(request, backend_name))
+    finished = store.finished()
+    run_dir = new_run_dir(request, runs_dir)
+    log = RunLog(run_dir / "autotune.log")
+    write_run_state(run_dir, "running", log)
+    state = "failed"
+    try:
+        document = _tune_in_run_dir(options, console, request=request, store=store, finished=finished,
+                                    run_dir=run_dir, log=log, backend_name=backend_name,
+                                    backend_why=backend_why, gpu_note=gpu_note, formats=formats)
+        state = "done"
+        return document
+    except NothingFits:
+        state = "nothing-fits"
+        raise
+    except KeyboardInterrupt:
+        state = "interrupted"
+        raise
+    finally:
+        write_run_state(run_dir, state, log)  # the folder says how the run ended, whatever happened
+        log.close()
+
+
+def _tune_in_run_dir(options: TuneOptions, console, *, request, store, finished, run_dir: Path, log,
+                     backend_name: str, backend_why: str, gpu_note: str, formats: list[str]) -> dict[str, Any]:
+    """The run itself, once its folder is claimed: trials, then the files."""
+    from autotune.backends import get_backend
+    from autotune.controller import Controller
+    from autotune.records import why_nothing_fits
+    from autotune.files import write_atomic
+    from autotune.result import build_result, dumps
+    from autotune.store import step_record, trials_csv
+
+    run_id = run_dir.name
+    model = request.model
+    backend = make_backend(backend_name, options)
+    predictor = _predictor_for(backend_name)
+    console.header(request, backend_name, backend_why, backend.describe(), store, finished, run_dir)
+    console.note(gpu_note)
+    log(f"run {run_id}: study {store.name} on {store.storage}; backend {backend_name} ({backend_why})")
+
+    def on_step(step) -> None:
+        number = store.record(step, run_id=run_id)
+        console.step(step, number)
+        log(f"step {step.step} [{step.stage}] {step.train.label()} -> {step.result.status} "
+            f"fits={step.fits} {json.dumps(step_record(step)['result'], default=str)} reason: {step.reason}")
+
+    controller = Controller(request, backend, predictor=predictor, estimator=get_backend("analytic"),
+                            finished=finished, on_step=on_step, on_start=console.trial_started)
+    try:
+        with console.progress():
+            outcome = controller.tune()
+    finally:
+        backend.close()
+        if predictor is not None:
+            predictor.close()
+    records = store.trials(run_id=run_id)
+    write_atomic(run_dir / "trials.csv", trials_csv(records))
+    for note in outcome.notes:
+        console.note(note)
+        log(f"note: {note}")
+    console.trial_table(outcome.steps, request, winner=outcome.winner)
+    if outcome.winner is None:
+        reason = why_nothing_fits(outcome.steps[-1], request) if outcome.steps else "no configuration was evaluated"
+        raise NothingFits(f"{reason}; trials are in {run_dir}")
+    document = build_result(request, outcome.winner, outcome.steps, backend=backend_name,
+                            wrap=model.block_class, run_id=run_id, study=store.name, notes=outcome.notes,
+                            sampling=outcome.sampling)
+    text = dumps(document)
+    write_atomic(run_dir / "best.json", text)
+    if options.out:
+        write_atomic(Path(options.out), text)
+    _write_report(run_dir, document, records, console)
+    if formats:
+        write_formats(document, formats, run_dir, console, every=options.export.strip() == "all")
+    log(f"winner: step {outcome.winner.step} {outcome.winner.train.label()}; wrote {run_dir / 'best.json'}")
+    console.winner(document, run_dir, options.out)
     return document
+
+
+def parse_formats(text: str) -> list[str]:
+    from autotune.export import FORMATS
+
+    names = list(FORMATS) if text.strip() == "all" else [f.strip() for f in text.split(",") if f.strip()]
+    unknown = [n for n in names if n not in FORMATS]
+    if unknown or not names:
+        raise UsageError(f"unknown export format {', '.join(unknown) or text!r}: choose from "
+                         f"{', '.join(FORMATS)} or 'all'")
+    return names
+
+
+def write_formats(document: dict, formats: list[str], out_dir: Path, console, *, every: bool = False) -> list[Path]:
+    """`every` (the user asked for 'all'): a format that cannot express this result is skipped with a
+    warning; asked for by name, it is an error."""
+    from autotune.export import write_exports
+
+    def refused(fmt: str, why: str) -> None:
+        console.err.print(f"autotune: warning: {fmt} not written: {why}", markup=False)
+
+    return write_exports(document, formats, out_dir, on_refused=refused if every else None,
+                         on_written=lambda exported, path: console.exported(exported.format, path, exported.warnings))
+
+
+def _write_report(run_dir: Path, document: dict, records: list[dict], console) -> None:
+    try:
+        from autotune.report import write_report
+    except ImportError:
+        return
+    path = write_report(run_dir, document, records)
+    console.note(f"report: {path}")
+
+
+# -- building the problem from options (TuneOptions, or the trial command's flags: the same names) --
+def check_multi_node(options: Options) -> None:
+    """Multi-node options, checked before anything is written (docs/REAL_TRIALS.md)."""
+    if getattr(options, "node_rank", None) is not None:  # a CLI flag only, kept to say what replaced it
+        raise UsageError("--node-rank is gone: torchrun's c10d rendezvous assigns node ranks. Run autotune on one "
+                         "node with --shared-dir DIR and `autotune agent --shared-dir DIR` on the others "
+                         "(docs/REAL_TRIALS.md)")
+    if options.shared_dir and options.backend not in ("cpu", "cuda"):
+        raise UsageError(f"--shared-dir is for real trials across nodes: add --backend cuda (or cpu), not "
+                         f"{options.backend}")
+    if options.shared_dir and not options.rdzv_endpoint:
+        raise UsageError("--shared-dir needs --rdzv-endpoint HOST:PORT, a port on this node every node reaches "
+                         "(torchrun's rendezvous)")
+
+
+def resolve_problem(options: Options, *, check_batch=None) -> tuple[Any, Any, int, str]:
+    """(ModelSpec, Cluster, seq_len, how the GPU type was chosen) from the shared options, validated.
+    `check_batch(num_gpus, seq_len)` runs before anything slow (GPU detection imports torch)."""
+    from autotune.catalog.gpus import DEFAULT_GPU, GPUS, detect_gpu, resolve_gpu
+    from autotune.catalog.models import resolve_model
+    from autotune.config import Cluster
+    from autotune.units import parse_bytes
+
+    if not options.model:
+        raise UsageError("--model is required (a catalog name or a path to a config.json)")
+    if options.gpus is None:
+        raise UsageError("--gpus is required: the total number of GPUs of the job, e.g. --gpus 8")
+    model = resolve_model(options.model, trust_remote_code=options.trust_remote_code)
+    seq_len = options.seq_len or model.default_seq_len
+    if model.max_positions and seq_len > model.max_positions:
+        raise UsageError(f"--seq-len {seq_len} is longer than {model.name} supports "
+                         f"({model.max_positions} positions): lower --seq-len")
+    gpu_memory = parse_bytes(options.gpu_memory, what="--gpu-memory") if options.gpu_memory else None
+    host_memory = parse_bytes(options.host_memory, what="--host-memory") if options.host_memory else None
+    if gpu_memory is not None and gpu_memory < 1:
+        raise UsageError("--gpu-memory must be positive, e.g. 40GiB")
+    if check_batch is not None:
+        check_batch(options.gpus, seq_len)
+    if options.gpu_type:
+        gpu, gpu_note = resolve_gpu(options.gpu_type), "given with --gpu-type"
+    else:
+        gpu, gpu_note = detect_gpu(), "detected"
+        if gpu is None:
+            gpu, gpu_note = GPUS[DEFAULT_GPU], "the default: no GPU detected here; set --gpu-type"
+    cluster = Cluster(num_gpus=options.gpus, num_nodes=options.nodes, gpu=gpu, gpu_memory_bytes=gpu_memory,
+                      host_memory_bytes=host_memory)
+    return model, cluster, seq_len, f"GPU type {gpu.name} ({gpu_note})"
+
+
+def resolve_workload(options: Options, recorded: dict | None = None):
+    """The workload from the flags; `recorded` (a result's) fills what the flags leave out."""
+    from autotune.config import Workload
+
+    recorded = recorded or {}
+    kind = options.workload or recorded.get("kind", "sft")
+    share = options.vllm_gpu_memory_utilization
+    if share is None and kind == recorded.get("kind"):
+        share = recorded.get("vllm_gpu_memory_utilization")
+    return Workload(kind=kind, vllm_gpu_memory_utilization=share)
+
+
+def check_wrappable(model) -> None:
+    """Fail now, with the supported families, if FSDP cannot wrap the model (a meta build: run it
+    after the cheap checks, so a typo in a number is refused at once)."""
+    _ = model.block_class
+
+
+def check_out_file(out: str | None) -> None:
+    """--out must be writable before any trial runs: finding out after an hour is no help."""
+    if not out:
+        return
+    import tempfile
+
+    path = Path(out)
+    if path.is_dir():
+        raise UsageError(f"--out {out!r} is a folder: give a file name, e.g. --out best.json")
+    folder = path.parent if str(path.parent) else Path(".")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".autotune-probe."):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--out {out!r} cannot be written ({exc.strerror}): choose a writable path") from None
+
+
+def choose_backend(name: str, cluster) -> tuple[str, str]:
+    """(backend name, why) -- `auto` takes the GPUs when they are here, else the simulator."""
+    if name != "auto":
+        return name, "chosen with --backend"
+    from autotune.catalog.gpus import nvidia_driver_present
+
+    visible = 0
+    if nvidia_driver_present():  # else no GPU can be here: torch need not be imported to say so
+        try:
+            import torch
+
+            visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        except Exception:
+            visible = 0
+    if visible >= cluster.gpus_per_node and cluster.num_nodes == 1:
+        return "cuda", f"{visible} GPUs visible here"
+    reason = "no GPU here" if visible == 0 else f"{visible} GPUs here, {cluster.gpus_per_node} needed"
+    return "sim", f"{reason}: memory predicted by tracing the real model with fake tensors, throughput estimated"
+
+
+def make_backend(name: str, options: Options):
+    from autotune.backends import get_backend
+
+    if name == "cpu" and not options.shared_dir:  # every rank on this machine, whatever --nodes says
+        return get_backend(name, timeout_s=options.timeout)
+    if name in ("cpu", "cuda"):
+        return get_backend(name, timeout_s=options.timeout, nnodes=options.nodes or 1, rdzv_endpoint=options.rdzv_endpoint,
+                           shared_dir=options.shared_dir)
+    if name == "sim":  # the two shallow depths of each configuration traced on two cores
+        if getattr(options, "hardware", None):
+            from autotune.hardware import load_profile
+
+            profile = load_profile(options.hardware)  # a cpu profile: the sim predicts a cpu backend run here
+            return get_backend(name, hardware=profile, device_kind=profile.device, parallel=True)
+        return get_backend(name, parallel=True)
+    return get_backend(name)
+
+
+def _predictor_for(name: str):
+    """Real trials are filtered by the simulator: predicted not to fit means never launched."""
+    if name not in ("cpu", "cuda"):
+        return None
+    from autotune.backends import get_backend
+
+    return get_backend("sim", device_kind=name)
+

@@ -14,15 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
 from autotune import knobs as knob_registry
-from autotune.errors import AutotuneError, StorageUnavailable, UsageError
+from autotune.api import (check_multi_node, check_out_file, check_wrappable, choose_backend, make_backend,
+                          parse_formats, resolve_problem, resolve_workload, run_tune, write_formats)
+from autotune.errors import AutotuneError, NothingFits, StorageUnavailable, UsageError
 from autotune.interrupts import raised_where_safe
+from autotune.options import BACKENDS, WORKLOADS, TuneOptions, duration, fraction, number, positive_int, usage_error
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
@@ -41,41 +42,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but bad arguments are one line and exit 2 like every other usage error."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(f"{message} (see '{self.prog} --help')")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(str(text).replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a fraction in [0, 1), e.g. 0.1")
-    return value
-
-
-def _number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-
-
-def _duration(text: str) -> float:
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", str(text))
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: use e.g. 90, 90s, 10m or 1h")
-    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)]
+        raise usage_error(message, self.prog)
 
 
 # -- shared options ---------------------------------------------------------------------------------
@@ -86,30 +53,30 @@ def _add_problem_options(parser: argparse.ArgumentParser, *, model_required: boo
                             "or a path to a Hugging Face config.json or model folder")
     group.add_argument("--trust-remote-code", action="store_true",
                        help="allow a local config that needs custom model code (off by default)")
-    group.add_argument("--gpus", type=_positive_int, help="total GPUs (ranks) of the job")
-    group.add_argument("--nodes", type=_positive_int, default=1, help="nodes; GPUs per node = gpus / nodes")
+    group.add_argument("--gpus", type=positive_int, help="total GPUs (ranks) of the job")
+    group.add_argument("--nodes", type=positive_int, default=1, help="nodes; GPUs per node = gpus / nodes")
     group.add_argument("--gpu-type", help="GPU catalog entry (h100-80gb, a100-40gb, ...); default: the "
                                           "one detected here, else h100-80gb")
     group.add_argument("--gpu-memory", help="override the memory per GPU, e.g. 40GiB; on the cpu backend "
                                             "the per-rank capacity")
     group.add_argument("--host-memory", help="host memory per node, e.g. 1TiB (checked for CPU offload)")
-    group.add_argument("--seq-len", type=_positive_int, help="training sequence length (default: the "
+    group.add_argument("--seq-len", type=positive_int, help="training sequence length (default: the "
                                                              "catalog entry's)")
     group.add_argument("--hardware", metavar="PROFILE",
                        help="hardware profile the sim backend estimates step time on: a JSON file from "
                             "`autotune calibrate` or a catalog GPU name (default: the GPU's shipped profile)")
-    group.add_argument("--backend", default="auto", choices=("auto", "sim", "analytic", "cpu", "cuda"),
+    group.add_argument("--backend", default="auto", choices=BACKENDS,
                        help="how trials run: sim (fake-tensor trace: memory predicted, time estimated), "
                             "analytic (closed form, estimated), cpu (real gloo trials), cuda (real "
                             "GPU trials); auto = cuda when the GPUs are here, else sim")
     workload = parser.add_argument_group("workload")
-    workload.add_argument("--workload", choices=("sft", "grpo"), default=None,
+    workload.add_argument("--workload", choices=WORKLOADS, default=None,
                           help="sft (default): the GPUs only train; grpo: TRL GRPO with vLLM colocated on every "
                                "GPU: training gets what vLLM leaves, and the weight sync to vLLM is part of the peak")
-    workload.add_argument("--vllm-gpu-memory-utilization", type=_number, default=None,
+    workload.add_argument("--vllm-gpu-memory-utilization", type=number, default=None,
                           help="grpo: fraction of each GPU's memory vLLM takes, in (0, 1) (default 0.3, TRL's)")
     real = parser.add_argument_group("real trials (cpu, cuda backends)")
-    real.add_argument("--timeout", type=_duration, default=600.0,
+    real.add_argument("--timeout", type=duration, default=600.0,
                       help="kill a trial after this long (default 600s)")
     real.add_argument("--rdzv-endpoint", help="multi-node trials: HOST:PORT every node reaches "
                                               "(torchrun's c10d rendezvous)")
@@ -129,9 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = tune.add_argument_group("run")
     run.add_argument("--global-tokens", required=True,
                      help="target tokens per optimizer step: 4M = 4,000,000; 4Mi = 4,194,304; 4_000_000")
-    run.add_argument("--global-tolerance", type=_fraction, default=None,
+    run.add_argument("--global-tolerance", type=fraction, default=None,
                      help="largest allowed relative deviation from --global-tokens (default 0.01)")
-    run.add_argument("--headroom", type=_fraction, default=None,
+    run.add_argument("--headroom", type=fraction, default=None,
                      help="fraction of GPU memory kept free (default 0.10)")
     run.add_argument("--space", help="search-space TOML (default: search_spaces/default.toml)")
     run.add_argument("--storage", help="Optuna storage URL (default: sqlite in --runs-dir); share one "
@@ -142,17 +109,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--export", help="comma-separated export formats to write next to best.json "
                                       "(fsdp2, fsdp1, lightning, lightning-fsdp1, accelerate, hf-trainer, trl, "
                                       "torchtitan, llama-cookbook)")
-    run.add_argument("--max-trials", type=_positive_int, help="stop after this many new trials")
-    run.add_argument("--time-budget", type=_duration, help="stop starting trials after this long, e.g. 10m")
+    run.add_argument("--max-trials", type=positive_int, help="stop after this many new trials")
+    run.add_argument("--time-budget", type=duration, help="stop starting trials after this long, e.g. 10m")
     run.add_argument("--json", action="store_true", help="print the result JSON on stdout, nothing else")
 
     trial = sub.add_parser("trial", help="evaluate one configuration and print its result as JSON")
     _add_problem_options(trial, model_required=False)
     knobs = trial.add_argument_group("configuration (or --config)")
     knobs.add_argument("--config", help="a result JSON (best.json) to re-evaluate")
-    knobs.add_argument("--grad-accum", type=_positive_int, default=1)
+    knobs.add_argument("--grad-accum", type=positive_int, default=1)
     knob_registry.add_arguments(knobs)  # one flag per tuned knob (autotune/knobs.py)
-    knobs.add_argument("--headroom", type=_fraction, default=None,
+    knobs.add_argument("--headroom", type=fraction, default=None,
                        help="fraction of GPU memory kept free (default 0.10)")
 
     export = sub.add_parser("export", help="write a result in the format of another training stack")
@@ -163,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     agent = sub.add_parser("agent", help="multi-node trials: run this node's part of the launches of a "
                                          "controller on another node")
     agent.add_argument("--shared-dir", required=True, help="the folder given to the controller's --shared-dir")
-    agent.add_argument("--wait", type=_duration, default=600.0,
+    agent.add_argument("--wait", type=duration, default=600.0,
                        help="how long to wait for a controller to start (default 600s)")
 
     sweep = sub.add_parser("sweep", help="tune a matrix of problems, each once, with any number of workers "
@@ -172,8 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--storage", help="Optuna storage URL every worker reaches (default: sqlite in --runs-dir)")
     sweep.add_argument("--runs-dir", default="runs", help="output folder (default: runs)")
     sweep.add_argument("--name", help="the sweep's name (default: the file's); e.g. nightly-$(date +%%F)")
-    sweep.add_argument("--local", type=_positive_int, help="start this many workers on this machine")
-    sweep.add_argument("--slurm", type=_positive_int, metavar="N",
+    sweep.add_argument("--local", type=positive_int, help="start this many workers on this machine")
+    sweep.add_argument("--slurm", type=positive_int, metavar="N",
                        help="submit N workers as a Slurm job array (sbatch) and return")
     sweep.add_argument("--sbatch", action="append", default=[], metavar="ARG",
                        help="an sbatch option for --slurm, e.g. --sbatch=--partition=cpu (repeatable)")
@@ -188,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="cpu: CPU ranks with gloo (default); cuda: every local GPU with NCCL")
     calibrate.add_argument("--model", default="tiny-llama",
                            help="catalog model whose shapes the GEMMs and FSDP units take (default tiny-llama)")
-    calibrate.add_argument("--ranks", type=_positive_int, help="ranks (default: 2 on cpu, every GPU on cuda)")
+    calibrate.add_argument("--ranks", type=positive_int, help="ranks (default: 2 on cpu, every GPU on cuda)")
     calibrate.add_argument("--out", help="profile JSON to write (default: hardware-<backend>.json)")
 
     regress = sub.add_parser("regress", help="compare a sweep's winners with an earlier sweep of the same matrix")
@@ -197,9 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                                             "the same matrix)")
     regress.add_argument("--storage", help="Optuna storage URL (default: sqlite in --runs-dir)")
     regress.add_argument("--runs-dir", default="runs", help="where the default storage is and reports go")
-    regress.add_argument("--throughput-drop", type=_fraction, default=0.05,
+    regress.add_argument("--throughput-drop", type=fraction, default=0.05,
                          help="a throughput drop larger than this fraction is a regression (default 0.05)")
-    regress.add_argument("--memory-rise", type=_fraction, default=0.05,
+    regress.add_argument("--memory-rise", type=fraction, default=0.05,
                          help="a peak-memory rise larger than this fraction is a regression (default 0.05)")
 
     report = sub.add_parser("report", help="rebuild runs/<run-id>/report.html from the study")
@@ -211,13 +178,6 @@ def build_parser() -> argparse.ArgumentParser:
 _VALUE_OPTIONS = ("--global-tokens", "--gpus", "--nodes", "--seq-len", "--micro-batch", "--grad-accum",
                   "--max-trials", "--gpu-memory", "--host-memory", "--headroom", "--global-tolerance",
                   "--vllm-gpu-memory-utilization")
-
-
-def command_options(command: str) -> dict[str, argparse.Action]:
-    """A command's named options by destination (autotune.tune() takes the tune command's)."""
-    root = build_parser()
-    commands = next(a for a in root._actions if isinstance(a, argparse._SubParsersAction))
-    return {a.dest: a for a in commands.choices[command]._actions if a.option_strings and a.dest != "help"}
 
 
 def _attach_negative_values(argv: list[str]) -> list[str]:
@@ -250,148 +210,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         build_parser().print_help()
         raise SystemExit(EXIT_OK)
     if args.command in ("tune", "trial"):
-        _check_multi_node(args)
+        check_multi_node(args)
     return args
 
 
-def _check_multi_node(args: argparse.Namespace) -> None:
-    """Multi-node options, checked before anything is written (docs/REAL_TRIALS.md)."""
-    if args.node_rank is not None:
-        raise UsageError("--node-rank is gone: torchrun's c10d rendezvous assigns node ranks. Run autotune on one "
-                         "node with --shared-dir DIR and `autotune agent --shared-dir DIR` on the others "
-                         "(docs/REAL_TRIALS.md)")
-    if args.shared_dir and args.backend not in ("cpu", "cuda"):
-        raise UsageError(f"--shared-dir is for real trials across nodes: add --backend cuda (or cpu), not "
-                         f"{args.backend}")
-    if args.shared_dir and not args.rdzv_endpoint:
-        raise UsageError("--shared-dir needs --rdzv-endpoint HOST:PORT, a port on this node every node reaches "
-                         "(torchrun's rendezvous)")
+# -- commands: each calls the library, prints through `console` and returns the exit code -------------
+def cmd_tune(args: argparse.Namespace, console) -> int:
+    """The library's run_tune (autotune/api.py) with the parsed flags."""
+    from autotune.result import dumps
 
-
-# -- building the problem from flags ---------------------------------------------------------------
-def _resolve_problem(args: argparse.Namespace, *, check_batch=None) -> tuple[Any, Any, int, str]:
-    """(ModelSpec, Cluster, seq_len, how the GPU type was chosen) from the shared options, validated.
-    `check_batch(num_gpus, seq_len)` runs before anything slow (GPU detection imports torch)."""
-    from autotune.catalog.gpus import DEFAULT_GPU, GPUS, detect_gpu, resolve_gpu
-    from autotune.catalog.models import resolve_model
-    from autotune.config import Cluster
-    from autotune.units import parse_bytes
-
-    if not args.model:
-        raise UsageError("--model is required (a catalog name or a path to a config.json)")
-    if args.gpus is None:
-        raise UsageError("--gpus is required: the total number of GPUs of the job, e.g. --gpus 8")
-    model = resolve_model(args.model, trust_remote_code=args.trust_remote_code)
-    seq_len = args.seq_len or model.default_seq_len
-    if model.max_positions and seq_len > model.max_positions:
-        raise UsageError(f"--seq-len {seq_len} is longer than {model.name} supports "
-                         f"({model.max_positions} positions): lower --seq-len")
-    gpu_memory = parse_bytes(args.gpu_memory, what="--gpu-memory") if args.gpu_memory else None
-    host_memory = parse_bytes(args.host_memory, what="--host-memory") if args.host_memory else None
-    if gpu_memory is not None and gpu_memory < 1:
-        raise UsageError("--gpu-memory must be positive, e.g. 40GiB")
-    if check_batch is not None:
-        check_batch(args.gpus, seq_len)
-    if args.gpu_type:
-        gpu, gpu_note = resolve_gpu(args.gpu_type), "given with --gpu-type"
-    else:
-        gpu, gpu_note = detect_gpu(), "detected"
-        if gpu is None:
-            gpu, gpu_note = GPUS[DEFAULT_GPU], "the default: no GPU detected here; set --gpu-type"
-    cluster = Cluster(num_gpus=args.gpus, num_nodes=args.nodes, gpu=gpu, gpu_memory_bytes=gpu_memory,
-                      host_memory_bytes=host_memory)
-    return model, cluster, seq_len, f"GPU type {gpu.name} ({gpu_note})"
-
-
-def _resolve_workload(args: argparse.Namespace, recorded: dict | None = None):
-    """The workload from the flags; `recorded` (a result's) fills what the flags leave out."""
-    from autotune.config import Workload
-
-    recorded = recorded or {}
-    kind = args.workload or recorded.get("kind", "sft")
-    share = args.vllm_gpu_memory_utilization
-    if share is None and kind == recorded.get("kind"):
-        share = recorded.get("vllm_gpu_memory_utilization")
-    return Workload(kind=kind, vllm_gpu_memory_utilization=share)
-
-
-def _check_wrappable(model) -> None:
-    """Fail now, with the supported families, if FSDP cannot wrap the model (a meta build: run it
-    after the cheap checks, so a typo in a number is refused at once)."""
-    _ = model.block_class
-
-
-def _check_out_file(out: str | None) -> None:
-    """--out must be writable before any trial runs: finding out after an hour is no help."""
-    if not out:
-        return
-    import tempfile
-
-    path = Path(out)
-    if path.is_dir():
-        raise UsageError(f"--out {out!r} is a folder: give a file name, e.g. --out best.json")
-    folder = path.parent if str(path.parent) else Path(".")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".autotune-probe."):
-            pass
-    except OSError as exc:
-        raise UsageError(f"--out {out!r} cannot be written ({exc.strerror}): choose a writable path") from None
+        document = run_tune(TuneOptions.from_namespace(args), console)
+    except NothingFits as exc:
+        console.error_line(str(exc))
+        return EXIT_NOTHING_FITS
+    if args.json:
+        sys.stdout.write(dumps(document))
+    return EXIT_OK
 
 
-def _choose_backend(name: str, cluster) -> tuple[str, str]:
-    """(backend name, why) -- `auto` takes the GPUs when they are here, else the simulator."""
-    if name != "auto":
-        return name, "chosen with --backend"
-    from autotune.catalog.gpus import nvidia_driver_present
-
-    visible = 0
-    if nvidia_driver_present():  # else no GPU can be here: torch need not be imported to say so
-        try:
-            import torch
-
-            visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        except Exception:
-            visible = 0
-    if visible >= cluster.gpus_per_node and cluster.num_nodes == 1:
-        return "cuda", f"{visible} GPUs visible here"
-    reason = "no GPU here" if visible == 0 else f"{visible} GPUs here, {cluster.gpus_per_node} needed"
-    return "sim", f"{reason}: memory predicted by tracing the real model with fake tensors, throughput estimated"
-
-
-def _make_backend(name: str, args: argparse.Namespace):
-    from autotune.backends import get_backend
-
-    if name == "cpu" and not args.shared_dir:  # every rank on this machine, whatever --nodes says
-        return get_backend(name, timeout_s=args.timeout)
-    if name in ("cpu", "cuda"):
-        return get_backend(name, timeout_s=args.timeout, nnodes=args.nodes or 1, rdzv_endpoint=args.rdzv_endpoint,
-                           shared_dir=args.shared_dir)
-    if name == "sim":  # the two shallow depths of each configuration traced on two cores
-        if getattr(args, "hardware", None):
-            from autotune.hardware import load_profile
-
-            profile = load_profile(args.hardware)  # a cpu profile: the sim predicts a cpu backend run here
-            return get_backend(name, hardware=profile, device_kind=profile.device, parallel=True)
-        return get_backend(name, parallel=True)
-    return get_backend(name)
-
-
-def _predictor_for(name: str):
-    """Real trials are filtered by the simulator: predicted not to fit means never launched."""
-    if name not in ("cpu", "cuda"):
-        return None
-    from autotune.backends import get_backend
-
-    return get_backend("sim", device_kind=name)
-
-
-# -- commands -----------------------------------------------------------------------------------------
 def cmd_calibrate(args: argparse.Namespace, console) -> int:
     from autotune.calibrate import calibrate
 
     out = args.out or f"hardware-{args.backend}.json"
-    _check_out_file(out)  # before a minute of measuring, not after
+    check_out_file(out)  # before a minute of measuring, not after
     profile, raw = calibrate(backend=args.backend, model_name=args.model, out=out, world_size=args.ranks)
     console.note(f"measured on {profile.machine.get('cpu') or profile.machine.get('machine')} in "
                  f"{raw['duration_s']:.0f} s; profile {profile.name} written to {out}")
@@ -399,164 +241,6 @@ def cmd_calibrate(args: argparse.Namespace, console) -> int:
         console.note(f"  {name:28s} {figure.value:14.6g}  ({figure.source}: {figure.basis})")
     console.note(f"use it with: autotune tune --backend sim --hardware {out} ...")
     return 0
-
-
-def cmd_tune(args: argparse.Namespace, console) -> int:
-    code, _ = run_tune(args, console)
-    return code
-
-
-def run_tune(args: argparse.Namespace, console) -> tuple[int, dict | None]:
-    """A whole tuning run from parsed `tune` arguments: (exit code, the result document or None
-    when nothing fits). The CLI prints through `console`; autotune.tune() passes a quiet one."""
-    from autotune.batch import DEFAULT_TOLERANCE, check_reachable, check_target
-    from autotune.records import DEFAULT_HEADROOM, TuneRequest
-    from autotune.search_space import load_space
-    from autotune.store import (RunLog, TrialStore, default_storage, ensure_writable, new_run_dir, study_name,
-                                write_run_state)
-    from autotune.units import format_bytes, parse_count
-
-    if str(args.global_tokens).strip().startswith("-"):
-        raise UsageError(f"--global-tokens must be positive, got {args.global_tokens}: e.g. 4M")
-    target = parse_count(args.global_tokens, what="--global-tokens")
-    if target < 1:
-        raise UsageError("--global-tokens must be positive, e.g. 4M")
-    tolerance = DEFAULT_TOLERANCE if args.global_tolerance is None else args.global_tolerance
-    workload = _resolve_workload(args)
-
-    def check_batch(num_gpus: int, seq_len: int) -> None:
-        check_target(target_tokens=target, num_gpus=num_gpus, seq_len=seq_len)
-        check_reachable(target_tokens=target, num_gpus=num_gpus, seq_len=seq_len, tolerance=tolerance)
-
-    model, cluster, seq_len, gpu_note = _resolve_problem(args, check_batch=check_batch)
-    space = load_space(args.space)
-    formats = _parse_formats(args.export) if args.export else []
-    _check_out_file(args.out)
-    _check_wrappable(model)
-    runs_dir = ensure_writable(Path(args.runs_dir))
-    backend_name, backend_why = _choose_backend(args.backend, cluster)
-    if backend_name in ("cpu", "cuda") and cluster.host_memory_bytes is None:
-        # Real trials run where the job will run: this machine's memory is the host memory per node.
-        import dataclasses
-
-        detected = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        cluster = dataclasses.replace(cluster, host_memory_bytes=detected)
-        gpu_note += f"; host memory {format_bytes(detected)} per node (detected here; set --host-memory to override)"
-    request = TuneRequest(model=model, cluster=cluster, seq_len=seq_len, target_tokens=target,
-                          tolerance=tolerance,
-                          headroom=DEFAULT_HEADROOM if args.headroom is None else args.headroom,
-                          space=space, max_trials=args.max_trials, time_budget_s=args.time_budget,
-                          workload=workload)
-    store = TrialStore(args.storage or default_storage(runs_dir), args.study or study_name(request, backend_name))
-    finished = store.finished()
-    run_dir = new_run_dir(request, runs_dir)
-    log = RunLog(run_dir / "autotune.log")
-    write_run_state(run_dir, "running", log)
-    state = "failed"
-    try:
-        code, document = _tune_in_run_dir(args, console, request=request, store=store, finished=finished,
-                                          run_dir=run_dir, log=log, backend_name=backend_name,
-                                          backend_why=backend_why, gpu_note=gpu_note, formats=formats)
-        state = "done" if code == EXIT_OK else "nothing-fits"
-        return code, document
-    except KeyboardInterrupt:
-        state = "interrupted"
-        raise
-    finally:
-        write_run_state(run_dir, state, log)  # the folder says how the run ended, whatever happened
-        log.close()
-
-
-def _tune_in_run_dir(args: argparse.Namespace, console, *, request, store, finished, run_dir: Path, log,
-                     backend_name: str, backend_why: str, gpu_note: str, formats: list[str]) -> tuple[int, dict | None]:
-    """The run itself, once its folder is claimed: trials, then the files."""
-    from autotune.backends import get_backend
-    from autotune.controller import Controller
-    from autotune.records import why_nothing_fits
-    from autotune.files import write_atomic
-    from autotune.result import build_result, dumps
-    from autotune.store import step_record, trials_csv
-
-    run_id = run_dir.name
-    model = request.model
-    backend = _make_backend(backend_name, args)
-    predictor = _predictor_for(backend_name)
-    console.header(request, backend_name, backend_why, backend.describe(), store, finished, run_dir)
-    console.note(gpu_note)
-    log(f"run {run_id}: study {store.name} on {store.storage}; backend {backend_name} ({backend_why})")
-
-    def on_step(step) -> None:
-        number = store.record(step, run_id=run_id)
-        console.step(step, number)
-        log(f"step {step.step} [{step.stage}] {step.train.label()} -> {step.result.status} "
-            f"fits={step.fits} {json.dumps(step_record(step)['result'], default=str)} reason: {step.reason}")
-
-    controller = Controller(request, backend, predictor=predictor, estimator=get_backend("analytic"),
-                            finished=finished, on_step=on_step, on_start=console.trial_started)
-    try:
-        with console.progress():
-            outcome = controller.tune()
-    finally:
-        backend.close()
-        if predictor is not None:
-            predictor.close()
-    records = store.trials(run_id=run_id)
-    write_atomic(run_dir / "trials.csv", trials_csv(records))
-    for note in outcome.notes:
-        console.note(note)
-        log(f"note: {note}")
-    console.trial_table(outcome.steps, request, winner=outcome.winner)
-    if outcome.winner is None:
-        reason = why_nothing_fits(outcome.steps[-1], request) if outcome.steps else "no configuration was evaluated"
-        console.error_line(f"{reason}; trials are in {run_dir}")
-        return EXIT_NOTHING_FITS, None
-    document = build_result(request, outcome.winner, outcome.steps, backend=backend_name,
-                            wrap=model.block_class, run_id=run_id, study=store.name, notes=outcome.notes,
-                            sampling=outcome.sampling)
-    text = dumps(document)
-    write_atomic(run_dir / "best.json", text)
-    if args.out:
-        write_atomic(Path(args.out), text)
-    _write_report(run_dir, document, records, console)
-    if formats:
-        _write_exports(document, formats, run_dir, console, every=args.export.strip() == "all")
-    log(f"winner: step {outcome.winner.step} {outcome.winner.train.label()}; wrote {run_dir / 'best.json'}")
-    console.winner(document, run_dir, args.out)
-    if args.json:
-        sys.stdout.write(text)
-    return EXIT_OK, document
-
-
-def _parse_formats(text: str) -> list[str]:
-    from autotune.export import FORMATS
-
-    names = list(FORMATS) if text.strip() == "all" else [f.strip() for f in text.split(",") if f.strip()]
-    unknown = [n for n in names if n not in FORMATS]
-    if unknown or not names:
-        raise UsageError(f"unknown export format {', '.join(unknown) or text!r}: choose from "
-                         f"{', '.join(FORMATS)} or 'all'")
-    return names
-
-
-def _write_exports(document: dict, formats: list[str], out_dir: Path, console, *, every: bool = False) -> list[Path]:
-    """`every` (the user asked for 'all'): a format that cannot express this result is skipped with a
-    warning; asked for by name, it is an error."""
-    from autotune.export import write_exports
-
-    def refused(fmt: str, why: str) -> None:
-        console.err.print(f"autotune: warning: {fmt} not written: {why}", markup=False)
-
-    return write_exports(document, formats, out_dir, on_refused=refused if every else None,
-                         on_written=lambda exported, path: console.exported(exported.format, path, exported.warnings))
-
-
-def _write_report(run_dir: Path, document: dict, records: list[dict], console) -> None:
-    try:
-        from autotune.report import write_report
-    except ImportError:
-        return
-    path = write_report(run_dir, document, records)
-    console.note(f"report: {path}")
 
 
 def cmd_trial(args: argparse.Namespace, console) -> int:
@@ -579,18 +263,18 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
     else:
         train = TrainConfig(**knob_registry.from_args(args))
         grad_accum = args.grad_accum
-    workload = _resolve_workload(args, recorded)
-    model, cluster, seq_len, gpu_note = _resolve_problem(args)
-    _check_wrappable(model)
+    workload = resolve_workload(args, recorded)
+    model, cluster, seq_len, gpu_note = resolve_problem(args)
+    check_wrappable(model)
     console.note(gpu_note)
     headroom = DEFAULT_HEADROOM if args.headroom is None else args.headroom
     spec = TrialSpec(model=model, cluster=cluster, seq_len=seq_len, train=train, grad_accum_steps=grad_accum,
                      memory_limit_bytes=memory_limit_bytes(cluster.capacity_bytes, headroom=headroom,
                                                            workload=workload),
                      workload=workload)
-    backend_name, why = _choose_backend(args.backend, cluster)
+    backend_name, why = choose_backend(args.backend, cluster)
     console.note(f"backend: {backend_name} ({why})")
-    backend = _make_backend(backend_name, args)
+    backend = make_backend(backend_name, args)
     try:
         result = backend.evaluate(spec)
     finally:
@@ -607,10 +291,10 @@ def cmd_export(args: argparse.Namespace, console) -> int:
     from autotune.result import load_result
 
     document = load_result(args.result)
-    formats = _parse_formats(args.format)
+    formats = parse_formats(args.format)
     source = Path(args.result)
     out_dir = Path(args.out_dir) if args.out_dir else (source if source.is_dir() else source.parent)
-    _write_exports(document, formats, out_dir, console, every=args.format.strip() == "all")
+    write_formats(document, formats, out_dir, console, every=args.format.strip() == "all")
     return EXIT_OK
 
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autotune.errors import AutotuneError, StorageUnavailable, UsageError
+from autotune.errors import AutotuneError, NothingFits, StorageUnavailable, UsageError
 
 SWEEP_PREFIX = "sweep:"
 MATRIX_KEYS = ("model", "gpus", "nodes", "gpu_type", "global_tokens", "seq_len", "backend", "workload",
@@ -61,7 +61,7 @@ MAX_RETRIES = 3  # a problem whose workers keep dying is given up after this man
 
 @dataclass(frozen=True)
 class Problem:
-    """One cell of the matrix: the flags of an `autotune tune` command."""
+    """One cell of the matrix: the problem options of one tune (TuneOptions fields, autotune/options.py)."""
 
     model: str
     gpus: int
@@ -80,16 +80,6 @@ class Problem:
         if self.workload not in (None, "sft"):  # SFT problems keep the keys they always had
             parts.append(f"{self.workload}-{self.vllm_gpu_memory_utilization or 'default'}")
         return "/".join(parts)
-
-    def argv(self) -> list[str]:
-        argv = ["--model", self.model, "--gpus", str(self.gpus), "--global-tokens", str(self.global_tokens),
-                "--backend", self.backend]
-        for flag, value in (("--gpu-type", self.gpu_type), ("--nodes", self.nodes), ("--seq-len", self.seq_len),
-                            ("--workload", self.workload),
-                            ("--vllm-gpu-memory-utilization", self.vllm_gpu_memory_utilization)):
-            if value is not None:
-                argv += [flag, str(value)]
-        return argv
 
 
 @dataclass(frozen=True)
@@ -141,13 +131,6 @@ def load_sweep(path: Path, *, name: str | None = None) -> Sweep:
     problems = tuple(dict.fromkeys(problems))
     sweep_name = name or data.get("name") or Path(path).stem
     return Sweep(name=str(sweep_name), problems=problems, options=dict(options))
-
-
-def option_argv(options: dict[str, Any]) -> list[str]:
-    argv: list[str] = []
-    for key, value in options.items():
-        argv += [f"--{key.replace('_', '-')}", str(value)]
-    return argv
 
 
 # -- the work queue -----------------------------------------------------------------------------------
@@ -312,30 +295,27 @@ def run_worker(queue: SweepQueue, *, storage_url: str, runs_dir: Path, log) -> d
 
 
 def tune_problem(problem: Problem, *, sweep: Sweep, storage_url: str, runs_dir: Path) -> dict[str, Any]:
-    """`autotune tune` for one problem, in this process, on the sweep's storage; its winner's
-    summary (or why there is none) as the sweep records it."""
-    from autotune import cli
+    """The library's tune (what `autotune tune` runs) for one problem, in this process, on the
+    sweep's storage; its winner's summary (or why there is none) as the sweep records it."""
+    from autotune.api import run_tune
     from autotune.console import Console
+    from autotune.options import tune_options
 
     out = runs_dir / "sweeps" / sweep.name / (problem.key.replace("/", "_") + ".json")
-    # A study per sweep and problem: a rerun of this sweep resumes it, but another night measures
-    # afresh (reusing last night's trials would hide tonight's regressions).
-    argv = ["tune", *problem.argv(), *option_argv(sweep.options), "--storage", storage_url,
-            "--study", f"{sweep.name}:{problem.key}", "--runs-dir", str(runs_dir), "--out", str(out)]
-    console = Console(quiet=True)
     try:
-        args = cli.parse_args(argv)
-        code = cli.cmd_tune(args, console)
+        # A study per sweep and problem: a rerun of this sweep resumes it, but another night
+        # measures afresh (reusing last night's trials would hide tonight's regressions).
+        options = tune_options(**dataclasses.asdict(problem), **sweep.options, storage=storage_url,
+                               study=f"{sweep.name}:{problem.key}", runs_dir=str(runs_dir), out=str(out))
+        run_tune(options, Console(quiet=True))
     except UsageError as exc:
         return dict(state="bad-input", message=str(exc))
+    except NothingFits:
+        return dict(state="nothing-fits", message="no configuration fits (see the problem's run folder)")
     except StorageUnavailable:
         raise  # not the problem's failure: this worker stops, its problem goes to another
     except Exception as exc:  # noqa: BLE001 - one problem's failure is recorded, the sweep goes on
         return dict(state="error", message=f"{type(exc).__name__}: {exc}")
-    if code == cli.EXIT_NOTHING_FITS:
-        return dict(state="nothing-fits", message="no configuration fits (see the problem's run folder)")
-    if code != cli.EXIT_OK:
-        return dict(state="error", message=f"tune exited with code {code}")
     return summarize(json.loads(out.read_text()), result_file=str(out))
 
 

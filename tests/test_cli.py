@@ -170,17 +170,18 @@ def test_trial_command_prints_json(tmp_path):
 
 
 def test_default_backend_without_gpus_is_the_simulator():
-    from autotune.cli import _choose_backend
+    from autotune.api import choose_backend
     from autotune.config import Cluster
 
-    name, why = _choose_backend("auto", Cluster(num_gpus=8))
+    name, why = choose_backend("auto", Cluster(num_gpus=8))
     assert name == "sim" and "no GPU here" in why
 
 
 def test_interrupted_run_keeps_finished_trials_and_resumes(tmp_path, capsys, monkeypatch):
+    import autotune.api as api
     import autotune.cli as cli
 
-    real_make_backend = cli._make_backend
+    real_make_backend = api.make_backend
     calls = {"n": 0}
 
     from autotune.backends.analytic import AnalyticBackend
@@ -194,7 +195,7 @@ def test_interrupted_run_keeps_finished_trials_and_resumes(tmp_path, capsys, mon
                 raise KeyboardInterrupt
             return super().evaluate(spec)
 
-    monkeypatch.setattr(cli, "_make_backend", lambda name, args: InterruptedOnThird())
+    monkeypatch.setattr(api, "make_backend", lambda name, options: InterruptedOnThird())
     runs = tmp_path / "runs"
     argv = [*TINY, "--backend", "analytic", "--runs-dir", str(runs)]
     assert main(argv) == cli.EXIT_INTERRUPTED
@@ -203,7 +204,7 @@ def test_interrupted_run_keeps_finished_trials_and_resumes(tmp_path, capsys, mon
     assert not (interrupted / "best.json").exists()
     assert not list(interrupted.glob(".*.tmp")), "a temporary file was left behind"
 
-    monkeypatch.setattr(cli, "_make_backend", real_make_backend)
+    monkeypatch.setattr(api, "make_backend", real_make_backend)
     assert main(argv) == EXIT_OK
     out = capsys.readouterr().out
     assert "resuming 2 finished trials" in out
@@ -478,14 +479,14 @@ def test_time_budget_samples_beyond_the_graph_and_never_launches_a_predicted_oom
     apart from the controller's) and must fit; sampled trials show as `sample`; the budget holds."""
     import time
 
-    import autotune.cli as cli
+    import autotune.api as api
     from autotune.backends import get_backend
 
     launched = []
-    make_backend = cli._make_backend
+    make_backend = api.make_backend
 
-    def spy(name, args):
-        backend = make_backend(name, args)
+    def spy(name, options):
+        backend = make_backend(name, options)
         evaluate = backend.evaluate
 
         def counted(spec):
@@ -494,7 +495,7 @@ def test_time_budget_samples_beyond_the_graph_and_never_launches_a_predicted_oom
         backend.evaluate = counted
         return backend
 
-    monkeypatch.setattr(cli, "_make_backend", spy)
+    monkeypatch.setattr(api, "make_backend", spy)
     runs = tmp_path / "runs"
     argv = ["--model", "tiny-llama", "--gpus", "2", "--global-tokens", "4096", "--seq-len", "256",
             "--backend", "cpu", "--gpu-memory", "120MiB", "--headroom", "0", "--runs-dir", str(runs)]

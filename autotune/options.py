@@ -1,0 +1,137 @@
+"""The tune command's options, typed (TuneOptions), and the validators that check them.
+
+One set of validators for both doors: the CLI's argparse types are these functions, and
+`tune_options()` (what autotune.tune() and sweeps call) runs the same ones on the same text, so a
+bad value is the same one-line UsageError whichever way it came in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from autotune.errors import UsageError
+
+BACKENDS = ("auto", "sim", "analytic", "cpu", "cuda")
+WORKLOADS = ("sft", "grpo")
+
+
+# -- validators (argparse types: they raise ArgumentTypeError, whose text argparse prints) -----------
+def positive_int(text: str) -> int:
+    try:
+        value = int(str(text).replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
+    return value
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a fraction in [0, 1), e.g. 0.1")
+    return value
+
+
+def number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def duration(text: str) -> float:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", str(text))
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: use e.g. 90, 90s, 10m or 1h")
+    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)]
+
+
+def usage_error(message: str, prog: str = "autotune tune") -> UsageError:
+    """A bad option, as the CLI's parser words it (the library words it the same)."""
+    return UsageError(f"{message} (see '{prog} --help')")
+
+
+def _option(default: Any = None, *, check: Callable[[str], Any] | None = None,
+            choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"check": check, "choices": choices})
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    """What `autotune tune` is asked: its flags (underscores for dashes) with their defaults.
+    Build one with `tune_options()` to have the values checked as the command line checks them."""
+
+    model: str
+    gpus: int | None = _option(check=positive_int)
+    global_tokens: int | str | None = None  # checked with the batch arithmetic (autotune/api.py)
+    # model and cluster
+    trust_remote_code: bool = False
+    nodes: int = _option(1, check=positive_int)
+    gpu_type: str | None = None
+    gpu_memory: str | None = None
+    host_memory: str | None = None
+    seq_len: int | None = _option(check=positive_int)
+    hardware: str | None = None
+    backend: str = _option("auto", choices=BACKENDS)
+    # workload
+    workload: str | None = _option(choices=WORKLOADS)
+    vllm_gpu_memory_utilization: float | None = _option(check=number)
+    # real trials
+    timeout: float = _option(600.0, check=duration)
+    rdzv_endpoint: str | None = None
+    shared_dir: str | None = None
+    # run
+    global_tolerance: float | None = _option(check=fraction)
+    headroom: float | None = _option(check=fraction)
+    space: str | None = None
+    storage: str | None = None
+    study: str | None = None
+    runs_dir: str = "runs"
+    out: str | None = None
+    export: str | None = None
+    max_trials: int | None = _option(check=positive_int)
+    time_budget: float | None = _option(check=duration)
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> TuneOptions:
+        """The parsed `tune` command line (already checked by its parser)."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def tune_options(**given: Any) -> TuneOptions:
+    """TuneOptions from keyword values, each checked by the validator its flag has on the command
+    line, applied to the text the flag would carry. None or False leaves an option at its default;
+    True turns on a switch. An unknown name is a UsageError listing the options."""
+    fields = {f.name: f for f in dataclasses.fields(TuneOptions)}
+    values: dict[str, Any] = {}
+    for name, value in given.items():
+        spec = fields.get(name)
+        if spec is None:
+            raise UsageError(f"autotune.tune() has no option {name!r}; options are the tune command's flags "
+                             f"with underscores: {', '.join(sorted(fields))}")
+        if value is None or value is False:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if spec.type in (bool, "bool"):
+            if value is not True:
+                raise UsageError(f"{name} is a switch ({flag}): pass True or False, not {value!r}")
+            values[name] = True
+            continue
+        text = str(value)
+        check, choices = spec.metadata.get("check"), spec.metadata.get("choices")
+        if choices is not None and text not in choices:
+            raise usage_error(f"argument {flag}: invalid choice: {text!r} "
+                              f"(choose from {', '.join(map(repr, choices))})")
+        try:
+            values[name] = check(text) if check else text
+        except argparse.ArgumentTypeError as exc:
+            raise usage_error(f"argument {flag}: {exc}") from None
+    return TuneOptions(**values)
