@@ -201,7 +201,10 @@ class Controller:
         if not step.fits and space.checkpointing:
             step = self.run("checkpointing", base.with_(activation_checkpointing="full"),
                             f"baseline {self._why(step)}: checkpoint every decoder block")
-        if not step.fits and space.offload:
+        if not step.fits and space.offload and not self._searches_offload:
+            self.notes.append("CPU offload not tried: real CPU trials cannot apply it (FSDP2's CPUOffloadPolicy "
+                              "pins host memory, which needs an accelerator); --backend sim predicts it")
+        if not step.fits and self._searches_offload:
             step = self.run("offload", step.train.with_(activation_checkpointing="full" if space.checkpointing
                                                         else "none", cpu_offload=True),
                             f"checkpointing every block {self._why(step)}: offload parameters, gradients and "
@@ -212,6 +215,11 @@ class Controller:
         largest = self._grow(step.train, stage="grow")
         self._align(largest)
         self._explore(step.train, largest)
+
+    @property
+    def _searches_offload(self) -> bool:
+        """Real CPU trials cannot apply CPUOffloadPolicy (no accelerator): the cpu backend refuses them."""
+        return self.request.space.offload and self.backend.name != "cpu"
 
     @staticmethod
     def _why(step: Step) -> str:
@@ -391,8 +399,7 @@ class Controller:
         ctx = knobs.SampleContext(
             precision=base.precision, micro_batches=tuple(sorted(self._aligned_sizes(request.max_micro_batch))),
             num_layers=request.model.num_layers, checkpointing=space.checkpointing, op_level=space.checkpointing,
-            # Real CPU trials cannot apply CPUOffloadPolicy (no accelerator): they would run without it.
-            offload=space.offload and self.backend.name != "cpu",
+            offload=self._searches_offload,
             reshard=(True, False) if space.explore_no_reshard else (base.reshard_after_forward,),
             hsdp_groups=tuple(groups),
             reshard_groups=(cluster.gpus_per_node,) if space.explore_no_reshard and cluster.num_nodes > 1 else ())

@@ -87,6 +87,18 @@ def test_needs_offload():
     assert outcome.winner.train.cpu_offload
 
 
+def test_the_cpu_backend_is_not_asked_for_offload_and_the_run_says_why():
+    """Real CPU trials cannot apply CPUOffloadPolicy (the cpu backend refuses them): where the graph
+    would offload, it stops at checkpointing and its notes say offload was not tried and why."""
+    backend = FormulaBackend()
+    backend.name = "cpu"
+    outcome = Controller(request_for(12), backend).tune()
+    assert [p[:3] for p in stages(outcome)] == [("baseline", "none", False), ("checkpointing", "full", False)]
+    assert not any(train.cpu_offload for train in backend.calls)
+    assert outcome.winner is None
+    assert any("CPU offload not tried" in note for note in outcome.notes)
+
+
 def test_nothing_fits_gives_no_winner_and_says_what_to_do():
     outcome = Controller(request_for(1), FormulaBackend()).tune()
     assert outcome.winner is None

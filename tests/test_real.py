@@ -162,6 +162,16 @@ def test_cpu_backend_refuses_a_model_too_big_for_this_host(tmp_path):
     assert result.host_memory_per_node.value > host_memory_available_bytes()
 
 
+def test_cpu_backend_refuses_offload_rather_than_measure_a_different_configuration(tmp_path):
+    """FSDP2's CPUOffloadPolicy needs an accelerator: a cpu trial asked for offload is not launched
+    (it would measure the run without offload under the offload configuration's name)."""
+    with RealBackend(device="cpu", log_dir=tmp_path) as backend:
+        result = backend.evaluate(make_spec(cpu_offload=True))
+        assert backend.launches == 0
+    assert result.status == "error" and "CPU offload cannot run on the cpu backend" in result.message
+    assert result.extras["refused"] and result.tokens_per_sec is None
+
+
 def test_short_trial_times_the_optimizer_apart_and_counts_the_jobs_accumulation(tmp_path):
     """A trial runs 2 of the job's 16 micro-batches per step: the step time it reports is the
     measured per-micro-batch time x 16 plus the optimizer step, timed on its own."""

@@ -190,7 +190,16 @@ class RealBackend(TrialBackend):
         """A trial whose predicted host need exceeds this machine's free memory is not launched:
         cpu trials (every rank's tensors live on the host) and cuda trials with CPU offload
         (the offloaded states and pinned staging). Launching it would end in the kernel's OOM
-        killer, which takes the whole launch down."""
+        killer, which takes the whole launch down. A cpu trial with CPU offload is not launched
+        either: FSDP2's CPUOffloadPolicy pins host memory, which needs an accelerator, so the trial
+        would measure the configuration without offload under the offload configuration's name."""
+        if self.device == "cpu" and spec.train.cpu_offload:
+            return TrialResult(
+                status="error", message=(
+                    "refused before launch: CPU offload cannot run on the cpu backend (FSDP2's CPUOffloadPolicy "
+                    "pins host memory, which needs an accelerator): use --backend sim to predict it or "
+                    "--backend cuda to measure it"),
+                extras=dict(tensor_peak_bytes=None, refused=True, unsupported="cpu_offload"))
         if not self.host_check or (self.device == "cuda" and not spec.train.cpu_offload):
             return None
         need, basis = self._host_need(spec)
