@@ -570,3 +570,16 @@ def test_a_signal_while_the_simulator_traces_in_two_processes_leaves_none(tmp_pa
     assert exit_code == code, err
     assert said in err and "Traceback" not in err
     assert _still_running(children) == []
+
+
+def test_the_program_exits_with_main_s_code_after_the_exit_handlers_ran():
+    """`autotune` (cli.run) skips the interpreter's teardown but not what a normal exit does: the
+    exit handlers run (here one registered by the caller), output is flushed, the code is main's."""
+    script = ("import atexit, sys; from autotune import cli; "
+              "atexit.register(lambda: print('exit handler ran')); "
+              "sys.argv = ['autotune', *sys.argv[1:]]; cli.run()")
+    ok = subprocess.run([sys.executable, "-c", script, "--help"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == EXIT_OK and "usage:" in ok.stdout and ok.stdout.rstrip().endswith("exit handler ran")
+    bad = subprocess.run([sys.executable, "-c", script, "--model", "tiny-llama", "--gpus", "0", "--global-tokens", "4M"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "error: argument --gpus" in bad.stderr and "exit handler ran" in bad.stdout
