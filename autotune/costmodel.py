@@ -97,6 +97,10 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
                  micro_batch_size=2, activation_checkpointing="op", tokens_per_sec_per_gpu=5762,
                  source="torchtitan, arXiv 2410.06511 / docs/performance.md, Table 1 (FSDP, eager)",
                  note="selective op AC; H100 96 GB HBM2e at a 500 W power limit"),
+    PublishedRun(model="llama3-8b", gpu="h100-80gb", num_gpus=128, num_nodes=16, seq_len=8192,
+                 micro_batch_size=2, activation_checkpointing="op", tokens_per_sec_per_gpu=5605,
+                 source="torchtitan docs/performance.md (Grand Teton, 2024-12), Table 3 (FSDP, eager, 128 GPUs)",
+                 note="selective op AC; 400 Gb/s RDMA per GPU; H100 96 GB HBM2e at a 500 W power limit"),
     # torchtitan's Llama 3 and Llama 2 tables: same model, same 64 A100s, different checkpointing.
     # "selective layer" is torchtitan's every-2nd-block AC, "selective op" its op-level policy (op).
     PublishedRun(model="llama3-8b", gpu="a100-80gb", num_gpus=64, num_nodes=8, seq_len=8192,
@@ -596,7 +600,7 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
 ESTIMATE_ERROR = {
     "cpu": (0.60, "the largest median error of three 24-configuration CPU grid runs (9.0%, 59.7%, 17.9%; worst "
                   "19.5%, 120.5%, 58.1%), benchmarks/bench_costmodel.py --grid --bracket, docs/BENCHMARKS.md"),
-    "cuda": (0.28, "the worst leave-one-out error over the 12 published FSDP runs (28.2%), "
+    "cuda": (0.28, "the worst leave-one-out error over the 13 published FSDP runs (28.2%), "
                    "benchmarks/bench_costmodel.py --published"),
 }
 """Relative error an estimate carries, by the profile's device, from the validation that can

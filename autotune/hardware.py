@@ -171,7 +171,7 @@ PUBLISHED_MATMUL_FRACTION = {
              "on 128 A100s, fitted to all of costmodel.PUBLISHED_RUNS"),
     "hopper": (costmodel.MATMUL_EFFICIENCY["h100-80gb"],
                "the fraction of the H100 dense bf16 peak (989 TFLOP/s) an eager FSDP step's FLOPs run at in "
-               "torchtitan's Llama 3 8B on 8 H100s (arXiv 2410.06511, Table 1, FSDP eager)"),
+               "torchtitan's Llama 3.1 8B on 8 and 128 H100s (docs/performance.md Tables 1 and 3, FSDP eager)"),
 }
 """Where a public FSDP run on the part exists; checked leave-one-out in benchmarks/bench_costmodel.py."""
 UNPUBLISHED_MATMUL_FRACTION = costmodel.DEFAULT_MATMUL_EFFICIENCY
