@@ -136,36 +136,43 @@ def real_runs(saved_configs, request):
 
 
 @pytest.fixture(scope="module")
-def predicted(saved_configs, real_runs):
-    """The simulator's prediction (two shallow copies, extrapolated) of each family's trial, made
-    once: the full-depth traces and the real gloo runs are both compared with it."""
+def predict(saved_configs, real_runs):
+    """The simulator's prediction (two shallow copies, extrapolated) of a family's trial, made once
+    per family when first asked for: the full-depth traces and the real gloo runs are both
+    compared with it."""
     sim = SimBackend(device_kind="cpu", screen=False)
-    try:
-        return {family: sim.evaluate(_family_spec(saved_configs, family)) for family in saved_configs}
-    finally:
-        sim.close()
+    made = {}
+
+    def prediction(family: str):
+        if family not in made:
+            made[family] = sim.evaluate(_family_spec(saved_configs, family))
+        return made[family]
+
+    yield prediction
+    sim.close()
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "qwen3_moe"])
-def test_extrapolation_equals_a_full_depth_trace_for_patterned_layers(saved_configs, predicted, family):
+def test_extrapolation_equals_a_full_depth_trace_for_patterned_layers(saved_configs, predict, family):
     """A count made another way: the whole model traced, against two shallow copies extrapolated."""
     spec = _family_spec(saved_configs, family)
     assert spec.train.activation_checkpointing == "none" and spec.train.micro_batch_size == 2
+    extrapolated = predict(family)
     whole = SimBackend(device_kind="cpu", extrapolate=False, screen=False)
     try:
         full = whole.evaluate(spec)
     finally:
         whole.close()
-    extrapolated = predicted[family]
     assert extrapolated.status == full.status == "ok", (extrapolated.message, full.message)
     assert extrapolated.extras["extrapolated"] and not full.extras["extrapolated"]
     assert extrapolated.extras["tensor_peak_bytes"] == full.extras["tensor_peak_bytes"]
 
 
 @pytest.fixture(scope="module")
-def measured_and_predicted(real_runs, predicted):
+def measured_and_predicted(real_runs, predict):
     families, specs, launch = real_runs
-    return {f: (spec, result, predicted[f]) for f, spec, result in zip(families, specs, launch.result())}
+    predicted = [predict(f) for f in families]  # while the launch runs
+    return dict(zip(families, zip(specs, launch.result(), predicted)))
 
 
 @pytest.mark.slow
