@@ -83,15 +83,23 @@ def measure_cpu(specs: list[TrialSpec], *, repeats: int = 1, seed: int = 0) -> l
 
 
 def estimate_sim(specs: list[TrialSpec], profile) -> list[float]:
+    return estimate_sim_on(specs, [profile])[0]
+
+
+def estimate_sim_on(specs: list[TrialSpec], profiles: list) -> list[list[float]]:
+    """Estimated tokens/s of each spec on each profile (one list per profile): one simulator,
+    which keeps its traces, so each spec is traced once and only its step time is estimated again."""
     from autotune.backends.sim import SimBackend
 
-    out = []
-    with SimBackend(device_kind="cpu", hardware=profile) as backend:  # releases its fake process group
+    out: list[list[float]] = [[] for _ in profiles]
+    with SimBackend(device_kind="cpu", hardware=profiles[0]) as backend:  # releases its fake process group
         for spec in specs:
-            result = backend.evaluate(spec)
-            if result.tokens_per_sec is None:
-                raise RuntimeError(f"no estimate for {spec.train}: {result.message}")
-            out.append(result.tokens_per_sec.value)
+            for estimates, profile in zip(out, profiles):
+                backend.hardware = profile
+                result = backend.evaluate(spec)
+                if result.tokens_per_sec is None:
+                    raise RuntimeError(f"no estimate for {spec.train}: {result.message}")
+                estimates.append(result.tokens_per_sec.value)
     return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,11 +28,26 @@ def plan(tmp_path: Path, runs: str, *args: str, env: dict | None = None) -> tupl
     return best[0], tuple(imported)
 
 
-@pytest.fixture()
-def cache_env(tmp_path) -> dict:
+def _env_without_cache_switch(cache_dir: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "AUTOTUNE_CACHE"}
-    env["AUTOTUNE_CACHE_DIR"] = str(tmp_path / "cache")
+    env["AUTOTUNE_CACHE_DIR"] = str(cache_dir)
     return env
+
+
+@pytest.fixture(scope="module")
+def first_plan(tmp_path_factory) -> tuple[dict, tuple[str, str, str], Path]:
+    """The plan made once into an empty cache (traced: the slow part), shared by this module's
+    tests; each test gets a copy of the cache folder it filled (see cache_env)."""
+    folder = tmp_path_factory.mktemp("first-plan")
+    best, imported = plan(folder, "runs", *PLAN, env=_env_without_cache_switch(folder / "cache"))
+    return best, imported, folder / "cache"
+
+
+@pytest.fixture()
+def cache_env(tmp_path, first_plan) -> dict:
+    """A cache folder of this test's own, holding what the first plan wrote."""
+    shutil.copytree(first_plan[2], tmp_path / "cache")
+    return _env_without_cache_switch(tmp_path / "cache")
 
 
 def test_help_imports_neither_torch_nor_transformers():
@@ -39,8 +55,8 @@ def test_help_imports_neither_torch_nor_transformers():
     assert "IMPORTED False False 0" in done.stdout
 
 
-def test_repeated_plan_is_served_from_the_cache_without_torch(tmp_path, cache_env):
-    first, imported = plan(tmp_path, "runs1", *PLAN, env=cache_env)
+def test_repeated_plan_is_served_from_the_cache_without_torch(tmp_path, first_plan, cache_env):
+    first, imported, _ = first_plan
     assert imported[:2] == ("True", "True")  # traced: torch and transformers were needed
     again, imported = plan(tmp_path, "runs2", *PLAN, env=cache_env)
     assert imported[:2] == ("False", "False")
@@ -50,8 +66,8 @@ def test_repeated_plan_is_served_from_the_cache_without_torch(tmp_path, cache_en
     assert again["model"]["parameters"] == first["model"]["parameters"]
 
 
-def test_cache_is_keyed_by_what_the_prediction_depends_on(tmp_path, cache_env):
-    first, _ = plan(tmp_path, "runs1", *PLAN, env=cache_env)
+def test_cache_is_keyed_by_what_the_prediction_depends_on(tmp_path, first_plan, cache_env):
+    first = first_plan[0]  # made into this cache (a copy of it)
     # Another allocator setting changes the fragmentation term: not answered from the cache.
     other = dict(cache_env, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False")
     changed, imported = plan(tmp_path, "runs2", *PLAN, env=other)

@@ -488,20 +488,21 @@ def test_every_export_pins_the_traced_optimizer(run_result, tmp_path):
 TORCHTITAN_CHECK = r"""
 import json, sys, torch
 from torchtitan.config.manager import ConfigManager
-cfg = ConfigManager().parse_args(sys.argv[1:])  # torchtitan's own parser: unknown keys are refused
-with torch.device("meta"):
-    model = cfg.model_spec.model.build()
-params = sum(p.numel() for p in model.parameters())
-layers = [m for m in model.modules() if m.__class__.__name__.endswith("TransformerBlock")]
-print(json.dumps({
-    "module": cfg.model_spec.name, "flavor": cfg.model_spec.flavor, "parameters": params,
-    "blocks": len(layers), "local": cfg.training.local_batch_size, "global": cfg.training.global_batch_size,
-    "seq_len": cfg.training.seq_len, "param_dtype": cfg.training.mixed_precision_param,
-    "reduce_dtype": cfg.training.mixed_precision_reduce, "offload": cfg.training.enable_cpu_offload,
-    "shard": cfg.parallelism.data_parallel_shard_degree, "replicate": cfg.parallelism.data_parallel_replicate_degree,
-    "reshard": cfg.parallelism.fsdp_reshard_after_forward, "optimizer": cfg.optimizer.implementation,
-    "ac": type(cfg.activation_checkpoint).__qualname__ if cfg.activation_checkpoint is not None else None,
-}))
+for args in json.loads(sys.argv[1]):  # one exported command line per case
+    cfg = ConfigManager().parse_args(args)  # torchtitan's own parser: unknown keys are refused
+    with torch.device("meta"):
+        model = cfg.model_spec.model.build()
+    params = sum(p.numel() for p in model.parameters())
+    layers = [m for m in model.modules() if m.__class__.__name__.endswith("TransformerBlock")]
+    print("BUILT " + json.dumps({
+        "module": cfg.model_spec.name, "flavor": cfg.model_spec.flavor, "parameters": params,
+        "blocks": len(layers), "local": cfg.training.local_batch_size, "global": cfg.training.global_batch_size,
+        "seq_len": cfg.training.seq_len, "param_dtype": cfg.training.mixed_precision_param,
+        "reduce_dtype": cfg.training.mixed_precision_reduce, "offload": cfg.training.enable_cpu_offload,
+        "shard": cfg.parallelism.data_parallel_shard_degree, "replicate": cfg.parallelism.data_parallel_replicate_degree,
+        "reshard": cfg.parallelism.fsdp_reshard_after_forward, "optimizer": cfg.optimizer.implementation,
+        "ac": type(cfg.activation_checkpoint).__qualname__ if cfg.activation_checkpoint is not None else None,
+    }), flush=True)
 """
 
 
@@ -516,22 +517,41 @@ def _torchtitan_python() -> str:
     return python
 
 
+TORCHTITAN_CASES = [("full", False, True, 0), ("none", True, False, 0), ("op", False, True, 1)]
+"""(activation checkpointing, cpu offload, reshard after forward, HSDP shard group size)."""
+
+
+@pytest.fixture(scope="module")
+def torchtitan_builds(run_result, tmp_path_factory) -> dict:
+    """Each case's torchtitan export, parsed and built by torchtitan 0.3 in one process of its own
+    environment (one interpreter start for every case): case -> (result, script, what was built)."""
+    from autotune.export._torchtitan import overrides_of
+
+    python = _torchtitan_python()
+    exports = {}
+    for case in TORCHTITAN_CASES:
+        ac, offload, reshard, group = case
+        result = llama3_8b(variant(run_result, activation_checkpointing=ac, cpu_offload=offload,
+                                   reshard_after_forward=reshard, shard_group_size=group))
+        folder = tmp_path_factory.mktemp("torchtitan")
+        exports[case] = (result, write(folder, result, "torchtitan")[0])
+    proc = subprocess.run([python, "-c", TORCHTITAN_CHECK,
+                           json.dumps([overrides_of(path.read_text()) for _, path in exports.values()])],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path_factory.mktemp("torchtitan-cwd"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    built = [json.loads(line[len("BUILT "):]) for line in proc.stdout.splitlines() if line.startswith("BUILT ")]
+    assert len(built) == len(exports), proc.stdout[-3000:]
+    return {case: (result, path, got) for (case, (result, path)), got in zip(exports.items(), built)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("ac, offload, reshard, group", [("full", False, True, 0), ("none", True, False, 0),
-                                                         ("op", False, True, 1)])
-def test_torchtitan_parses_the_export_and_builds_the_tuned_model(run_result, tmp_path, ac, offload, reshard, group):
+@pytest.mark.parametrize("ac, offload, reshard, group", TORCHTITAN_CASES)
+def test_torchtitan_parses_the_export_and_builds_the_tuned_model(torchtitan_builds, ac, offload, reshard, group):
     """torchtitan 0.3's ConfigManager parses the exported command line; the model it names, built on
     the meta device, has the tuned model's blocks and parameter count; every tuned knob arrived."""
     from autotune.catalog.models import resolve_model
-    from autotune.export._torchtitan import overrides_of
 
-    result = llama3_8b(variant(run_result, activation_checkpointing=ac, cpu_offload=offload,
-                               reshard_after_forward=reshard, shard_group_size=group))
-    path, exported = write(tmp_path, result, "torchtitan")
-    proc = subprocess.run([_torchtitan_python(), "-c", TORCHTITAN_CHECK, *overrides_of(path.read_text())],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    result, path, got = torchtitan_builds[(ac, offload, reshard, group)]
     assert (got["module"], got["flavor"]) == ("llama3", "8B")
     assert got["blocks"] == result["model"]["num_layers"]
     # torchtitan's own model against transformers' count of the tuned shapes (published 8.03 B).
