@@ -11,11 +11,13 @@ launch of the real cpu backend (2 gloo ranks) runs them all at full depth.
 from __future__ import annotations
 
 import importlib
-from concurrent.futures import ThreadPoolExecutor
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import transformers
 
+from autotune.backends.base import TrialResult
 from autotune.backends.real import RealBackend
 from autotune.backends.sim import SimBackend
 from autotune.catalog.models import resolve_model
@@ -114,25 +116,27 @@ def _family_spec(saved_configs, family: str) -> TrialSpec:
                  micro_batch_size=2)
 
 
+def _run_for_real(specs: list[TrialSpec]) -> list[dict]:
+    with RealBackend(device="cpu", warmup_steps=1, timed_steps=1) as real:
+        return [result.to_dict() for result in real.evaluate_many(specs)]
+
+
 @pytest.fixture(scope="module")
 def real_runs(saved_configs, request):
     """Every family's trial run for real at full depth: one torchrun launch of the cpu backend (2
-    gloo ranks), started in a thread as soon as this module first traces, so that the simulator's
-    traces (in this process, while the ranks mostly wait on each other) overlap it; the tensor
-    peaks compared do not depend on the machine's load. Not launched where no selected test
-    compares with it (-m "not slow")."""
+    gloo ranks), started as soon as this module first traces, so that the simulator's traces (in
+    this process, while the ranks mostly wait on each other) overlap it; the tensor peaks compared
+    do not depend on the machine's load. The launch is made from a fresh process (spawned, not
+    forked, not a thread of this one): the launcher's fork runs Python before exec, which in a
+    process whose other threads hold the tracer's gloo group can deadlock. Not launched where no
+    selected test compares with it (-m "not slow")."""
     if not any("measured_and_predicted" in item.fixturenames for item in request.session.items):
         yield None
         return
     families = list(saved_configs)
     specs = [_family_spec(saved_configs, f) for f in families]
-
-    def run():
-        with RealBackend(device="cpu", warmup_steps=1, timed_steps=1) as real:
-            return real.evaluate_many(specs)
-
-    with ThreadPoolExecutor(max_workers=1) as pool:  # leaving waits for the launch to end
-        yield families, specs, pool.submit(run)
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield families, specs, pool.submit(_run_for_real, specs)  # leaving waits for the launch to end
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +176,8 @@ def test_extrapolation_equals_a_full_depth_trace_for_patterned_layers(saved_conf
 def measured_and_predicted(real_runs, predict):
     families, specs, launch = real_runs
     predicted = [predict(f) for f in families]  # while the launch runs
-    return dict(zip(families, zip(specs, launch.result(), predicted)))
+    measured = [TrialResult.from_dict(result) for result in launch.result()]
+    return dict(zip(families, zip(specs, measured, predicted)))
 
 
 @pytest.mark.slow

@@ -139,6 +139,8 @@ def start_torchrun(options: LaunchOptions, folder: Path, *, marker: str) -> subp
     # Trials run with the allocator setting the prediction assumes and the exports pin.
     env[ALLOC_CONF_ENV] = alloc_conf(os.environ)
     command = torchrun_command(options, folder=folder, node=node, rdzv_id=f"autotune-{marker}")
+    # Launch from the main thread: preexec_fn runs Python in the forked child, which there drops
+    # the other threads' objects (a gloo group's destructor then waits forever on its threads).
     with open(folder / f"torchrun.{node}.log", "wb") as log:
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True, preexec_fn=die_with_parent)
