@@ -14,9 +14,9 @@ import pytest
 
 PLAN = ["--model", "tiny-llama", "--gpus", "2", "--global-tokens", "64K", "--backend", "sim"]
 # Runs the CLI in-process, then reports which heavy libraries the run imported.
-PROBE = ("import runpy, sys\nsys.argv = ['autotune'] + sys.argv[1:]\ntry:\n"
-         "    runpy.run_module('autotune', run_name='__main__')\nexcept SystemExit as exit:\n"
-         "    code = exit.code\nprint('IMPORTED', 'torch' in sys.modules, 'transformers' in sys.modules, code)\n")
+PROBE = ("import sys\nfrom autotune.cli import main\ntry:\n    code = main(sys.argv[1:])\n"
+         "except SystemExit as exit:  # --help\n    code = exit.code\n"
+         "print('IMPORTED', 'torch' in sys.modules, 'transformers' in sys.modules, code)\n")
 
 
 def plan(tmp_path: Path, runs: str, *args: str, env: dict | None = None) -> tuple[dict, tuple[str, str, str]]:

@@ -11,8 +11,9 @@ launch of the real cpu backend (2 gloo ranks) runs them all at full depth.
 from __future__ import annotations
 
 import importlib
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
+import json
+import subprocess
+import sys
 
 import pytest
 import transformers
@@ -116,27 +117,48 @@ def _family_spec(saved_configs, family: str) -> TrialSpec:
                  micro_batch_size=2)
 
 
-def _run_for_real(specs: list[TrialSpec]) -> list[dict]:
-    with RealBackend(device="cpu", warmup_steps=1, timed_steps=1) as real:
-        return [result.to_dict() for result in real.evaluate_many(specs)]
+# The real launch, in a process of its own: reads the specs, prints the results (JSON).
+RUN_FOR_REAL = ("import json, sys\n"
+                "from autotune.backends.real import RealBackend\n"
+                "from autotune.config import TrialSpec\n"
+                "specs = [TrialSpec.from_dict(d) for d in json.load(sys.stdin)]\n"
+                "with RealBackend(device='cpu', warmup_steps=1, timed_steps=1) as real:\n"
+                "    print(json.dumps([r.to_dict() for r in real.evaluate_many(specs)]))\n")
 
 
 @pytest.fixture(scope="module")
-def real_runs(saved_configs, request):
+def real_runs(saved_configs, request, tmp_path_factory):
     """Every family's trial run for real at full depth: one torchrun launch of the cpu backend (2
     gloo ranks), started as soon as this module first traces, so that the simulator's traces (in
     this process, while the ranks mostly wait on each other) overlap it; the tensor peaks compared
-    do not depend on the machine's load. The launch is made from a fresh process (spawned, not
-    forked, not a thread of this one): the launcher's fork runs Python before exec, which in a
-    process whose other threads hold the tracer's gloo group can deadlock. Not launched where no
-    selected test compares with it (-m "not slow")."""
+    do not depend on the machine's load. The launch is made by a fresh Python process, not a
+    thread of this one: the launcher's fork runs Python before exec, which in a process whose
+    other threads hold the tracer's gloo group deadlocks. Not launched where no selected test
+    compares with it (-m "not slow")."""
     if not any("measured_and_predicted" in item.fixturenames for item in request.session.items):
         yield None
         return
     families = list(saved_configs)
     specs = [_family_spec(saved_configs, f) for f in families]
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        yield families, specs, pool.submit(_run_for_real, specs)  # leaving waits for the launch to end
+    log = tmp_path_factory.mktemp("real-launch") / "stderr.log"
+    with open(log, "w") as stderr:  # a file, not a pipe: nothing to fill while this process traces
+        launch = subprocess.Popen([sys.executable, "-c", RUN_FOR_REAL], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=stderr, text=True)
+    launch.stdin.write(json.dumps([spec.to_dict() for spec in specs]))
+    launch.stdin.close()
+
+    def results() -> list[TrialResult]:
+        out = launch.stdout.read()
+        assert launch.wait(timeout=1800) == 0, log.read_text()[-3000:]
+        return [TrialResult.from_dict(r) for r in json.loads(out.strip().splitlines()[-1])]
+
+    try:
+        yield families, specs, results
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+        launch.wait()
+        launch.stdout.close()
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +198,7 @@ def test_extrapolation_equals_a_full_depth_trace_for_patterned_layers(saved_conf
 def measured_and_predicted(real_runs, predict):
     families, specs, launch = real_runs
     predicted = [predict(f) for f in families]  # while the launch runs
-    measured = [TrialResult.from_dict(result) for result in launch.result()]
+    measured = launch()
     return dict(zip(families, zip(specs, measured, predicted)))
 
 
