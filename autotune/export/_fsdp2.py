@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         save_checkpoint(model, optimizer, args.save)
         if rank == 0:
             print(f"saved {{STATE_DICT_TYPE}} checkpoint to {{args.save}}", flush=True)
+    dist.barrier()  # no rank tears its groups down while another still talks to it
     dist.destroy_process_group()
 
 
