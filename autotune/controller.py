@@ -218,8 +218,7 @@ class Controller:
 
     @property
     def _searches_offload(self) -> bool:
-        """Real CPU trials cannot apply CPUOffloadPolicy (no accelerator): the cpu backend refuses them."""
-        return self.request.space.offload and self.backend.name != "cpu"
+        return self.request.space.offload and self.backend.applies_cpu_offload
 
     @staticmethod
     def _why(step: Step) -> str:

@@ -307,7 +307,7 @@ def tune_problem(problem: Problem, *, sweep: Sweep, storage_url: str, runs_dir: 
         # measures afresh (reusing last night's trials would hide tonight's regressions).
         options = tune_options(**dataclasses.asdict(problem), **sweep.options, storage=storage_url,
                                study=f"{sweep.name}:{problem.key}", runs_dir=str(runs_dir), out=str(out))
-        run_tune(options, Console(quiet=True))
+        document = run_tune(options, Console(quiet=True))
     except UsageError as exc:
         return dict(state="bad-input", message=str(exc))
     except NothingFits:
@@ -316,7 +316,7 @@ def tune_problem(problem: Problem, *, sweep: Sweep, storage_url: str, runs_dir: 
         raise  # not the problem's failure: this worker stops, its problem goes to another
     except Exception as exc:  # noqa: BLE001 - one problem's failure is recorded, the sweep goes on
         return dict(state="error", message=f"{type(exc).__name__}: {exc}")
-    return summarize(json.loads(out.read_text()), result_file=str(out))
+    return summarize(document, result_file=str(out))
 
 
 def summarize(result: dict[str, Any], *, result_file: str) -> dict[str, Any]:

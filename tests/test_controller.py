@@ -91,7 +91,7 @@ def test_the_cpu_backend_is_not_asked_for_offload_and_the_run_says_why():
     """Real CPU trials cannot apply CPUOffloadPolicy (the cpu backend refuses them): where the graph
     would offload, it stops at checkpointing and its notes say offload was not tried and why."""
     backend = FormulaBackend()
-    backend.name = "cpu"
+    backend.applies_cpu_offload = False  # as RealBackend(device="cpu") says
     outcome = Controller(request_for(12), backend).tune()
     assert [p[:3] for p in stages(outcome)] == [("baseline", "none", False), ("checkpointing", "full", False)]
     assert not any(train.cpu_offload for train in backend.calls)

@@ -117,24 +117,19 @@ def activation_bytes_per_token(shape: ModelShape, param_bytes: int) -> float:
     return norms + attention + mlp
 
 
-def _block_matmuls(shape: ModelShape) -> list[tuple[int, int]]:
-    """(input, output) widths of a decoder block's matmuls in forward order: q, k, v, o, then the
-    SwiGLU MLP's gate, up, down. Op-level checkpointing's `alt-mm` policy counts them in this
-    order (autotune/parallel.py: op_sac_policy)."""
+def _op_checkpoint_matmuls(shape: ModelShape, policy: str) -> list[tuple[int, int, bool]]:
+    """(input width, output width, saved) of a decoder block's matmuls in forward order: q, k, v, o,
+    then the SwiGLU MLP's gate, up, down. Op-level checkpointing keeps every output (`mm`) or the
+    1st, 3rd, 5th... (`alt-mm`, counting in this order: autotune/parallel.py, op_sac_policy)."""
     h, kv, ffn = shape.hidden, shape.kv_width, shape.intermediate
-    return [(h, h), (h, kv), (h, kv), (h, h), (h, ffn), (h, ffn), (ffn, h)]
-
-
-def _op_saved_matmuls(shape: ModelShape, policy: str) -> list[bool]:
-    """Which of the block's matmul outputs op-level checkpointing keeps: all of them (`mm`), or
-    the 1st, 3rd, 5th... (`alt-mm`: every second one is recomputed)."""
-    return [policy == "mm" or i % 2 == 0 for i in range(len(_block_matmuls(shape)))]
+    widths = [(h, h), (h, kv), (h, kv), (h, h), (h, ffn), (h, ffn), (ffn, h)]
+    return [(fan_in, out, policy == "mm" or i % 2 == 0) for i, (fan_in, out) in enumerate(widths)]
 
 
 def op_checkpoint_saved_bytes_per_token(shape: ModelShape, policy: str, param_bytes: int) -> float:
     """Bytes an op-level checkpointed block keeps for backward per token besides its input: the
     matmul outputs its policy saves and the attention kernel's output and fp32 logsumexp."""
-    kept = sum(out for (_, out), saved in zip(_block_matmuls(shape), _op_saved_matmuls(shape, policy)) if saved)
+    kept = sum(out for _, out, saved in _op_checkpoint_matmuls(shape, policy) if saved)
     return param_bytes * (kept + shape.hidden) + 4 * shape.num_heads
 
 
@@ -142,8 +137,7 @@ def op_checkpoint_recompute_flops_per_token(shape: ModelShape, policy: str) -> f
     """Forward FLOPs per token backward runs again in an op-level checkpointed block: the matmuls
     its policy did not save (attention's output is saved, so attention is not recomputed;
     elementwise ops are not counted, as elsewhere in the closed form)."""
-    return sum(2 * fan_in * out for (fan_in, out), saved in zip(_block_matmuls(shape), _op_saved_matmuls(shape, policy))
-               if not saved)
+    return sum(2 * fan_in * out for fan_in, out, saved in _op_checkpoint_matmuls(shape, policy) if not saved)
 
 
 @dataclass(frozen=True, kw_only=True)

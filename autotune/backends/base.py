@@ -107,6 +107,9 @@ class TrialBackend(abc.ABC):
     name: str = "base"
     memory_source: Source = "estimated"
     throughput_source: Source = "estimated"
+    applies_cpu_offload: bool = True
+    """False where a trial cannot apply CPU offload (real CPU trials: CPUOffloadPolicy pins host
+    memory, which needs an accelerator): the backend refuses such trials and the search skips them."""
 
     @abc.abstractmethod
     def evaluate(self, spec: TrialSpec) -> TrialResult:

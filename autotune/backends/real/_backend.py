@@ -61,6 +61,7 @@ class RealBackend(TrialBackend):
                              "`autotune agent --shared-dir DIR` on the other nodes (docs/REAL_TRIALS.md)")
         self.name = device
         self.device = device
+        self.applies_cpu_offload = device != "cpu"
         self.timeout_s = float(timeout_s)
         self.startup_timeout_s = float(startup_timeout_s)
         self.persistent = persistent
@@ -193,7 +194,7 @@ class RealBackend(TrialBackend):
         killer, which takes the whole launch down. A cpu trial with CPU offload is not launched
         either: FSDP2's CPUOffloadPolicy pins host memory, which needs an accelerator, so the trial
         would measure the configuration without offload under the offload configuration's name."""
-        if self.device == "cpu" and spec.train.cpu_offload:
+        if spec.train.cpu_offload and not self.applies_cpu_offload:
             return TrialResult(
                 status="error", message=(
                     "refused before launch: CPU offload cannot run on the cpu backend (FSDP2's CPUOffloadPolicy "
