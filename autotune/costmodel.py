@@ -10,7 +10,9 @@ calibrated against. Callers count the work (FLOPs, collective bytes, offload cop
     exposed  = comm that does not fit under compute, plus the first all-gather and last
                reduce-scatter of each micro-batch, which nothing can hide
     offload  = host<->device copies over PCIe (they share the copy streams with collectives)
-    step     = compute + exposed (comm + offload) + CPU AdamW step when offloading
+    host     = dispatched ops x HOST_OP_US (where the trace counted them): the host issues the
+               kernels ahead of the GPU, so a micro-batch takes the longer of the two
+    step     = max(compute, host) + exposed (comm + offload) + CPU AdamW step when offloading
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ __all__ = [
     "ESTIMATE_BASIS", "PUBLISHED_RUNS",
     "MATMUL_EFFICIENCY", "DEFAULT_MATMUL_EFFICIENCY", "HALF_EFFICIENCY_TOKENS",
     "INTRA_NODE_BUS_EFFICIENCY", "INTER_NODE_BUS_EFFICIENCY", "CPU_ADAM_PARAMS_PER_S_PER_NODE",
-    "HOST_PROCESS_BYTES",
+    "HOST_PROCESS_BYTES", "HOST_OP_US",
 ]
 
 GiB = 2**30
@@ -56,6 +58,19 @@ figure before those rows were added, Llama 2 70B micro-batch 1 on 64 A100s came 
 published 355 tokens/s/GPU). Why a flat ring at one NIC per GPU is too slow is not established
 here (NCCL's rings and trees over all of a node's NICs, or clusters with more than one NIC per
 GPU); a calibrated profile measures the cluster instead (docs/COSTMODEL.md)."""
+HOST_OP_US = 24.0
+"""Host time per dispatched op of an eager FSDP2 forward + backward on a GPU (Python, dispatcher,
+autograd, FSDP2's hooks, the kernel launch). Small models at small micro-batches are bound by it,
+not by the GPU: on one H100, qwen2.5-0.5b at micro-batch 2 ran at 10-12k tokens/s where the
+roofline alone says 105k. Measured by `autotune calibrate --backend cuda` (a 2-block FSDP2 step
+over its dispatched ops) on H100 VMs with 16 Xeon cores and torch 2.11, on three models and two
+machines: 16.7, 21.5, 27.3 and 32.9 us (benchmarks/results/h100_calibrated_*.json); 24 us is
+their median. It is a property of the host CPU and the torch version, not of the GPU, so one
+figure serves every catalog GPU; checked against the real H100 trials it was not taken from in
+`benchmarks/bench_costmodel.py --gpu-recorded` (docs/COSTMODEL.md)."""
+HOST_OP_BASIS = ("autotune calibrate --backend cuda on H100 VMs (16 Xeon cores, torch 2.11): 16.7-32.9 us over "
+                 "three models and two machines, median 24 us (benchmarks/results/h100_calibrated_*.json); "
+                 "a calibrated profile measures this machine's")
 _PCIE_GBPS = {"h100-80gb": 50.0, "h200-141gb": 50.0}
 """Host<->device copy bandwidth achieved from pinned memory, GB/s: PCIe Gen5 x16 parts here;
 every other catalog part is Gen4 x16 at 25 GB/s."""
@@ -189,6 +204,9 @@ class StepWork:
     backward_allgather_bytes_per_gpu: float = 0.0
     """The part of `allgather_bytes_per_gpu` that backward gathers again (blocks resharded after
     forward): what resharding to smaller groups moves onto the group's links."""
+    dispatched_ops_per_microbatch: float = 0.0
+    """Ops the host dispatches per micro-batch (counted in the trace, recomputation included);
+    0 where nothing counted them (the closed form, the published runs): then no host term."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,6 +224,10 @@ class StepTime:
     mfu: float
     """Model FLOPs utilisation against the data-sheet peak."""
     basis: str
+    host_s: float = 0.0
+    """The host's time to dispatch the step's ops (0 where they were not counted)."""
+    host_bound: bool = False
+    """The host's time exceeds the GPU's compute: the step waits on Python, not on the GPU."""
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -258,7 +280,7 @@ def offload_bytes(*, block_params: int, num_blocks: int, root_params: int, num_g
 def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_per_gpu_step: int,
                    num_gpus: int, block_params: int, num_blocks: int, root_params: int, param_bytes: int,
                    reshard_after_forward: bool = True, cpu_offload: bool = False,
-                   num_microbatches: int = 1) -> StepWork:
+                   num_microbatches: int = 1, dispatched_ops_per_microbatch: float = 0.0) -> StepWork:
     """The `StepWork` of a full-sharded FSDP2 step from what a backend counted: FLOPs, sizes."""
     sizes = dict(block_params=block_params, num_blocks=num_blocks, root_params=root_params,
                  reshard_after_forward=reshard_after_forward, num_microbatches=num_microbatches)
@@ -273,7 +295,7 @@ def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_p
         cpu_optimizer_params=-(-total_params // num_gpus) if cpu_offload else 0,
         backward_allgather_bytes_per_gpu=float(block_params * num_blocks * param_bytes * num_microbatches)
         if reshard_after_forward else 0.0,
-        num_fsdp_units=num_blocks + 1,
+        num_fsdp_units=num_blocks + 1, dispatched_ops_per_microbatch=dispatched_ops_per_microbatch,
     )
 
 
@@ -324,17 +346,24 @@ def hsdp_comm_seconds(work: StepWork, cluster: Cluster, *, shard_group_size: int
 
 def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: int = 0, reshard_group_size: int = 0,
                        matmul_top_efficiency: float | None = None,
-                       inter_node_bus_efficiency: float | None = None) -> StepTime:
+                       inter_node_bus_efficiency: float | None = None,
+                       host_op_us: float | None = None) -> StepTime:
     """Roofline time of one optimizer step on `cluster` (see the module docstring);
     `shard_group_size` > 0: HSDP (see hsdp_comm_seconds); `reshard_group_size` > 0: backward's
     all-gathers run in rings of that many GPUs (on the node's links when they fit in a node).
-    The last two keyword arguments replace the fitted constants (leave-one-out validation refits
-    them)."""
+    `matmul_top_efficiency` and `inter_node_bus_efficiency` replace the fitted constants
+    (leave-one-out validation refits them); `host_op_us` the host time per dispatched op
+    (default HOST_OP_US)."""
     gpu = cluster.gpu
     n = cluster.num_gpus
     tokens_per_microbatch = work.tokens_per_step / (work.num_microbatches * n)
-    compute_s = work.flops_per_gpu / (gpu.peak_tflops * 1e12 * matmul_efficiency(gpu, tokens_per_microbatch,
-                                                                                  matmul_top_efficiency))
+    gpu_compute_s = work.flops_per_gpu / (gpu.peak_tflops * 1e12 * matmul_efficiency(gpu, tokens_per_microbatch,
+                                                                                      matmul_top_efficiency))
+    # The host queues kernels ahead of the GPU (FSDP2 does not block it inside forward and
+    # backward), so the micro-batches take the longer of the GPU's time and the host's.
+    host_op_us = HOST_OP_US if host_op_us is None else host_op_us
+    host_s = work.num_microbatches * work.dispatched_ops_per_microbatch * host_op_us * 1e-6
+    compute_s = max(gpu_compute_s, host_s)
 
     comm_s = 0.0
     shard = shard_group_size if 0 < shard_group_size < n else n
@@ -375,7 +404,11 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
         offload_s=offload_s, cpu_optimizer_s=cpu_optimizer_s,
         tokens_per_sec=work.tokens_per_step / seconds if seconds > 0 else 0.0,
         mfu=model_flops / (seconds * gpu.peak_tflops * 1e12) if seconds > 0 else 0.0,
-        basis=estimate_basis(gpu) + (f" on {cluster.num_nodes} nodes" if cluster.num_nodes > 1 else ""),
+        basis=estimate_basis(gpu) + (f" on {cluster.num_nodes} nodes" if cluster.num_nodes > 1 else "")
+        + (f"; host-bound: {work.num_microbatches} micro-batch(es) x {work.dispatched_ops_per_microbatch:,.0f} "
+           f"dispatched ops x {host_op_us:g} us = {host_s:.3g} s per step, over the GPU's {gpu_compute_s:.3g} s"
+           if host_s > gpu_compute_s else ""),
+        host_s=host_s, host_bound=host_s > gpu_compute_s,
     )
 
 
@@ -602,17 +635,25 @@ ESTIMATE_ERROR = {
                   "19.5%, 120.5%, 58.1%), benchmarks/bench_costmodel.py --grid --bracket, docs/BENCHMARKS.md"),
     "cuda": (0.28, "the worst leave-one-out error over the 13 published FSDP runs (28.2%), "
                    "benchmarks/bench_costmodel.py --published"),
+    "cuda-host-bound": (0.46, "the worst error of the host-bound estimates against 35 real H100 trials without "
+                              "offload (46.3%; median 16%), benchmarks/bench_costmodel.py --gpu-recorded"),
 }
 """Relative error an estimate carries, by the profile's device, from the validation that can
 fail (docs/COSTMODEL.md, "Validation"): the range printed with every estimated throughput."""
 
 
-def estimate_range(tokens_per_sec: float, profile) -> tuple[float, float]:
+def _error_class(profile, host_bound: bool) -> str:
+    # A GPU estimate the host's dispatch time sets was validated on other trials (small models
+    # on one H100) than one the GPU's compute sets (the published runs).
+    return "cuda-host-bound" if profile.device == "cuda" and host_bound else profile.device
+
+
+def estimate_range(tokens_per_sec: float, profile, *, host_bound: bool = False) -> tuple[float, float]:
     """(low, high) tokens/s around an estimate, from the validation errors."""
-    err = ESTIMATE_ERROR[profile.device][0]
+    err = ESTIMATE_ERROR[_error_class(profile, host_bound)][0]
     return tokens_per_sec * (1 - err), tokens_per_sec * (1 + err)
 
 
-def range_source(profile) -> str:
-    err, where = ESTIMATE_ERROR[profile.device]
+def range_source(profile, *, host_bound: bool = False) -> str:
+    err, where = ESTIMATE_ERROR[_error_class(profile, host_bound)]
     return f"+-{err:.0%}, {where}"

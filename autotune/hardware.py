@@ -11,7 +11,8 @@ each figure with its value, unit, source and basis:
 `source` is one of `data sheet` (the vendor's nominal figure, times a stated fraction),
 `published run` (derived from a public measurement, named), `measured` (by `autotune
 calibrate` on the machine named in the profile). The shipped profiles (one per catalog GPU,
-built here from autotune/catalog/gpus.py) hold no measured figure; `autotune calibrate` writes
+built here from autotune/catalog/gpus.py) hold nothing measured on the machine they describe
+(`host_op_us`, a host figure, comes from this project's recorded calibrations); `autotune calibrate` writes
 profiles whose figures are measured, and `--hardware PROFILE` on `tune` and `trial` makes the
 estimate run on them (its basis then says "calibrated profile <name>").
 
@@ -178,15 +179,9 @@ UNPUBLISHED_MATMUL_FRACTION = costmodel.DEFAULT_MATMUL_EFFICIENCY
 INTRA_NODE_BUS_FRACTION = costmodel.INTRA_NODE_BUS_EFFICIENCY
 INTER_NODE_BUS_FRACTION = costmodel.INTER_NODE_BUS_EFFICIENCY
 _PCIE_GBPS = {"h100-80gb": 50.0, "h200-141gb": 50.0}
-SHIPPED_HOST_OP_US = 10.0
-SHIPPED_HOST_OP_BASIS = (
-    "not measured: a published order of magnitude, not a data-sheet figure. Eager PyTorch spends ~5-25 us of "
-    "CPU time per op before its kernel runs (Python ~1, pybind ~1, autograd ~1-3, dispatcher ~1-2, backend "
-    "~1-5, cudaLaunchKernel ~1-3 us: J. Lin, 'From PyTorch op to kernel launch', "
-    "jiahuanglin.xyz/all_lessons/gpu_kernel_serving/18_pytorch_to_kernel.html); 10 us, the lower part of that "
-    "range, because the trace's dispatched ops include views and other ops that launch no kernel. Chosen before "
-    "comparing with any measured step; `autotune calibrate --backend cuda` measures it on the machine")
-"""The shipped profiles' host time per dispatched op (see `host_op_us` above)."""
+SHIPPED_HOST_OP_US = costmodel.HOST_OP_US
+SHIPPED_HOST_OP_BASIS = costmodel.HOST_OP_BASIS
+"""The shipped profiles' host time per dispatched op (see `host_op_us` above): the roofline's."""
 
 
 def _family(gpu: GPUSpec) -> str | None:
@@ -232,7 +227,7 @@ def shipped_profile(gpu: GPUSpec) -> HardwareProfile:
                                                 "torch.optim.AdamW rate (~28 bytes per parameter): unvalidated"),
         "optimizer_gbps": HardwareFigure(gpu.hbm_gbps * 0.5, "data sheet", "50% of memory bandwidth for the "
                                          "multi-tensor AdamW: unvalidated"),
-        "host_op_us": HardwareFigure(SHIPPED_HOST_OP_US, "data sheet", SHIPPED_HOST_OP_BASIS),
+        "host_op_us": HardwareFigure(SHIPPED_HOST_OP_US, "published run", SHIPPED_HOST_OP_BASIS),
     }
     return HardwareProfile(name=gpu.name, device="cuda", gpu=gpu.name, figures=figures)
 

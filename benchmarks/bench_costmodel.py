@@ -35,7 +35,7 @@ import statistics
 import sys
 import time
 
-from autotune import costmodel
+from autotune import cache, costmodel
 from autotune.config import Cluster, TrainConfig, TrialSpec
 
 GRID_MODEL = "tiny-llama"
@@ -286,6 +286,9 @@ GPU_RECORDED = [  # (model, seq, real cuda trials' report, calibrated profile of
     ("llama3.2-1b", 1024, "gpu_check_h100_llama3.2-1b_seq1024_expandable.json", "h100_calibrated_llama3.2-1b.json"),
     ("llama3.2-1b", 2048, "gpu_check_h100_llama3.2-1b_seq2048_expandable.json", "h100_calibrated_llama3.2-1b.json"),
     ("qwen2.5-1.5b", 2048, "gpu_check_h100_qwen2.5-1.5b_seq2048_expandable.json", "h100_calibrated_qwen2.5-1.5b.json"),
+    # 2026-11-23, a later session on another H100 VM: the op-level and every:2 cases added.
+    ("qwen2.5-0.5b", 1024, "gpu_check_h100_qwen2.5-0.5b_seq1024_knobs.json", "h100_calibrated_qwen2.5-0.5b.json"),
+    ("llama3.2-1b", 2048, "gpu_check_h100_llama3.2-1b_seq2048_knobs.json", "h100_calibrated_llama3.2-1b.json"),
 ]
 
 
@@ -329,6 +332,7 @@ def run_gpu_recorded(args) -> dict:
         profile = hardware.load_profile(os.path.join(RESULTS, profile_file))
         host = forced or profile.figures.get("host_op_us") or shipped
         print(f"{model_name} seq {seq}: host_op_us {host.value:.1f} us ({host.source}, {profile_file})")
+        default_backend = SimBackend(device_kind="cuda")
         before_backend = SimBackend(device_kind="cuda", hardware=with_host_op(profile, None))
         after_backend = SimBackend(device_kind="cuda", hardware=with_host_op(profile, host))
         for row in recorded["rows"]:
@@ -345,23 +349,57 @@ def run_gpu_recorded(args) -> dict:
             ops = (after.extras.get("op_work") or {}).get("dispatched_ops", 0) * spec.grad_accum_steps
             step_s = spec.train.micro_batch_size * seq * spec.grad_accum_steps * spec.cluster.num_gpus / measured
             ceiling = (step_s - after.extras["step_time"]["optimizer_s"]) / ops * 1e6 if ops else None
+            # The default estimate (no --hardware: the roofline on the shipped figures) without
+            # and with the host term at costmodel.HOST_OP_US.
+            default_after = default_backend.evaluate(spec)
+            # (With the persistent cache off: the patched constant is not part of its key.)
+            shipped_host_op_us, costmodel.HOST_OP_US = costmodel.HOST_OP_US, 0.0
+            cache_setting, os.environ[cache.CACHE_ENV] = os.environ.get(cache.CACHE_ENV), "off"
+            try:
+                default_before = default_backend.evaluate(spec)
+            finally:
+                costmodel.HOST_OP_US = shipped_host_op_us
+                if cache_setting is None:
+                    del os.environ[cache.CACHE_ENV]
+                else:
+                    os.environ[cache.CACHE_ENV] = cache_setting
             rows.append(dict(model=model_name, seq=seq, label=row["label"], measured=measured, before=b, after=a,
-                             host_bound=bound, profile=profile_file, dispatched_ops_per_step=ops,
-                             host_us_per_op_ceiling=ceiling))
+                             host_bound=bound, profile=profile_file, report=report, dispatched_ops_per_step=ops,
+                             host_us_per_op_ceiling=ceiling,
+                             default_before=default_before.tokens_per_sec.value,
+                             default_after=default_after.tokens_per_sec.value,
+                             default_host_bound=default_after.extras["step_time"].get("host_bound")))
             print(f"| {model_name} | {seq} | {row['label']} | {measured:,.0f} | {b:,.0f} | {b / measured - 1:+.0%} | "
                   f"{a:,.0f} | {a / measured - 1:+.0%} | {'yes' if bound else 'no'} | "
                   f"{ceiling or 0:.1f} |", flush=True)
+    print(f"\n## The default estimate (no --hardware: roofline on the shipped figures) against the same trials\n"
+          f"before: without the host term; after: with it, {costmodel.HOST_OP_US:g} us per dispatched op "
+          f"(costmodel.HOST_OP_US, the median of the recorded calibrations, not of these trials)")
+    print("| model | seq | configuration | measured tok/s | default before | error | default after | error | host-bound |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        m = r["measured"]
+        print(f"| {r['model']} | {r['seq']} | {r['label']} | {m:,.0f} | {r['default_before']:,.0f} | "
+              f"{r['default_before'] / m - 1:+.0%} | {r['default_after']:,.0f} | {r['default_after'] / m - 1:+.0%} | "
+              f"{'yes' if r['default_host_bound'] else 'no'} |")
     summary = {}
-    print("\n| model | rows | median abs error before | after | Kendall tau before | after |")
+    print("\n| model | rows | median abs error before | after | Kendall tau before | after |"
+          " default before | default after | default tau before | after |")
     print("|---|---|---|---|---|---|")
     for model_name in [None] + sorted({r["model"] for r in rows}):
         sel = [r for r in rows if model_name is None or r["model"] == model_name]
         m = [r["measured"] for r in sel]
-        scores = {w: grid_scores([r[w] for r in sel], m) for w in ("before", "after")}
+        scores = {w: grid_scores([r[w] for r in sel], m)
+                  for w in ("before", "after", "default_before", "default_after")}
         summary[model_name or "all"] = {w: {k: v for k, v in sc.items() if k != "errors"} for w, sc in scores.items()}
         print(f"| {model_name or 'all'} | {len(sel)} | {scores['before']['median_abs_error']:.0%} | "
               f"{scores['after']['median_abs_error']:.0%} | {scores['before']['kendall_tau']:.2f} | "
-              f"{scores['after']['kendall_tau']:.2f} |")
+              f"{scores['after']['kendall_tau']:.2f} | {scores['default_before']['median_abs_error']:.0%} | "
+              f"{scores['default_after']['median_abs_error']:.0%} | {scores['default_before']['kendall_tau']:.2f} | "
+              f"{scores['default_after']['kendall_tau']:.2f} |")
+    errors = [abs(r["default_after"] / r["measured"] - 1) for r in rows]
+    print(f"default estimate with the host term, all {len(rows)} trials: median |error| "
+          f"{statistics.median(errors):.0%}, worst {max(errors):.0%}")
     return dict(rows=rows, summary=summary)
 
 

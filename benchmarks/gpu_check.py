@@ -53,6 +53,8 @@ CASES = [
     ("bf16 mb2 no-reshard", dict(micro_batch_size=2, reshard_after_forward=False)),
     ("fp16 mb2", dict(micro_batch_size=2, precision="fp16")),
     ("bf16 mb2 ac:full offload", dict(micro_batch_size=2, cpu_offload=True, activation_checkpointing="full")),
+    ("bf16 mb4 ac:op", dict(micro_batch_size=4, activation_checkpointing="op")),
+    ("bf16 mb4 ac:every:2", dict(micro_batch_size=4, activation_checkpointing="every:2")),
     ("bf16 mb8", dict(micro_batch_size=8)),
 ]
 CASES.insert(1, ("bf16 mb4", dict(micro_batch_size=4)))

@@ -377,11 +377,12 @@ class SimBackend(TrialBackend):
             extras["step_time"] = op_step.to_dict()
             if op_step.mfu is not None:
                 extras["mfu_estimated"] = op_step.mfu
-            low, high = costmodel.estimate_range(op_step.tokens_per_sec, profile)
+            host_bound = op_step.host_bound
+            low, high = costmodel.estimate_range(op_step.tokens_per_sec, profile, host_bound=host_bound)
             extras["tokens_per_sec_range"] = [low, high]
             extras["real_backend"] = self.device_kind  # the real trial that checks this estimate
             basis = (f"{op_step.basis}; ops counted in the trace (recomputation included); range "
-                     f"{low:,.0f}-{high:,.0f} from the validation errors ({costmodel.range_source(profile)})")
+                     f"{low:,.0f}-{high:,.0f} from the validation errors ({costmodel.range_source(profile, host_bound=host_bound)})")
             return Figure(op_step.tokens_per_sec, "estimated", basis), ""
         work = costmodel.fsdp_step_work(
             flops_per_gpu=flops_per_microbatch * accum,
@@ -389,16 +390,17 @@ class SimBackend(TrialBackend):
             tokens_per_gpu_step=tokens_per_gpu_step, num_gpus=world_size, block_params=trace.block_params,
             num_blocks=spec.model.num_layers, root_params=trace.root_params,
             param_bytes=PARAM_DTYPE_BYTES[spec.train.precision], reshard_after_forward=spec.train.reshard_after_forward,
-            cpu_offload=spec.train.cpu_offload, num_microbatches=accum)
+            cpu_offload=spec.train.cpu_offload, num_microbatches=accum,
+            dispatched_ops_per_microbatch=(op_work or {}).get("dispatched_ops", 0.0))
         step = costmodel.estimate_step_time(work, spec.cluster, shard_group_size=spec.train.shard_group_size,
                                             reshard_group_size=spec.train.reshard_group_size)
         extras["step_time"] = step.to_dict()
         extras["mfu_estimated"] = step.mfu
         shipped = profile_for(spec.cluster.gpu)
-        low, high = costmodel.estimate_range(step.tokens_per_sec, shipped)
+        low, high = costmodel.estimate_range(step.tokens_per_sec, shipped, host_bound=step.host_bound)
         extras["tokens_per_sec_range"] = [low, high]
         basis = (f"{step.basis}; FLOPs counted in the trace (recomputation included); range {low:,.0f}-{high:,.0f} "
-                 f"({costmodel.range_source(shipped)})")
+                 f"({costmodel.range_source(shipped, host_bound=step.host_bound)})")
         return Figure(step.tokens_per_sec, "estimated", basis), ""
 
 
