@@ -9,6 +9,8 @@ Everything here is *measured* on the machine it runs on, in about a minute:
 * attention (scaled_dot_product_attention, forward + backward, FLOPs by torch's flop-counter
   formulas, as the simulator's trace counts them) the same way;
 * memory bandwidth of elementwise ops at activation sizes: time = bytes / bandwidth + fixed cost;
+  and of ops too large for the caches (log-softmax over the vocabulary, 32-128 MiB moved):
+  `memory_gbps_large`, the rate ops of costmodel.LARGE_MEMORY_OP_BYTES and more are costed at;
 * all-gather and reduce-scatter at the model's FSDP unit sizes across the local ranks (gloo on
   CPU with 2 ranks, NCCL across every local GPU): time = latency + bytes (n-1)/n / bandwidth;
 * the AdamW step (autotune's own `make_optimizer`) over one rank's shard of the model;
@@ -34,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from autotune.costmodel import LARGE_MEMORY_OP_BYTES
 from autotune.hardware import HardwareFigure, HardwareProfile, machine_description
 
 TOKEN_COUNTS = (256, 512, 1024, 2048)
@@ -137,6 +140,16 @@ def bench_compute(model, *, device, dtype, seq_len: int, token_counts=TOKEN_COUN
         flops = sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape, shape, shape)
         attn_points.append((float(flops), _timed(attention, device=device)))
         attn_by_tokens[batch * seq_len] = attn_points[-1][0] / attn_points[-1][1]
+    # Memory-bound ops too large for the caches (the loss's log-softmax over the vocabulary, the
+    # casts of whole logits): fresh outputs, buffers of 2-8x costmodel.LARGE_MEMORY_OP_BYTES.
+    large_points = []
+    for factor in (2, 4, 8):
+        rows = max(factor * LARGE_MEMORY_OP_BYTES // (8 * s["vocab"]), 1)  # read + write, fp32
+        logits = torch.randn(rows, s["vocab"], device=device, dtype=torch.float32)
+        large_points.append((2.0 * logits.numel() * 4, _timed(lambda: torch.log_softmax(logits, dim=-1), device=device)))
+        large_points.append((3.0 * logits.numel() * 4, _timed(lambda: logits * logits, device=device)))
+        del logits
+    large_rate, _ = fit_linear(*zip(*large_points))
     gemm_rate, gemm_fixed = fit_linear(*zip(*gemm_points))
     attn_rate, attn_fixed = fit_linear(*zip(*attn_points))
     mem_rate, mem_fixed = fit_linear(*zip(*mem_points))
@@ -144,36 +157,58 @@ def bench_compute(model, *, device, dtype, seq_len: int, token_counts=TOKEN_COUN
                           flops_per_s_by_tokens={t: f / sec for t, (f, sec) in by_tokens.items()}),
                 attention=dict(points=attn_points, flops_per_s=attn_rate, fixed_s=attn_fixed, kernels_per_point=1,
                                flops_per_s_by_tokens=attn_by_tokens),
-                memory=dict(points=mem_points, bytes_per_s=mem_rate, fixed_s=mem_fixed))
+                memory=dict(points=mem_points, bytes_per_s=mem_rate, fixed_s=mem_fixed),
+                memory_large=dict(points=large_points, bytes_per_s=large_rate))
 
 
-def bench_tracker(model, *, seq_len: int, pairs: int = 9) -> dict[str, Any]:
+TRACKER_BLOCKS = (2, 4)
+"""Depths of the copies the tracker is timed on: its cost per op grows with the tensors it
+tracks (on tiny-llama, 2 gloo ranks: 229-237 us per op at 2 blocks, 314-342 us at 4)."""
+
+
+def bench_tracker(model, *, device, mesh, seq_len: int, pairs: int = 7) -> dict[str, Any]:
     """Per-op cost of the cpu backend's tensor-memory tracker (CapacityTracker, a MemTracker that
-    runs on every dispatched op of a real cpu trial): forward + backward of a 2-block bf16 copy
-    of the model with and without it, divided by the ops dispatched (counted by a dispatch mode)."""
+    runs on every dispatched op of a real cpu trial), as a trial runs it, at two depths: a copy
+    of the model cut to each of TRACKER_BLOCKS blocks, wrapped as trials wrap it, with its
+    optimizer's state and the tracker attached as run_trial attaches it (`track_external(model,
+    optimizer)`); forward + backward with and without it, the difference over the ops the same
+    forward + backward dispatches (counted by a dispatch mode). The cost per op is then a line in
+    the number of blocks (`per_op_s` at none, `per_op_per_block_s`). Every rank runs it (FSDP2's
+    collectives); rank 0's figures are kept.
+
+    A bare 2-block model without FSDP2 and the optimizer (what this measured until 2026-11-23)
+    put the cost at 167-195 us per op where real 4-block tiny-llama trials spent ~300 us."""
+    depths = tuple(sorted({min(n, model.num_layers) for n in TRACKER_BLOCKS}))
+    points = {n: _tracker_cost(model, device=device, mesh=mesh, seq_len=seq_len, pairs=pairs, num_layers=n)
+              for n in depths}
+    (n1, p1), (n2, p2) = (depths[0], points[depths[0]]), (depths[-1], points[depths[-1]])
+    per_block = max((p2["per_op_s"] - p1["per_op_s"]) / (n2 - n1), 0.0) if n2 != n1 else 0.0
+    return dict(per_op_s=max(p1["per_op_s"] - per_block * n1, 0.0), per_op_per_block_s=per_block,
+                by_blocks={n: p for n, p in points.items()}, pairs=pairs,
+                wrapped="FSDP2 (autotune.parallel.parallelize) with its optimizer")
+
+
+def _tracker_cost(model, *, device, mesh, seq_len: int, pairs: int, num_layers: int) -> dict[str, Any]:
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from autotune.backends.real._capacity import CapacityTracker
-    from autotune.training import build_model
+    from autotune.training import make_optimizer, token_batches, train_step
 
-    net = build_model(model, num_layers=2).to(torch.bfloat16)
-    ids = torch.randint(0, int(model.config_dict["vocab_size"]), (1, seq_len))
+    net = _short_copy(model, device=device, mesh=mesh, num_layers=num_layers)
+    optimizer = make_optimizer(net)
+    vocab = int(model.config_dict["vocab_size"])
+    train_step(net, optimizer, token_batches(vocab_size=vocab, micro_batch_size=1, seq_len=seq_len, device=device),
+               grad_accum_steps=1)  # the optimizer's state exists, as in a trial's timed steps
+    ids = torch.randint(0, vocab, (1, seq_len), device=device)
 
     def step():
         net(input_ids=ids, labels=ids).loss.backward()
+        net.zero_grad(set_to_none=True)
 
-    class Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.ops += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        step()
+    ops = count_dispatched_ops(lambda: net(input_ids=ids, labels=ids).loss.backward())
+    net.zero_grad(set_to_none=True)
     tracker = CapacityTracker(capacity_bytes=None)
-    tracker.track_external(net)
+    tracker.track_external(net, optimizer)
 
     def tracked_step():
         tracker.reset_mod_stats()  # MemTracker refuses a second forward otherwise (as the trials do)
@@ -182,6 +217,8 @@ def bench_tracker(model, *, seq_len: int, pairs: int = 9) -> dict[str, Any]:
     # Interleaved pairs, the median of the per-pair differences: the machine's load drifts less
     # within a pair than between two blocks of timings.
     step()
+    with tracker:
+        tracked_step()
     plains, differences = [], []
     for _ in range(pairs):
         start = time.perf_counter()
@@ -194,7 +231,7 @@ def bench_tracker(model, *, seq_len: int, pairs: int = 9) -> dict[str, Any]:
         plains.append(plain)
         differences.append(tracked - plain)
     plain, extra = statistics.median(plains), max(statistics.median(differences), 0.0)
-    return dict(ops=Count.ops, plain_s=plain, tracked_s=plain + extra, per_op_s=extra / Count.ops, pairs=pairs)
+    return dict(ops=ops, plain_s=plain, tracked_s=plain + extra, per_op_s=extra / ops)
 
 
 def bench_adamw(model, *, device, world_size: int, impl: str) -> dict[str, Any]:
@@ -252,8 +289,9 @@ def bench_host_copies(*, device, nbytes: int = 256 * 2**20) -> dict[str, float]:
     return dict(h2d_bytes_per_s=nbytes / h2d, d2h_bytes_per_s=nbytes / d2h)
 
 
-def _two_block_copy(model, *, device, mesh):
-    """A 2-block copy of the model on `device`, wrapped as trials wrap it (autotune.parallel)."""
+def _short_copy(model, *, device, mesh, num_layers: int = 2):
+    """A copy of the model cut to `num_layers` blocks on `device`, wrapped as trials wrap it
+    (autotune.parallel)."""
     import torch
 
     from autotune.config import TrainConfig
@@ -261,7 +299,7 @@ def _two_block_copy(model, *, device, mesh):
     from autotune.training import build_model
 
     with torch.device(device):
-        net = build_model(model, num_layers=2)
+        net = build_model(model, num_layers=num_layers)
     parallelize(net, mesh, TrainConfig(micro_batch_size=1))
     return net
 
@@ -270,7 +308,7 @@ def short_fsdp_steps(model, *, device, mesh, seq_len: int, steps: int = 2) -> No
     """Two optimizer steps of a 2-block copy of the model, wrapped as trials wrap it (any device)."""
     from autotune.training import make_optimizer, token_batches, train_step
 
-    net = _two_block_copy(model, device=device, mesh=mesh)
+    net = _short_copy(model, device=device, mesh=mesh)
     optimizer = make_optimizer(net)
     batches = token_batches(vocab_size=int(model.config_dict["vocab_size"]), micro_batch_size=1, seq_len=seq_len,
                             device=device)
@@ -314,7 +352,7 @@ def bench_host_overhead(model, *, device, mesh, token_counts=HOST_TOKEN_COUNTS, 
     independently by a dispatch mode around the same forward + backward."""
     import torch
 
-    net = _two_block_copy(model, device=device, mesh=mesh)
+    net = _short_copy(model, device=device, mesh=mesh)
     vocab = int(model.config_dict["vocab_size"])
     batches = {t: torch.randint(0, vocab, (1, t), device=device) for t in token_counts}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
@@ -413,8 +451,6 @@ def _worker(rank: int, world_size: int, port: int, job: dict[str, Any], out_path
                                            token_counts=counts)
     result["compute_fp32"] = bench_compute(model, device=device, dtype=torch.float32, seq_len=job["seq_len"],
                                            token_counts=counts[:2])
-    if not cuda:
-        result["tracker"] = bench_tracker(model, seq_len=job["seq_len"])
     result["adamw"] = bench_adamw(model, device=device, world_size=world_size, impl=job["optimizer_impl"])
     if cuda:  # CPU offload steps AdamW on the host: every local rank at once, as a node's ranks do
         result["adamw_cpu"] = bench_adamw(model, device=torch.device("cpu"), world_size=world_size, impl="foreach")
@@ -423,6 +459,8 @@ def _worker(rank: int, world_size: int, port: int, job: dict[str, Any], out_path
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (world_size,))
+    if not cuda:
+        result["tracker"] = bench_tracker(model, device=device, mesh=mesh, seq_len=job["seq_len"])
     if cuda:
         result["host_copies"] = bench_host_copies(device=device)
         result["fsdp_step"] = short_fsdp_step_memory(model, device=device, mesh=mesh, seq_len=job["seq_len"])
@@ -541,6 +579,13 @@ def profile_from_measurements(raw: dict[str, Any], *, name: str | None = None) -
                                               f"elementwise multiply and casts at activation sizes, bytes read + "
                                               f"written, fit time = bytes / bandwidth + fixed, on {on}")
             f["memory_op_us"] = HardwareFigure(comp["memory"]["fixed_s"] * 1e6, m, "fixed cost per op from the same fit")
+            if "memory_large" in comp:
+                sizes = sorted(b for b, _ in comp["memory_large"]["points"])
+                f["memory_gbps_large"] = HardwareFigure(
+                    comp["memory_large"]["bytes_per_s"] / 1e9, m,
+                    f"fp32 log-softmax over the model's vocabulary and multiplies, fresh outputs, "
+                    f"{sizes[0] / 2**20:.0f}-{sizes[-1] / 2**20:.0f} MiB moved per op (ops of at least "
+                    f"{LARGE_MEMORY_OP_BYTES // 2**20} MiB run at it), on {on}")
     coll = raw.get("collectives")
     link = "NCCL" if backend == "cuda" else "gloo"
     if coll:
@@ -567,11 +612,24 @@ def profile_from_measurements(raw: dict[str, Any], *, name: str | None = None) -
                                        "(no CUDA streams), so none of them hides")
     if raw.get("tracker"):
         t = raw["tracker"]
-        f["tracked_op_us"] = HardwareFigure(
-            t["per_op_s"] * 1e6, m, f"the cpu backend's tensor-memory tracker (CapacityTracker) per dispatched op: "
-            f"forward+backward of a 2-block bf16 {raw['job']['model']} in {t['plain_s'] * 1e3:.1f} ms without, "
-            f"{t['tracked_s'] * 1e3:.1f} ms with it (median of {t.get('pairs', 5)} interleaved pairs), {t['ops']} ops, "
-            f"on {on}")
+        if "by_blocks" in t:
+            timed = "; ".join(f"{n} blocks: {p['ops']} ops, {p['plain_s'] * 1e3:.1f} ms without, "
+                              f"{p['tracked_s'] * 1e3:.1f} ms with it" for n, p in sorted(t["by_blocks"].items(),
+                                                                                        key=lambda kv: int(kv[0])))
+            f["tracked_op_us"] = HardwareFigure(
+                t["per_op_s"] * 1e6, m, f"the cpu backend's tensor-memory tracker (CapacityTracker) per dispatched op, "
+                f"plus tracked_op_us_per_block for every block of the model: forward+backward of FSDP2-wrapped copies "
+                f"of {raw['job']['model']} with their optimizer ({timed}; medians of {t['pairs']} interleaved pairs), "
+                f"a line in the blocks, on {on}")
+            f["tracked_op_us_per_block"] = HardwareFigure(t["per_op_per_block_s"] * 1e6, m,
+                                                          "the tracker's cost per op grows with the blocks it tracks: "
+                                                          "the slope of the same line")
+        else:  # a raw file of the older bench_tracker (one bare 2-block copy)
+            f["tracked_op_us"] = HardwareFigure(
+                t["per_op_s"] * 1e6, m, f"the cpu backend's tensor-memory tracker (CapacityTracker) per dispatched op: "
+                f"forward+backward of a 2-block bf16 {raw['job']['model']} in {t['plain_s'] * 1e3:.1f} ms without, "
+                f"{t['tracked_s'] * 1e3:.1f} ms with it (median of {t.get('pairs', 5)} interleaved pairs), {t['ops']} ops, "
+                f"on {on}")
     if raw.get("host_overhead"):
         f["host_op_us"] = host_op_figure(raw, on=on)
     adam = raw["adamw"]

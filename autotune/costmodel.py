@@ -29,7 +29,7 @@ __all__ = [
     "ESTIMATE_BASIS", "PUBLISHED_RUNS",
     "MATMUL_EFFICIENCY", "DEFAULT_MATMUL_EFFICIENCY", "HALF_EFFICIENCY_TOKENS",
     "INTRA_NODE_BUS_EFFICIENCY", "INTER_NODE_BUS_EFFICIENCY", "CPU_ADAM_PARAMS_PER_S_PER_NODE",
-    "HOST_PROCESS_BYTES", "HOST_OP_US",
+    "HOST_PROCESS_BYTES", "HOST_OP_US", "LARGE_MEMORY_OP_BYTES",
 ]
 
 GiB = 2**30
@@ -414,6 +414,13 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
 
 # --- The per-operation step-time model (issue 11) ---------------------------------------------------
 
+LARGE_MEMORY_OP_BYTES = 16 * MiB
+"""A memory-bound op that moves at least this much (inputs + outputs) runs at a profile's
+`memory_gbps_large`: its buffers do not fit in a CPU's last-level cache shared by the ranks (32
+MiB on the 2-core VM), and a new output's pages are first touched by it. On one step of
+tiny-llama (2 gloo ranks, micro-batch 8) the log-softmax of the loss ran at 2.5-3 GB/s against
+56-84 GB/s for elementwise ops at activation sizes (torch.profiler, docs/BENCHMARKS.md, run 9)."""
+
 @dataclass(frozen=True, kw_only=True)
 class OpWork:
     """The ops of forward + backward of one micro-batch on one rank, as the simulator's trace
@@ -425,6 +432,9 @@ class OpWork:
     attention_ops: float = 0.0
     memory_bytes: float = 0.0
     memory_ops: float = 0.0
+    memory_bytes_large: float = 0.0
+    """The part of `memory_bytes` moved by ops of at least LARGE_MEMORY_OP_BYTES each (the loss's
+    softmax over the vocabulary, say): they stream from main memory, not from the caches."""
     dispatched_ops: float = 0.0
     """Every op dispatched, views included."""
 
@@ -547,10 +557,18 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
 
     matmul_s = mb * kernels("matmul", ops.matmul_flops, ops.matmul_ops)
     attention_s = mb * kernels("attention", ops.attention_flops, ops.attention_ops)
-    memory_s = mb * (ops.memory_bytes / (p["memory_gbps"] * 1e9) + fixed * ops.memory_ops * p["memory_op_us"] * 1e-6)
+    # Large ops at the large-buffer bandwidth where the profile measured one (calibrate), else all
+    # bytes at one bandwidth (shipped and older profiles).
+    large_gbps = p.get("memory_gbps_large")
+    large_bytes = ops.memory_bytes_large if large_gbps else 0.0
+    memory_s = mb * ((ops.memory_bytes - large_bytes) / (p["memory_gbps"] * 1e9)
+                     + (large_bytes / (large_gbps * 1e9) if large_bytes else 0.0)
+                     + fixed * ops.memory_ops * p["memory_op_us"] * 1e-6)
     # A cpu profile's `tracked_op_us`: the cpu backend's tensor-memory tracker (the CPU's "device",
     # autotune/backends/real/_capacity.py) runs Python on every dispatched op of a real cpu trial.
-    memory_s += mb * ops.dispatched_ops * (p.get("tracked_op_us") or 0.0) * 1e-6
+    # Its cost per op grows with the blocks it tracks (calibrate measures the slope).
+    tracked_op_us = (p.get("tracked_op_us") or 0.0) + (p.get("tracked_op_us_per_block") or 0.0) * num_blocks
+    memory_s += mb * ops.dispatched_ops * tracked_op_us * 1e-6
     device_s = matmul_s + attention_s + memory_s
     # Host time: Python, dispatcher, autograd, FSDP2 hooks and the launch of every dispatched op.
     # On a CPU the host runs the kernels itself: the two add. On a GPU the host queues kernels
@@ -631,8 +649,9 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
 
 
 ESTIMATE_ERROR = {
-    "cpu": (0.60, "the largest median error of three 24-configuration CPU grid runs (9.0%, 59.7%, 17.9%; worst "
-                  "19.5%, 120.5%, 58.1%), benchmarks/bench_costmodel.py --grid --bracket, docs/BENCHMARKS.md"),
+    "cpu": (0.33, "the worst error of the two 24-configuration CPU grid runs since large memory-bound ops and the "
+                  "tracker's depth are costed (33.1%, 23.7%; medians 11.2%, 10.2%), benchmarks/bench_costmodel.py "
+                  "--grid --bracket, docs/BENCHMARKS.md"),
     "cuda": (0.28, "the worst leave-one-out error over the 13 published FSDP runs (28.2%), "
                    "benchmarks/bench_costmodel.py --published"),
     "cuda-host-bound": (0.46, "the worst error of the host-bound estimates against 35 real H100 trials without "

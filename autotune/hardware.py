@@ -25,6 +25,8 @@ Figures (all per GPU, or per CPU rank for a cpu profile):
     attention_op_us        fixed cost per attention kernel
     memory_gbps            achieved bandwidth of memory-bound ops (bytes read + written)
     memory_op_us           fixed cost per memory-bound op (launch / dispatch overhead)
+    memory_gbps_large      (calibrated) the same for ops of at least costmodel.LARGE_MEMORY_OP_BYTES,
+                           whose buffers stream from main memory; absent: `memory_gbps` for all
     intra_node_gbps        all-gather / reduce-scatter bus bandwidth within a node
     intra_node_latency_us  fixed cost of one collective within a node
     inter_node_gbps        the same across nodes (per GPU NIC)
@@ -41,7 +43,8 @@ Figures (all per GPU, or per CPU rank for a cpu profile):
                            of its device time and its host time; on a CPU the two add. Absent in
                            profiles made before it existed: then no host term (the old model)
     tracked_op_us          (cpu, calibrated) what the cpu backend's tensor-memory tracker adds to
-                           every dispatched op of a real cpu trial
+                           every dispatched op of a real cpu trial, plus
+    tracked_op_us_per_block   that much more per block of the model (it tracks more tensors)
     cuda_context_bytes, nccl_communicator_bytes, cublas_workspace_bytes (cuda, calibrated only):
                            runtime memory terms that replace autotune/runtime_memory.py's estimates
 """
@@ -63,11 +66,12 @@ SOURCES = ("data sheet", "published run", "measured")
 
 FIGURE_UNITS = {
     "matmul_tflops": "TFLOP/s", "matmul_op_us": "us", "attention_tflops": "TFLOP/s", "attention_op_us": "us",
-    "memory_gbps": "GB/s", "memory_op_us": "us", "intra_node_gbps": "GB/s", "intra_node_latency_us": "us",
+    "memory_gbps": "GB/s", "memory_op_us": "us", "memory_gbps_large": "GB/s",
+    "intra_node_gbps": "GB/s", "intra_node_latency_us": "us",
     "inter_node_gbps": "GB/s", "inter_node_latency_us": "us", "comm_overlap": "fraction",
     "host_link_gbps": "GB/s", "cpu_adam_params_per_s": "params/s", "optimizer_gbps": "GB/s",
     "cuda_context_bytes": "bytes", "nccl_communicator_bytes": "bytes", "cublas_workspace_bytes": "bytes",
-    "reserved_over_allocated": "ratio", "tracked_op_us": "us", "host_op_us": "us",
+    "reserved_over_allocated": "ratio", "tracked_op_us": "us", "tracked_op_us_per_block": "us", "host_op_us": "us",
 }
 REQUIRED = ("matmul_tflops", "matmul_op_us", "attention_tflops", "attention_op_us", "memory_gbps", "memory_op_us",
             "intra_node_gbps", "intra_node_latency_us", "inter_node_gbps", "inter_node_latency_us", "comm_overlap",

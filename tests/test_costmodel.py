@@ -423,3 +423,23 @@ def test_default_gpu_estimate_is_host_bound_where_real_h100_trials_were():
         assert low <= real <= high, (mb, low, real, high)
         estimates[mb] = figure.value
     assert sorted(estimates, key=estimates.get) == sorted(estimates, key=lambda mb: measured[f"bf16 mb{mb}"])
+
+
+def test_large_memory_ops_are_the_loss_over_the_vocabulary(cpu_sim):
+    """The trace's `memory_bytes_large` (ops of at least LARGE_MEMORY_OP_BYTES, costed at the
+    main-memory bandwidth calibrate measures) against a count from the model's shapes: on
+    tiny-llama (hidden 256) only the vocabulary-wide logits are that large, so the bytes are
+    activation-sized (exactly twice at twice the micro-batch) and hold at least the loss's
+    log-softmax, forward (read + write, 2x the fp32 logits) and backward (3x)."""
+    from autotune.catalog.models import resolve_model
+
+    model = resolve_model("tiny-llama")
+    large = {}
+    for mb in (4, 8):
+        spec = TrialSpec(model=model, cluster=Cluster(num_gpus=2), seq_len=256, train=TrainConfig(micro_batch_size=mb))
+        work = cpu_sim.evaluate(spec).extras["op_work"]
+        logits_fp32 = mb * 256 * int(model.config_dict["vocab_size"]) * 4
+        assert logits_fp32 >= cm.LARGE_MEMORY_OP_BYTES
+        assert 5 * logits_fp32 <= work["memory_bytes_large"] < work["memory_bytes"]
+        large[mb] = work["memory_bytes_large"]
+    assert large[8] == pytest.approx(2 * large[4], rel=1e-3)

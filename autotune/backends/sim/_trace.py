@@ -100,6 +100,7 @@ def _tensor_bytes(values) -> int:
 
 from autotune.catalog.models import ModelSpec  # noqa: E402
 from autotune.config import TrainConfig
+from autotune.costmodel import LARGE_MEMORY_OP_BYTES
 from autotune.parallel import Blocks, parallelize
 from autotune.training import build_model, make_optimizer, sync_weights_to_vllm, token_batches, train_step
 
@@ -287,6 +288,8 @@ class _SiteTracker(FSDPMemTracker):
                     moved = _tensor_bytes(args) + _tensor_bytes((kwargs or {}).values()) + _tensor_bytes(
                         out if isinstance(out, (tuple, list)) else (out,))
                     work["memory_bytes"] = work.get("memory_bytes", 0) + moved
+                    if moved >= LARGE_MEMORY_OP_BYTES:
+                        work["memory_bytes_large"] = work.get("memory_bytes_large", 0) + moved
                 else:
                     work[f"{kind}_flops"] = work.get(f"{kind}_flops", 0) + op_flops
         return out
