@@ -181,10 +181,10 @@ def bench_tracker(model, *, device, mesh, seq_len: int, pairs: int = 7) -> dict[
     depths = tuple(sorted({min(n, model.num_layers) for n in TRACKER_BLOCKS}))
     points = {n: _tracker_cost(model, device=device, mesh=mesh, seq_len=seq_len, pairs=pairs, num_layers=n)
               for n in depths}
-    (n1, p1), (n2, p2) = (depths[0], points[depths[0]]), (depths[-1], points[depths[-1]])
-    per_block = max((p2["per_op_s"] - p1["per_op_s"]) / (n2 - n1), 0.0) if n2 != n1 else 0.0
-    return dict(per_op_s=max(p1["per_op_s"] - per_block * n1, 0.0), per_op_per_block_s=per_block,
-                by_blocks={n: p for n, p in points.items()}, pairs=pairs,
+    n1, n2 = depths[0], depths[-1]
+    c1, c2 = points[n1]["per_op_s"], points[n2]["per_op_s"]
+    per_block = max((c2 - c1) / (n2 - n1), 0.0) if n2 != n1 else 0.0
+    return dict(per_op_s=max(c1 - per_block * n1, 0.0), per_op_per_block_s=per_block, by_blocks=points, pairs=pairs,
                 wrapped="FSDP2 (autotune.parallel.parallelize) with its optimizer")
 
 

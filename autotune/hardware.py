@@ -183,9 +183,6 @@ UNPUBLISHED_MATMUL_FRACTION = costmodel.DEFAULT_MATMUL_EFFICIENCY
 INTRA_NODE_BUS_FRACTION = costmodel.INTRA_NODE_BUS_EFFICIENCY
 INTER_NODE_BUS_FRACTION = costmodel.INTER_NODE_BUS_EFFICIENCY
 _PCIE_GBPS = {"h100-80gb": 50.0, "h200-141gb": 50.0}
-SHIPPED_HOST_OP_US = costmodel.HOST_OP_US
-SHIPPED_HOST_OP_BASIS = costmodel.HOST_OP_BASIS
-"""The shipped profiles' host time per dispatched op (see `host_op_us` above): the roofline's."""
 
 
 def _family(gpu: GPUSpec) -> str | None:
@@ -231,7 +228,7 @@ def shipped_profile(gpu: GPUSpec) -> HardwareProfile:
                                                 "torch.optim.AdamW rate (~28 bytes per parameter): unvalidated"),
         "optimizer_gbps": HardwareFigure(gpu.hbm_gbps * 0.5, "data sheet", "50% of memory bandwidth for the "
                                          "multi-tensor AdamW: unvalidated"),
-        "host_op_us": HardwareFigure(SHIPPED_HOST_OP_US, "published run", SHIPPED_HOST_OP_BASIS),
+        "host_op_us": HardwareFigure(costmodel.HOST_OP_US, "published run", costmodel.HOST_OP_BASIS),
     }
     return HardwareProfile(name=gpu.name, device="cuda", gpu=gpu.name, figures=figures)
 

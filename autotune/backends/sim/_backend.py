@@ -377,12 +377,12 @@ class SimBackend(TrialBackend):
             extras["step_time"] = op_step.to_dict()
             if op_step.mfu is not None:
                 extras["mfu_estimated"] = op_step.mfu
-            host_bound = op_step.host_bound
-            low, high = costmodel.estimate_range(op_step.tokens_per_sec, profile, host_bound=host_bound)
+            low, high = costmodel.estimate_range(op_step.tokens_per_sec, profile, host_bound=op_step.host_bound)
             extras["tokens_per_sec_range"] = [low, high]
             extras["real_backend"] = self.device_kind  # the real trial that checks this estimate
+            source = costmodel.range_source(profile, host_bound=op_step.host_bound)
             basis = (f"{op_step.basis}; ops counted in the trace (recomputation included); range "
-                     f"{low:,.0f}-{high:,.0f} from the validation errors ({costmodel.range_source(profile, host_bound=host_bound)})")
+                     f"{low:,.0f}-{high:,.0f} from the validation errors ({source})")
             return Figure(op_step.tokens_per_sec, "estimated", basis), ""
         work = costmodel.fsdp_step_work(
             flops_per_gpu=flops_per_microbatch * accum,
