@@ -27,7 +27,8 @@ __all__ = [
     "collective_bytes", "estimate_basis", "estimate_step_time", "fsdp_step_work", "host_link_gbps",
     "matmul_efficiency", "offload_bytes",
     "ESTIMATE_BASIS", "PUBLISHED_RUNS",
-    "MATMUL_EFFICIENCY", "DEFAULT_MATMUL_EFFICIENCY", "HALF_EFFICIENCY_TOKENS",
+    "MATMUL_EFFICIENCY", "DEFAULT_MATMUL_EFFICIENCY", "HALF_EFFICIENCY_TOKENS", "HALF_EFFICIENCY_HIDDEN",
+    "REFERENCE_HIDDEN",
     "INTRA_NODE_BUS_EFFICIENCY", "INTER_NODE_BUS_EFFICIENCY", "CPU_ADAM_PARAMS_PER_S_PER_NODE",
     "HOST_PROCESS_BYTES", "HOST_OP_US", "LARGE_MEMORY_OP_BYTES",
 ]
@@ -36,24 +37,39 @@ GiB = 2**30
 MiB = 2**20
 
 # --- Throughput constants (calibration and sources: docs/COSTMODEL.md) -------------------------
-MATMUL_EFFICIENCY = {"a100-80gb": 0.65, "a100-40gb": 0.65, "h100-80gb": 0.39, "h200-141gb": 0.39}
+MATMUL_EFFICIENCY = {"a100-80gb": 0.76, "a100-40gb": 0.76, "h100-80gb": 0.49, "h200-141gb": 0.49}
 """Fraction of the data-sheet dense peak that an eager FSDP transformer step's FLOPs (recompute
-included) run at on large micro-batches, by GPU. Fitted to the published torchtitan and
-PyTorch/IBM FSDP runs in PUBLISHED_RUNS, all rows at once (benchmarks/bench_costmodel.py
---published checks the fit leave-one-out): A100s reach ~2/3 of peak, H100s well under half
-(eager kernels and flash attention lag the 3x faster tensor cores; one published H100 row)."""
+included) run at on large micro-batches of a model REFERENCE_HIDDEN wide, by GPU. Fitted with
+HALF_EFFICIENCY_TOKENS, HALF_EFFICIENCY_HIDDEN and INTER_NODE_BUS_EFFICIENCY to the 21 published
+torchtitan and PyTorch/IBM FSDP runs in PUBLISHED_RUNS, all rows at once (benchmarks/bench_costmodel.py
+--published prints this fit and checks it leave-one-out): A100s reach ~3/4 of peak on 70B-wide
+models, H100s half (eager kernels and flash attention lag the 3x faster tensor cores)."""
 DEFAULT_MATMUL_EFFICIENCY = 0.50
 """For catalog GPUs without a published FSDP figure: unvalidated."""
-HALF_EFFICIENCY_TOKENS = 256
-"""Tokens per GPU per micro-batch at which the matmul efficiency is half its maximum: small
-micro-batches launch small kernels (efficiency = max * t / (t + this))."""
+HALF_EFFICIENCY_TOKENS = 920
+"""Tokens per GPU per micro-batch at which the compute efficiency is half its maximum: per
+micro-batch costs that do not grow with its tokens (small kernels, each FSDP unit's waits) weigh
+on small micro-batches (efficiency = max * t / (t + this)). Fitted with MATMUL_EFFICIENCY (917):
+fms-fsdp's 13B reached 0.48 of peak at micro-batch 1 x 4,096 tokens and 0.59 at 2; torchtitan's
+Llama 2 70B ran as fast at micro-batch 1 with op-level checkpointing as at 2 with full
+checkpointing, which recomputes more (was 256, a guess, before those rows were fitted)."""
+HALF_EFFICIENCY_HIDDEN = 1780
+"""Hidden size h at which a step's FLOPs would run at half the efficiency of an infinitely wide
+model: matmul FLOPs grow as h^2 per token, the rest of the work (norms, rotary embeddings,
+activations, residual adds, attention's softmax and its slower kernels) as h, so narrow models
+reach less of the peak (efficiency x h / (h + this), normalised to 1 at REFERENCE_HIDDEN).
+Fitted with MATMUL_EFFICIENCY (1,780): fms-fsdp's March 2024 table reports the fraction of peak
+rising with width on one cluster and one configuration, 0.57 (7B, h 4,096), 0.59 (13B, h 5,120),
+0.64 (34B) and 0.67 (70B, h 8,192) on A100s, 0.37 to 0.45 on H100s."""
+REFERENCE_HIDDEN = 8192
+"""The width MATMUL_EFFICIENCY is stated at (Llama 2/3 70B, Code Llama 34B)."""
 INTRA_NODE_BUS_EFFICIENCY = 0.80
 """Fraction of nominal NVLink/PCIe bandwidth a ring collective reaches (NCCL busbw on NVLink 3/4
 is ~75-80% of the one-direction data-sheet figure)."""
 INTER_NODE_BUS_EFFICIENCY = 1.9
 """Achieved bandwidth per GPU of the collectives across nodes, as a multiple of the GPU's catalog
 NIC rate (`inter_node_gbps`: one 200/400 Gb/s NIC per GPU). Fitted with MATMUL_EFFICIENCY to the
-published multi-node runs: they are only reproduced at ~1.9x one NIC's line rate (at 0.9, this
+published multi-node runs (1.91): they are only reproduced at ~1.9x one NIC's line rate (at 0.9, this
 figure before those rows were added, Llama 2 70B micro-batch 1 on 64 A100s came out at half its
 published 355 tokens/s/GPU). Why a flat ring at one NIC per GPU is too slow is not established
 here (NCCL's rings and trees over all of a node's NICs, or clusters with more than one NIC per
@@ -103,9 +119,17 @@ class PublishedRun:
     note: str = ""
     shard_group_size: int = 0
     """GPUs each parameter is sharded over: 0 for all of them (FSDP), a node's 8 for HSDP."""
+    reduce_bytes: int = 4
+    """Bytes per gradient element reduced: 4 (fp32, FSDP2's and torchtitan's default), 2 where the
+    run reduced in bf16 (fms-fsdp's MixedPrecision(reduce_dtype=torch.bfloat16))."""
 
 
 TORCHTITAN_A100 = "torchtitan docs/performance.md (2024), Llama 3 / Llama 2 on 64 A100 (80GB), FSDP2"
+FMS_FSDP_FEB = "foundation-model-stack/fms-fsdp README, February 2024 table (commit 6327da6; FSDP1, eager, 128 A100)"
+FMS_FSDP_MAR_A100 = ("foundation-model-stack/fms-fsdp README, March 2024 table (commit 4ffb9bd; FSDP1, eager, "
+                     "128 A100 80G, 400 Gbps)")
+FMS_FSDP_MAR_H100 = ("foundation-model-stack/fms-fsdp README, March 2024 table (commit 4ffb9bd; FSDP1, eager, "
+                     "96 H100, 800 Gbps)")
 
 PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(model="llama3-8b", gpu="h100-80gb", num_gpus=8, num_nodes=1, seq_len=8192,
@@ -142,28 +166,58 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(model="llama-70b", gpu="a100-80gb", num_gpus=64, num_nodes=8, seq_len=4096,
                  micro_batch_size=2, activation_checkpointing="full", tokens_per_sec_per_gpu=353,
                  source=TORCHTITAN_A100, note="Llama 2 70B, full AC; 50.5% MFU reported"),
-    PublishedRun(model="llama-7b", gpu="a100-80gb", num_gpus=128, num_nodes=16, seq_len=4096,
-                 micro_batch_size=2, activation_checkpointing="none", tokens_per_sec_per_gpu=3760,
-                 source="foundation-model-stack/fms-fsdp README (PyTorch/IBM FSDP1, 128 A100)",
-                 note="HSDP (sharded within a node), no AC", shard_group_size=8),
+    # fms-fsdp (PyTorch/IBM, FSDP1, eager) published two tables on the same clusters: February 2024
+    # (per-model best configurations) and March 2024 (batch 2 throughout, A100s and H100s). Where
+    # both list one configuration (7B HSDP mb2: 3,760 then 3,700) the later figure is kept.
+    # "Selective AC" there checkpoints every k-th block; its 13B HFU/MFU ratio (0.59/0.51) is
+    # that of every second block.
     PublishedRun(model="llama-13b", gpu="a100-80gb", num_gpus=128, num_nodes=16, seq_len=4096,
                  micro_batch_size=1, activation_checkpointing="none", tokens_per_sec_per_gpu=1700,
-                 source="foundation-model-stack/fms-fsdp README (PyTorch/IBM FSDP1, 128 A100)",
-                 note="HSDP (sharded within a node), no AC", shard_group_size=8),
+                 source=FMS_FSDP_FEB, note="HSDP (sharded within a node), no AC", shard_group_size=8, reduce_bytes=2),
+    PublishedRun(model="codellama-34b", gpu="a100-80gb", num_gpus=128, num_nodes=16, seq_len=4096,
+                 micro_batch_size=8, activation_checkpointing="full", tokens_per_sec_per_gpu=772,
+                 source=FMS_FSDP_FEB, note="fms-fsdp llama2_34b (Code Llama 34B shape), FSDP, AC on", reduce_bytes=2),
     PublishedRun(model="llama-70b", gpu="a100-80gb", num_gpus=128, num_nodes=16, seq_len=4096,
                  micro_batch_size=6, activation_checkpointing="full", tokens_per_sec_per_gpu=380,
-                 source="foundation-model-stack/fms-fsdp README (PyTorch/IBM FSDP1, 128 A100)",
-                 note="FSDP with activation checkpointing"),
+                 source=FMS_FSDP_FEB, note="FSDP with activation checkpointing", reduce_bytes=2),
+    PublishedRun(model="llama-7b", gpu="a100-80gb", num_gpus=128, num_nodes=16, seq_len=4096,
+                 micro_batch_size=2, activation_checkpointing="none", tokens_per_sec_per_gpu=3700,
+                 source=FMS_FSDP_MAR_A100, note="HSDP, no AC; 0.57 MFU (3,760 in the February table)",
+                 shard_group_size=8, reduce_bytes=2),
+    PublishedRun(model="llama-13b", gpu="a100-80gb", num_gpus=128, num_nodes=16, seq_len=4096,
+                 micro_batch_size=2, activation_checkpointing="every:2", tokens_per_sec_per_gpu=1800,
+                 source=FMS_FSDP_MAR_A100, note="FSDP, selective AC; 0.51 MFU, 0.59 HFU", reduce_bytes=2),
+    PublishedRun(model="codellama-34b", gpu="a100-80gb", num_gpus=128, num_nodes=16, seq_len=4096,
+                 micro_batch_size=2, activation_checkpointing="full", tokens_per_sec_per_gpu=700,
+                 source=FMS_FSDP_MAR_A100, note="llama2_34b, FSDP, full AC; 0.47 MFU, 0.64 HFU", reduce_bytes=2),
+    PublishedRun(model="llama-70b", gpu="a100-80gb", num_gpus=128, num_nodes=16, seq_len=4096,
+                 micro_batch_size=2, activation_checkpointing="full", tokens_per_sec_per_gpu=370,
+                 source=FMS_FSDP_MAR_A100, note="FSDP, full AC; 0.50 MFU, 0.67 HFU", reduce_bytes=2),
+    PublishedRun(model="llama-7b", gpu="h100-80gb", num_gpus=96, num_nodes=12, seq_len=4096,
+                 micro_batch_size=2, activation_checkpointing="none", tokens_per_sec_per_gpu=7500,
+                 source=FMS_FSDP_MAR_H100, note="HSDP, no AC; 0.37 MFU", shard_group_size=8, reduce_bytes=2),
+    PublishedRun(model="llama-13b", gpu="h100-80gb", num_gpus=96, num_nodes=12, seq_len=4096,
+                 micro_batch_size=2, activation_checkpointing="every:2", tokens_per_sec_per_gpu=3800,
+                 source=FMS_FSDP_MAR_H100, note="FSDP, selective AC; 0.35 MFU, 0.40 HFU", reduce_bytes=2),
+    PublishedRun(model="codellama-34b", gpu="h100-80gb", num_gpus=96, num_nodes=12, seq_len=4096,
+                 micro_batch_size=2, activation_checkpointing="full", tokens_per_sec_per_gpu=1550,
+                 source=FMS_FSDP_MAR_H100, note="llama2_34b, FSDP, full AC; 0.32 MFU, 0.44 HFU", reduce_bytes=2),
+    PublishedRun(model="llama-70b", gpu="h100-80gb", num_gpus=96, num_nodes=12, seq_len=4096,
+                 micro_batch_size=2, activation_checkpointing="full", tokens_per_sec_per_gpu=800,
+                 source=FMS_FSDP_MAR_H100, note="FSDP, full AC; 0.34 MFU, 0.45 HFU", reduce_bytes=2),
 )
 """Measured FSDP throughputs; docs/COSTMODEL.md shows how far the estimate is from each."""
 
 
-def estimate_basis(gpu: GPUSpec) -> str:
-    """What an estimated figure is and on what, for `Figure.basis`."""
-    efficiency = MATMUL_EFFICIENCY.get(gpu.name, DEFAULT_MATMUL_EFFICIENCY)
+def estimate_basis(gpu: GPUSpec, efficiency: float) -> str:
+    """What an estimated figure is and on what, for `Figure.basis`; `efficiency` the fraction of
+    peak the step's FLOPs were taken to run at."""
+    top = MATMUL_EFFICIENCY.get(gpu.name, DEFAULT_MATMUL_EFFICIENCY)
     return (f"estimated: roofline on {gpu.name} data-sheet figures ({gpu.peak_tflops:g} TFLOP/s, "
             f"{gpu.intra_node_gbps:g}/{gpu.inter_node_gbps:g} GB/s intra/inter-node, collectives at "
-            f"{INTRA_NODE_BUS_EFFICIENCY:g}x/{INTER_NODE_BUS_EFFICIENCY:g}x of them) at {efficiency:.0%} compute efficiency")
+            f"{INTRA_NODE_BUS_EFFICIENCY:g}x/{INTER_NODE_BUS_EFFICIENCY:g}x of them) at {efficiency:.0%} compute "
+            f"efficiency ({top:.0%} on large micro-batches {REFERENCE_HIDDEN} wide, less on narrower models and "
+            f"fewer tokens per micro-batch)")
 
 
 ESTIMATE_BASIS = {
@@ -207,6 +261,8 @@ class StepWork:
     dispatched_ops_per_microbatch: float = 0.0
     """Ops the host dispatches per micro-batch (counted in the trace, recomputation included);
     0 where nothing counted them (the closed form, the published runs): then no host term."""
+    hidden_size: int = 0
+    """The model's hidden size, for the compute efficiency's width term (0: not known)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -280,7 +336,8 @@ def offload_bytes(*, block_params: int, num_blocks: int, root_params: int, num_g
 def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_per_gpu_step: int,
                    num_gpus: int, block_params: int, num_blocks: int, root_params: int, param_bytes: int,
                    reshard_after_forward: bool = True, cpu_offload: bool = False,
-                   num_microbatches: int = 1, dispatched_ops_per_microbatch: float = 0.0) -> StepWork:
+                   num_microbatches: int = 1, dispatched_ops_per_microbatch: float = 0.0,
+                   hidden_size: int = 0) -> StepWork:
     """The `StepWork` of a full-sharded FSDP2 step from what a backend counted: FLOPs, sizes."""
     sizes = dict(block_params=block_params, num_blocks=num_blocks, root_params=root_params,
                  reshard_after_forward=reshard_after_forward, num_microbatches=num_microbatches)
@@ -296,6 +353,7 @@ def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_p
         backward_allgather_bytes_per_gpu=float(block_params * num_blocks * param_bytes * num_microbatches)
         if reshard_after_forward else 0.0,
         num_fsdp_units=num_blocks + 1, dispatched_ops_per_microbatch=dispatched_ops_per_microbatch,
+        hidden_size=hidden_size,
     )
 
 
@@ -304,10 +362,17 @@ def host_link_gbps(gpu: GPUSpec) -> float:
     return _PCIE_GBPS.get(gpu.name, _PCIE_GEN4_GBPS)
 
 
-def matmul_efficiency(gpu: GPUSpec, tokens_per_microbatch: float, top: float | None = None) -> float:
-    """Fraction of peak FLOP/s reached with this many tokens per GPU per micro-batch."""
+def matmul_efficiency(gpu: GPUSpec, tokens_per_microbatch: float, top: float | None = None, *,
+                      hidden_size: int = 0, half_tokens: float | None = None,
+                      half_hidden: float | None = None) -> float:
+    """Fraction of peak FLOP/s reached with this many tokens per GPU per micro-batch on a model
+    this wide (0: unknown, taken at REFERENCE_HIDDEN); the keywords replace the fitted constants."""
     top = MATMUL_EFFICIENCY.get(gpu.name, DEFAULT_MATMUL_EFFICIENCY) if top is None else top
-    return top * tokens_per_microbatch / (tokens_per_microbatch + HALF_EFFICIENCY_TOKENS)
+    half_tokens = HALF_EFFICIENCY_TOKENS if half_tokens is None else half_tokens
+    half_hidden = HALF_EFFICIENCY_HIDDEN if half_hidden is None else half_hidden
+    width = hidden_size or REFERENCE_HIDDEN
+    width_factor = (width / (width + half_hidden)) / (REFERENCE_HIDDEN / (REFERENCE_HIDDEN + half_hidden))
+    return top * width_factor * tokens_per_microbatch / (tokens_per_microbatch + half_tokens)
 
 
 def _link_gbps(cluster: Cluster, *, inter_node: bool, inter_node_bus_efficiency: float | None = None) -> float:
@@ -347,18 +412,20 @@ def hsdp_comm_seconds(work: StepWork, cluster: Cluster, *, shard_group_size: int
 def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: int = 0, reshard_group_size: int = 0,
                        matmul_top_efficiency: float | None = None,
                        inter_node_bus_efficiency: float | None = None,
-                       host_op_us: float | None = None) -> StepTime:
+                       host_op_us: float | None = None, half_efficiency_tokens: float | None = None,
+                       half_efficiency_hidden: float | None = None) -> StepTime:
     """Roofline time of one optimizer step on `cluster` (see the module docstring);
     `shard_group_size` > 0: HSDP (see hsdp_comm_seconds); `reshard_group_size` > 0: backward's
     all-gathers run in rings of that many GPUs (on the node's links when they fit in a node).
-    `matmul_top_efficiency` and `inter_node_bus_efficiency` replace the fitted constants
-    (leave-one-out validation refits them); `host_op_us` the host time per dispatched op
+    `matmul_top_efficiency`, `inter_node_bus_efficiency` and the `half_efficiency_*` replace
+    the fitted constants (leave-one-out validation refits them); `host_op_us` the host time per dispatched op
     (default HOST_OP_US)."""
     gpu = cluster.gpu
     n = cluster.num_gpus
     tokens_per_microbatch = work.tokens_per_step / (work.num_microbatches * n)
-    gpu_compute_s = work.flops_per_gpu / (gpu.peak_tflops * 1e12 * matmul_efficiency(gpu, tokens_per_microbatch,
-                                                                                      matmul_top_efficiency))
+    efficiency = matmul_efficiency(gpu, tokens_per_microbatch, matmul_top_efficiency, hidden_size=work.hidden_size,
+                                   half_tokens=half_efficiency_tokens, half_hidden=half_efficiency_hidden)
+    gpu_compute_s = work.flops_per_gpu / (gpu.peak_tflops * 1e12 * efficiency)
     # The host queues kernels ahead of the GPU (FSDP2 does not block it inside forward and
     # backward), so the micro-batches take the longer of the GPU's time and the host's.
     host_op_us = HOST_OP_US if host_op_us is None else host_op_us
@@ -404,7 +471,7 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
         offload_s=offload_s, cpu_optimizer_s=cpu_optimizer_s,
         tokens_per_sec=work.tokens_per_step / seconds if seconds > 0 else 0.0,
         mfu=model_flops / (seconds * gpu.peak_tflops * 1e12) if seconds > 0 else 0.0,
-        basis=estimate_basis(gpu) + (f" on {cluster.num_nodes} nodes" if cluster.num_nodes > 1 else "")
+        basis=estimate_basis(gpu, efficiency) + (f" on {cluster.num_nodes} nodes" if cluster.num_nodes > 1 else "")
         + (f"; host-bound: {work.num_microbatches} micro-batch(es) x {work.dispatched_ops_per_microbatch:,.0f} "
            f"dispatched ops x {host_op_us:g} us = {host_s:.3g} s per step, over the GPU's {gpu_compute_s:.3g} s"
            if host_s > gpu_compute_s else ""),
@@ -652,10 +719,10 @@ ESTIMATE_ERROR = {
     "cpu": (0.33, "the worst error of the two 24-configuration CPU grid runs since large memory-bound ops and the "
                   "tracker's depth are costed (33.1%, 23.7%; medians 11.2%, 10.2%), benchmarks/bench_costmodel.py "
                   "--grid --bracket, docs/BENCHMARKS.md"),
-    "cuda": (0.28, "the worst leave-one-out error over the 13 published FSDP runs (28.2%), "
+    "cuda": (0.22, "the worst leave-one-out error over the 21 published FSDP runs (22.2%; median 3.8%), "
                    "benchmarks/bench_costmodel.py --published"),
-    "cuda-host-bound": (0.46, "the worst error of the host-bound estimates against 35 real H100 trials without "
-                              "offload (46.3%; median 16%), benchmarks/bench_costmodel.py --gpu-recorded"),
+    "cuda-host-bound": (0.34, "the worst error of the host-bound estimates against 25 real H100 trials without "
+                              "offload (34.0%; median 12%), benchmarks/bench_costmodel.py --gpu-recorded"),
 }
 """Relative error an estimate carries, by the profile's device, from the validation that can
 fail (docs/COSTMODEL.md, "Validation"): the range printed with every estimated throughput."""

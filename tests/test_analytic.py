@@ -106,8 +106,9 @@ def test_throughput_grows_with_micro_batch_while_compute_bound(backend):
 
 
 def test_tiny_per_gpu_work_exposes_communication(backend):
-    # tiny-llama over two nodes: almost no compute to hide the collectives under.
-    result = backend.evaluate(make_spec("tiny-llama", gpus=16, nodes=2, seq=256))
+    # 128 tokens per GPU under a 7B model's collectives over two nodes: almost no compute to hide
+    # them under.
+    result = backend.evaluate(make_spec("llama-7b", gpus=16, nodes=2, seq=128))
     step = result.extras["step_time"]
     assert step["exposed_comm_s"] > step["compute_s"]
 

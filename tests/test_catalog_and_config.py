@@ -16,6 +16,8 @@ PUBLISHED = {"llama-7b": 6.74e9, "llama-13b": 13.0e9, "llama-70b": 69.0e9, "llam
              "llama3.1-8b": 8.03e9, "llama3.1-70b": 70.6e9, "qwen2.5-32b": 32.5e9, "qwen2.5-72b": 72.7e9,
              "qwen3-8b": 8.2e9, "qwen3-32b": 32.8e9, "mixtral-8x7b": 46.7e9, "gemma2-9b": 9.24e9,
              "gemma2-27b": 27.2e9,
+             # Code Llama 34B model card: 33.7B (the shape fms-fsdp trains as llama2_34b)
+             "codellama-34b": 33.7e9,
              # model cards: Qwen2.5-1.5B 1.54B, Llama 3.2 1B 1.23B (tied embeddings counted once)
              "qwen2.5-1.5b": 1.54e9, "llama3.2-1b": 1.24e9}
 

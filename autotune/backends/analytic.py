@@ -258,7 +258,7 @@ def step_work(spec: TrialSpec) -> costmodel.StepWork:
         tokens_per_gpu_step=tokens_per_gpu, num_gpus=spec.cluster.num_gpus, block_params=shape.block_params,
         num_blocks=shape.num_layers, root_params=shape.root_params, param_bytes=PARAM_BYTES[train.precision],
         reshard_after_forward=train.reshard_after_forward, cpu_offload=train.cpu_offload,
-        num_microbatches=spec.grad_accum_steps)
+        num_microbatches=spec.grad_accum_steps, hidden_size=shape.hidden)
 
 
 class AnalyticBackend(TrialBackend):

@@ -51,6 +51,14 @@ MODELS: dict[str, CatalogEntry] = {
         default_seq_len=4096,
         source="meta-llama/Llama-2-70b-hf config.json",
     ),
+    "codellama-34b": CatalogEntry(
+        model_type="llama",
+        config=dict(hidden_size=8192, intermediate_size=22016, num_hidden_layers=48,
+                    num_attention_heads=64, num_key_value_heads=8, vocab_size=32000,
+                    max_position_embeddings=16384, rms_norm_eps=1e-5, rope_theta=1000000.0),
+        default_seq_len=4096,
+        source="codellama/CodeLlama-34b-hf config.json (the shape of fms-fsdp's llama2_34b)",
+    ),
     "llama3-8b": CatalogEntry(
         model_type="llama",
         config=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

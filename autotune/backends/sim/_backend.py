@@ -10,7 +10,7 @@ import os
 from typing import TYPE_CHECKING
 
 from autotune import cache, costmodel
-from autotune.backends.analytic import SCREEN_MARGIN
+from autotune.backends.analytic import SCREEN_MARGIN, model_shape
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
 from autotune.backends.sim._extrapolate import extrapolate, shallow_depths
 from autotune.config import PARAM_DTYPE_BYTES, TrialSpec
@@ -391,7 +391,8 @@ class SimBackend(TrialBackend):
             num_blocks=spec.model.num_layers, root_params=trace.root_params,
             param_bytes=PARAM_DTYPE_BYTES[spec.train.precision], reshard_after_forward=spec.train.reshard_after_forward,
             cpu_offload=spec.train.cpu_offload, num_microbatches=accum,
-            dispatched_ops_per_microbatch=(op_work or {}).get("dispatched_ops", 0.0))
+            dispatched_ops_per_microbatch=(op_work or {}).get("dispatched_ops", 0.0),
+            hidden_size=model_shape(spec.model).hidden)
         step = costmodel.estimate_step_time(work, spec.cluster, shard_group_size=spec.train.shard_group_size,
                                             reshard_group_size=spec.train.reshard_group_size)
         extras["step_time"] = step.to_dict()
