@@ -289,3 +289,43 @@ def test_the_helper_starts_where_a_core_is_free_unless_told(monkeypatch, setting
     monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     assert _helper.can_help() is expected
+
+
+@pytest.mark.parametrize("model, train, replicas, gloo", [
+    ("tiny-llama", dict(activation_checkpointing="none", micro_batch_size=2), 1, False),
+    ("tiny-llama", dict(activation_checkpointing="every:2", reshard_after_forward=False), 1, True),
+    ("tiny-llama", dict(activation_checkpointing="op"), 1, False),
+    ("tiny-qwen2", dict(activation_checkpointing="none", shard_group_size=2), 2, True),
+    ("tiny-llama", dict(activation_checkpointing="full", micro_batch_size=3), 1, False),
+])
+def test_the_warm_up_without_a_step_leaves_what_a_real_first_step_leaves(monkeypatch, model, train, replicas, gloo):
+    # The tracer brings a new model to the steady state without running a step through it
+    # (lazy init, each unit's unshard and reshard, AdamW's state from zero gradients). The traces
+    # after it must equal, site by site, those after a real first training step.
+    from autotune.backends.sim import Tracer, fake_mesh
+    from autotune.backends.sim import _trace
+    from autotune.parallel import ParallelDims
+    from autotune.training import token_batches, train_step
+
+    spec, config = resolve_model(model), TrainConfig(**train)
+    mesh = fake_mesh(ParallelDims(dp_replicate=replicas, dp_shard=4 // replicas))
+
+    def traces():
+        tracer = Tracer()
+        return [tracer.trace(spec, depth=depth, mesh=mesh, world_size=4, train=config, seq_len=64,
+                             grad_accum_steps=2, gloo=gloo) for depth in (2, 3)]
+
+    shortcut = traces()
+
+    def real_step(module, optimizer):
+        vocab = int(spec.config_dict["vocab_size"])
+        train_step(module, optimizer, token_batches(vocab_size=vocab, micro_batch_size=1, seq_len=8, device="cpu"),
+                   grad_accum_steps=1)
+
+    monkeypatch.setattr(_trace, "_warm_up", real_step)  # what the tracer did before (and still
+    # does where blocks reshard to a smaller group after forward: _warm_up_with_a_step)
+    stepped = traces()
+    for ours, real in zip(shortcut, stepped):
+        assert ours.sites == real.sites
+        assert (ours.flops, ours.op_work, ours.largest_allocation_bytes) == \
+            (real.flops, real.op_work, real.largest_allocation_bytes)
