@@ -133,8 +133,11 @@ def test_fsdp_step_work_assembles_volumes_and_offload():
                  block_params=100, num_blocks=4, root_params=50, param_bytes=2, num_microbatches=2)
     plain = cm.fsdp_step_work(**sizes)
     assert plain.tokens_per_step == 4000 and plain.num_fsdp_units == 5
-    assert plain.allgather_bytes_per_gpu == cm.collective_bytes(
-        block_params=100, num_blocks=4, root_params=50, param_bytes=2, num_microbatches=2).allgather_bytes
+    # Counted by hand: per micro-batch each block is gathered in forward and again in backward
+    # (resharded after forward), the root once; bf16. Gradients reduce-scattered once, in fp32.
+    assert plain.allgather_bytes_per_gpu == (4 * 100 * 2 + 50) * 2 * 2
+    assert plain.reduce_scatter_bytes_per_gpu == (4 * 100 + 50) * 4 * 2
+    assert plain.backward_allgather_bytes_per_gpu == 4 * 100 * 2 * 2
     assert (plain.host_to_device_bytes, plain.cpu_optimizer_params) == (0.0, 0)
     offload = cm.fsdp_step_work(**sizes, cpu_offload=True)
     assert offload.cpu_optimizer_params == 450 // 4 + 1  # ceil: the first ranks hold the remainder
