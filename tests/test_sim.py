@@ -297,11 +297,14 @@ def test_the_helper_starts_where_a_core_is_free_unless_told(monkeypatch, setting
     ("tiny-llama", dict(activation_checkpointing="op"), 1, False),
     ("tiny-qwen2", dict(activation_checkpointing="none", shard_group_size=2), 2, True),
     ("tiny-llama", dict(activation_checkpointing="full", micro_batch_size=3), 1, False),
+    ("tiny-llama", dict(activation_checkpointing="full", reshard_group_size=2), 1, False),
+    ("tiny-qwen2", dict(activation_checkpointing="every:2", reshard_group_size=2), 1, True),
 ])
 def test_the_warm_up_without_a_step_leaves_what_a_real_first_step_leaves(monkeypatch, model, train, replicas, gloo):
     # The tracer brings a new model to the steady state without running a step through it
-    # (lazy init, each unit's unshard and reshard, AdamW's state from zero gradients). The traces
-    # after it must equal, site by site, those after a real first training step.
+    # (lazy init, each unit gathered and resharded as in forward and in backward, AdamW's state
+    # from zero gradients). The traces after it must equal, site by site, those after a real
+    # first training step.
     from autotune.backends.sim import Tracer, fake_mesh
     from autotune.backends.sim import _trace
     from autotune.parallel import ParallelDims
@@ -322,8 +325,7 @@ def test_the_warm_up_without_a_step_leaves_what_a_real_first_step_leaves(monkeyp
         train_step(module, optimizer, token_batches(vocab_size=vocab, micro_batch_size=1, seq_len=8, device="cpu"),
                    grad_accum_steps=1)
 
-    monkeypatch.setattr(_trace, "_warm_up", real_step)  # what the tracer did before (and still
-    # does where blocks reshard to a smaller group after forward: _warm_up_with_a_step)
+    monkeypatch.setattr(_trace, "_warm_up", real_step)  # what the tracer did before
     stepped = traces()
     for ours, real in zip(shortcut, stepped):
         assert ours.sites == real.sites

@@ -108,7 +108,6 @@ __all__ = ["REFTYPE_CATEGORIES", "SYNC_PHASE", "SiteKey", "StepTrace", "Tracer",
 
 _TOTAL = "Total"
 _CPU = torch.device("cpu")
-_WARM_UP_TOKENS = 8
 _REDUCE_SCATTER = torch.ops.c10d._reduce_scatter_base_.default
 
 # FSDPMemTracker's reference types -> autotune.backends.base.MEMORY_CATEGORIES.
@@ -454,10 +453,7 @@ class Tracer:
             with _post_forward_meshes_outside_fake_mode():
                 blocks = parallelize(model, mesh, train.with_(cpu_offload=False), allow_offload=False)
             optimizer = make_optimizer(model, impl=train.optimizer_impl)
-            if train.reshard_group_size:
-                _warm_up_with_a_step(model, optimizer, vocab_size=int(model_spec.config_dict["vocab_size"]))
-            else:
-                _warm_up(model, optimizer)
+            _warm_up(model, optimizer)
         block_ids = {id(p) for p in blocks.layers.parameters()}
         block_params = sum(p.numel() for p in blocks.layers[0].parameters())
         root_params = sum(p.numel() for p in model.parameters() if id(p) not in block_ids)
@@ -499,31 +495,33 @@ def _as_gathered(cats: dict[str, int]) -> dict[str, int]:
 def _warm_up(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Bring a freshly built model to the steady state a trace must see, as a first training
     step would, without running one (a step through the model costs as much as a trace):
-    FSDP2's lazy initialisation (its root's first forward does it), every FSDP unit's all-gather
-    buffers and unsharded parameters (created at a unit's first unshard, kept with their storage
-    freed after), and AdamW's state (created at the first step). Checked site by site: the traces
-    that follow are identical to those after a real first step on dense, MoE, sliding-window,
-    HSDP, checkpointed and gloo configurations (tests/test_sim.py). Not where blocks reshard to a
-    smaller group after forward: a real forward leaves buffers of that group's shards that this
-    does not (_warm_up_with_a_step there)."""
+    FSDP2's lazy initialisation (its root's first forward does it); each FSDP unit gathered and
+    resharded as in forward (to its smaller group where blocks reshard to one), then gathered
+    again and resharded as in backward, which creates the all-gather buffers and unsharded
+    parameters a step leaves behind (kept with their storage freed); and AdamW's state (created
+    at the first step, here from zero gradients). Checked site by site: the traces that follow
+    equal those after a real first step on dense, op-level, HSDP, reshard-group, gloo and
+    accumulation configurations (tests/test_sim.py)."""
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
     model._get_fsdp_state()._lazy_init()
     for module in model.modules():
-        if isinstance(module, FSDPModule):
+        if not isinstance(module, FSDPModule):
+            continue
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        for phase in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD):
+            for group in groups:  # reshard() does what the phase's post-hook would
+                group._training_state = phase
             module.unshard()
             module.reshard()
+        for group in groups:
+            group._training_state = TrainingState.IDLE
     for param in model.parameters():
         if param.requires_grad:
             param.grad = torch.zeros_like(param)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def _warm_up_with_a_step(model: nn.Module, optimizer: torch.optim.Optimizer, *, vocab_size: int) -> None:
-    """The steady state from one short training step, untracked."""
-    batches = token_batches(vocab_size=vocab_size, micro_batch_size=1, seq_len=_WARM_UP_TOKENS, device="cpu")
-    train_step(model, optimizer, batches, grad_accum_steps=1)
 
 
 @contextmanager
