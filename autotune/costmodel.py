@@ -337,11 +337,12 @@ def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_p
                    num_gpus: int, block_params: int, num_blocks: int, root_params: int, param_bytes: int,
                    reshard_after_forward: bool = True, cpu_offload: bool = False,
                    num_microbatches: int = 1, dispatched_ops_per_microbatch: float = 0.0,
-                   hidden_size: int = 0) -> StepWork:
-    """The `StepWork` of a full-sharded FSDP2 step from what a backend counted: FLOPs, sizes."""
+                   hidden_size: int = 0, reduce_bytes: int = 4) -> StepWork:
+    """The `StepWork` of a full-sharded FSDP2 step from what a backend counted: FLOPs, sizes;
+    gradients reduced in `reduce_bytes` per element (fp32, FSDP2's default here)."""
     sizes = dict(block_params=block_params, num_blocks=num_blocks, root_params=root_params,
                  reshard_after_forward=reshard_after_forward, num_microbatches=num_microbatches)
-    volume = collective_bytes(param_bytes=param_bytes, **sizes)
+    volume = collective_bytes(param_bytes=param_bytes, reduce_bytes=reduce_bytes, **sizes)
     h2d, d2h = offload_bytes(num_gpus=num_gpus, **sizes) if cpu_offload else (0.0, 0.0)
     total_params = root_params + num_blocks * block_params
     return StepWork(

@@ -26,7 +26,6 @@ Every figure printed says whether it is measured or estimated.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import itertools
 import json
@@ -197,9 +196,7 @@ def _published_work(run):
                      train=TrainConfig(micro_batch_size=run.micro_batch_size,
                                        activation_checkpointing=run.activation_checkpointing,
                                        shard_group_size=run.shard_group_size))
-    work = step_work(spec)  # reduces in fp32; the run may have reduced in bf16
-    return spec, dataclasses.replace(work, reduce_scatter_bytes_per_gpu=work.reduce_scatter_bytes_per_gpu
-                                     * run.reduce_bytes / 4)
+    return spec, step_work(spec, reduce_bytes=run.reduce_bytes)
 
 
 def _published_estimate(run, fit: dict[str, float]) -> float:
@@ -229,29 +226,31 @@ def _fit(rows) -> dict[str, float]:
     def loss(params):
         return sum(math.log(_published_estimate(r, params) / r.tokens_per_sec_per_gpu) ** 2 for r in rows)
 
-    def at(name, value):
-        return loss({**fit, name: value})
-
     for _ in range(6):
         for name, (lo, hi) in bounds.items():
-            grid = [lo + (hi - lo) * i / 12 for i in range(13)]
-            best = min(range(13), key=lambda i: at(name, grid[i]))
-            a, b = grid[max(best - 1, 0)], grid[min(best + 1, 12)]
-            ratio = (math.sqrt(5) - 1) / 2
-            c, d = b - ratio * (b - a), a + ratio * (b - a)
-            fc, fd = at(name, c), at(name, d)
-            for _ in range(24):
-                if fc < fd:
-                    b, d, fd = d, c, fc
-                    c = b - ratio * (b - a)
-                    fc = at(name, c)
-                else:
-                    a, c, fc = c, d, fd
-                    d = a + ratio * (b - a)
-                    fd = at(name, d)
-            candidates = {grid[best]: at(name, grid[best]), (a + b) / 2: at(name, (a + b) / 2)}
-            fit[name] = min(candidates, key=candidates.get)
+            fit[name] = _line_minimum(lambda value: loss({**fit, name: value}), lo, hi)
     return fit
+
+
+def _line_minimum(f, lo: float, hi: float) -> float:
+    """Where `f` is least on [lo, hi]: the best of 13 evenly spaced points, then 24 golden-section
+    steps between its neighbours (the better of that point and the section's middle)."""
+    grid = [lo + (hi - lo) * i / 12 for i in range(13)]
+    best = min(range(13), key=lambda i: f(grid[i]))
+    a, b = grid[max(best - 1, 0)], grid[min(best + 1, 12)]
+    ratio = (math.sqrt(5) - 1) / 2
+    c, d = b - ratio * (b - a), a + ratio * (b - a)
+    fc, fd = f(c), f(d)
+    for _ in range(24):
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - ratio * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + ratio * (b - a)
+            fd = f(d)
+    return min((grid[best], (a + b) / 2), key=f)
 
 
 def _describe(fit: dict[str, float], fam: str) -> str:

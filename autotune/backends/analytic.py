@@ -238,8 +238,9 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
                           peak_at=peak_at)
 
 
-def step_work(spec: TrialSpec) -> costmodel.StepWork:
-    """FLOPs, collective and offload bytes of one optimizer step on one GPU."""
+def step_work(spec: TrialSpec, *, reduce_bytes: int = 4) -> costmodel.StepWork:
+    """FLOPs, collective and offload bytes of one optimizer step on one GPU, gradients reduced in
+    `reduce_bytes` per element (fp32, as autotune's trials reduce)."""
     from autotune.catalog.models import model_flops_per_token
 
     shape = model_shape(spec.model)
@@ -258,7 +259,7 @@ def step_work(spec: TrialSpec) -> costmodel.StepWork:
         tokens_per_gpu_step=tokens_per_gpu, num_gpus=spec.cluster.num_gpus, block_params=shape.block_params,
         num_blocks=shape.num_layers, root_params=shape.root_params, param_bytes=PARAM_BYTES[train.precision],
         reshard_after_forward=train.reshard_after_forward, cpu_offload=train.cpu_offload,
-        num_microbatches=spec.grad_accum_steps, hidden_size=shape.hidden)
+        num_microbatches=spec.grad_accum_steps, hidden_size=shape.hidden, reduce_bytes=reduce_bytes)
 
 
 class AnalyticBackend(TrialBackend):
