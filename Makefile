@@ -37,7 +37,7 @@ test: setup $(TITAN_VENV)/.installed
 	bash tests/setup_browser.sh
 	bash tests/setup_postgres.sh
 	bash tests/setup_slurm.sh
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 bench: setup
 	for f in benchmarks/bench_*.py; do $(BIN)/python $$f || exit 1; done

@@ -30,3 +30,12 @@ def cpu_sim_whole():
     sim = SimBackend(device_kind="cpu", extrapolate=False)
     yield sim
     sim.close()
+
+
+@pytest.fixture(scope="session")
+def gloo_runs(request, tmp_path_factory):
+    """The real 2-rank gloo trials the comparing modules share: one launch (tests/shared_runs.py)."""
+    from tests.shared_runs import SharedRuns
+
+    wanted = {item.module.__name__ for item in request.session.items if "gloo_runs" in item.fixturenames}
+    return SharedRuns(wanted_modules=wanted, folder=tmp_path_factory.mktemp("shared-gloo-runs"))

@@ -13,6 +13,7 @@ from autotune import costmodel as cm
 from autotune import hardware
 from autotune.catalog.gpus import GPUS
 from autotune.config import Cluster, TrainConfig, TrialSpec
+from tests.shared_runs import register
 
 H100 = GPUS["h100-80gb"]
 TAU_FLOOR = 0.6
@@ -201,21 +202,27 @@ def calibrate_with_the_command(out: Path, backend: str) -> "hardware.HardwarePro
     return hardware.load_profile(str(out))
 
 
+# The cheap version of benchmarks/bench_costmodel.py --grid: 5 configurations of tiny-llama whose
+# step times spread over 8x, run for real in the session's shared launch (tests/shared_runs.py).
+GRID_CONFIGS = [dict(micro_batch_size=mb, activation_checkpointing=ac)
+                for mb, ac in ((1, "full"), (2, "none"), (4, "full"), (8, "every:2"), (8, "none"))]
+register("cost-grid", __name__, lambda folder: _bench().grid_specs(GRID_CONFIGS))
+
+
 @pytest.mark.slow
-def test_cpu_estimates_rank_real_trials_on_a_calibrated_profile(tmp_path):
-    """The cheap version of benchmarks/bench_costmodel.py --grid: calibrate this machine, then
-    estimate and really run 5 configurations of tiny-llama on 2 gloo ranks."""
+def test_cpu_estimates_rank_real_trials_on_a_calibrated_profile(tmp_path, gloo_runs):
+    """Calibrate this machine, then estimate the grid's configurations on the profile and rank
+    them against their real runs (measured tokens/s, 2 gloo ranks)."""
     bench = _bench()
+    specs, results = gloo_runs.run("cost-grid")
     profile = calibrate_with_the_command(tmp_path / "cpu.json", "cpu")
     assert profile.calibrated and all(f.source == "measured" for f in profile.figures.values())
-    configs = [dict(micro_batch_size=mb, activation_checkpointing=ac)
-               for mb, ac in ((1, "full"), (2, "none"), (4, "full"), (8, "every:2"), (8, "none"))]
-    specs = bench.grid_specs(configs)
     assert profile["host_op_us"] > 0 and "dispatched ops" in profile.figures["host_op_us"].basis
     # Each configuration traced once, estimated on the profile and (printed only) without host_op_us.
     estimated, estimated_without_host = bench.estimate_sim_on(
         specs, [hardware.load_profile(str(tmp_path / "cpu.json")), bench.with_host_op(profile, None)])
-    measured = bench.measure_cpu(specs)
+    assert all(r.status == "ok" for r in results), [r.message for r in results]
+    measured = [r.tokens_per_sec.value for r in results]
     scores = bench.grid_scores(estimated, measured)
     without_host = bench.grid_scores(estimated_without_host, measured)
     print(scores, "\nwithout host_op_us:", without_host)

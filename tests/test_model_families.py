@@ -4,25 +4,20 @@ The configs are written by transformers itself (each family's own config class, 
 as a user's `config.json` would be, and read back through `resolve_model` like `--model PATH`. Each
 model is deep enough that the simulator traces two shallow copies and extrapolates in depth
 (respecting the family's layer pattern: Gemma 2 alternates sliding and full attention, Gemma 3
-repeats five sliding layers and one full, Qwen3-MoE mixes dense and MoE layers); one torchrun
-launch of the real cpu backend (2 gloo ranks) runs them all at full depth.
+repeats five sliding layers and one full, Qwen3-MoE mixes dense and MoE layers); the session's
+shared torchrun launch of the real cpu backend (2 gloo ranks, tests/shared_runs.py) runs them all
+at full depth.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
-import subprocess
-import sys
-
 import pytest
 import transformers
 
-from autotune.backends.base import TrialResult
-from autotune.backends.real import RealBackend
 from autotune.backends.sim import SimBackend
 from autotune.catalog.models import resolve_model
 from autotune.config import Cluster, TrainConfig, TrialSpec
+from tests.shared_runs import register
 
 SEQ_LEN = 64
 _TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -117,52 +112,18 @@ def _family_spec(saved_configs, family: str) -> TrialSpec:
                  micro_batch_size=2)
 
 
-# The real launch, in a process of its own: reads the specs, prints the results (JSON).
-RUN_FOR_REAL = ("import json, sys\n"
-                "from autotune.backends.real import RealBackend\n"
-                "from autotune.config import TrialSpec\n"
-                "specs = [TrialSpec.from_dict(d) for d in json.load(sys.stdin)]\n"
-                "with RealBackend(device='cpu', warmup_steps=1, timed_steps=1) as real:\n"
-                "    print(json.dumps([r.to_dict() for r in real.evaluate_many(specs)]))\n")
+def _real_specs(folder) -> list[TrialSpec]:
+    """Every family's trial, from configs transformers writes into `folder`, for the shared launch."""
+    return [_family_spec({family: _write_config(family, folder)}, family) for family in FAMILIES
+            if _config_class(FAMILIES[family][0]) is not None]
+
+
+# Run for real at full depth in the session's shared launch of 2 gloo ranks (tests/shared_runs.py).
+register("model-families", __name__, _real_specs)
 
 
 @pytest.fixture(scope="module")
-def real_runs(saved_configs, request, tmp_path_factory):
-    """Every family's trial run for real at full depth: one torchrun launch of the cpu backend (2
-    gloo ranks), started as soon as this module first traces, so that the simulator's traces (in
-    this process, while the ranks mostly wait on each other) overlap it; the tensor peaks compared
-    do not depend on the machine's load. The launch is made by a fresh Python process, not a
-    thread of this one: the launcher's fork runs Python before exec, which in a process whose
-    other threads hold the tracer's gloo group deadlocks. Not launched where no selected test
-    compares with it (-m "not slow")."""
-    if not any("measured_and_predicted" in item.fixturenames for item in request.session.items):
-        yield None
-        return
-    families = list(saved_configs)
-    specs = [_family_spec(saved_configs, f) for f in families]
-    log = tmp_path_factory.mktemp("real-launch") / "stderr.log"
-    with open(log, "w") as stderr:  # a file, not a pipe: nothing to fill while this process traces
-        launch = subprocess.Popen([sys.executable, "-c", RUN_FOR_REAL], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=stderr, text=True)
-    launch.stdin.write(json.dumps([spec.to_dict() for spec in specs]))
-    launch.stdin.close()
-
-    def results() -> list[TrialResult]:
-        out = launch.stdout.read()
-        assert launch.wait(timeout=1800) == 0, log.read_text()[-3000:]
-        return [TrialResult.from_dict(r) for r in json.loads(out.strip().splitlines()[-1])]
-
-    try:
-        yield families, specs, results
-    finally:
-        if launch.poll() is None:
-            launch.kill()
-        launch.wait()
-        launch.stdout.close()
-
-
-@pytest.fixture(scope="module")
-def predict(saved_configs, real_runs):
+def predict(saved_configs):
     """The simulator's prediction (two shallow copies, extrapolated) of a family's trial, made once
     per family when first asked for: the full-depth traces and the real gloo runs are both
     compared with it."""
@@ -195,11 +156,11 @@ def test_extrapolation_equals_a_full_depth_trace_for_patterned_layers(saved_conf
 
 
 @pytest.fixture(scope="module")
-def measured_and_predicted(real_runs, predict):
-    families, specs, launch = real_runs
-    predicted = [predict(f) for f in families]  # while the launch runs
-    measured = launch()
-    return dict(zip(families, zip(specs, measured, predicted)))
+def measured_and_predicted(gloo_runs, predict):
+    specs, measured = gloo_runs.run("model-families")
+    families = [family for family in FAMILIES if _config_class(FAMILIES[family][0]) is not None]
+    assert [spec.model.name for spec in specs] == families
+    return {family: (spec, real, predict(family)) for family, spec, real in zip(families, specs, measured)}
 
 
 @pytest.mark.slow

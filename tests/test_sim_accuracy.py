@@ -1,6 +1,6 @@
 """Accuracy contract of the simulator: its tensor peak equals a real gloo run's.
 
-One torchrun launch of the real cpu backend runs a matrix of small real models (llama with
+The session's shared torchrun launch of the real cpu backend (tests/shared_runs.py) runs a matrix of small real models (llama with
 multi-head attention, qwen2 with grouped-query attention) over checkpointing none/full/every:2,
 micro-batches 1-4 and reshard on/off at world size 2; the simulator, in its default mode
 (depth- and micro-batch-extrapolated where it applies: the 6-block copies), predicts each.
@@ -17,6 +17,7 @@ from autotune.backends.real import RealBackend
 from autotune.backends.sim import SimBackend
 from autotune.catalog.models import ModelSpec, resolve_model
 from autotune.config import Cluster, TrainConfig, TrialSpec
+from tests.shared_runs import register
 
 pytestmark = pytest.mark.slow
 
@@ -55,16 +56,12 @@ def _spec(model: str, ac: str, mb: int, reshard: bool, optimizer_impl: str = "fu
 
 
 def measure_and_predict(specs: list[TrialSpec]) -> tuple[list[TrialSpec], list, list]:
-    """Every spec run for real (one launch of gloo ranks) and simulated for that CPU run."""
-    # Two steps: the second is the steady state (optimizer state exists), as the simulator predicts.
+    """Every spec run for real (one launch of gloo ranks at the specs' world size) and simulated
+    for that CPU run. Two steps: the second is the steady state (optimizer state exists), as the
+    simulator predicts."""
     with RealBackend(device="cpu", warmup_steps=1, timed_steps=1) as real:
         measured = real.evaluate_many(specs)
-    sim = SimBackend(device_kind="cpu")
-    try:
-        predicted = [sim.evaluate(spec) for spec in specs]
-    finally:
-        sim.close()
-    return specs, measured, predicted
+    return specs, measured, predict_cpu_runs(specs)
 
 
 def assert_tensor_peaks_agree(spec: TrialSpec, real, sim) -> None:
@@ -80,9 +77,19 @@ def assert_tensor_peaks_agree(spec: TrialSpec, real, sim) -> None:
     assert sim.peak_memory.source == "predicted"
 
 
+def predict_cpu_runs(specs: list[TrialSpec]) -> list:
+    """The simulator's prediction of each spec's CPU gloo run (default mode: extrapolated)."""
+    with SimBackend(device_kind="cpu") as sim:
+        return [sim.evaluate(spec) for spec in specs]
+
+
+register("sim-accuracy", __name__, lambda folder: [_spec(*row) for row in MATRIX])
+
+
 @pytest.fixture(scope="module")
-def measured_and_predicted():
-    return measure_and_predict([_spec(*row) for row in MATRIX])
+def measured_and_predicted(gloo_runs):
+    specs, measured = gloo_runs.run("sim-accuracy")  # the session's shared launch (tests/shared_runs.py)
+    return specs, measured, predict_cpu_runs(specs)
 
 
 @pytest.mark.parametrize("index", range(len(MATRIX)), ids=["-".join(map(str, row)) for row in MATRIX])
