@@ -92,11 +92,8 @@ def _timed(fn, *, device, repeats: int = 5, min_s: float = 0.02, calls: int | No
 
 
 def _model_shapes(model) -> dict[str, int]:
-    cfg = model.config_dict
-    hidden = int(cfg["hidden_size"])
-    heads = int(cfg["num_attention_heads"])
-    return dict(hidden=hidden, ffn=int(cfg["intermediate_size"]), vocab=int(cfg["vocab_size"]), heads=heads,
-                kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=int(cfg.get("head_dim") or hidden // heads))
+    return dict(hidden=model.hidden_size, ffn=model.mlp_width, vocab=model.vocab_size, heads=model.num_attention_heads,
+                kv_heads=model.num_key_value_heads, head_dim=model.head_dim)
 
 
 def bench_compute(model, *, device, dtype, seq_len: int, token_counts=TOKEN_COUNTS) -> dict[str, Any]:
@@ -196,7 +193,7 @@ def _tracker_cost(model, *, device, mesh, seq_len: int, pairs: int, num_layers: 
 
     net = _short_copy(model, device=device, mesh=mesh, num_layers=num_layers)
     optimizer = make_optimizer(net)
-    vocab = int(model.config_dict["vocab_size"])
+    vocab = model.vocab_size
     train_step(net, optimizer, token_batches(vocab_size=vocab, micro_batch_size=1, seq_len=seq_len, device=device),
                grad_accum_steps=1)  # the optimizer's state exists, as in a trial's timed steps
     ids = torch.randint(0, vocab, (1, seq_len), device=device)
@@ -242,7 +239,7 @@ def bench_adamw(model, *, device, world_size: int, impl: str) -> dict[str, Any]:
     from autotune.training import make_optimizer
 
     s = _model_shapes(model)
-    layers = int(model.config_dict["num_hidden_layers"])
+    layers = model.num_layers
     shapes = [(s["vocab"], s["hidden"]), (s["vocab"], s["hidden"])]
     for _ in range(layers):
         shapes += [(s["hidden"], s["hidden"])] * 2 + [(s["kv_heads"] * s["head_dim"], s["hidden"])] * 2
@@ -310,7 +307,7 @@ def short_fsdp_steps(model, *, device, mesh, seq_len: int, steps: int = 2) -> No
 
     net = _short_copy(model, device=device, mesh=mesh)
     optimizer = make_optimizer(net)
-    batches = token_batches(vocab_size=int(model.config_dict["vocab_size"]), micro_batch_size=1, seq_len=seq_len,
+    batches = token_batches(vocab_size=model.vocab_size, micro_batch_size=1, seq_len=seq_len,
                             device=device)
     for _ in range(steps):
         train_step(net, optimizer, batches, grad_accum_steps=1)
@@ -353,7 +350,7 @@ def bench_host_overhead(model, *, device, mesh, token_counts=HOST_TOKEN_COUNTS, 
     import torch
 
     net = _short_copy(model, device=device, mesh=mesh)
-    vocab = int(model.config_dict["vocab_size"])
+    vocab = model.vocab_size
     batches = {t: torch.randint(0, vocab, (1, t), device=device) for t in token_counts}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
 
@@ -498,14 +495,13 @@ def measure(*, backend: str = "cpu", model_name: str = "tiny-llama", world_size:
     if world_size is None:
         world_size = torch.cuda.device_count() if backend == "cuda" else 2
     seq_len = seq_len or model.default_seq_len
-    cfg = model.config_dict
     block, root = model.block_parameters, model.root_parameters
     param_bytes = 2
     unit_bytes = sorted({int(block * param_bytes * f) for f in COLLECTIVE_SIZES_FRACTIONS} |
                         {int(root * param_bytes), int(block * 4), int(root * 4)})
     job = dict(backend=backend, model=model_name, seq_len=seq_len, unit_bytes=unit_bytes,
                optimizer_impl=optimizer_impl or ("fused" if backend == "cuda" else "foreach"),
-               num_layers=int(cfg["num_hidden_layers"]))
+               num_layers=model.num_layers)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "calibration.json")

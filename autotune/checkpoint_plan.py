@@ -57,7 +57,7 @@ def _largest_tensor_bytes(result: dict[str, Any]) -> int:
     config = result["model"].get("config") or {}
     hidden = result["model"].get("hidden_size") or config.get("hidden_size") or 0
     vocab = result["model"].get("vocab_size") or config.get("vocab_size") or 0
-    ffn = config.get("intermediate_size") or 4 * hidden
+    ffn = result["model"].get("mlp_width") or config.get("intermediate_size") or 4 * hidden
     return PARAM_BYTES * max(vocab * hidden, ffn * hidden, hidden * hidden)
 
 

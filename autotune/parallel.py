@@ -43,8 +43,11 @@ class Blocks:
 
 
 def find_decoder_blocks(model: nn.Module) -> Blocks:
-    """The largest nn.ModuleList of identical block classes: the decoder layers."""
-    best: tuple[int, nn.Module, str, str] | None = None
+    """The decoder layers: the largest nn.ModuleList of identical block classes, preferring one
+    with a block per layer of the language model's config (a multimodal model's vision or audio
+    tower can hold a larger list)."""
+    depth = _config_depth(model)
+    best: tuple[tuple[bool, int], nn.Module, str, str] | None = None
     for parent_name, parent in model.named_modules():
         for attr, child in parent.named_children():
             if not isinstance(child, nn.ModuleList) or len(child) == 0:
@@ -52,9 +55,9 @@ def find_decoder_blocks(model: nn.Module) -> Blocks:
             classes = {_block_class_name(m) for m in child}
             if len(classes) != 1:
                 continue
-            size = sum(p.numel() for p in child.parameters())
-            if best is None or size > best[0]:
-                best = (size, parent, attr, classes.pop())
+            rank = (len(child) == depth, sum(p.numel() for p in child.parameters()))
+            if best is None or rank > best[0]:
+                best = (rank, parent, attr, classes.pop())
     if best is None:
         raise UnsupportedModelError(
             f"{model.__class__.__name__} has no repeated decoder blocks (an nn.ModuleList of one "
@@ -62,6 +65,20 @@ def find_decoder_blocks(model: nn.Module) -> Blocks:
         )
     _, parent, attr, class_name = best
     return Blocks(parent, attr, class_name)
+
+
+def _config_depth(model: nn.Module) -> int | None:
+    """num_hidden_layers of the model's (text) config, where it says."""
+    config = getattr(model, "config", None)
+    try:
+        config = config.get_text_config()
+    except Exception:  # noqa: BLE001 - no config, or one without a text config
+        pass
+    try:
+        value = getattr(config, "num_hidden_layers", None)
+    except Exception:  # noqa: BLE001 - a per-layer config may refuse a global read
+        return None
+    return value if isinstance(value, int) else None
 
 
 def _block_class_name(module: nn.Module) -> str:

@@ -55,8 +55,9 @@ def model_section(request: TuneRequest) -> dict[str, Any]:
         "parameters": model.num_parameters,
         "model_type": model.model_type,
         "num_layers": model.num_layers,
-        "hidden_size": config.get("hidden_size"),
-        "vocab_size": config.get("vocab_size"),
+        "hidden_size": model.hidden_size,
+        "vocab_size": model.vocab_size,
+        "mlp_width": model.mlp_width,
         "source": model.source,
         "attention_implementation": model.attention_implementation,
         "config": {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool)) or v is None},
@@ -83,7 +84,7 @@ def loss_section(request: TuneRequest, winner: Step) -> dict[str, Any]:
     """Which loss path the prediction traced, and what its logits weigh, so that a user whose stack
     computes the loss differently (chunked or fused cross-entropy) knows how far the peak moves."""
     train = winner.train
-    elements = train.micro_batch_size * request.seq_len * int(request.model.config_dict.get("vocab_size") or 0)
+    elements = train.micro_batch_size * request.seq_len * request.model.vocab_size
     compute_bytes = PARAM_DTYPE_BYTES[train.precision]
     site = str(winner.result.extras.get("peak_site", ""))
     return {

@@ -40,7 +40,19 @@ FAMILIES = {
     "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=8, head_dim=16, num_local_experts=4,
                                      num_experts_per_tok=2, sliding_window=32)),
     "smollm3": ("SmolLM3Config", dict(num_hidden_layers=14)),  # no RoPE every 4th layer
+    # Families that spell their sizes their own way (issue 25): GPT-2's n_inner, OPT's ffn_dim,
+    # Falcon's ffn_hidden_size; BLOOM and MPT derive the MLP width and have no position table.
+    "gpt2": ("GPT2Config", dict(num_hidden_layers=6, n_inner=128)),
+    "opt": ("OPTConfig", dict(num_hidden_layers=6, ffn_dim=128, word_embed_proj_dim=64)),
+    "bloom": ("BloomConfig", dict(num_hidden_layers=6)),
+    "falcon": ("FalconConfig", dict(num_hidden_layers=6, ffn_hidden_size=128)),
+    "gptj": ("GPTJConfig", dict(num_hidden_layers=6, n_inner=128, rotary_dim=8)),
+    "gpt_bigcode": ("GPTBigCodeConfig", dict(num_hidden_layers=6, n_inner=128)),
+    "mpt": ("MptConfig", dict(num_hidden_layers=6)),
 }
+# Families without a field of that name: the _TINY fields they do not have are left out.
+_NO_MLP_OR_KV_FIELD = {"gpt2", "opt", "bloom", "falcon", "gptj", "gpt_bigcode", "mpt"}
+_NO_POSITIONS_FIELD = {"bloom", "mpt"}
 
 
 def _config_class(name: str):
@@ -56,6 +68,11 @@ def _write_config(family: str, folder) -> str:
     if family == "gpt_neox":  # GPT-NeoX names its MLP width differently and has no KV heads
         tiny.pop("num_key_value_heads")
         tiny["intermediate_size"] = 256
+    if family in _NO_MLP_OR_KV_FIELD:
+        tiny.pop("intermediate_size")
+        tiny.pop("num_key_value_heads")
+    if family in _NO_POSITIONS_FIELD:
+        tiny.pop("max_position_embeddings")
     config = config_class(**tiny, **fields)
     path = folder / family
     config.save_pretrained(path)

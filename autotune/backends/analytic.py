@@ -86,14 +86,11 @@ def _count_shape(model_type: str, config_json: str, trust_remote_code: bool) -> 
     config = json.loads(config_json)
     spec = ModelSpec(name="shape", model_type=model_type, config_dict=config, default_seq_len=1,
                      source="", trust_remote_code=trust_remote_code)
-    hf = spec.hf_config()  # the config as transformers completes it, defaults included
-    hidden, heads = int(hf.hidden_size), int(hf.num_attention_heads)
-    head_dim = int(getattr(hf, "head_dim", None) or hidden // heads)
-    kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
-    return ModelShape(hidden=hidden, intermediate=int(hf.intermediate_size),
-                      num_layers=int(config["num_hidden_layers"]), num_heads=heads,
-                      kv_width=kv_heads * head_dim, vocab=int(hf.vocab_size),
-                      block_params=spec.block_parameters, root_params=spec.root_parameters)
+    # Read through ModelSpec, where each number is defined once: from transformers' own accessors
+    # or measured from the meta-built blocks (the MLP width), whatever the family names it.
+    return ModelShape(hidden=spec.hidden_size, intermediate=spec.mlp_width, num_layers=spec.num_layers,
+                      num_heads=spec.num_attention_heads, kv_width=spec.num_key_value_heads * spec.head_dim,
+                      vocab=spec.vocab_size, block_params=spec.block_parameters, root_params=spec.root_parameters)
 
 
 def model_shape(model: ModelSpec) -> ModelShape:

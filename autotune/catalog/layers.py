@@ -26,6 +26,17 @@ _NOT_PER_LAYER = frozenset({
 _LAYER_INDEX_LISTS = ("mlp_only_layers",)
 
 
+def layer_index_dict(value: Any) -> bool:
+    """A dict of per-layer overrides keyed by layer index (Gemma 4's `per_layer_config`: {"05": {...}})."""
+    return isinstance(value, dict) and bool(value) and all(
+        (isinstance(k, int) and not isinstance(k, bool)) or (isinstance(k, str) and k.isdigit()) for k in value)
+
+
+def layer_index_dict_keys(config: dict[str, Any]) -> list[str]:
+    """Fields holding per-layer overrides keyed by layer index."""
+    return sorted(key for key, value in config.items() if key not in _NOT_PER_LAYER and layer_index_dict(value))
+
+
 def per_layer_keys(config: dict[str, Any]) -> list[str]:
     """Fields holding one entry per decoder layer."""
     num_layers = int(config["num_hidden_layers"])
@@ -33,20 +44,26 @@ def per_layer_keys(config: dict[str, Any]) -> list[str]:
                   if isinstance(value, list) and len(value) == num_layers and key not in _NOT_PER_LAYER)
 
 
-def layer_signatures(config: dict[str, Any]) -> list[tuple]:
+def layer_signatures(config: dict[str, Any], keys: list[str] | None = None) -> list[tuple]:
     """What distinguishes layer i from another, for every layer of the model: its entries in the
-    per-layer fields and the rule-based fields (dense vs MoE layers). Equal signatures mean
-    blocks of the same structure (same modules, same attention pattern)."""
+    per-layer fields (`keys`, by default those of `config`) and the rule-based fields (dense vs
+    MoE layers). Equal signatures mean blocks of the same structure (same modules, same
+    attention pattern)."""
     num_layers = int(config["num_hidden_layers"])
-    keys = per_layer_keys(config)
+    keys = per_layer_keys(config) if keys is None else keys
     dense = set(config.get("mlp_only_layers") or ())
     sparse_step = config.get("decoder_sparse_step")
     num_experts = config.get("num_experts") or config.get("num_local_experts") or 0
     first_dense = config.get("first_k_dense_replace")
     moe_freq = config.get("moe_layer_freq")
     signatures = []
+    indexed = [key for key in layer_index_dict_keys(config)]
     for index in range(num_layers):
         signature: list[Any] = [(key, _hashable(config[key][index])) for key in keys]
+        for key in indexed:
+            entry = next((v for k, v in config[key].items() if int(k) == index), None)
+            if entry is not None:
+                signature.append((key, _hashable(entry)))
         if index in dense:
             signature.append(("dense_mlp", True))
         if sparse_step and num_experts:
@@ -58,11 +75,20 @@ def layer_signatures(config: dict[str, Any]) -> list[tuple]:
     return signatures
 
 
-def layer_period(config: dict[str, Any]) -> int:
+def layer_period(config: dict[str, Any], structures: list[str] | None = None) -> int:
     """The smallest p with signature[i] == signature[i + p] for every layer: 1 for a model of
     identical blocks, 2 for Gemma 2's alternating sliding/full attention. A pattern that does not
-    repeat (a dense prefix before MoE layers) has period num_layers: traced whole, never cut."""
+    repeat (a dense prefix before MoE layers) has period num_layers: traced whole, never cut.
+    `structures` (one per layer: the modules and parameter shapes of the block transformers
+    builds) adds what the config's fields do not say (a family's own rule for its MoE layers)."""
     signatures = layer_signatures(config)
+    if structures is not None and len(structures) == len(signatures):
+        signatures = [(*signature, ("structure", structure)) for signature, structure in zip(signatures, structures)]
+    return period_of_signatures(signatures)
+
+
+def period_of_signatures(signatures: list) -> int:
+    """The smallest p with signatures[i] == signatures[i + p] for every i."""
     num_layers = len(signatures)
     for period in range(1, num_layers):
         if all(signatures[i] == signatures[i + period] for i in range(num_layers - period)):
@@ -84,14 +110,17 @@ def shallow_config_dict(config: dict[str, Any], depth: int) -> dict[str, Any]:
     for key in _LAYER_INDEX_LISTS:
         if isinstance(config.get(key), list):
             cut[key] = [i for i in config[key] if i < depth]
+    for key in layer_index_dict_keys(config):
+        cut[key] = {k: v for k, v in config[key].items() if int(k) < depth}
     cut["num_hidden_layers"] = depth
     return cut
 
 
 def missing_kinds(config: dict[str, Any], depth: int) -> int:
     """How many kinds of layer of the full model a `depth`-layer copy lacks (0 when it has them all)."""
-    full = set(layer_signatures(config))
-    shallow = set(layer_signatures(shallow_config_dict(config, depth)))
+    keys = per_layer_keys(config)  # the full model's: in a shallow copy any short list has its length
+    full = set(layer_signatures(config, keys))
+    shallow = set(layer_signatures(shallow_config_dict(config, depth), keys))
     return len(full - shallow)
 
 

@@ -7,8 +7,11 @@ are small enough to train for real on CPUs in tests.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -16,6 +19,39 @@ from typing import Any
 
 from autotune.catalog import layers
 from autotune.errors import UsageError
+
+CANONICAL_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                    "vocab_size", "max_position_embeddings")
+"""The config fields autotune reads by name, in transformers' canonical spelling. A family that stores
+one under another name (GPT-2's `n_layer`, BLOOM's `n_head`, MPT's `d_model`) declares the alias in
+its config class's `attribute_map`, through which transformers itself reads it; `canonical_config`
+renames such keys, and transformers accepts the canonical names back as keyword arguments."""
+
+
+def config_class_of(model_type: str):
+    """The installed transformers' config class of `model_type`, or None where it has none."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        return CONFIG_MAPPING[model_type]
+    except KeyError:
+        return None
+
+
+def canonical_config(model_type: str, data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with every stored alias of a CANONICAL_FIELDS name (the config class's
+    `attribute_map`, canonical -> stored) renamed to the canonical name. A value given under both
+    names keeps the canonical one; nothing else changes."""
+    attribute_map = getattr(config_class_of(model_type), "attribute_map", None) or {}
+    out = dict(data)
+    for canonical in CANONICAL_FIELDS:
+        stored = attribute_map.get(canonical)
+        if not stored or stored == canonical or stored not in out:
+            continue
+        value = out.pop(stored)
+        if out.get(canonical) is None:
+            out[canonical] = value
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,7 +292,8 @@ class ModelSpec:
         for key in layers.per_layer_keys(completed):
             overrides[key] = completed[key]
         if num_layers is not None and num_layers != self.num_layers:
-            if layers.missing_kinds(completed, num_layers):
+            structures = self._block_structures or []
+            if layers.missing_kinds(completed, num_layers) or set(structures) - set(structures[:num_layers]):
                 raise ValueError(f"a {num_layers}-layer copy of {self.name} would lack some of its kinds of "
                                  f"layer (period {self.layer_period}): trace at least one whole period")
             overrides = layers.shallow_config_dict(overrides, num_layers)
@@ -297,12 +334,42 @@ class ModelSpec:
     @cached_property
     def completed_config(self) -> dict[str, Any]:
         """The config as transformers completes it: defaults and derived per-layer fields explicit."""
-        return self._config(dict(self.config_dict)).to_dict()
+        return canonical_config(self.model_type, self._config(dict(self.config_dict)).to_dict())
 
     @cached_property
     def layer_period(self) -> int:
-        """Layers per repeating pattern of block structures (1 when every block is alike)."""
-        return layers.layer_period(self.completed_config)
+        """Layers per repeating pattern of block structures (1 when every block is alike): from the
+        config's per-layer fields and the blocks transformers builds."""
+        return layers.layer_period(self.completed_config, self._block_structures)
+
+    @cached_property
+    def _block_structures(self) -> list[str] | None:
+        """One fingerprint per decoder layer of the model transformers builds at full depth (meta
+        device): its modules and parameter shapes. None where the blocks are not one per layer
+        (`_count_on_meta` says why). Raises UnsupportedModelError if FSDP has no blocks to wrap."""
+        from autotune import cache
+
+        key = cache.key_of("block-structures", dict(model_type=self.model_type, config=self.config_dict,
+                                                    remote=self.trust_remote_code, layers=self.num_layers))
+        cached = cache.load("block-structures", key)
+        if isinstance(cached, dict):
+            return cached["structures"]
+        structures = self._structures_on_meta()
+        cache.store("block-structures", key, dict(structures=structures))
+        return structures
+
+    def _structures_on_meta(self) -> list[str] | None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from autotune.parallel import find_decoder_blocks
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.hf_config(), trust_remote_code=self.trust_remote_code)
+        blocks = find_decoder_blocks(model)  # the full model's, as FSDP wraps them: raises if it has none
+        if len(blocks.layers) != self.num_layers:
+            return None
+        return [block_structure(block) for block in blocks.layers]
 
     @property
     def num_layers(self) -> int:
@@ -314,61 +381,104 @@ class ModelSpec:
         return int(value) if value else None
 
     @cached_property
-    def _meta_summary(self) -> tuple[int, int, int, str]:
-        """(parameters outside the blocks, parameters of all blocks, of the largest block, block
-        class) from a copy of one period of layers built on the meta device: blocks repeat with
-        the period, so the counts are exact at any depth and cost the same for a 70B model as for
-        a tiny one. Raises UnsupportedModelError if FSDP has no blocks to wrap."""
+    def _meta_summary(self) -> dict[str, Any]:
+        """What the tuner needs to know about the model, from a copy of one period of layers built
+        on the meta device (`_count_on_meta`): blocks repeat with the period, so the counts are
+        exact at any depth and cost the same for a 70B model as for a tiny one. Raises
+        UnsupportedModelError if FSDP has no blocks to wrap."""
         from autotune import cache
 
         # Counted once per model shape and library version on this machine, then read back:
-        # a repeated plan need not import transformers for these four numbers.
+        # a repeated plan need not import transformers for these numbers.
         key = cache.key_of("model-summary", dict(model_type=self.model_type, config=self.config_dict,
                                                  remote=self.trust_remote_code, layers=self.num_layers))
         cached = cache.load("model-summary", key)
-        if cached is not None:
-            return tuple(cached)  # type: ignore[return-value]
+        if isinstance(cached, dict):
+            return cached
         summary = self._count_on_meta()
-        cache.store("model-summary", key, list(summary))
+        cache.store("model-summary", key, summary)
         return summary
 
-    def _count_on_meta(self) -> tuple[int, int, int, str]:
+    def _count_on_meta(self) -> dict[str, Any]:
         import torch
         from transformers import AutoModelForCausalLM
 
+        from autotune.errors import UnsupportedModelError
         from autotune.parallel import find_decoder_blocks
 
         period = self.layer_period
+        config = self.hf_config(num_layers=period)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(
-                self.hf_config(num_layers=period), trust_remote_code=self.trust_remote_code
-            )
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=self.trust_remote_code)
         blocks = find_decoder_blocks(model)
+        if len(blocks.layers) != period:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}'s repeated blocks ({len(blocks.layers)} x {blocks.class_name} in a "
+                f"{period}-layer copy) do not follow num_hidden_layers: autotune cannot scale it in depth")
         per_block = [sum(p.numel() for p in block.parameters()) for block in blocks.layers]
         total = sum(p.numel() for p in model.parameters())
         all_blocks = sum(per_block[i % period] for i in range(self.num_layers))
-        return total - sum(per_block), all_blocks, max(per_block), blocks.class_name
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        embedding = _input_embedding(model)
+        hidden = _positive_int(_read(text, "hidden_size")) or (embedding[1] if embedding else 0)
+        heads = _positive_int(_read(text, "num_attention_heads")) or 1
+        head_dim = _positive_int(_read(text, "head_dim")) or max(hidden // heads, 1)
+        kv_heads = _positive_int(_read(text, "num_key_value_heads")) or heads
+        vocab = _positive_int(_read(text, "vocab_size")) or (embedding[0] if embedding else 0)
+        return dict(root_parameters=total - sum(per_block), all_block_parameters=all_blocks,
+                    block_parameters=max(per_block), block_class=blocks.class_name,
+                    hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                    head_dim=head_dim, vocab_size=vocab,
+                    mlp_width=max(mlp_width(block, hidden) for block in blocks.layers))
 
     @property
     def root_parameters(self) -> int:
         """Parameters outside the decoder blocks: embeddings, final norm, LM head (once if tied)."""
-        return self._meta_summary[0]
+        return int(self._meta_summary["root_parameters"])
 
     @property
     def block_parameters(self) -> int:
         """Parameters of the largest decoder block (all blocks are alike in most models; where
         dense and MoE layers alternate, the largest sets the all-gather buffers)."""
-        return self._meta_summary[2]
+        return int(self._meta_summary["block_parameters"])
 
     @property
     def num_parameters(self) -> int:
         """Exact parameter count."""
-        return self.root_parameters + self._meta_summary[1]
+        return self.root_parameters + int(self._meta_summary["all_block_parameters"])
+
+    # The model's shape, read through transformers' own accessors (the config class's
+    # attribute_map, get_text_config()) or, where no config field holds it, measured from the
+    # meta-built blocks. Every other part of autotune reads these, never a family's field names.
+    @property
+    def hidden_size(self) -> int:
+        return int(self._meta_summary["hidden_size"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._meta_summary["vocab_size"])
+
+    @property
+    def num_attention_heads(self) -> int:
+        return int(self._meta_summary["num_attention_heads"])
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return int(self._meta_summary["num_key_value_heads"])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self._meta_summary["head_dim"])
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP's inner width (for MoE, one expert's), measured from the block (see `mlp_width`)."""
+        return int(self._meta_summary["mlp_width"])
 
     @property
     def block_class(self) -> str:
         """The decoder block class FSDP wraps one by one, e.g. LlamaDecoderLayer."""
-        return self._meta_summary[3]
+        return str(self._meta_summary["block_class"])
 
     def to_dict(self) -> dict[str, Any]:
         return dict(name=self.name, model_type=self.model_type, config=self.config_dict,
@@ -401,7 +511,7 @@ def resolve_model(name_or_path: str, *, trust_remote_code: bool = False) -> Mode
             f"({', '.join(MODELS)}) or a path to a Hugging Face config.json or model folder"
         )
     try:
-        data = json.loads(path.read_text())
+        data = _decode_special_floats(json.loads(path.read_text()))
     except FileNotFoundError:
         raise UsageError(f"model config {str(path)!r} not found: give a config.json or a folder "
                          "holding one") from None
@@ -413,61 +523,237 @@ def resolve_model(name_or_path: str, *, trust_remote_code: bool = False) -> Mode
         raise UsageError(f"{str(path)!r} needs custom code (auto_map): pass --trust-remote-code "
                          "if you trust it")
     model_type = data["model_type"]
-    try:
-        from transformers import AutoConfig
-
-        AutoConfig.for_model(model_type)
-    except (ValueError, KeyError):
+    where = str(path)
+    if not isinstance(model_type, str) or config_class_of(model_type) is None:
         if not trust_remote_code:
-            raise UsageError(f"model_type {model_type!r} in {str(path)!r} is unknown to the "
-                             "installed transformers: upgrade transformers") from None
+            raise UsageError(f"model_type {model_type!r} in {where!r} is unknown to the installed "
+                             "transformers: upgrade transformers")
+    else:
+        data = canonical_config(model_type, data)  # GPT-2's n_layer is num_hidden_layers, ...
+    if not trust_remote_code:
+        _check_causal_lm(model_type, data, where=where)
+        probe = ModelSpec(name="probe", model_type=model_type, config_dict=data, default_seq_len=1,
+                          source=where)
+        with _quiet_transformers():  # autotune's own checks below name what must be fixed, in one line
+            completed = _completed_config(probe, where=where)
+        # The shape fields transformers defaults, written out: the plan, its cache key and the
+        # exported config then say what was tuned.
+        data = dict(data)
+        for key in CANONICAL_FIELDS:
+            if data.get(key) is None and completed.get(key) is not None:
+                data[key] = completed[key]
     if "num_hidden_layers" not in data:
-        raise UsageError(f"{str(path)!r} has no num_hidden_layers: not a decoder-only config "
-                         "autotune can tune")
+        if isinstance(getattr(config_class_of(model_type), "num_hidden_layers", None), property):
+            raise UsageError(f"{where!r}: {model_type}'s depth (num_hidden_layers) is derived by transformers from "
+                             "other fields: autotune cannot make the shallower copies it traces")
+        raise UsageError(f"{where!r} has no num_hidden_layers: not a decoder-only config autotune can tune")
     layers_value = data["num_hidden_layers"]
     if not isinstance(layers_value, int) or isinstance(layers_value, bool) or layers_value < 1:
-        raise UsageError(f"{str(path)!r}: num_hidden_layers must be a positive integer, got {layers_value!r}")
+        raise UsageError(f"{where!r}: num_hidden_layers must be a positive integer, got {layers_value!r}")
     max_pos = data.get("max_position_embeddings") or 4096
     if not isinstance(max_pos, int) or isinstance(max_pos, bool) or max_pos < 1:
-        raise UsageError(f"{str(path)!r}: max_position_embeddings must be a positive integer, got {max_pos!r}")
+        raise UsageError(f"{where!r}: max_position_embeddings must be a positive integer, got {max_pos!r}")
     spec = ModelSpec(name=data.get("_name_or_path") or path.parent.name or path.stem,
                      model_type=model_type, config_dict=data,
-                     default_seq_len=min(4096, int(max_pos)), source=str(path),
+                     default_seq_len=min(4096, int(max_pos)), source=where,
                      trust_remote_code=trust_remote_code)
     if not trust_remote_code:
-        _check_decoder_only(spec, where=str(path))
+        with _quiet_transformers():
+            _check_buildable(spec, where=where)
     return spec
 
 
-def _check_decoder_only(spec: ModelSpec, *, where: str) -> None:
-    """Refuse, as a usage error naming the field, a config transformers rejects or a model that is
-    not a decoder-only causal LM (an encoder such as BERT has a causal-LM head in transformers,
-    but FSDP tuning of it is not what autotune predicts)."""
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' warnings off while a config is checked: its validation logs what it only warns
+    about (a token id outside the vocabulary) to stderr, and a usage error is one line."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(previous)
+
+
+def _check_causal_lm(model_type: str, data: dict[str, Any], *, where: str) -> None:
+    """Refuse, with the reason, a model that is not a decoder-only causal LM: an encoder such as
+    BERT has a causal-LM head in transformers, but FSDP tuning of it is not what autotune predicts;
+    an encoder-decoder; a multimodal config whose language model is a sub-config."""
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                         MODEL_FOR_MASKED_LM_MAPPING_NAMES)
 
-    kind = spec.model_type
-    if spec.config_dict.get("is_encoder_decoder") or kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES \
-            or kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    kind = model_type
+    if data.get("is_encoder_decoder") or getattr(config_class_of(kind), "is_encoder_decoder", False):
+        raise UsageError(f"{where!r}: model_type {kind!r} is an encoder-decoder model, not a decoder-only causal "
+                         "language model; autotune tunes "
+                         "decoder-only LLMs (llama, mistral, qwen2/3, gemma2/3, gpt2, opt, bloom, falcon, ...)")
+    if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES or kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UsageError(f"{where!r}: model_type {kind!r} is not a decoder-only causal language model; "
-                         "autotune tunes decoder-only LLMs (llama, mistral, qwen2/3, gemma2/3, phi3, ...)")
+                         "autotune tunes decoder-only LLMs (llama, mistral, qwen2/3, gemma2/3, gpt2, opt, "
+                         "bloom, falcon, ...)")
+    sub_configs = getattr(config_class_of(kind), "sub_configs", None) or {}
+    towers = sorted(key for key in sub_configs if key in _NON_TEXT_TOWERS)
+    if towers and "text_config" not in sub_configs:
+        raise UsageError(f"{where!r}: model_type {kind!r} is a multimodal model ({', '.join(towers)} besides the "
+                         "language model): autotune tunes decoder-only language models on text")
+    if "text_config" in sub_configs and "num_hidden_layers" not in data:
+        text = data.get("text_config") or {}
+        text_type = text.get("model_type") if isinstance(text, dict) else None
+        named = f" (model_type {text_type!r})" if text_type else ""
+        raise UsageError(f"{where!r}: model_type {kind!r} is a multimodal model whose language model is its "
+                         f"text_config{named}; save text_config as a config.json of its own to tune the text tower")
+
+
+_NON_TEXT_TOWERS = frozenset({"vision_config", "vq_config", "vision_tower_config", "image_config"})
+"""Sub-configs of image towers: a causal LM that carries one (GIT) takes images with its text."""
+
+
+def _completed_config(spec: ModelSpec, *, where: str) -> dict[str, Any]:
+    """The config as transformers completes it; transformers' own validation of every field,
+    its rejection a usage error that names the field."""
     try:
         from huggingface_hub.errors import StrictDataclassError  # transformers 5 validates configs with it
     except ImportError:
         StrictDataclassError = ValueError
     try:
-        spec.completed_config  # transformers' own validation of every field
-    except (ValueError, TypeError, StrictDataclassError) as exc:
+        return spec.completed_config
+    except (ValueError, TypeError, KeyError, AttributeError, StrictDataclassError) as exc:
         detail = " ".join(str(exc).split())
-        raise UsageError(f"{where!r} is not a valid {kind} config: {detail[:300]}; fix that field") from None
+        raise UsageError(f"{where!r} is not a valid {spec.model_type} config: {detail[:300]}; fix that field") from None
+
+
+def _check_buildable(spec: ModelSpec, *, where: str) -> None:
+    """Refuse, as a usage error naming the field, a config that transformers accepts but whose model
+    cannot be built (a padding id outside the vocabulary, heads that do not divide the width),
+    and a model with no repeated blocks for FSDP to wrap. Builds one period of layers on the meta
+    device, as planning does anyway (and cached alike)."""
+    from autotune.errors import UnsupportedModelError
+
+    completed = spec.completed_config
+    vocab = completed.get("vocab_size")
+    pad = completed.get("pad_token_id")
+    if _positive_int(vocab) and isinstance(pad, int) and not isinstance(pad, bool) and not 0 <= pad < vocab:
+        raise UsageError(f"{where!r}: pad_token_id {pad} is outside the vocabulary (vocab_size {vocab}): set "
+                         f"pad_token_id to an id below {vocab}, or to null")
+    try:
+        spec._meta_summary
+    except UnsupportedModelError as exc:
+        raise UsageError(f"{where!r}: {exc}") from None
+    except UsageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises while building the model
+        hidden, heads = completed.get("hidden_size"), completed.get("num_attention_heads")
+        if _positive_int(hidden) and _positive_int(heads) and hidden % heads:
+            raise UsageError(f"{where!r}: transformers cannot build a {spec.model_type} model whose "
+                             f"{_spelled(spec.model_type, 'hidden_size')} ({hidden}) is not a multiple of its "
+                             f"{_spelled(spec.model_type, 'num_attention_heads')} ({heads}): make it one") from None
+        detail = " ".join(str(exc).split()) or type(exc).__name__
+        raise UsageError(f"{where!r}: transformers cannot build a {spec.model_type} model from this config "
+                         f"({type(exc).__name__}: {detail[:300]}); fix the field it names") from None
 
 
 def model_flops_per_token(model: ModelSpec, seq_len: int, *, num_parameters: int | None = None) -> float:
     """Training FLOPs per token without recompute: 6N plus attention (PaLM paper, appendix B:
     6N + 12 * L * H * Q * T with H*Q the attention width and T the sequence length).
     `num_parameters` saves the meta build of the model when the caller already knows N."""
-    config = model.config_dict
-    num_layers = config["num_hidden_layers"]
-    hidden = config["hidden_size"]
+    num_layers = model.num_layers
+    hidden = model.hidden_size
     n = model.num_parameters if num_parameters is None else num_parameters
     return 6 * n + 12 * num_layers * hidden * seq_len
+
+
+def _spelled(model_type: str, canonical: str) -> str:
+    """A canonical field as the family's config.json spells it: `n_embd (hidden_size)` for GPT-2."""
+    stored = (getattr(config_class_of(model_type), "attribute_map", None) or {}).get(canonical)
+    return f"{stored} ({canonical})" if stored and stored != canonical else canonical
+
+
+def _read(config, name: str) -> Any:
+    """config.<name> through transformers' accessors (attribute_map), or None where it has none
+    (or, in a per-layer config, no single value)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _positive_int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _input_embedding(model) -> tuple[int, int] | None:
+    """(rows, width) of the model's input embedding, where it has one."""
+    try:
+        weight = model.get_input_embeddings().weight
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    return (int(weight.shape[0]), int(weight.shape[1])) if weight.dim() == 2 else None
+
+
+def block_structure(block) -> str:
+    """A fingerprint of a block's structure: its module classes and parameter shapes by name."""
+    parts = [f"{name}:{type(module).__name__}" for name, module in block.named_modules()]
+    parts += [f"{name}:{tuple(param.shape)}" for name, param in block.named_parameters()]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+_ATTENTION_PATH = re.compile(r"attn|attention", re.IGNORECASE)
+
+
+def mlp_width(block, hidden: int) -> int:
+    """The inner width of a decoder block's MLP, measured from its modules, whatever the family
+    calls it (`intermediate_size`, `ffn_dim`, `n_inner`, 4 x hidden by default, ...).
+
+    Outside the attention modules: where experts keep their weights as 3-d parameters (a fused
+    gate-and-up and a down projection per expert, [experts, in, out] or [experts, out, in]), one expert's width is the smallest dimension
+    that is not the hidden size (a fused gate-and-up is twice as wide as the down projection's
+    input); otherwise it is the widest input of a projection back to the hidden size (nn.Linear,
+    or transformers' Conv1D as GPT-2 has), the MLP's down projection. A block with neither has no
+    wider inner width than the hidden size."""
+    from torch import nn
+
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover
+        Conv1D = ()
+    downs: list[int] = []
+    experts: list[int] = []
+    ups: list[int] = []
+    for name, module in block.named_modules():
+        if _ATTENTION_PATH.search(name):
+            continue
+        if isinstance(module, nn.Linear):
+            fan_in, fan_out = module.in_features, module.out_features
+        elif Conv1D and isinstance(module, Conv1D):
+            fan_in, fan_out = int(module.weight.shape[0]), int(module.weight.shape[1])
+        else:
+            for param in module.parameters(recurse=False):
+                if param.dim() == 3 and param.shape[0] > 1 and min(param.shape[1:]) > 1 and hidden in param.shape[1:]:
+                    others = [int(d) for d in param.shape[1:] if d != hidden]
+                    experts.append(min(others) if others else hidden)
+            continue
+        if fan_out == hidden:
+            downs.append(fan_in)
+        elif fan_in == hidden:
+            ups.append(fan_out)
+    if experts:
+        return min(experts)
+    if downs:
+        return max(downs)
+    return max(ups, default=hidden)
+
+
+def _decode_special_floats(data: Any) -> Any:
+    """Floats as transformers writes what JSON cannot hold (`{"__float__": "Infinity"}`), read back
+    as transformers reads them."""
+    try:
+        from transformers import PretrainedConfig
+
+        return PretrainedConfig._decode_special_floats(data)
+    except (ImportError, AttributeError):  # pragma: no cover - older transformers write plain JSON
+        return data

@@ -23,7 +23,8 @@ TARGET = f"PyTorch FSDP2 (torch.distributed.fsdp.fully_shard), torch {torch.__ve
 # Copied verbatim, in dependency order.
 _SOURCES = (
     _knobs.Checkpointing, _parallel.ParallelDims,
-    _parallel.Blocks, _parallel.find_decoder_blocks, _parallel._block_class_name, _parallel.mixed_precision_policy,
+    _parallel.Blocks, _parallel.find_decoder_blocks, _parallel._config_depth, _parallel._block_class_name,
+    _parallel.mixed_precision_policy,
     _parallel.op_sac_policy, _parallel.apply_ac, _parallel.apply_fsdp, _parallel.parallelize,
     _training.make_optimizer, _training.token_batches, _training.train_step,
 )
