@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +66,6 @@ class SharedRuns:
         self._folder = folder
         self._specs: dict[str, list[TrialSpec]] = {}
         self._results: dict[str, list[TrialResult]] = {}
-        self.launch_seconds: float | None = None
 
     def _launch(self, required: str) -> None:
         sets = [s for s in _SETS.values()
@@ -78,11 +76,9 @@ class SharedRuns:
             self._specs[trial_set.name] = trial_set.make_specs(folder)
         every = [spec for trial_set in sets for spec in self._specs[trial_set.name]]
         log = self._folder / "launch.stderr.log"
-        began = time.monotonic()
         with open(log, "w") as stderr:  # a file, not a pipe: nothing to fill while the ranks run
             done = subprocess.run([sys.executable, "-c", _RUN_FOR_REAL], input=json.dumps([s.to_dict() for s in every]),
                                   stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=1800)
-        self.launch_seconds = time.monotonic() - began
         assert done.returncode == 0, log.read_text()[-3000:]
         results = [TrialResult.from_dict(r) for r in json.loads(done.stdout.strip().splitlines()[-1])]
         start = 0
