@@ -46,6 +46,9 @@ class TrainConfig:
     """HSDP: shard within groups of this many GPUs, replicate across them; 0 = every GPU (FSDP)."""
     reshard_group_size: int = _D["reshard_group_size"].default
     """Reshard block parameters after forward to groups of this many GPUs; 0 = as reshard_after_forward."""
+    shard_placement: str = _D["shard_placement"].default
+    """dim0, or largest: parameters whose first dimension is smaller than the shard group (fused
+    experts) shard on their largest evenly divisible dimension (parallel.shard_placement_fn)."""
 
     def __post_init__(self) -> None:
         for knob in knobs.KNOBS:

@@ -55,6 +55,8 @@ def _short_label(train) -> str:
         parts.append(f"hsdp{train.shard_group_size}")
     if getattr(train, "reshard_group_size", 0):
         parts.append(f"rs{train.reshard_group_size}")
+    if getattr(train, "shard_placement", "dim0") != "dim0":
+        parts.append(f"shard:{train.shard_placement}")
     if getattr(train, "optimizer_impl", "fused") != "fused":  # sampled trials vary it
         parts.append(train.optimizer_impl)
     return " ".join(parts)

@@ -27,6 +27,7 @@ from autotune import knobs
 from autotune.backends.analytic import SCREEN_MARGIN
 from autotune.backends.base import TrialBackend, TrialResult
 from autotune.batch import within_tolerance
+from autotune.knobs import shard_dim
 from autotune.config import Checkpointing, TrainConfig
 from autotune.records import (  # noqa: F401  (re-exported: callers written before the records moved)
     DEFAULT_HEADROOM,
@@ -60,6 +61,10 @@ untried one (drawn at random, seeded): TPE converges and would keep proposing it
 SAMPLER_SLACK = 0.02
 """Sampling stops this fraction of --time-budget early (besides the longest trial's time): the
 sampler's own work between trials is not free."""
+
+
+def shape_moves(shape: tuple[int, ...], shard_size: int) -> bool:
+    return shard_dim(shape, shard_size, "largest") != 0
 
 
 class BudgetExhausted(Exception):
@@ -195,9 +200,11 @@ class Controller:
         if precision == "bf16" and not cluster.gpu.supports_bf16:
             precision = "fp16"
             self.notes.append(f"{cluster.gpu.name} has no bf16: fp16 with a sharded grad scaler instead")
+        placement, why_placement = self._placement()
         base = TrainConfig(precision=precision, reshard_after_forward=space.reshard_after_forward,
-                           optimizer_impl=space.optimizer_impl)
-        step = self.run("baseline", base, f"start of the graph: {precision} mixed precision, micro-batch 1")
+                           optimizer_impl=space.optimizer_impl, shard_placement=placement)
+        step = self.run("baseline", base, f"start of the graph: {precision} mixed precision, micro-batch 1"
+                                          f"{why_placement}")
         if not step.fits and space.checkpointing:
             step = self.run("checkpointing", base.with_(activation_checkpointing="full"),
                             f"baseline {self._why(step)}: checkpoint every decoder block")
@@ -215,6 +222,20 @@ class Controller:
         largest = self._grow(step.train, stage="grow")
         self._align(largest)
         self._explore(step.train, largest)
+
+    def _placement(self) -> tuple[str, str]:
+        """The shard placement of every trial, and what the baseline's reason says of it. `auto`
+        moves parameters off dimension 0 exactly where dim-0 shards would be mostly padding: a
+        parameter's first dimension (the experts of a fused MoE weight) smaller than the shard group."""
+        chosen, shard = self.request.space.shard_placement, self.request.cluster.num_gpus
+        if chosen != "auto":
+            return chosen, ""
+        if not self.request.model.placement_moves_parameters(shard):
+            return "dim0", ""
+        small = min(shape[0] for shape in self.request.model.block_param_shapes if shape_moves(shape, shard))
+        return "largest", (f"; parameters with a first dimension of {small} on {shard} GPUs would be sharded mostly "
+                           "into padding on dimension 0: shard them on their largest evenly divisible dimension "
+                           "(--shard-placement largest, as torchtitan shards experts)")
 
     @property
     def _searches_offload(self) -> bool:
@@ -400,6 +421,7 @@ class Controller:
             num_layers=request.model.num_layers, checkpointing=space.checkpointing, op_level=space.checkpointing,
             offload=self._searches_offload,
             reshard=(True, False) if space.explore_no_reshard else (base.reshard_after_forward,),
+            placements=(base.shard_placement,),
             hsdp_groups=tuple(groups),
             reshard_groups=(cluster.gpus_per_node,) if space.explore_no_reshard and cluster.num_nodes > 1 else ())
         return knobs.sample_domains(ctx)

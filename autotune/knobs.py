@@ -27,6 +27,27 @@ OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")
 """AdamW implementations: `fused` (one kernel per step: HF Trainer's and torchtitan's default on GPUs),
 `foreach` (torch.optim's default on CUDA: temporaries for a whole group of parameters at once),
 `for-loop` (one parameter at a time: the least memory)."""
+SHARD_PLACEMENTS: tuple[str, ...] = ("dim0", "largest")
+"""Which dimension FSDP2 shards a parameter on (fully_shard's shard_placement_fn). `dim0`: every
+parameter on its first dimension (FSDP2's default). `largest`: a multi-dimensional parameter whose
+first dimension is smaller than the shard group (a fused expert weight, [experts, ...], on more ranks
+than experts) on its largest dimension that the group divides evenly, as torchtitan shards experts
+on dimension 1; every other parameter on its first."""
+
+
+def shard_dim(shape: tuple[int, ...], shard_size: int, placement: str) -> int:
+    """The dimension a parameter of `shape` is sharded on over `shard_size` ranks.
+
+    `dim0` is FSDP2's default. `largest` moves a multi-dimensional parameter whose first dimension
+    is smaller than the shard group (fused experts, [experts, ...], on more ranks than experts:
+    dim-0 shards would be padding on most ranks, and the padding grows with the GPU count) to its
+    largest dimension that `shard_size` divides (FSDP2 shards a dimension other than 0 only
+    evenly), as torchtitan's fsdp.py puts experts on Shard(1) when the FSDP degree exceeds them."""
+    if placement == "dim0" or len(shape) < 2 or shape[0] >= shard_size:
+        return 0
+    even = [d for d in range(1, len(shape)) if shape[d] % shard_size == 0]
+    return max(even, key=lambda d: (shape[d], -d)) if even else 0
+
 
 # --- activation checkpointing: a typed value -------------------------------------------------------
 
@@ -219,6 +240,9 @@ class SampleContext:
     op_level: bool = True
     offload: bool = True
     reshard: tuple[bool, ...] = (True, False)
+    placements: tuple[str, ...] = ("dim0",)
+    """Shard placements that change something (`largest` where a parameter's first dimension is
+    smaller than the shard group)."""
     hsdp_groups: tuple[int, ...] = ()
     """HSDP group sizes that apply (several nodes): node, 2 nodes, ..."""
     reshard_groups: tuple[int, ...] = ()
@@ -313,6 +337,14 @@ KNOBS: tuple[Knob, ...] = (
          label=lambda v: "" if v == "fused" else f"adamw={v}",
          optuna=_categorical_param("optimizer_impl", OPTIMIZER_IMPLS), alternative="foreach",
          domain=lambda ctx: OPTIMIZER_IMPLS),
+    Knob(name="shard_placement", default="dim0", flag="--shard-placement", choices=SHARD_PLACEMENTS,
+         parse=_choice("shard placement", SHARD_PLACEMENTS), result_path=("fsdp", "shard_placement"),
+         help="which dimension FSDP2 shards parameters on: dim0 (FSDP2's default) or largest (a parameter whose "
+              "first dimension is smaller than the shard group, e.g. fused experts on more GPUs than experts, "
+              "on its largest evenly divisible dimension, as torchtitan shards experts)",
+         label=lambda v: "" if v == "dim0" else f"shard={v}",
+         optuna=_categorical_param("shard_placement", SHARD_PLACEMENTS), alternative="largest",
+         keyed_at_default=False, domain=lambda ctx: ctx.placements),
 )
 BY_NAME: dict[str, Knob] = {knob.name: knob for knob in KNOBS}
 

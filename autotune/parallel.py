@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from autotune.config import PARAM_DTYPE_NAMES, TrainConfig
-from autotune.knobs import Checkpointing
+from autotune.knobs import Checkpointing, shard_dim
 from autotune.errors import UnsupportedModelError
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2", "and other "
@@ -191,6 +191,20 @@ def apply_ac(blocks: Blocks, ac: Checkpointing) -> int:
     return wrapped
 
 
+def shard_placement_fn(mesh, placement: str):
+    """fully_shard's shard_placement_fn for a placement (None: FSDP2's default, dim 0)."""
+    if placement == "dim0":
+        return None
+    from torch.distributed.tensor import Shard
+
+    shard_size = mesh.size(mesh.ndim - 1)  # HSDP shards over the mesh's last dimension
+
+    def place(param: nn.Parameter):
+        dim = shard_dim(tuple(param.shape), shard_size, placement)
+        return Shard(dim) if dim else None
+    return place
+
+
 def apply_fsdp(model: nn.Module, blocks: Blocks, mesh, train: TrainConfig, *, allow_offload: bool = True) -> None:
     """fully_shard each block, then the root. The root is never resharded after forward
     (its parameters are needed again at once in backward), as FSDP2's default does."""
@@ -204,10 +218,12 @@ def apply_fsdp(model: nn.Module, blocks: Blocks, mesh, train: TrainConfig, *, al
             warnings.warn("cpu_offload requested but not applied here (no accelerator): "
                           "its memory is modelled, not traced", stacklevel=2)
     mp = mixed_precision_policy(train.precision)
+    place = shard_placement_fn(mesh, train.shard_placement)
     for block in blocks.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=train.fsdp_reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=False)
+                    reshard_after_forward=train.fsdp_reshard_after_forward, shard_placement_fn=place)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=False,
+                shard_placement_fn=place)
 
 
 def parallelize(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bool = True) -> Blocks:

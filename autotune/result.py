@@ -171,7 +171,8 @@ def _trial_command(request: TuneRequest, step: Step) -> str:
             f"--{'' if t.reshard_after_forward else 'no-'}reshard --{'' if t.cpu_offload else 'no-'}offload "
             f"--precision {t.precision} --optimizer-impl {t.optimizer_impl}"
             + (f" --hsdp {t.shard_group_size}" if t.shard_group_size else "")
-            + (f" --reshard-group {t.reshard_group_size}" if t.reshard_group_size else ""))
+            + (f" --reshard-group {t.reshard_group_size}" if t.reshard_group_size else "")
+            + (f" --shard-placement {t.shard_placement}" if t.shard_placement != "dim0" else ""))
 
 
 def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backend: str, wrap: str,

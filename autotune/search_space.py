@@ -8,14 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from autotune.config import OPTIMIZER_IMPLS, PRECISIONS
-from autotune.knobs import OP_POLICIES
+from autotune.knobs import OP_POLICIES, SHARD_PLACEMENTS
 from autotune.errors import UsageError
 
 DEFAULT_SPACE = Path(__file__).resolve().parent.parent / "search_spaces" / "default.toml"
 
 # key -> (type, validator description). Everything the file may contain, nothing else.
 _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "baseline": {"precision": str, "reshard_after_forward": bool, "optimizer_impl": str},
+    "baseline": {"precision": str, "reshard_after_forward": bool, "optimizer_impl": str, "shard_placement": str},
     "checkpointing": {"enabled": bool, "lighter_every": list, "op_level": list},
     "hsdp": {"enabled": bool},
     "offload": {"enabled": bool},
@@ -31,6 +31,9 @@ class SearchSpace:
     precision: str = "bf16"
     reshard_after_forward: bool = True
     optimizer_impl: str = "fused"
+    shard_placement: str = "auto"
+    """auto: `largest` where some parameter's first dimension is smaller than the shard group, else
+    `dim0`; or one of autotune.knobs.SHARD_PLACEMENTS for every trial."""
     checkpointing: bool = True
     lighter_every: tuple[int, ...] = (2, 4)
     op_level: tuple[str, ...] = ("alt-mm",)
@@ -92,6 +95,10 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
     if optimizer_impl not in OPTIMIZER_IMPLS:
         raise UsageError(f"search space {where!r}: baseline.optimizer_impl must be one of "
                          f"{', '.join(OPTIMIZER_IMPLS)}, got {optimizer_impl!r}")
+    shard_placement = get("baseline", "shard_placement", "auto")
+    if shard_placement not in ("auto", *SHARD_PLACEMENTS):
+        raise UsageError(f"search space {where!r}: baseline.shard_placement must be one of auto, "
+                         f"{', '.join(SHARD_PLACEMENTS)}, got {shard_placement!r}")
     lighter = get("checkpointing", "lighter_every", [2, 4])
     if not all(isinstance(k, int) and not isinstance(k, bool) and k >= 2 for k in lighter):
         raise UsageError(f"search space {where!r}: checkpointing.lighter_every must be a list of "
@@ -107,6 +114,7 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
         precision=precision,
         reshard_after_forward=get("baseline", "reshard_after_forward", True),
         optimizer_impl=optimizer_impl,
+        shard_placement=shard_placement,
         checkpointing=get("checkpointing", "enabled", True),
         lighter_every=tuple(sorted(set(lighter))),
         op_level=tuple(dict.fromkeys(op_level)),

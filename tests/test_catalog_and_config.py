@@ -19,7 +19,8 @@ PUBLISHED = {"llama-7b": 6.74e9, "llama-13b": 13.0e9, "llama-70b": 69.0e9, "llam
              # Code Llama 34B model card: 33.7B (the shape fms-fsdp trains as llama2_34b)
              "codellama-34b": 33.7e9,
              # model cards: Qwen2.5-1.5B 1.54B, Llama 3.2 1B 1.23B (tied embeddings counted once)
-             "qwen2.5-1.5b": 1.54e9, "llama3.2-1b": 1.24e9}
+             "qwen2.5-1.5b": 1.54e9, "llama3.2-1b": 1.24e9,
+             "qwen3-30b-a3b": 30.5e9}  # Qwen3-30B-A3B model card: 30.5B in total, 3.3B activated
 
 
 @pytest.mark.parametrize("name", list(MODELS))

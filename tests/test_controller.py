@@ -4,6 +4,7 @@ The formula backend is a test double for the controller's logic only: the real b
 exercised end to end in test_cli.py and their own tests.
 """
 
+import dataclasses
 from dataclasses import replace
 
 
@@ -350,3 +351,18 @@ def test_estimated_backends_do_not_trace_samples_far_over_the_limit():
     assert sampled and outcome.sampling["estimated_not_to_fit"] > 0
     for train in sampled:  # re-estimated apart: none of the traced ones is far over the 75 GiB limit
         assert FormulaBackend().evaluate(request_for(75).spec(train)).peak_memory.value <= 75 * GiB * 1.25
+
+
+def test_experts_fewer_than_the_gpus_are_sharded_on_another_dimension_and_the_run_says_why():
+    """tiny-mixtral's fused experts are [2, ...]: on 8 GPUs dim-0 shards would be padding on 6 of
+    them, so every trial shards them on their largest dimension and the baseline's reason says so.
+    A dense model, or a search space that pins dim0, keeps FSDP2's default placement."""
+    request = dataclasses.replace(request_for(75), model=resolve_model("tiny-mixtral"))
+    outcome = Controller(request, FormulaBackend()).tune()
+    assert {s.train.shard_placement for s in outcome.steps} == {"largest"}
+    assert "first dimension of 2 on 8 GPUs" in outcome.steps[0].reason
+    assert "--shard-placement largest" in outcome.steps[0].reason
+    dense = Controller(request_for(75), FormulaBackend()).tune()
+    assert {s.train.shard_placement for s in dense.steps} == {"dim0"}
+    pinned = dataclasses.replace(request, space=SearchSpace(shard_placement="dim0"))
+    assert {s.train.shard_placement for s in Controller(pinned, FormulaBackend()).tune().steps} == {"dim0"}

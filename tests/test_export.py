@@ -597,3 +597,21 @@ def test_every_script_sets_the_allocator_setting_the_prediction_assumed(run_resu
         assert echoed == wanted and mapping.status == "mapped"
     else:
         assert mapping.status == "unsupported" and wanted in mapping.note and wanted in path.read_text()
+
+
+def test_shard_placement_is_written_where_the_stack_runs_autotunes_parallelize(run_result):
+    """--shard-placement largest (fused experts on more GPUs than experts): the fsdp2 and Lightning
+    exports run autotune's parallelize, which passes fully_shard the same shard_placement_fn real
+    trials apply; torchtitan applies its own (Shard(1) for experts beyond the FSDP degree); the
+    other stacks shard on dimension 0 only and warn."""
+    result = llama3_8b(variant(run_result, shard_placement="largest"))
+    for fmt in ("fsdp2", "lightning", "torchtitan"):
+        exported = export_result(result, fmt)
+        assert not any(w.startswith("shard_placement") for w in exported.warnings), fmt
+    script = export_result(result, "fsdp2").text
+    assert "shard_placement='largest'" in script and "def shard_placement_fn(" in script
+    compile(script, "train_fsdp2.py", "exec")  # the copied functions are complete Python
+    for fmt in ("accelerate", "hf-trainer", "llama-cookbook", "fsdp1"):
+        assert any(w.startswith("shard_placement: unsupported") for w in export_result(result, fmt).warnings), fmt
+    plain = llama3_8b(variant(run_result))
+    assert not any(w.startswith("shard_placement") for w in export_result(plain, "accelerate").warnings)

@@ -223,6 +223,16 @@ MODELS: dict[str, CatalogEntry] = {
         default_seq_len=4096,
         source="mistralai/Mixtral-8x7B-v0.1 config.json",
     ),
+    "qwen3-30b-a3b": CatalogEntry(
+        model_type="qwen3_moe",
+        config=dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                    num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                    max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                    num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
+                    norm_topk_prob=True, tie_word_embeddings=False, use_sliding_window=False),
+        default_seq_len=4096,
+        source="Qwen/Qwen3-30B-A3B config.json (128 experts, 8 routed per token, every layer MoE)",
+    ),
     "gemma2-9b": CatalogEntry(
         model_type="gemma2",
         config=dict(hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
@@ -257,6 +267,15 @@ MODELS: dict[str, CatalogEntry] = {
                     max_position_embeddings=1024, tie_word_embeddings=False),
         default_seq_len=256,
         source="autotune test model (qwen2 family, grouped-query attention)",
+    ),
+    "tiny-mixtral": CatalogEntry(
+        model_type="mixtral",
+        config=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=4000,
+                    max_position_embeddings=1024, num_local_experts=2, num_experts_per_tok=1,
+                    sliding_window=None),
+        default_seq_len=128,
+        source="autotune test model (mixtral family: 2 fused experts, fewer than the ranks of a 4-rank trial)",
     ),
     "micro-llama": CatalogEntry(
         model_type="llama",
@@ -393,7 +412,7 @@ class ModelSpec:
         key = cache.key_of("model-summary", dict(model_type=self.model_type, config=self.config_dict,
                                                  remote=self.trust_remote_code, layers=self.num_layers))
         cached = cache.load("model-summary", key)
-        if isinstance(cached, dict):
+        if isinstance(cached, dict) and "block_param_shapes" in cached:  # else written before the field
             return cached
         summary = self._count_on_meta()
         cache.store("model-summary", key, summary)
@@ -429,7 +448,22 @@ class ModelSpec:
                     block_parameters=max(per_block), block_class=blocks.class_name,
                     hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
                     head_dim=head_dim, vocab_size=vocab,
-                    mlp_width=max(mlp_width(block, hidden) for block in blocks.layers))
+                    mlp_width=max(mlp_width(block, hidden) for block in blocks.layers),
+                    block_param_shapes=sorted({tuple(p.shape) for block in blocks.layers
+                                               for p in block.parameters() if p.dim() >= 2}))
+
+    @property
+    def block_param_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The distinct shapes of the decoder blocks' multi-dimensional parameters (a fused expert
+        weight's first dimension is the number of experts): where FSDP2 can shard them."""
+        return tuple(tuple(shape) for shape in self._meta_summary["block_param_shapes"])
+
+    def placement_moves_parameters(self, shard_size: int) -> bool:
+        """Whether `--shard-placement largest` shards some block parameter off dimension 0 on a
+        shard group of `shard_size` ranks (else it is the default placement)."""
+        from autotune.knobs import shard_dim
+
+        return any(shard_dim(shape, shard_size, "largest") for shape in self.block_param_shapes)
 
     @property
     def root_parameters(self) -> int:

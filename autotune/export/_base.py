@@ -89,6 +89,9 @@ class Tuned:
     """HSDP: GPUs per shard group (replicated across groups); 0 = plain FSDP over every GPU."""
     reshard_group_size: int = 0
     """Blocks resharded after forward to groups of this many GPUs; 0 = as reshard_after_forward."""
+    shard_placement: str = "dim0"
+    """`largest`: parameters whose first dimension is smaller than the shard group sharded on their
+    largest evenly divisible dimension (autotune.knobs.shard_dim)."""
 
     @property
     def gpus_per_node(self) -> int:
@@ -152,6 +155,7 @@ class Tuned:
                 activation_checkpointing=str(Checkpointing.parse(fsdp["activation_checkpointing"])),
                 shard_group_size=int(values["shard_group_size"]),
                 reshard_group_size=int(values["reshard_group_size"]),
+                shard_placement=str(values["shard_placement"]),
                 cpu_offload=bool(fsdp["cpu_offload"]),
                 reshard_after_forward=bool(fsdp["reshard_after_forward"]),
                 micro_batch_size=int(result["micro_batch_size"]),
@@ -226,6 +230,15 @@ def map_knobs_not_expressed(tuned: Tuned, mapper: Mapper, *, stack: str, express
                                f"resharding after forward to groups of {tuned.reshard_group_size} GPUs is not "
                                f"expressible in {stack}: the file reshards over the whole shard group (less memory "
                                "between forward and backward, backward's all-gather over every shard rank)")
+    if "shard_placement" not in {m.knob for m in mapper.mappings}:
+        if tuned.shard_placement == "dim0":
+            mapper.mapped("shard_placement", "every parameter sharded on dimension 0 (FSDP's default), as tuned")
+        else:
+            mapper.unsupported("shard_placement",
+                               f"{stack} shards every parameter on dimension 0: parameters whose first dimension "
+                               "(the experts of a fused MoE weight) is smaller than the shard group are mostly "
+                               "padding on each GPU (more memory than tuned); the fsdp2 script and Lightning "
+                               "exports pass fully_shard a shard_placement_fn")
     if "shard_group_size" in {m.knob for m in mapper.mappings}:
         return
     if not tuned.shard_group_size:

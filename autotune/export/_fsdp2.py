@@ -22,10 +22,11 @@ TARGET = f"PyTorch FSDP2 (torch.distributed.fsdp.fully_shard), torch {torch.__ve
 
 # Copied verbatim, in dependency order.
 _SOURCES = (
-    _knobs.Checkpointing, _parallel.ParallelDims,
+    _knobs.Checkpointing, _knobs.shard_dim, _parallel.ParallelDims,
     _parallel.Blocks, _parallel.find_decoder_blocks, _parallel._config_depth, _parallel._block_class_name,
     _parallel.mixed_precision_policy,
-    _parallel.op_sac_policy, _parallel.apply_ac, _parallel.apply_fsdp, _parallel.parallelize,
+    _parallel.op_sac_policy, _parallel.apply_ac, _parallel.shard_placement_fn, _parallel.apply_fsdp,
+    _parallel.parallelize,
     _training.make_optimizer, _training.token_batches, _training.train_step,
 )
 
@@ -45,6 +46,8 @@ def map_parallelize_knobs(m: Mapper, *, precision_also: str = "") -> None:
              "applied on GPUs only: pinning host memory needs an accelerator")
     m.mapped("reshard_after_forward", "fully_shard(reshard_after_forward=...) in parallelize()")
     m.mapped("reshard_group_size", "fully_shard(reshard_after_forward=N) in parallelize() (TUNED.reshard_group_size)")
+    m.mapped("shard_placement", "fully_shard(shard_placement_fn=shard_placement_fn(mesh, TUNED.shard_placement)) "
+                                "in parallelize()")
 
 
 def export_fsdp2(tuned: Tuned) -> Export:
@@ -193,6 +196,7 @@ class TrainConfig:
     optimizer_impl: str
     shard_group_size: int
     reshard_group_size: int = 0
+    shard_placement: str = "dim0"
 
     @property
     def fsdp_reshard_after_forward(self) -> bool | int:
@@ -235,7 +239,8 @@ PARAM_DTYPES = {{{dtypes}}}
 TUNED = TrainConfig(precision={t.precision!r}, activation_checkpointing=Checkpointing.parse({t.activation_checkpointing!r}),
                     cpu_offload={t.cpu_offload!r}, reshard_after_forward={t.reshard_after_forward!r},
                     micro_batch_size={t.micro_batch_size!r}, optimizer_impl={t.optimizer_impl!r},
-                    shard_group_size={t.shard_group_size!r}, reshard_group_size={t.reshard_group_size!r})
+                    shard_group_size={t.shard_group_size!r}, reshard_group_size={t.reshard_group_size!r},
+                    shard_placement={t.shard_placement!r})
 
 '''
 
