@@ -33,11 +33,13 @@ run: setup
 	$(BIN)/autotune --model llama-7b --gpus 8 --global-tokens 4M
 
 # The whole test suite (installs what it needs: Chromium for the report test, PostgreSQL and Slurm for the sweep tests).
+# Two pytest-xdist workers, each taking whole test modules (module fixtures are made once): much of
+# the suite is one busy core (tracing, imports) or waiting (timeouts, a database restart, Slurm).
 test: setup $(TITAN_VENV)/.installed
 	bash tests/setup_browser.sh
 	bash tests/setup_postgres.sh
 	bash tests/setup_slurm.sh
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile
 
 bench: setup
 	for f in benchmarks/bench_*.py; do $(BIN)/python $$f || exit 1; done
