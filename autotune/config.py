@@ -219,6 +219,14 @@ class TrialSpec:
         elif group and (group > shard or shard % group):
             raise UsageError(f"--reshard-group {group}: the group must be a factor of the {shard} GPUs parameters "
                              f"are sharded over (e.g. {min(per_node, shard)}, a node's); 0 reshards over all of them")
+        if self.train.shard_placement != "dim0":
+            if not self.model.placement_moves_parameters(shard):  # nothing moves: the default (one name)
+                object.__setattr__(self, "train", self.train.with_(shard_placement="dim0"))
+            elif self.train.reshard_group_size:
+                # FSDP2 reshards after forward to a smaller group by splitting dimension 0 only.
+                raise UsageError(f"--reshard-group {self.train.reshard_group_size} with --shard-placement "
+                                 f"{self.train.shard_placement}: FSDP2 reshards to a group only parameters sharded on "
+                                 "dimension 0; drop one of them")
 
     @property
     def limit_bytes(self) -> int:

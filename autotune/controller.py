@@ -98,6 +98,7 @@ class Controller:
     def run(self, stage: str, train: TrainConfig, reason: str, *, reuse: bool = True) -> Step:
         """Evaluate `train` and record the step. With `reuse` (all but the confirmation), a
         configuration already evaluated in this run, or finished in the study, is not run again."""
+        train = self.request.spec(train).train  # its one name (e.g. a placement that moves nothing is dim0)
         known = self._find(train) if reuse else None
         if known is not None:
             return known
@@ -231,6 +232,12 @@ class Controller:
         if chosen != "auto":
             return chosen, ""
         if not self.request.model.placement_moves_parameters(shard):
+            stuck = sorted({shape for shape in self.request.model.block_param_shapes if len(shape) > 1 and shape[0] < shard})
+            if stuck:  # smaller than the group, and no other dimension divides evenly: dim 0, padded
+                self.notes.append(
+                    f"parameters of shape {list(stuck[0])} have a first dimension smaller than the {shard} GPUs and no "
+                    f"dimension {shard} divides: they stay on dimension 0, mostly padding on most GPUs; a GPU count "
+                    "that divides one of their dimensions shards them evenly")
             return "dim0", ""
         small = min(shape[0] for shape in self.request.model.block_param_shapes if shape_moves(shape, shard))
         return "largest", (f"; parameters with a first dimension of {small} on {shard} GPUs would be sharded mostly "
@@ -371,7 +378,8 @@ class Controller:
         stays on the node's links, for 1/N of the block kept between forward and backward."""
         cluster, best = self.request.cluster, self._choose()
         if (best is None or not self.request.space.explore_no_reshard or cluster.num_nodes < 2
-                or not best.train.reshard_after_forward or best.train.reshard_group_size):
+                or not best.train.reshard_after_forward or best.train.reshard_group_size
+                or best.train.shard_placement != "dim0"):  # FSDP2 reshards to a group on dimension 0 only
             return
         shard = best.train.shard_group_size or cluster.num_gpus
         group = cluster.gpus_per_node
@@ -423,7 +431,8 @@ class Controller:
             reshard=(True, False) if space.explore_no_reshard else (base.reshard_after_forward,),
             placements=(base.shard_placement,),
             hsdp_groups=tuple(groups),
-            reshard_groups=(cluster.gpus_per_node,) if space.explore_no_reshard and cluster.num_nodes > 1 else ())
+            reshard_groups=(cluster.gpus_per_node,) if (space.explore_no_reshard and cluster.num_nodes > 1
+                                                        and base.shard_placement == "dim0") else ())
         return knobs.sample_domains(ctx)
 
     def _sample_value(self, step: Step) -> float:

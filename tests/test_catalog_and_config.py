@@ -133,3 +133,19 @@ def test_malformed_space_says_which_key(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(UsageError, match=message):
         load_space(path)
+
+
+def test_shard_placement_is_one_name_per_configuration_and_refused_with_a_reshard_group():
+    """`largest` where no parameter's first dimension is smaller than the shard group moves nothing:
+    it is the default configuration and is named so. FSDP2 reshards after forward to a smaller
+    group only by splitting dimension 0, so `largest` with --reshard-group is refused in one line."""
+    def spec(model: str, gpus: int, nodes: int = 1, **train) -> TrialSpec:
+        return TrialSpec(model=resolve_model(model), cluster=Cluster(num_gpus=gpus, num_nodes=nodes), seq_len=64,
+                         train=TrainConfig(shard_placement="largest", **train))
+
+    assert spec("tiny-llama", 8).train.shard_placement == "dim0"  # dense: nothing smaller than 8
+    assert spec("tiny-mixtral", 2).train.shard_placement == "dim0"  # 2 experts on 2 GPUs: even
+    assert spec("tiny-mixtral", 4).train.shard_placement == "largest"
+    with pytest.raises(UsageError, match="--reshard-group 4 with --shard-placement largest"):
+        spec("tiny-mixtral", 8, nodes=2, reshard_group_size=4)
+    assert spec("tiny-llama", 8, nodes=2, reshard_group_size=4).train.reshard_group_size == 4

@@ -16,10 +16,12 @@ from autotune.config import Cluster, TrainConfig, TrialSpec
 from autotune.knobs import Checkpointing
 
 TINY = ["--model", "tiny-llama", "--gpus", "4", "--global-tokens", "64K"]
+MODEL_FOR = {"shard_placement": "tiny-mixtral"}
+"""Knobs whose alternative changes only some models: a model where it does (2 experts on 4 GPUs)."""
 
 
-def _spec(**changes) -> TrialSpec:
-    return TrialSpec(model=resolve_model("tiny-llama"), cluster=Cluster(num_gpus=4), seq_len=256,
+def _spec(model: str = "tiny-llama", **changes) -> TrialSpec:
+    return TrialSpec(model=resolve_model(model), cluster=Cluster(num_gpus=4), seq_len=256,
                      train=TrainConfig(**changes))
 
 
@@ -31,7 +33,8 @@ def test_train_config_has_one_field_per_knob():
 def test_every_knob_changes_the_simulators_cache_keys(knob):
     """A knob whose value changes must never reuse a prediction or a trace made for another value."""
     sim = SimBackend(device_kind="cpu")
-    base, changed = _spec(), _spec(**{knob.name: knob.alternative})
+    model = MODEL_FOR.get(knob.name, "tiny-llama")
+    base, changed = _spec(model), _spec(model, **{knob.name: knob.alternative})
     assert changed.train != base.train
     assert (cache.key_of("sim-result", sim._cache_inputs(base))
             != cache.key_of("sim-result", sim._cache_inputs(changed)))
@@ -45,13 +48,14 @@ def test_every_knob_round_trips_through_the_cli_and_best_json(knob, tmp_path, ca
     """The flag reaches the trial; a best.json holding the value is re-evaluated with it."""
     value = knob.to_json(knob.alternative)
     flag = ([f"--{'no-' if not value else ''}{knob.flag[2:]}"] if knob.boolean else [knob.flag, str(value)])
-    assert main(["trial", "--model", "tiny-llama", "--gpus", "4", "--backend", "analytic", *flag]) == EXIT_OK
+    model = MODEL_FOR.get(knob.name, "tiny-llama")
+    assert main(["trial", "--model", model, "--gpus", "4", "--backend", "analytic", *flag]) == EXIT_OK
     printed = json.loads(capsys.readouterr().out)["config"]
     assert printed[knob.name] == value
     assert TrainConfig.from_dict(printed) == TrainConfig(**{knob.name: knob.alternative})
 
     runs = tmp_path / "runs"
-    assert main([*TINY, "--backend", "analytic", "--runs-dir", str(runs), "--json"]) == EXIT_OK
+    assert main(["--model", model, *TINY[2:], "--backend", "analytic", "--runs-dir", str(runs), "--json"]) == EXIT_OK
     document = json.loads(capsys.readouterr().out)
     node = document
     for part in knob.result_path[:-1]:

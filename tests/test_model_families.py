@@ -192,3 +192,41 @@ def test_family_prediction_matches_a_real_gloo_run(measured_and_predicted, famil
     real_peak, sim_peak = real.extras["tensor_peak_bytes"], sim.extras["tensor_peak_bytes"]
     assert abs(sim_peak - real_peak) <= 0.01 * real_peak, (
         f"{family}: predicted {sim_peak:,} B, measured {real_peak:,} B")
+
+
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")  # 4 experts each
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_memory_per_gpu_falls_as_gpus_are_added(tmp_path, family):
+    """Issue 32: the decision graph's placement for each MoE family (4 experts; two layers, a whole
+    period of each pattern, traced whole) on 4, 8 and 16 GPUs. The graph moves the experts off
+    dimension 0 exactly from 8 GPUs on (more GPUs than experts, counted from the config), and the
+    simulator's per-GPU tensor peak falls with every doubling; FSDP2's default placement, traced
+    beside it on 8 and 16 GPUs, holds more (its experts are padding on most ranks)."""
+    from autotune.controller import Controller, TuneRequest
+
+    class_name, fields = FAMILIES[family]
+    if _config_class(class_name) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {class_name}")
+    _config_class(class_name)(**_TINY, **{**fields, "num_hidden_layers": 2}).save_pretrained(tmp_path / family)
+    model = resolve_model(str(tmp_path / family))
+    peaks, padded = [], []
+    with SimBackend(device_kind="cpu", screen=False) as sim:
+        for gpus in (4, 8, 16):
+            cluster = Cluster(num_gpus=gpus)
+            placement, _ = Controller(TuneRequest(model=model, cluster=cluster, seq_len=SEQ_LEN,
+                                                  target_tokens=SEQ_LEN * gpus), sim)._placement()
+            assert (placement == "largest") == (gpus > 4), (family, gpus)
+
+            def peak(chosen: str) -> int:
+                result = sim.evaluate(TrialSpec(model=model, cluster=cluster, seq_len=SEQ_LEN,
+                                                train=TrainConfig(micro_batch_size=1, shard_placement=chosen)))
+                assert result.status == "ok", result.message
+                return result.extras["tensor_peak_bytes"]
+            peaks.append(peak(placement))
+            if placement != "dim0":
+                padded.append(peak("dim0"))
+    assert all(b < a for a, b in zip(peaks, peaks[1:])), peaks
+    assert all(mine < theirs for mine, theirs in zip(peaks[1:], padded)), (peaks, padded)

@@ -201,6 +201,12 @@ def test_far_over_the_limit_is_screened_by_the_closed_form_not_traced():
     assert screened.peak_memory.source == "estimated" and "not traced" in screened.message
     traced = SimBackend(device_kind="cpu", screen=False).evaluate(spec)
     assert traced.status == "oom" and traced.peak_memory.source == "predicted"
+    # The peak shown is the one compared with the limit: the CPU run's tensor peak (no GPU runtime
+    # memory), within the closed form's tolerance of the trace's.
+    from autotune.units import format_bytes
+
+    assert f"estimated {format_bytes(screened.peak_bytes)} per GPU" in screened.message
+    assert screened.peak_bytes == pytest.approx(traced.peak_bytes, rel=0.35)
     # Near the limit the trace decides, whatever the closed form says.
     near = SimBackend(device_kind="cpu").evaluate(_spec("tiny-llama", seq_len=256,
                                                         limit=traced.extras["tensor_peak_bytes"] - 1))
@@ -299,6 +305,7 @@ def test_the_helper_starts_where_a_core_is_free_unless_told(monkeypatch, setting
     ("tiny-llama", dict(activation_checkpointing="full", micro_batch_size=3), 1, False),
     ("tiny-llama", dict(activation_checkpointing="full", reshard_group_size=2), 1, False),
     ("tiny-qwen2", dict(activation_checkpointing="every:2", reshard_group_size=2), 1, True),
+    ("tiny-mixtral", dict(activation_checkpointing="none", shard_placement="largest"), 1, False),
 ])
 def test_the_warm_up_without_a_step_leaves_what_a_real_first_step_leaves(monkeypatch, model, train, replicas, gloo):
     # The tracer brings a new model to the steady state without running a step through it

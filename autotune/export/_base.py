@@ -233,6 +233,11 @@ def map_knobs_not_expressed(tuned: Tuned, mapper: Mapper, *, stack: str, express
     if "shard_placement" not in {m.knob for m in mapper.mappings}:
         if tuned.shard_placement == "dim0":
             mapper.mapped("shard_placement", "every parameter sharded on dimension 0 (FSDP's default), as tuned")
+        elif "FSDP1" in stack:
+            mapper.approximated("shard_placement", "FSDP1's flat parameters",
+                                "FSDP1 flattens each wrapped block and shards the flat buffer evenly, so no "
+                                "parameter is padded per expert: close to the placement tuned, not the same "
+                                "shards (FSDP1 was not traced)")
         else:
             mapper.unsupported("shard_placement",
                                f"{stack} shards every parameter on dimension 0: parameters whose first dimension "

@@ -85,6 +85,7 @@ make_optimizer() and train_step(), which are the code autotune measured.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 import warnings
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Train with the FSDP2 configuration autotune found.")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps to run")
     parser.add_argument("--save", help="folder to save a checkpoint to after the last step")
+    parser.add_argument("--report", help="write what FSDP2 applied (each parameter's shard dimension) to this JSON file")
     args = parser.parse_args(argv)
 
     use_cuda = torch.cuda.is_available()
@@ -164,6 +166,12 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             print(f"step {{step}} loss {{loss.item() / world:.4f}} "
                   f"tokens/s {{tokens_per_step / elapsed:.0f}} (measured here)", flush=True)
+    if args.report and rank == 0:
+        # Read from the live model: each sharded parameter is a DTensor, its placements the mesh's.
+        placements = {{name: next((p.dim for p in reversed(param.placements) if hasattr(p, "dim")), None)
+                      for name, param in model.named_parameters()}}
+        with open(args.report, "w") as fh:
+            json.dump({{"placements": placements}}, fh, indent=1)
     if args.save:
         save_checkpoint(model, optimizer, args.save)
         if rank == 0:

@@ -85,9 +85,13 @@ def export_torchtitan(t: Tuned) -> Export:
     replicate, shard = t.hsdp_degrees
     m.mapped("shard_group_size", f"--parallelism.data-parallel-replicate-degree {replicate} "
                                  f"--parallelism.data-parallel-shard-degree {shard}")
-    m.mapped("shard_placement", "torchtitan's own placement (distributed/fsdp.py): its MoE blocks' experts go on "
-                                "Shard(1) whenever the FSDP degree exceeds the number of experts, other "
-                                "parameters on dimension 0")
+    if t.shard_placement == "dim0":
+        m.mapped("shard_placement", "torchtitan's default: every parameter on dimension 0")
+    else:
+        m.approximated("shard_placement", "torchtitan's own placement (distributed/fsdp.py)",
+                       "torchtitan 0.3 puts the experts of its own MoE blocks on Shard(1) when the FSDP degree "
+                       "exceeds the number of experts, every other parameter on dimension 0; the tuned placement "
+                       "also moved other parameters smaller than the shard group")
     m.mapped("cpu_offload", "--training.enable-cpu-offload / --training.no-enable-cpu-offload")
     m.mapped("reshard_after_forward", "--parallelism.fsdp-reshard-after-forward always|never")
     m.mapped("micro_batch_size", "--training.local-batch-size")
