@@ -229,13 +229,7 @@ def main() -> int:
             for row, _ in planned:
                 row.status = "resolved"
             planned = []
-        # Frozen parameters crash the real backend's memory tracker (its worker, and so its launch):
-        # those families are predicted only.
-        for row, _ in planned:
-            if row.frozen and not args.no_real:
-                row.reason = (f"{row.frozen} frozen parameter(s): not run for real (the real backend's memory "
-                              "tracker cannot hook a parameter that does not require grad)")
-        to_run = [(row, specs) for row, specs in planned if not row.frozen]
+        to_run = planned  # frozen parameters too: the real backend's tracker counts them (issue 25)
         real = None if args.no_real or not to_run else launch_real([s for _, specs in to_run for s in specs])
         sim = SimBackend(device_kind="cpu", screen=False)
         try:

@@ -12,9 +12,10 @@ the module that asks: the other sets may be another worker's, and no trial runs 
 
 The launch is made by a fresh Python process, not by the test process: the launcher's fork runs
 Python before exec, which deadlocks in a process whose other threads hold a simulator's gloo
-group. Trials run with one warm-up step and three timed steps: the second step is the steady
-state whose tensor peak the simulator predicts (optimizer state exists), and the cost model's
-check times three.
+group. Trials run one warm-up step and the timed steps their set asks for: a memory check needs
+one (the second step is the steady state whose tensor peak the simulator predicts: optimizer state
+exists), the cost model's check times three. Sets with different step counts run in separate
+launches (a step of these models takes longer than a launch's start-up over a set).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from autotune.config import TrialSpec
 
 WORLD = 2
 WARMUP_STEPS = 1
-TIMED_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -40,24 +40,27 @@ class TrialSet:
     module: str
     make_specs: Callable[[Path], list[TrialSpec]]
     """Called once, with a folder of the set's own (for config files a set writes)."""
+    timed_steps: int = 1
+    """1 for a memory check (the steady-state step); more where step times are compared."""
 
 
 _SETS: dict[str, TrialSet] = {}
 
-# The real launch: reads the specs on stdin, prints the results as one JSON line.
+# The real launch: reads the timed steps and the specs on stdin, prints the results as one JSON line.
 _RUN_FOR_REAL = f"""\
 import json, sys
 from autotune.backends.real import RealBackend
 from autotune.config import TrialSpec
-specs = [TrialSpec.from_dict(d) for d in json.load(sys.stdin)]
-with RealBackend(device='cpu', persistent=True, warmup_steps={WARMUP_STEPS}, timed_steps={TIMED_STEPS}) as real:
+job = json.load(sys.stdin)
+specs = [TrialSpec.from_dict(d) for d in job["specs"]]
+with RealBackend(device='cpu', persistent=True, warmup_steps={WARMUP_STEPS}, timed_steps=job["timed_steps"]) as real:
     print(json.dumps([r.to_dict() for r in real.evaluate_many(specs)]))
 """
 
 
-def register(name: str, module: str, make_specs: Callable[[Path], list[TrialSpec]]) -> None:
+def register(name: str, module: str, make_specs: Callable[[Path], list[TrialSpec]], *, timed_steps: int = 1) -> None:
     """Declare a set of real trials that tests of `module` (its __name__) compare with."""
-    _SETS[name] = TrialSet(name, module, make_specs)
+    _SETS[name] = TrialSet(name, module, make_specs, timed_steps)
 
 
 class SharedRuns:
@@ -76,10 +79,15 @@ class SharedRuns:
             folder = self._folder / trial_set.name
             folder.mkdir(parents=True, exist_ok=True)
             self._specs[trial_set.name] = trial_set.make_specs(folder)
+        for steps in sorted({trial_set.timed_steps for trial_set in sets}):
+            self._launch_sets([trial_set for trial_set in sets if trial_set.timed_steps == steps], steps)
+
+    def _launch_sets(self, sets: list[TrialSet], timed_steps: int) -> None:
         every = [spec for trial_set in sets for spec in self._specs[trial_set.name]]
-        log = self._folder / "launch.stderr.log"
+        log = self._folder / f"launch-{timed_steps}-timed.stderr.log"
+        job = json.dumps(dict(timed_steps=timed_steps, specs=[s.to_dict() for s in every]))
         with open(log, "w") as stderr:  # a file, not a pipe: nothing to fill while the ranks run
-            done = subprocess.run([sys.executable, "-c", _RUN_FOR_REAL], input=json.dumps([s.to_dict() for s in every]),
+            done = subprocess.run([sys.executable, "-c", _RUN_FOR_REAL], input=job,
                                   stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=1800)
         assert done.returncode == 0, log.read_text()[-3000:]
         results = [TrialResult.from_dict(r) for r in json.loads(done.stdout.strip().splitlines()[-1])]

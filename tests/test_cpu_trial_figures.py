@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from autotune.backends.real._capacity import CapacityTracker
@@ -99,3 +100,38 @@ def test_capacity_tracker_peak_equals_torchs_mem_tracker():
     mine_peak, mine_snapshot = step(CapacityTracker, capacity_bytes=None)
     assert mine_peak == theirs_peak > 0
     assert mine_snapshot == theirs_snapshot
+
+
+def test_a_frozen_parameter_is_tracked_as_the_same_tensor_held_as_a_buffer():
+    """Some families keep a fixed tensor as a parameter that does not require grad; torch's
+    MemTracker cannot hook it (RuntimeError), CapacityTracker counts it. The same model with that
+    tensor registered as a buffer instead, counted by torch's own MemTracker, must give the same
+    total peak: the tensor is held either way and has no gradient either way."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    def step(tracker_class, *, frozen_as_buffer: bool, **kwargs):
+        torch.manual_seed(0)
+        model = build_model(resolve_model("micro-llama"), seed=0)
+        layer = model.model.layers[0].mlp
+        scale = torch.ones(model.config.intermediate_size)
+        if frozen_as_buffer:
+            layer.register_buffer("fixed_scale", scale)
+        else:
+            layer.fixed_scale = torch.nn.Parameter(scale, requires_grad=False)
+        forward = layer.forward
+        layer.forward = lambda x: forward(x) + 0 * layer.fixed_scale.sum()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=False)
+        ids = torch.randint(0, 512, (2, 64))
+        with tracker_class(**kwargs) as tracker:
+            tracker.track_external(model, optimizer)
+            for number in range(2):
+                if number:
+                    tracker.reset_mod_stats()
+                model(input_ids=ids, labels=ids).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        return max(tracker._peak_mem.values())
+
+    with pytest.raises(RuntimeError, match="does not require grad|doesn't require gradient"):
+        step(MemTracker, frozen_as_buffer=False)
+    assert step(CapacityTracker, frozen_as_buffer=False, capacity_bytes=None) == step(MemTracker, frozen_as_buffer=True)

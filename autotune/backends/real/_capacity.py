@@ -28,6 +28,16 @@ TRACKER_CATEGORIES = {
 }
 
 
+class _NoHook:
+    """A hook handle for a parameter that gets none (MemTracker removes every handle at exit)."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_GRAD_HOOKS = (_NoHook(), _NoHook())
+
+
 class CapacityTracker(MemTracker):
     """A MemTracker that raises torch.OutOfMemoryError when tracked memory on a device
     exceeds `capacity_bytes` (None: no limit, tracking only)."""
@@ -58,6 +68,16 @@ class CapacityTracker(MemTracker):
             if self._peak_mem.get(device, 0) < snapshot[_TOTAL]:
                 self._peak_mem[device] = snapshot[_TOTAL]
                 self._peak_mem_snap[device] = dict(snapshot)
+
+    # MemTracker hooks every parameter's gradient, and torch refuses a hook on a parameter that
+    # does not require grad: families that keep a fixed bias or scale as a frozen parameter
+    # (afmoe, ernie4_5_moe, laguna) could not be tracked. A frozen parameter has no gradient to
+    # count: it is marked as hooked, and is still counted as a parameter.
+    def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+        for param in module.parameters():
+            if not param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
+                self._param_to_grad_hook_handles[param] = _NO_GRAD_HOOKS
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def peak_bytes(self) -> int:
         """Tracked peak since entering, over devices."""

@@ -155,6 +155,9 @@ class SimBackend(TrialBackend):
         estimate.extras["screened"] = True
         if self.device_kind == "cpu":
             estimate.tokens_per_sec = None
+            # The figure shown is the one compared: a CPU run's tensor peak, not a GPU's total.
+            estimate.peak_memory = Figure(need, "estimated", "closed-form tensor peak of the CPU run (no "
+                                                             "runtime memory on CPUs)")
         return estimate
 
     # --- tracing ---------------------------------------------------------------------------------
