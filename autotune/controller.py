@@ -27,7 +27,6 @@ from autotune import knobs
 from autotune.backends.analytic import SCREEN_MARGIN
 from autotune.backends.base import TrialBackend, TrialResult
 from autotune.batch import within_tolerance
-from autotune.knobs import shard_dim
 from autotune.config import Checkpointing, TrainConfig
 from autotune.records import (  # noqa: F401  (re-exported: callers written before the records moved)
     DEFAULT_HEADROOM,
@@ -63,10 +62,6 @@ SAMPLER_SLACK = 0.02
 sampler's own work between trials is not free."""
 
 
-def shape_moves(shape: tuple[int, ...], shard_size: int) -> bool:
-    return shard_dim(shape, shard_size, "largest") != 0
-
-
 class BudgetExhausted(Exception):
     """--max-trials or --time-budget reached: stop trying, choose among what was measured."""
 
@@ -98,7 +93,8 @@ class Controller:
     def run(self, stage: str, train: TrainConfig, reason: str, *, reuse: bool = True) -> Step:
         """Evaluate `train` and record the step. With `reuse` (all but the confirmation), a
         configuration already evaluated in this run, or finished in the study, is not run again."""
-        train = self.request.spec(train).train  # its one name (e.g. a placement that moves nothing is dim0)
+        spec = self.request.spec(train)
+        train = spec.train  # its one name (e.g. a placement that moves nothing is dim0)
         known = self._find(train) if reuse else None
         if known is not None:
             return known
@@ -115,7 +111,6 @@ class Controller:
         else:
             self._check_budget()
             self.on_start(stage, train, reason)
-            spec = request.spec(train)
             if self.predictor is not None:
                 predicted = self.predictor.evaluate(spec)
             if predicted is not None and predicted.status == "oom":
@@ -231,15 +226,16 @@ class Controller:
         chosen, shard = self.request.space.shard_placement, self.request.cluster.num_gpus
         if chosen != "auto":
             return chosen, ""
-        if not self.request.model.placement_moves_parameters(shard):
-            stuck = sorted({shape for shape in self.request.model.block_param_shapes if len(shape) > 1 and shape[0] < shard})
+        moved = self.request.model.shapes_moved_by_placement(shard)
+        if not moved:
+            stuck = sorted(shape for shape in self.request.model.block_param_shapes if shape[0] < shard)
             if stuck:  # smaller than the group, and no other dimension divides evenly: dim 0, padded
                 self.notes.append(
                     f"parameters of shape {list(stuck[0])} have a first dimension smaller than the {shard} GPUs and no "
                     f"dimension {shard} divides: they stay on dimension 0, mostly padding on most GPUs; a GPU count "
                     "that divides one of their dimensions shards them evenly")
             return "dim0", ""
-        small = min(shape[0] for shape in self.request.model.block_param_shapes if shape_moves(shape, shard))
+        small = min(shape[0] for shape in moved)
         return "largest", (f"; parameters with a first dimension of {small} on {shard} GPUs would be sharded mostly "
                            "into padding on dimension 0: shard them on their largest evenly divisible dimension "
                            "(--shard-placement largest, as torchtitan shards experts)")

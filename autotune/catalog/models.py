@@ -458,12 +458,15 @@ class ModelSpec:
         weight's first dimension is the number of experts): where FSDP2 can shard them."""
         return tuple(tuple(shape) for shape in self._meta_summary["block_param_shapes"])
 
-    def placement_moves_parameters(self, shard_size: int) -> bool:
-        """Whether `--shard-placement largest` shards some block parameter off dimension 0 on a
-        shard group of `shard_size` ranks (else it is the default placement)."""
+    def shapes_moved_by_placement(self, shard_size: int) -> list[tuple[int, ...]]:
+        """The block parameter shapes `--shard-placement largest` shards off dimension 0 on a shard
+        group of `shard_size` ranks (none: it is the default placement)."""
         from autotune.knobs import shard_dim
 
-        return any(shard_dim(shape, shard_size, "largest") for shape in self.block_param_shapes)
+        return [shape for shape in self.block_param_shapes if shard_dim(shape, shard_size, "largest")]
+
+    def placement_moves_parameters(self, shard_size: int) -> bool:
+        return bool(self.shapes_moved_by_placement(shard_size))
 
     @property
     def root_parameters(self) -> int:
