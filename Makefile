@@ -15,7 +15,7 @@ $(BIN)/autotune: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_PIN)
-	$(BIN)/pip install -q -e '.[test,exports]'
+	$(BIN)/pip install -q -e '.[test,exports,finetune]'
 	@touch $@
 
 # A stamp written only once every install succeeded: a half-built environment is rebuilt.

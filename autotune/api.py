@@ -56,6 +56,7 @@ def run_tune(options: TuneOptions, console) -> dict[str, Any]:
         raise UsageError("--global-tokens must be positive, e.g. 4M")
     tolerance = DEFAULT_TOLERANCE if options.global_tolerance is None else options.global_tolerance
     workload = resolve_workload(options)
+    finetuning = resolve_finetuning(options)
 
     def check_batch(num_gpus: int, seq_len: int) -> None:
         check_target(target_tokens=target, num_gpus=num_gpus, seq_len=seq_len)
@@ -77,7 +78,7 @@ def run_tune(options: TuneOptions, console) -> dict[str, Any]:
                           tolerance=tolerance,
                           headroom=DEFAULT_HEADROOM if options.headroom is None else options.headroom,
                           space=space, max_trials=options.max_trials, time_budget_s=options.time_budget,
-                          workload=workload)
+                          workload=workload, finetuning=finetuning)
     store = TrialStore(options.storage or default_storage(runs_dir), options.study or study_name(request, backend_name))
     finished = store.finished()
     run_dir = new_run_dir(request, runs_dir)
@@ -249,6 +250,29 @@ def resolve_workload(options: Options, recorded: dict | None = None):
     if share is None and kind == recorded.get("kind"):
         share = recorded.get("vllm_gpu_memory_utilization")
     return Workload(kind=kind, vllm_gpu_memory_utilization=share)
+
+
+def resolve_finetuning(options: Options, recorded: dict | None = None):
+    """What trains, from the flags; `recorded` (a result's) fills what the flags leave out. A LoRA
+    flag without `--peft lora` is refused: it would change nothing."""
+    from autotune.config import FineTuning
+
+    given = {name: getattr(options, f"lora_{name}", None) for name in ("rank", "alpha", "dropout", "targets")}
+    peft = getattr(options, "peft", None) or (recorded or {}).get("peft", "none")
+    if peft != "lora":
+        extra = [f"--lora-{name}" for name, value in given.items() if value is not None]
+        if extra:
+            raise UsageError(f"{', '.join(extra)} applies to --peft lora only; add --peft lora or drop it")
+        return FineTuning()
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        raise UsageError("--peft lora needs the peft library: pip install 'autotune[finetune]' (or pip install peft)")
+    base = dict(recorded or {}) if (recorded or {}).get("peft") == "lora" else {}
+    base.update({name: value for name, value in given.items() if value is not None})
+    if isinstance(base.get("rank"), float) and base["rank"].is_integer():
+        base["rank"] = int(base["rank"])
+    return FineTuning.from_dict({**base, "peft": "lora"})
 
 
 def check_wrappable(model) -> None:

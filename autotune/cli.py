@@ -20,10 +20,11 @@ from pathlib import Path
 
 from autotune import knobs as knob_registry
 from autotune.api import (check_multi_node, check_out_file, check_wrappable, choose_backend, make_backend,
-                          parse_formats, resolve_problem, resolve_workload, run_tune, write_formats)
+                          parse_formats, resolve_finetuning, resolve_problem, resolve_workload, run_tune,
+                          write_formats)
 from autotune.errors import AutotuneError, NothingFits, StorageUnavailable, UsageError
 from autotune.interrupts import raised_where_safe
-from autotune.options import BACKENDS, WORKLOADS, TuneOptions, duration, fraction, number, positive_int, usage_error
+from autotune.options import BACKENDS, PEFT_METHODS, WORKLOADS, TuneOptions, duration, fraction, number, positive_int, usage_error
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
@@ -75,6 +76,16 @@ def _add_problem_options(parser: argparse.ArgumentParser, *, model_required: boo
                                "GPU: training gets what vLLM leaves, and the weight sync to vLLM is part of the peak")
     workload.add_argument("--vllm-gpu-memory-utilization", type=number, default=None,
                           help="grpo: fraction of each GPU's memory vLLM takes, in (0, 1) (default 0.3, TRL's)")
+    tuning = parser.add_argument_group("fine-tuning")
+    tuning.add_argument("--peft", choices=PEFT_METHODS, default=None,
+                        help="none (default): every parameter trains; lora: peft LoRA adapters on a frozen base "
+                             "(base weights in the compute dtype, sharded, no gradients or optimizer state)")
+    tuning.add_argument("--lora-rank", type=positive_int, default=None, help="lora: adapter rank r (default 16)")
+    tuning.add_argument("--lora-alpha", type=number, default=None, help="lora: scaling alpha (default 32)")
+    tuning.add_argument("--lora-dropout", type=number, default=None, help="lora: adapter dropout (default 0.05)")
+    tuning.add_argument("--lora-targets", default=None,
+                        help="lora: comma-separated module names, or all-linear (default: every linear layer but "
+                             "the output head, the attention and MLP projections, as TRL's examples)")
     real = parser.add_argument_group("real trials (cpu, cuda backends)")
     real.add_argument("--timeout", type=duration, default=600.0,
                       help="kill a trial after this long (default 600s)")
@@ -247,7 +258,7 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
     from autotune.config import TrainConfig, TrialSpec, memory_limit_bytes
     from autotune.records import DEFAULT_HEADROOM
 
-    recorded = None
+    recorded = recorded_finetuning = None
     if args.config:
         from autotune.result import load_result
 
@@ -260,10 +271,12 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
         train = TrainConfig.from_result(document)
         grad_accum = document["grad_accum_steps"]
         recorded = document.get("workload")
+        recorded_finetuning = document.get("finetuning")
     else:
         train = TrainConfig(**knob_registry.from_args(args))
         grad_accum = args.grad_accum
     workload = resolve_workload(args, recorded)
+    finetuning = resolve_finetuning(args, recorded_finetuning)
     model, cluster, seq_len, gpu_note = resolve_problem(args)
     check_wrappable(model)
     console.note(gpu_note)
@@ -271,7 +284,7 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
     spec = TrialSpec(model=model, cluster=cluster, seq_len=seq_len, train=train, grad_accum_steps=grad_accum,
                      memory_limit_bytes=memory_limit_bytes(cluster.capacity_bytes, headroom=headroom,
                                                            workload=workload),
-                     workload=workload)
+                     workload=workload, finetuning=finetuning)
     backend_name, why = choose_backend(args.backend, cluster)
     console.note(f"backend: {backend_name} ({why})")
     backend = make_backend(backend_name, args)
@@ -281,7 +294,7 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
         backend.close()
     out = {"backend": backend_name, "model": model.name, "gpus": cluster.num_gpus, "gpu": cluster.gpu.name,
            "seq_len": seq_len, "config": train.to_dict(), "grad_accum_steps": grad_accum,
-           "workload": workload.to_dict(),
+           "workload": workload.to_dict(), "finetuning": finetuning.to_dict(),
            "memory_limit_bytes": spec.limit_bytes, "fits": result.ok, **result.to_dict()}
     sys.stdout.write(json.dumps(out, indent=2, default=str) + "\n")
     return EXIT_OK

@@ -14,13 +14,21 @@ from autotune.catalog.gpus import GPUSpec, GPUS
 from autotune.catalog.models import ModelSpec
 from autotune import knobs
 from autotune.errors import UsageError
+from autotune.options import PEFT_METHODS
 from autotune.knobs import OPTIMIZER_IMPLS, PRECISIONS, Checkpointing  # noqa: F401  (re-exported)
 
-Precision = Literal["bf16", "fp16", "fp32"]
-PARAM_DTYPE_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+Precision = Literal["bf16", "fp16", "fp32", "bf16-pure"]
+PARAM_DTYPE_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
+                                     "bf16-pure": "bfloat16"}
 """torch dtype of the parameters FSDP gathers and computes with, by precision (parallel.py
 builds the policy from it; named here so what reads it need not import torch)."""
-PARAM_DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+PARAM_DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "bf16-pure": 2}
+MASTER_DTYPE_NAMES: dict[str, str] = {"bf16": "float32", "fp16": "float32", "fp32": "float32",
+                                      "bf16-pure": "bfloat16"}
+"""dtype of the sharded trained parameters, their gradients, the gradient reduction and AdamW's
+state: fp32 master weights in mixed precision; bf16 throughout in pure bf16 (LitGPT's `bf16-true`,
+torchtune's recipes: no fp32 copy, so small updates can round away: docs/KNOBS.md)."""
+MASTER_DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2}
 
 
 def parse_ac(text: Any) -> Checkpointing:
@@ -39,6 +47,8 @@ class TrainConfig:
     precision: Precision = _D["precision"].default
     activation_checkpointing: Checkpointing = _D["activation_checkpointing"].default
     cpu_offload: bool = _D["cpu_offload"].default
+    activation_offload: bool = _D["activation_offload"].default
+    """Saved activations to pinned host memory in forward, back in backward (training.OffloadedActivations)."""
     reshard_after_forward: bool = _D["reshard_after_forward"].default
     micro_batch_size: int = _D["micro_batch_size"].default
     optimizer_impl: str = _D["optimizer_impl"].default
@@ -192,6 +202,70 @@ def memory_limit_bytes(capacity_bytes: int, *, headroom: float, workload: Worklo
     return int((capacity_bytes - workload.vllm_bytes(capacity_bytes)) * (1.0 - headroom))
 
 
+DEFAULT_LORA_TARGETS = "all-linear"
+"""peft's name for every linear layer but the output head: the attention and MLP projections,
+what TRL's LoRA examples target."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FineTuning:
+    """What trains. `none`: every parameter (a full fine-tune or pretraining). `lora`: the real
+    `peft` library wraps the model before FSDP2 (training.apply_finetuning); the base weights are
+    frozen (stored in the compute dtype, as TRL and peft users load them, sharded, with no
+    gradient or optimizer state) and only the adapters train, in the master dtype."""
+
+    peft: str = "none"
+    rank: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    targets: str = DEFAULT_LORA_TARGETS
+    """Comma-separated module names (peft's target_modules), or `all-linear`."""
+
+    def __post_init__(self) -> None:
+        if self.peft not in PEFT_METHODS:
+            raise UsageError(f"--peft {self.peft!r} is not one of {', '.join(PEFT_METHODS)}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise UsageError(f"--lora-rank must be a positive integer, got {self.rank!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or self.alpha <= 0:
+            raise UsageError(f"--lora-alpha must be positive, got {self.alpha!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise UsageError(f"--lora-dropout must be a fraction in [0, 1), got {self.dropout!r}")
+        targets = ",".join(t.strip() for t in str(self.targets).split(",") if t.strip())
+        if not targets:
+            raise UsageError(f"--lora-targets needs module names (e.g. q_proj,v_proj) or "
+                             f"{DEFAULT_LORA_TARGETS}, got {self.targets!r}")
+        object.__setattr__(self, "targets", targets)
+
+    @property
+    def lora(self) -> bool:
+        return self.peft == "lora"
+
+    @property
+    def target_modules(self) -> str | list[str]:
+        """peft's target_modules: its `all-linear` shorthand, or the names."""
+        return self.targets if self.targets == DEFAULT_LORA_TARGETS else self.targets.split(",")
+
+    def label(self) -> str:
+        if not self.lora:
+            return "full (every parameter trains)"
+        return (f"LoRA r={self.rank} alpha={self.alpha:g} dropout={self.dropout:g} on {self.targets} "
+                f"(peft; base weights frozen)")
+
+    def key(self) -> tuple:
+        """What changes the built model: part of every trace's cache key."""
+        return (self.peft, self.rank, self.alpha, self.dropout, self.targets) if self.lora else ("none",)
+
+    def to_dict(self) -> dict[str, Any]:
+        if not self.lora:
+            return {"peft": "none"}
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> "FineTuning":
+        data = dict(data or {})
+        return cls(**{k: data[k] for k in ("peft", "rank", "alpha", "dropout", "targets") if k in data})
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrialSpec:
     """Everything a backend needs to evaluate one configuration."""
@@ -204,6 +278,7 @@ class TrialSpec:
     memory_limit_bytes: int | None = None
     """Usable memory per GPU (`memory_limit_bytes()`); a trial over it is out of memory."""
     workload: Workload = field(default_factory=Workload)
+    finetuning: FineTuning = field(default_factory=FineTuning)
 
     def __post_init__(self) -> None:
         size, gpus, per_node = self.train.shard_group_size, self.cluster.num_gpus, self.cluster.gpus_per_node
@@ -238,7 +313,8 @@ class TrialSpec:
     def to_dict(self) -> dict[str, Any]:
         return dict(model=self.model.to_dict(), cluster=self.cluster.to_dict(), seq_len=self.seq_len,
                     train=self.train.to_dict(), grad_accum_steps=self.grad_accum_steps,
-                    memory_limit_bytes=self.memory_limit_bytes, workload=self.workload.to_dict())
+                    memory_limit_bytes=self.memory_limit_bytes, workload=self.workload.to_dict(),
+                    finetuning=self.finetuning.to_dict())
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrialSpec":
@@ -246,4 +322,5 @@ class TrialSpec:
                    seq_len=data["seq_len"], train=TrainConfig.from_dict(data["train"]),
                    grad_accum_steps=data.get("grad_accum_steps", 1),
                    memory_limit_bytes=data.get("memory_limit_bytes"),
-                   workload=Workload.from_dict(data.get("workload")))
+                   workload=Workload.from_dict(data.get("workload")),
+                   finetuning=FineTuning.from_dict(data.get("finetuning")))

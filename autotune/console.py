@@ -49,6 +49,8 @@ def _short_label(train) -> str:
     parts = [f"mb{train.micro_batch_size}", f"ac:{train.activation_checkpointing}"]
     if train.cpu_offload:
         parts.append("offload")
+    if getattr(train, "activation_offload", False):
+        parts.append("act-off")
     if not train.reshard_after_forward:
         parts.append("no-rs")
     if getattr(train, "shard_group_size", 0):
@@ -62,7 +64,7 @@ def _short_label(train) -> str:
     return " ".join(parts)
 
 
-_SHORT_STAGE = {"checkpointing": "ckpt", "baseline": "base"}
+_SHORT_STAGE = {"checkpointing": "ckpt", "baseline": "base", "act-offload": "actoff"}
 
 
 _STATUS_STYLE = {"ok": "green", "oom": "red", "pruned": "yellow", "error": "magenta", "timeout": "magenta"}
@@ -101,6 +103,12 @@ class Console:
         self.note(f"backend: {backend_name} ({backend_why})")
         self.note(f"figures: {backend_description}")
         self.note(f"workload: {request.workload.label()}")
+        if request.finetuning.lora:
+            from autotune.training import parameter_counts
+
+            counts = parameter_counts(request.model, request.finetuning)
+            self.note(f"training: {request.finetuning.label()}: {format_count(counts.trainable)} of "
+                      f"{format_count(counts.total)} parameters train (counted on the model as peft wraps it)")
         self.note(f"memory limit per GPU: {request.describe_limit()}")
         self.note(f"global batch target: {request.target_tokens:,} tokens per step "
                   f"(tolerance {request.tolerance:.1%}); micro-batch at most {request.max_micro_batch}")
@@ -182,11 +190,12 @@ class Console:
             self.out.print(f"   {tps:,.0f} tokens/s for the whole job = {tps / gpus:,.0f} per GPU, "
                            f"{step_s:.3g} s per optimizer step{mfu_text} "
                            f"({_basis(document['throughput_source'], document['throughput_basis'])})", markup=False)
-        if fsdp["cpu_offload"] and document.get("host_memory_bytes") is None \
-                and document.get("host_memory_per_node_bytes"):
+        offloads = [what for what, on in (("CPU offload", fsdp["cpu_offload"]),
+                                          ("activation offload", fsdp.get("activation_offload"))) if on]
+        if offloads and document.get("host_memory_bytes") is None and document.get("host_memory_per_node_bytes"):
             self.out.print(f"   assumes {format_bytes(document['host_memory_per_node_bytes'])} of host memory per "
-                           "node for CPU offload (estimated), not checked: pass --host-memory to check it",
-                           markup=False, style="yellow")
+                           f"node for {' and '.join(offloads)} (estimated), not checked: pass --host-memory to "
+                           "check it", markup=False, style="yellow")
         error = document.get("prediction_error")
         if error:
             self.out.print(f"   simulator vs measured tensor peak over {error['trials']} trials: median "

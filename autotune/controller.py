@@ -2,7 +2,8 @@
 
     1 baseline       bf16 mixed precision (fp16 on GPUs without bf16), micro-batch 1
     2 checkpointing  out of memory?  checkpoint every decoder block
-    3 offload        still out of memory?  CPU offload
+    3 offload        still out of memory?  activation offload (saved tensors to pinned host
+                     memory), then CPU offload of parameters, then both
     4 grow           while it fits: double the micro-batch, then bisect (refine)
     5 align          the largest fitting micro-batch whose global batch is within tolerance
     6 explore        beyond the graph: lighter checkpointing, checkpointing with larger
@@ -207,11 +208,18 @@ class Controller:
         if not step.fits and space.offload and not self._searches_offload:
             self.notes.append("CPU offload not tried: real CPU trials cannot apply it (FSDP2's CPUOffloadPolicy "
                               "pins host memory, which needs an accelerator); --backend sim predicts it")
+        checkpointed = base.with_(activation_checkpointing="full" if space.checkpointing else "none")
+        if not step.fits and self._searches_offload and space.offload_activations:
+            step = self.run("act-offload", checkpointed.with_(activation_offload=True),
+                            f"checkpointing every block {self._why(step)}: offload what forward saves (the "
+                            "blocks' inputs) to pinned host memory; parameters stay on the GPU")
         if not step.fits and self._searches_offload:
-            step = self.run("offload", step.train.with_(activation_checkpointing="full" if space.checkpointing
-                                                        else "none", cpu_offload=True),
-                            f"checkpointing every block {self._why(step)}: offload parameters, gradients and "
+            step = self.run("offload", checkpointed.with_(cpu_offload=True),
+                            f"{step.train.label()} {self._why(step)}: offload parameters, gradients and "
                             "optimizer state to the CPU")
+        if not step.fits and self._searches_offload and space.offload_activations:
+            step = self.run("offload", checkpointed.with_(cpu_offload=True, activation_offload=True),
+                            f"{self._why(step)} with parameters offloaded: offload the saved activations too")
         if not step.fits:
             self.notes.append(why_nothing_fits(step, self.request))
             return
@@ -424,6 +432,7 @@ class Controller:
             precision=base.precision, micro_batches=tuple(sorted(self._aligned_sizes(request.max_micro_batch))),
             num_layers=request.model.num_layers, checkpointing=space.checkpointing, op_level=space.checkpointing,
             offload=self._searches_offload,
+            activation_offload=self._searches_offload and space.offload_activations,
             reshard=(True, False) if space.explore_no_reshard else (base.reshard_after_forward,),
             placements=(base.shard_placement,),
             hsdp_groups=tuple(groups),

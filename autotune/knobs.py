@@ -22,7 +22,10 @@ from typing import Any, Literal
 
 from autotune.errors import UsageError
 
-PRECISIONS: tuple[str, ...] = ("bf16", "fp16", "fp32")
+PRECISIONS: tuple[str, ...] = ("bf16", "fp16", "fp32", "bf16-pure")
+"""bf16 / fp16: mixed precision (fp32 master weights, gradients reduced in fp32, compute in the
+half type); fp32 throughout; bf16-pure: parameters, gradients, reduction and AdamW state in bf16,
+no fp32 copy (LitGPT's `bf16-true`, torchtune's default recipes)."""
 OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")
 """AdamW implementations: `fused` (one kernel per step: HF Trainer's and torchtitan's default on GPUs),
 `foreach` (torch.optim's default on CUDA: temporaries for a whole group of parameters at once),
@@ -239,6 +242,7 @@ class SampleContext:
     checkpointing: bool = True
     op_level: bool = True
     offload: bool = True
+    activation_offload: bool = True
     reshard: tuple[bool, ...] = (True, False)
     placements: tuple[str, ...] = ("dim0",)
     """Shard placements that change something (`largest` where a parameter's first dimension is
@@ -282,6 +286,15 @@ def _categorical_param(name: str, choices: tuple[Any, ...], encode: Callable[[An
     return params
 
 
+def _precision_params(value: str) -> dict[str, tuple[Any, Any]]:
+    # The first three precisions keep the distribution studies were created with (Optuna refuses a
+    # parameter whose choices change); pure bf16 is bf16 compute plus a parameter only it carries.
+    if value == "bf16-pure":
+        return {**_categorical_param("precision", PRECISIONS[:3])("bf16"),
+                **_categorical_param("master_dtype", ("bfloat16",))("bfloat16")}
+    return _categorical_param("precision", PRECISIONS[:3])(value)
+
+
 def _ac_params(value: Checkpointing) -> dict[str, tuple[Any, Any]]:
     params = _int_param("checkpoint_every", lambda v: 0 if v.mode in ("none", "op") else v.block_every)(value)
     if value.mode == "op":  # a parameter only op-level trials carry: older studies stay valid
@@ -292,8 +305,9 @@ def _ac_params(value: Checkpointing) -> dict[str, tuple[Any, Any]]:
 KNOBS: tuple[Knob, ...] = (
     Knob(name="precision", default="bf16", flag="--precision", choices=PRECISIONS,
          parse=_choice("precision", PRECISIONS), result_path=("precision",),
-         help="parameter/compute dtype; gradients are reduced in fp32 in every mode",
-         label=lambda v: v, optuna=_categorical_param("precision", PRECISIONS), alternative="fp32",
+         help="parameter/compute dtype: bf16, fp16 (mixed: fp32 master weights, gradients reduced in fp32), "
+              "fp32, or bf16-pure (everything in bf16, no fp32 copy)",
+         label=lambda v: v, optuna=_precision_params, alternative="fp32",
          domain=lambda ctx: (ctx.precision,)),
     Knob(name="micro_batch_size", default=1, flag="--micro-batch", parse=_positive("micro-batch size"),
          result_path=("micro_batch_size",), help="sequences per GPU per forward/backward",
@@ -310,6 +324,14 @@ KNOBS: tuple[Knob, ...] = (
          help="FSDP2 CPUOffloadPolicy: sharded params, grads and optimizer state live on the host",
          label=lambda v: "offload" if v else "", optuna=_categorical_param("cpu_offload", (False, True)),
          alternative=True, domain=lambda ctx: (False, True) if ctx.offload else (False,)),
+    Knob(name="activation_offload", default=False, flag="--activation-offload", parse=_bool, boolean=True,
+         result_path=("fsdp", "activation_offload"),
+         help="tensors saved for backward (not parameters, at least 1 KiB: torchtune's rule) go to pinned host "
+              "memory in forward and come back in backward (training.OffloadedActivations); GPUs only",
+         label=lambda v: "act-offload" if v else "",
+         optuna=lambda v: _categorical_param("activation_offload", (False, True))(v) if v else {},
+         alternative=True, keyed_at_default=False,
+         domain=lambda ctx: (False, True) if ctx.activation_offload else (False,)),
     Knob(name="reshard_after_forward", default=True, flag="--reshard", parse=_bool, boolean=True,
          result_path=("fsdp", "reshard_after_forward"),
          help="free gathered block parameters after forward (ZeRO-3); --no-reshard keeps them (ZeRO-2-like)",

@@ -17,6 +17,8 @@ from autotune.errors import UsageError
 
 BACKENDS = ("auto", "sim", "analytic", "cpu", "cuda")
 WORKLOADS = ("sft", "grpo")
+PEFT_METHODS = ("none", "lora")
+"""What trains: `none`, every parameter; `lora`, peft adapters on a frozen base (config.FineTuning)."""
 
 
 # -- validators (argparse types: they raise ArgumentTypeError, whose text argparse prints) -----------
@@ -84,6 +86,12 @@ class TuneOptions:
     # workload
     workload: str | None = _option(choices=WORKLOADS)
     vllm_gpu_memory_utilization: float | None = _option(check=number)
+    # fine-tuning
+    peft: str | None = _option(choices=PEFT_METHODS)
+    lora_rank: int | None = _option(check=positive_int)
+    lora_alpha: float | None = _option(check=number)
+    lora_dropout: float | None = _option(check=number)
+    lora_targets: str | None = None
     # real trials
     timeout: float = _option(600.0, check=duration)
     rdzv_endpoint: str | None = None

@@ -12,7 +12,7 @@ from autotune.backends.base import TrialResult
 from autotune.batch import DEFAULT_TOLERANCE, GlobalBatch, plan_global_batch
 from autotune.catalog.models import ModelSpec
 from autotune import knobs
-from autotune.config import Cluster, TrainConfig, TrialSpec, Workload, memory_limit_bytes
+from autotune.config import Cluster, FineTuning, TrainConfig, TrialSpec, Workload, memory_limit_bytes
 from autotune.search_space import SearchSpace
 
 DEFAULT_HEADROOM = 0.10
@@ -31,6 +31,7 @@ class TuneRequest:
     max_trials: int | None = None
     time_budget_s: float | None = None
     workload: Workload = field(default_factory=Workload)
+    finetuning: FineTuning = field(default_factory=FineTuning)
 
     @property
     def memory_limit_bytes(self) -> int:
@@ -60,7 +61,8 @@ class TuneRequest:
     def spec(self, train: TrainConfig) -> TrialSpec:
         return TrialSpec(model=self.model, cluster=self.cluster, seq_len=self.seq_len, train=train,
                          grad_accum_steps=self.global_batch(train.micro_batch_size).grad_accum_steps,
-                         memory_limit_bytes=self.memory_limit_bytes, workload=self.workload)
+                         memory_limit_bytes=self.memory_limit_bytes, workload=self.workload,
+                         finetuning=self.finetuning)
 
 
 @dataclass(kw_only=True)

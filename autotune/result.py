@@ -14,7 +14,7 @@ from typing import Any
 import autotune
 from autotune.records import Step, TuneRequest, prediction_summary
 from autotune import knobs
-from autotune.config import PARAM_DTYPE_BYTES, PARAM_DTYPE_NAMES
+from autotune.config import MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, PARAM_DTYPE_NAMES
 from autotune.runtime_memory import ALLOC_CONF_ENV, alloc_conf
 from autotune.secrets import mask
 
@@ -104,6 +104,15 @@ def loss_section(request: TuneRequest, winner: Step) -> dict[str, Any]:
     }
 
 
+def finetuning_section(request: TuneRequest) -> dict[str, Any]:
+    """What trained, with parameter counts from a meta build of the model as peft wraps it."""
+    from autotune.training import parameter_counts
+
+    counts = parameter_counts(request.model, request.finetuning)
+    return {**request.finetuning.to_dict(), "trainable_parameters": counts.trainable,
+            "total_parameters": counts.total}
+
+
 def workload_section(request: TuneRequest, winner: Step) -> dict[str, Any]:
     """What shared the GPUs with training, what it took from the limit, and the weight sync's peak."""
     workload, capacity = request.workload, request.cluster.capacity_bytes
@@ -172,7 +181,17 @@ def _trial_command(request: TuneRequest, step: Step) -> str:
             f"--precision {t.precision} --optimizer-impl {t.optimizer_impl}"
             + (f" --hsdp {t.shard_group_size}" if t.shard_group_size else "")
             + (f" --reshard-group {t.reshard_group_size}" if t.reshard_group_size else "")
-            + (f" --shard-placement {t.shard_placement}" if t.shard_placement != "dim0" else ""))
+            + (f" --shard-placement {t.shard_placement}" if t.shard_placement != "dim0" else "")
+            + (" --activation-offload" if t.activation_offload else "")
+            + finetuning_flags(request.finetuning))
+
+
+def finetuning_flags(finetuning) -> str:
+    """The command-line flags that ask for `finetuning` (empty for a full fine-tune)."""
+    if not finetuning.lora:
+        return ""
+    return (f" --peft lora --lora-rank {finetuning.rank} --lora-alpha {finetuning.alpha:g} "
+            f"--lora-dropout {finetuning.dropout:g} --lora-targets {finetuning.targets}")
 
 
 def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backend: str, wrap: str,
@@ -199,9 +218,10 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
         "global_tokens_deviation": batch.deviation,
         "precision": train.precision,
         "workload": workload_section(request, winner),
+        "finetuning": finetuning_section(request),
         "fsdp": {
             "param_dtype": PARAM_DTYPE_NAMES[train.precision],
-            "reduce_dtype": "float32",
+            "reduce_dtype": MASTER_DTYPE_NAMES[train.precision],
             **knobs.fsdp_section(train.knob_values()),
             "wrap": wrap,
             "sharded_grad_scaler": train.precision == "fp16",

@@ -18,7 +18,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "baseline": {"precision": str, "reshard_after_forward": bool, "optimizer_impl": str, "shard_placement": str},
     "checkpointing": {"enabled": bool, "lighter_every": list, "op_level": list},
     "hsdp": {"enabled": bool},
-    "offload": {"enabled": bool},
+    "offload": {"enabled": bool, "activations": bool},
     "micro_batch": {"max": int, "refine": bool},
     "explore": {"no_reshard": bool, "checkpointed_larger_micro_batch": bool},
 }
@@ -41,6 +41,8 @@ class SearchSpace:
     hsdp: bool = True
     """On several nodes, try sharding within node groups and replicating across them."""
     offload: bool = True
+    offload_activations: bool = True
+    """When checkpointing alone does not fit, try activation offload before parameter offload."""
     max_micro_batch: int = 64
     refine: bool = True
     explore_no_reshard: bool = True
@@ -120,6 +122,7 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
         op_level=tuple(dict.fromkeys(op_level)),
         hsdp=get("hsdp", "enabled", True),
         offload=get("offload", "enabled", True),
+        offload_activations=get("offload", "activations", True),
         max_micro_batch=max_mb,
         refine=get("micro_batch", "refine", True),
         explore_no_reshard=get("explore", "no_reshard", True),

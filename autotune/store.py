@@ -55,6 +55,8 @@ def study_name(request: TuneRequest, backend: str) -> str:
         "tolerance": request.tolerance, "backend": backend,
         # A GRPO problem never resumes an SFT study: its limit and its peaks differ.
         **({"workload": request.workload.to_dict()} if request.workload.kind != "sft" else {}),
+        # Nor a LoRA fine-tune a full one (older full studies keep their names).
+        **({"finetuning": request.finetuning.to_dict()} if request.finetuning.lora else {}),
     }, sort_keys=True, default=str)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.model.name)

@@ -6,37 +6,108 @@ worker calls them on real devices. Keeping one copy is what makes the prediction
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from autotune.catalog.models import ModelSpec
+from autotune.config import MASTER_DTYPE_NAMES, PARAM_DTYPE_NAMES, FineTuning
 
 
-def build_model(model: ModelSpec, *, num_layers: int | None = None, seed: int = 0) -> nn.Module:
-    """The transformers causal LM from its config, in fp32 (FSDP casts for compute), on the
-    current default device (use `torch.device('meta')` to build without memory)."""
+def build_model(model: ModelSpec, *, num_layers: int | None = None, seed: int = 0, precision: str = "bf16",
+                finetuning: FineTuning | None = None) -> nn.Module:
+    """The transformers causal LM from its config, on the current default device (use
+    `torch.device('meta')` to build without memory), with its parameters in the dtypes `precision`
+    trains them in (fp32 master weights, FSDP casting for compute; bf16 throughout for
+    bf16-pure) and, for a LoRA fine-tune, wrapped by peft (`apply_finetuning`)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(
+    net = AutoModelForCausalLM.from_config(
         model.hf_config(num_layers=num_layers),
-        dtype=torch.float32,
+        dtype=getattr(torch, MASTER_DTYPE_NAMES[precision]),
         trust_remote_code=model.trust_remote_code,
     )
+    if finetuning is not None and finetuning.lora:
+        net = apply_finetuning(net, finetuning, precision=precision)
+    return net
+
+
+def apply_finetuning(net: nn.Module, finetuning: FineTuning, *, precision: str) -> nn.Module:
+    """LoRA with the real peft library, before FSDP2 wraps the model (as TRL, Accelerate and the
+    FSDP-QLoRA recipes order it). The frozen base weights are stored in the compute dtype (what
+    `torch_dtype=bfloat16` loading gives TRL and peft users: no fp32 copy of weights that never
+    change); the adapters keep the master dtype, so they train in fp32 under mixed precision. FSDP2
+    shards both; only the adapters get gradients and AdamW state."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=finetuning.rank, lora_alpha=finetuning.alpha, lora_dropout=finetuning.dropout,
+                        target_modules=finetuning.target_modules, task_type="CAUSAL_LM")
+    net = get_peft_model(net, config)
+    compute = getattr(torch, PARAM_DTYPE_NAMES[precision])
+    for param in net.parameters():
+        if not param.requires_grad:
+            param.data = param.data.to(compute)
+    return net
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Parameters of the model as it trains, per decoder block and outside the blocks (the root)."""
+
+    block_trainable: int
+    block_total: int
+    root_trainable: int
+    root_total: int
+    num_layers: int
+
+    @property
+    def trainable(self) -> int:
+        return self.root_trainable + self.num_layers * self.block_trainable
+
+    @property
+    def total(self) -> int:
+        return self.root_total + self.num_layers * self.block_total
+
+
+def parameter_counts(model: ModelSpec, finetuning: FineTuning) -> ParameterCounts:
+    """Counted on meta builds of one and two blocks (blocks repeat: the difference is one block),
+    so a 70B model costs no more than a small one."""
+    key = (model.model_type, repr(sorted(model.config_dict.items())), finetuning.key())
+    if key not in _PARAMETER_COUNTS:
+        counts = []
+        for depth in (1, 2):
+            with torch.device("meta"):
+                net = build_model(model, num_layers=depth, finetuning=finetuning)
+            counts.append((sum(p.numel() for p in trainable_parameters(net)), sum(p.numel() for p in net.parameters())))
+        (t1, n1), (t2, n2) = counts
+        _PARAMETER_COUNTS[key] = ParameterCounts(block_trainable=t2 - t1, block_total=n2 - n1, root_trainable=2 * t1 - t2,
+                                                 root_total=2 * n1 - n2, num_layers=model.num_layers)
+    return _PARAMETER_COUNTS[key]
+
+
+_PARAMETER_COUNTS: dict[tuple, ParameterCounts] = {}
+
+
+def trainable_parameters(net: nn.Module) -> list[nn.Parameter]:
+    """What the optimizer steps: every parameter that takes a gradient (the adapters under LoRA)."""
+    return [p for p in net.parameters() if p.requires_grad]
 
 
 def make_optimizer(model: nn.Module, *, impl: str = "fused", lr: float = 1e-4) -> torch.optim.Optimizer:
     """AdamW as `impl` ('fused', 'foreach' or 'for-loop'), spelled out: torch's own default
     (foreach on CUDA, the loop elsewhere) would make the traced step differ from the run.
     docs/SIMULATOR.md has what each costs in memory."""
+    params = trainable_parameters(model)  # frozen weights (LoRA's base) get no AdamW state
     if impl == "fused":
-        return torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+        return torch.optim.AdamW(params, lr=lr, fused=True)
     if impl == "foreach":
-        return torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
+        return torch.optim.AdamW(params, lr=lr, foreach=True)
     if impl == "for-loop":
-        return torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
+        return torch.optim.AdamW(params, lr=lr, foreach=False)
     raise ValueError(f"unknown AdamW implementation {impl!r}")
 
 
@@ -49,14 +120,63 @@ def token_batches(*, vocab_size: int, micro_batch_size: int, seq_len: int, devic
         yield tokens.to(device)
 
 
+MIN_OFFLOAD_BYTES = 1024
+"""Saved tensors smaller than this stay on the device (torchtune's OffloadActivations' default):
+the copy costs more than the bytes it frees."""
+
+
+class OffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
+    """Activation offload: what forward saves for backward goes to pinned host memory and comes
+    back when backward unpacks it, as torch's `save_on_cpu` does, with torchtune's rule of what
+    stays: parameters (FSDP2's gathered weights, which backward has again anyway) and tensors under
+    MIN_OFFLOAD_BYTES. With checkpointing, the checkpointed blocks' inputs are what is saved, so
+    they are what moves. Enter it around forward only.
+
+    `to_host=False` keeps no copy and records only what would move: the simulator's fake tensors
+    then see the device side exactly (the tensor freed at pack, a new one at unpack). `host_bytes`
+    is the most held on the host at once, with the pinned allocator's rounding of each copy to a
+    power of two; the tensors moved accumulate in `moved_bytes` (each way)."""
+
+    def __init__(self, *, to_host: bool = True) -> None:
+        self.host_bytes = self.moved_bytes = self._held = 0
+
+        def pack(tensor: torch.Tensor):
+            nbytes = tensor.numel() * tensor.element_size()
+            if isinstance(tensor, nn.Parameter) or nbytes < MIN_OFFLOAD_BYTES:
+                return tensor
+            held = 1 << max(0, nbytes - 1).bit_length()  # the pinned host allocator's block
+            self._held += held
+            self.host_bytes = max(self.host_bytes, self._held)
+            self.moved_bytes += nbytes
+            copy = None
+            if to_host:
+                copy = torch.empty(tensor.size(), dtype=tensor.dtype, device="cpu",
+                                   pin_memory=torch.cuda.is_available())
+                copy.copy_(tensor, non_blocking=True)
+            return (tensor.device, tensor.size(), tensor.stride(), tensor.dtype, copy, held)
+
+        def unpack(packed):
+            if isinstance(packed, torch.Tensor):
+                return packed
+            device, size, stride, dtype, copy, held = packed
+            self._held -= held
+            if copy is None:
+                return torch.empty_strided(size, stride, dtype=dtype, device=device)
+            return copy.to(device, non_blocking=True)
+
+        super().__init__(pack, unpack)
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator[torch.Tensor], *,
                grad_accum_steps: int, scaler=None, defer_grad_sync: bool = False,
-               phase_times: list[tuple[float, float]] | None = None, clock=None) -> torch.Tensor:
+               phase_times: list[tuple[float, float]] | None = None, clock=None,
+               saved_activations: OffloadedActivations | None = None) -> torch.Tensor:
     """One optimizer step over `grad_accum_steps` micro-batches; returns the mean loss (detached).
 
     Gradients are reduce-scattered after every micro-batch by default: deferring the sync to
     the last micro-batch (`defer_grad_sync`) saves communication but keeps unsharded gradients
-    of every block until then, which defeats full sharding's memory savings.
+    of every block until then, which defeats full sharding's memory savings. `saved_activations`
+    (activation offload) is entered around each forward.
     With `phase_times` and `clock` (a synchronising timer), appends (seconds of the micro-batches,
     seconds of the optimizer step): a short trial runs fewer micro-batches than the real job
     and scales the first part only.
@@ -69,7 +189,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iter
         if defer_grad_sync and hasattr(model, "set_requires_gradient_sync"):
             model.set_requires_gradient_sync(is_last)
         tokens = next(batches)
-        loss = model(input_ids=tokens, labels=tokens).loss / grad_accum_steps
+        with saved_activations if saved_activations is not None else contextlib.nullcontext():
+            loss = model(input_ids=tokens, labels=tokens).loss / grad_accum_steps
         (scaler.scale(loss) if scaler is not None else loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
     backward_done = clock() if timing else 0.0

@@ -44,6 +44,11 @@ BAD_INPUTS = [
     (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--vllm-gpu-memory-utilization", "0.5"],
      "applies to --workload grpo only"),
     (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--workload", "rl"], "invalid choice"),
+    (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--lora-rank", "8"],
+     "--lora-rank applies to --peft lora only"),
+    (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--peft", "lora", "--lora-dropout", "1.5"],
+     "--lora-dropout must be a fraction in [0, 1)"),
+    (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--peft", "qlora"], "invalid choice"),
 ]
 
 
@@ -147,14 +152,14 @@ def test_nothing_fits_exit_code(tmp_path, capsys):
 
 def test_small_capacity_walks_to_offload(tmp_path, capsys):
     # Capacity for the states of a 7B model on 8 GPUs but not its activations: the graph must
-    # go baseline -> checkpointing -> offload or stop at checkpointing, in that order.
+    # go baseline -> checkpointing -> activation offload -> parameter offload, in that order.
     runs = tmp_path / "runs"
     code = main(["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--backend", "analytic",
                  "--gpu-memory", "12GiB", "--runs-dir", str(runs), "--json"])
     assert code == EXIT_OK
     document = json.loads(capsys.readouterr().out)
     stages = [s["stage"] for s in document["decision_path"]]
-    assert stages[:3] == ["baseline", "checkpointing", "offload"]
+    assert stages[:4] == ["baseline", "checkpointing", "act-offload", "offload"]
     assert document["fsdp"]["cpu_offload"] is True
 
 

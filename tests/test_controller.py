@@ -19,8 +19,9 @@ GiB = 2**30
 
 
 class FormulaBackend(TrialBackend):
-    """Memory: model states + micro-batch x activations (less with checkpointing); speed: tokens
-    per micro-batch, less for recompute and offload. Counts its evaluations."""
+    """Memory: model states + micro-batch x activations (less with checkpointing, a fifth with
+    activation offload); speed: tokens per micro-batch, less for recompute and offload. Counts its
+    evaluations."""
 
     name = "formula"
 
@@ -35,10 +36,12 @@ class FormulaBackend(TrialBackend):
         every = train.activation_checkpointing.block_every
         kept = 1.0 if every is None else (1 - 1 / every) * 0.9 + 0.1
         states = self.states * (0.1 if train.cpu_offload else 1.0) + (0 if train.reshard_after_forward else 2 * GiB)
-        peak = int(states + train.micro_batch_size * self.activation * kept)
+        moved = 0.2 if train.activation_offload else 1.0
+        peak = int(states + train.micro_batch_size * self.activation * kept * moved)
         recompute = 0.0 if every is None else 0.33 / every
         tps = train.micro_batch_size * 1000 * (1 - recompute) * (0.5 if train.cpu_offload else 1.0)
         tps *= 1.0 if train.reshard_after_forward else 1.05
+        tps *= 0.9 if train.activation_offload else 1.0
         status = "ok" if peak <= spec.limit_bytes else "oom"
         return TrialResult(status=status, peak_memory=Figure(peak, self.memory_source, "formula"),
                            tokens_per_sec=Figure(tps, self.memory_source, "formula"))
@@ -82,10 +85,32 @@ def test_needs_checkpointing():
 def test_needs_offload():
     outcome = Controller(request_for(12), FormulaBackend()).tune()
     path = stages(outcome)
-    assert [p[:3] for p in path[:3]] == [("baseline", "none", False), ("checkpointing", "full", False),
-                                         ("offload", "full", True)]
-    assert path[2][4] is True
+    assert [p[:3] for p in path[:4]] == [("baseline", "none", False), ("checkpointing", "full", False),
+                                         ("act-offload", "full", False), ("offload", "full", True)]
+    assert outcome.steps[2].train.activation_offload and not outcome.steps[3].train.activation_offload
+    assert path[2][4] is False and path[3][4] is True
     assert outcome.winner.train.cpu_offload
+
+
+def test_activation_offload_before_parameter_offload():
+    """Checkpointing every block is 21 GiB on 20.5: offloading the saved activations fits (parameters
+    stay on the GPU), so parameter offload is never tried and the winner keeps the activations on
+    the host; the reason says what moved."""
+    backend = FormulaBackend()
+    outcome = Controller(request_for(20.5), backend).tune()
+    path = stages(outcome)
+    assert [p[:2] for p in path[:3]] == [("baseline", "none"), ("checkpointing", "full"), ("act-offload", "full")]
+    assert path[2][4] is True
+    assert outcome.winner.train.activation_offload and not outcome.winner.train.cpu_offload
+    assert not any(train.cpu_offload for train in backend.calls)
+    assert "pinned host memory" in outcome.steps[2].reason
+
+
+def test_activation_offload_can_be_switched_off_in_the_space():
+    outcome = Controller(request_for(12, space=SearchSpace(offload_activations=False)), FormulaBackend()).tune()
+    assert [p[:3] for p in stages(outcome)[:3]] == [("baseline", "none", False), ("checkpointing", "full", False),
+                                                   ("offload", "full", True)]
+    assert not any(s.train.activation_offload for s in outcome.steps)
 
 
 def test_the_cpu_backend_is_not_asked_for_offload_and_the_run_says_why():
@@ -103,7 +128,10 @@ def test_the_cpu_backend_is_not_asked_for_offload_and_the_run_says_why():
 def test_nothing_fits_gives_no_winner_and_says_what_to_do():
     outcome = Controller(request_for(1), FormulaBackend()).tune()
     assert outcome.winner is None
-    assert len(outcome.steps) == 3
+    # Every memory saving, each once: checkpointing, activation offload, parameter offload, both.
+    assert [(s.stage, s.train.cpu_offload, s.train.activation_offload) for s in outcome.steps] == [
+        ("baseline", False, False), ("checkpointing", False, False), ("act-offload", False, True),
+        ("offload", True, False), ("offload", True, True)]
     assert any("no configuration fits" in note for note in outcome.notes)
 
 

@@ -29,7 +29,7 @@ from functools import lru_cache
 from autotune import costmodel
 from autotune.runtime_memory import runtime_memory
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
-from autotune.config import TrialSpec
+from autotune.config import MASTER_DTYPE_BYTES, MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, TrialSpec
 from autotune.units import format_bytes
 
 SCREEN_MARGIN = 1.25
@@ -41,10 +41,14 @@ from autotune.catalog.models import ModelSpec
 __all__ = ["AnalyticBackend", "ModelShape", "model_shape", "MemoryEstimate", "estimate_memory",
            "activation_bytes_per_token", "step_work"]
 
-PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-REDUCE_BYTES = 4  # gradients are reduce-scattered in fp32 in every precision (parallel.py)
-ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
-MASTER_BYTES = 4  # sharded parameters and gradients are fp32
+PARAM_BYTES = PARAM_DTYPE_BYTES  # the compute dtype's, by precision
+
+
+def master_bytes(precision: str) -> int:
+    """Bytes per element of the sharded trained parameters, their gradients (reduce-scattered in
+    this dtype: parallel.mixed_precision_policy) and each of AdamW's two states: fp32, or bf16
+    in pure bf16."""
+    return MASTER_DTYPE_BYTES[MASTER_DTYPE_NAMES[precision]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,6 +152,8 @@ class MemoryEstimate:
     host_bytes_per_node: int
     peak_at: str
     """Which moment of the step peaks: 'loss backward', 'backward of block i', 'optimizer step'."""
+    offloaded_activation_bytes: int = 0
+    """Activation offload: the saved activations one micro-batch moves to the host (each way)."""
 
 
 def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
@@ -156,21 +162,32 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     # Parameters are sharded over the shard group: every GPU, or an HSDP group.
     train, world = spec.train, spec.train.shard_group_size or spec.cluster.num_gpus
     d = PARAM_BYTES[train.precision]
+    master = master_bytes(train.precision)
     tokens = train.micro_batch_size * spec.seq_len
     num_layers, block = shape.num_layers, shape.block_params
     total = shape.num_parameters
+    # What trains: every parameter, or LoRA's adapters on a frozen base stored in the compute dtype.
+    trained, block_trained, frozen = total, block, 0
+    lora = spec.finetuning.lora
+    if lora:
+        from autotune.training import parameter_counts
 
-    # Model states (sharded, fp32): on the host instead when offloading.
+        counts = parameter_counts(spec.model, spec.finetuning)
+        trained, block_trained, frozen = counts.trainable, counts.block_trainable, counts.total - counts.trainable
+        block = counts.block_total
+
+    # Model states (sharded): on the host instead when offloading.
     states_on_device = 0 if train.cpu_offload else 1
-    sharded_params = states_on_device * MASTER_BYTES * total / world
-    optimizer = states_on_device * ADAM_STATE_BYTES * total / world
-    accumulated_grads = states_on_device * MASTER_BYTES * total / world if spec.grad_accum_steps > 1 else 0.0
-    block_grad_shard = states_on_device * MASTER_BYTES * block / world
-    # Offloaded shards are copied to the device (fp32) before each all-gather.
-    h2d_staging = (1 - states_on_device) * MASTER_BYTES * block / world
+    sharded_params = states_on_device * (master * trained + d * frozen) / world
+    optimizer = states_on_device * 2 * master * trained / world
+    accumulated_grads = states_on_device * master * trained / world if spec.grad_accum_steps > 1 else 0.0
+    block_grad_shard = states_on_device * master * block_trained / world
+    # Offloaded shards are copied to the device before each all-gather.
+    h2d_staging = (1 - states_on_device) * master * block / world
 
     root_gathered = shape.root_params * d  # the root is never resharded after forward
-    head_grad = shape.vocab * shape.hidden * d  # LM head (or tied embedding) gradient, unsharded
+    # LM head (or tied embedding) gradient, unsharded; none when it is frozen (LoRA).
+    head_grad = 0 if lora else shape.vocab * shape.hidden * d
     block_gathered = block * d
     per_layer = activation_bytes_per_token(shape, d) * tokens
     checkpoint_input = shape.hidden * d * tokens
@@ -183,9 +200,19 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     logits = 12 * tokens * shape.vocab  # fp32 log-softmax output + two fp32 gradients
     # Gradients of the block's input and of two ffn-wide tensors, plus the unsharded gradient
     # of its largest weight in flight (fitted to traces: docs/COSTMODEL.md).
-    backward_temps = 2 * d * (shape.hidden + shape.intermediate) * tokens + d * shape.hidden * shape.intermediate
+    backward_temps = 2 * d * (shape.hidden + shape.intermediate) * tokens + (
+        0 if lora else d * shape.hidden * shape.intermediate)
     inputs = 16 * tokens  # int64 input ids and labels
 
+    # Activation offload: what forward saves waits on the host; backward brings back one block's at
+    # a time (and the loss's). The held bytes are the saved activations of every block and the norm.
+    offloaded_host = 0.0
+    if train.activation_offload:
+        offloaded_host = sum(saved) + final_norm
+        on_device = [0.0] * num_layers
+        final_norm_on_device = 0.0
+    else:
+        on_device, final_norm_on_device = saved, final_norm
     candidates: list[tuple[str, dict[str, float]]] = []
     # Resharded to groups of g GPUs after forward: each block keeps 1/g of its gathered parameters.
     kept_share = 1 / train.reshard_group_size if train.reshard_group_size else 0.0
@@ -197,7 +224,7 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
         parameters=sharded_params + root_gathered + kept_blocks,
         gradients=accumulated_grads,
         optimizer_state=optimizer,
-        activations=sum(saved) + final_norm + logits,
+        activations=sum(on_device) + final_norm_on_device + logits,
         communication_buffers=prefetch,
         other=inputs + h2d_staging,
     )))
@@ -210,13 +237,13 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
             parameters=sharded_params + root_gathered + gathered,
             gradients=max(accumulated_grads, done * block_grad_shard) + head_grad,
             optimizer_state=optimizer,
-            activations=sum(saved[: i + 1]) + recompute + backward_temps,
-            communication_buffers=(prefetch if i > 0 else 0.0) + (block * REDUCE_BYTES if done else 0.0),
+            activations=sum(on_device[:i]) + saved[i] + recompute + backward_temps,
+            communication_buffers=(prefetch if i > 0 else 0.0) + (block_trained * master if done else 0.0),
             other=inputs + h2d_staging,
         )))
     candidates.append(("optimizer step", dict(
-        parameters=sharded_params, gradients=states_on_device * MASTER_BYTES * total / world,
-        optimizer_state=optimizer, other=2 * MASTER_BYTES * block / world,
+        parameters=sharded_params, gradients=states_on_device * master * trained / world,
+        optimizer_state=optimizer, other=2 * master * block_trained / world,
     )))
 
     peak_at, parts = max(candidates, key=lambda item: sum(item[1].values()))
@@ -228,11 +255,12 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
 
     per_rank_host = costmodel.HOST_PROCESS_BYTES
     if train.cpu_offload:
-        per_rank_host += (2 * MASTER_BYTES + ADAM_STATE_BYTES) * total / world
+        per_rank_host += (4 * master * trained + d * frozen) / world
+    per_rank_host += offloaded_host
     return MemoryEstimate(breakdown=breakdown, tensor_peak_bytes=tensor_peak,
                           peak_bytes=sum(breakdown.values()),
                           host_bytes_per_node=int(per_rank_host * spec.cluster.gpus_per_node),
-                          peak_at=peak_at)
+                          peak_at=peak_at, offloaded_activation_bytes=int(offloaded_host))
 
 
 def step_work(spec: TrialSpec, *, reduce_bytes: int = 4) -> costmodel.StepWork:
@@ -278,6 +306,14 @@ class AnalyticBackend(TrialBackend):
                                duration_s=time.perf_counter() - started)
         gpu = spec.cluster.gpu.name
         host = Figure(memory.host_bytes_per_node, "estimated", costmodel.ESTIMATE_BASIS["host_memory"])
+        tokens_per_sec, tps_basis = step.tokens_per_sec, step.basis
+        if memory.offloaded_activation_bytes:
+            # The copies to the host and back, on the compute stream (not overlapped), at the host link's rate.
+            gbps = costmodel.host_link_gbps(spec.cluster.gpu)
+            transfer_s = spec.grad_accum_steps * 2 * memory.offloaded_activation_bytes / (gbps * 1e9)
+            tokens = spec.train.micro_batch_size * spec.seq_len * spec.grad_accum_steps * spec.cluster.num_gpus
+            tokens_per_sec = tokens / (tokens / tokens_per_sec + transfer_s)
+            tps_basis += f"; plus {transfer_s:.3f} s per step of activation offload copies at {gbps:g} GB/s"
         status, message = "ok", f"peak at the {memory.peak_at}"
         host_limit = spec.cluster.host_memory_bytes
         if host_limit is not None and memory.host_bytes_per_node > host_limit:
@@ -297,7 +333,7 @@ class AnalyticBackend(TrialBackend):
             peak_memory=Figure(memory.peak_bytes, "estimated",
                                f"{costmodel.ESTIMATE_BASIS['memory']} ({gpu})"),
             memory_breakdown=memory.breakdown,
-            tokens_per_sec=Figure(step.tokens_per_sec, "estimated", step.basis),
+            tokens_per_sec=Figure(tokens_per_sec, "estimated", tps_basis),
             host_memory_per_node=host,
             message=message,
             extras=dict(step_time=step.to_dict(), mfu=step.mfu, tensor_peak_bytes=memory.tensor_peak_bytes,

@@ -85,11 +85,14 @@ class Tuned:
     workload: str = "sft"
     """'grpo': tuned for TRL GRPO with vLLM colocated (results from before the knob: sft)."""
     vllm_gpu_memory_utilization: float | None = None
+    finetuning: dict[str, Any] = field(default_factory=lambda: {"peft": "none"})
+    """The result's `finetuning` section (peft method and LoRA settings)."""
     shard_group_size: int = 0
     """HSDP: GPUs per shard group (replicated across groups); 0 = plain FSDP over every GPU."""
     reshard_group_size: int = 0
     """Blocks resharded after forward to groups of this many GPUs; 0 = as reshard_after_forward."""
     shard_placement: str = "dim0"
+    activation_offload: bool = False
     """`largest`: parameters whose first dimension is smaller than the shard group sharded on their
     largest evenly divisible dimension (autotune.knobs.shard_dim)."""
 
@@ -156,6 +159,7 @@ class Tuned:
                 shard_group_size=int(values["shard_group_size"]),
                 reshard_group_size=int(values["reshard_group_size"]),
                 shard_placement=str(values["shard_placement"]),
+                activation_offload=bool(values["activation_offload"]),
                 cpu_offload=bool(fsdp["cpu_offload"]),
                 reshard_after_forward=bool(fsdp["reshard_after_forward"]),
                 micro_batch_size=int(result["micro_batch_size"]),
@@ -166,6 +170,7 @@ class Tuned:
                 alloc_conf=str((result.get("environment") or {}).get(ALLOC_CONF_ENV) or RECOMMENDED_ALLOC_CONF),
                 workload=str((result.get("workload") or {}).get("kind", "sft")),
                 vllm_gpu_memory_utilization=(result.get("workload") or {}).get("vllm_gpu_memory_utilization"),
+                finetuning=dict(result.get("finetuning") or {"peft": "none"}),
             )
         except (KeyError, TypeError) as exc:
             raise UsageError(f"not an autotune result (best.json): missing or malformed field {exc}; "
@@ -207,21 +212,30 @@ class Mapper:
         assert not missing, f"exporter left knobs unaccounted for: {sorted(missing)}"
 
 
-EXPRESSIBLE = ("op_level_ac", "hsdp")
+EXPRESSIBLE = ("op_level_ac", "hsdp", "bf16_pure")
 """Knob values only some stacks can express: an exporter names those it writes in build_export's
 `expresses`; for the rest the mapping is derived here, as approximated or unsupported."""
+
+
+def _approximate(mapper: Mapper, knobs: tuple[str, ...], note: str) -> None:
+    """Downgrade the exporter's `mapped` entries of `knobs` to approximated, saying what differs."""
+    mapper.mappings[:] = [KnobMapping(m.knob, "approximated", m.key, note)
+                          if m.knob in knobs and m.status == "mapped" else m for m in mapper.mappings]
 
 
 def map_knobs_not_expressed(tuned: Tuned, mapper: Mapper, *, stack: str, expresses: tuple[str, ...]) -> None:
     """Downgrade or add the mappings of knob values the stack cannot express (see EXPRESSIBLE)."""
     unknown = set(expresses) - set(EXPRESSIBLE)
     assert not unknown, f"unknown expressible values {sorted(unknown)}"
+    if tuned.precision == "bf16-pure" and "bf16_pure" not in expresses:
+        _approximate(mapper, ("precision", "reduce_dtype"),
+                     f"pure bf16 was tuned (parameters, gradients, reduction and AdamW state in bf16, no fp32 copy); "
+                     f"{stack}'s bf16 setting keeps fp32 master weights (more memory than tuned): load the model in "
+                     "bfloat16 to train as tuned")
     if tuned.op_level_ac and "op_level_ac" not in expresses:
-        mapper.mappings[:] = [
-            KnobMapping(m.knob, "approximated", m.key,
-                        f"{stack} has no op-level selective checkpointing ({tuned.activation_checkpointing} was "
-                        f"tuned): every block is checkpointed whole instead (less memory, more recompute)")
-            if m.knob == "activation_checkpointing" and m.status == "mapped" else m for m in mapper.mappings]
+        _approximate(mapper, ("activation_checkpointing",),
+                     f"{stack} has no op-level selective checkpointing ({tuned.activation_checkpointing} was tuned): "
+                     "every block is checkpointed whole instead (less memory, more recompute)")
     if "reshard_group_size" not in {m.knob for m in mapper.mappings}:
         if not tuned.reshard_group_size:
             mapper.mapped("reshard_group_size", "resharded over the whole shard group (or kept gathered), as tuned")
@@ -230,6 +244,15 @@ def map_knobs_not_expressed(tuned: Tuned, mapper: Mapper, *, stack: str, express
                                f"resharding after forward to groups of {tuned.reshard_group_size} GPUs is not "
                                f"expressible in {stack}: the file reshards over the whole shard group (less memory "
                                "between forward and backward, backward's all-gather over every shard rank)")
+    if "activation_offload" not in {m.knob for m in mapper.mappings}:
+        if not tuned.activation_offload:
+            mapper.mapped("activation_offload", "saved activations stay on the GPU, as tuned")
+        else:
+            mapper.unsupported("activation_offload",
+                               f"activation offload is not written for {stack}: wrap each forward in torch's "
+                               "torch.autograd.graph.save_on_cpu(pin_memory=True) (it also copies parameters; "
+                               "torchtune's OffloadActivations skips them, as tuned) or the GPU runs out of memory; "
+                               "the fsdp2 script and Lightning exports apply it")
     if "shard_placement" not in {m.knob for m in mapper.mappings}:
         if tuned.shard_placement == "dim0":
             mapper.mapped("shard_placement", "every parameter sharded on dimension 0 (FSDP's default), as tuned")
@@ -267,6 +290,15 @@ def build_export(*, fmt: str, filename: str, target: str, tuned: Tuned, mapper: 
         mapper.warn(f"tuned for TRL GRPO with vLLM colocated ({tuned.vllm_gpu_memory_utilization:g} of each GPU "
                     "left to vLLM): this file trains without vLLM or its weight sync; the trl format writes the "
                     "GRPOConfig")
+    if tuned.finetuning.get("peft") == "lora":
+        f = tuned.finetuning
+        targets = f.get("targets", "all-linear")
+        targets = repr(targets) if targets == "all-linear" else repr(targets.split(","))
+        mapper.warn(f"tuned as a LoRA fine-tune (peft; base weights frozen in {tuned.param_dtype}): this file does "
+                    f"not add the adapters; wrap the model before FSDP with peft.get_peft_model(model, LoraConfig("
+                    f"r={f.get('rank')}, lora_alpha={f.get('alpha')}, lora_dropout={f.get('dropout')}, "
+                    f"target_modules={targets})) as autotune traced it, or every parameter trains (far more "
+                    "memory than tuned)")
     mapper.check_complete()
     text = prologue + header(tuned=tuned, target=target, mapper=mapper) + "\n" + body.lstrip("\n")
     return Export(format=fmt, filename=filename, text=text, target=target,

@@ -27,7 +27,8 @@ _SOURCES = (
     _parallel.mixed_precision_policy,
     _parallel.op_sac_policy, _parallel.apply_ac, _parallel.shard_placement_fn, _parallel.apply_fsdp,
     _parallel.parallelize,
-    _training.make_optimizer, _training.token_batches, _training.train_step,
+    _training.trainable_parameters, _training.make_optimizer, _training.token_batches,
+    _training.OffloadedActivations, _training.train_step,
 )
 
 
@@ -39,7 +40,8 @@ def copied_sources() -> str:
 def map_parallelize_knobs(m: Mapper, *, precision_also: str = "") -> None:
     """The knobs autotune's own parallelize() applies, for every export that embeds it."""
     m.mapped("precision", "MixedPrecisionPolicy(param_dtype=...) in parallelize()" + precision_also)
-    m.mapped("reduce_dtype", "MixedPrecisionPolicy(reduce_dtype=torch.float32) in parallelize()")
+    m.mapped("reduce_dtype", "mixed_precision_policy(TUNED.precision) in parallelize() (fp32 reduction in mixed "
+                             "precision, bf16 in bf16-pure)")
     m.mapped("activation_checkpointing", "apply_ac in parallelize() (checkpoint_wrapper, NO_REENTRANT; op-level: "
                                          "create_selective_checkpoint_contexts(op_sac_policy))")
     m.mapped("cpu_offload", "CPUOffloadPolicy(pin_memory=True) in parallelize()",
@@ -48,6 +50,8 @@ def map_parallelize_knobs(m: Mapper, *, precision_also: str = "") -> None:
     m.mapped("reshard_group_size", "fully_shard(reshard_after_forward=N) in parallelize() (TUNED.reshard_group_size)")
     m.mapped("shard_placement", "fully_shard(shard_placement_fn=shard_placement_fn(mesh, TUNED.shard_placement)) "
                                 "in parallelize()")
+    m.mapped("activation_offload", "OffloadedActivations() around each forward (TUNED.activation_offload)",
+             "applied on GPUs only: on CPUs the host is the device")
 
 
 def export_fsdp2(tuned: Tuned) -> Export:
@@ -61,7 +65,7 @@ def export_fsdp2(tuned: Tuned) -> Export:
     m.mapped("optimizer_impl", f"make_optimizer(impl={tuned.optimizer_impl!r})")
     m.mapped("shard_group_size", "ParallelDims.of(TUNED, world).build_mesh(): 1-D, or 2-D (replicate, shard) for HSDP")
     return build_export(fmt="fsdp2", filename="train_fsdp2.py", target=TARGET, tuned=tuned, mapper=m,
-                        expresses=("op_level_ac", "hsdp"),
+                        expresses=("op_level_ac", "hsdp", "bf16_pure"),
                         prologue="#!/usr/bin/env python\n", body=_script(tuned))
 
 
@@ -85,6 +89,7 @@ make_optimizer() and train_step(), which are the code autotune measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -157,10 +162,12 @@ def main(argv: list[str] | None = None) -> None:
     batches = token_batches(vocab_size=MODEL_CONFIG["vocab_size"], micro_batch_size=TUNED.micro_batch_size,
                             seq_len=SEQ_LEN, device=device, seed=rank)
     tokens_per_step = TUNED.micro_batch_size * SEQ_LEN * GRAD_ACCUM_STEPS * world
+    # Activation offload needs an accelerator: on CPUs the host is the device.
+    offloaded = OffloadedActivations() if TUNED.activation_offload and use_cuda else None
     for step in range(args.steps):
         start = time.perf_counter()
         loss = train_step(model, optimizer, batches, grad_accum_steps=GRAD_ACCUM_STEPS, scaler=scaler,
-                          defer_grad_sync=DEFER_GRAD_SYNC)
+                          defer_grad_sync=DEFER_GRAD_SYNC, saved_activations=offloaded)
         dist.all_reduce(loss)
         elapsed = time.perf_counter() - start
         if rank == 0:
@@ -205,6 +212,7 @@ class TrainConfig:
     shard_group_size: int
     reshard_group_size: int = 0
     shard_placement: str = "dim0"
+    activation_offload: bool = False
 
     @property
     def fsdp_reshard_after_forward(self) -> bool | int:
@@ -238,6 +246,7 @@ _OP = re.compile({_knobs._OP.pattern!r})
 
 
 SUPPORTED_FAMILIES = {_parallel.SUPPORTED_FAMILIES!r}
+MIN_OFFLOAD_BYTES = {_training.MIN_OFFLOAD_BYTES!r}
 PARAM_DTYPES = {{{dtypes}}}
 
 
@@ -248,14 +257,15 @@ TUNED = TrainConfig(precision={t.precision!r}, activation_checkpointing=Checkpoi
                     cpu_offload={t.cpu_offload!r}, reshard_after_forward={t.reshard_after_forward!r},
                     micro_batch_size={t.micro_batch_size!r}, optimizer_impl={t.optimizer_impl!r},
                     shard_group_size={t.shard_group_size!r}, reshard_group_size={t.reshard_group_size!r},
-                    shard_placement={t.shard_placement!r})
+                    shard_placement={t.shard_placement!r}, activation_offload={t.activation_offload!r})
 
 '''
 
 
 def build_model_source() -> str:
     return '''def build_model() -> nn.Module:
-    """The model from its transformers config, fp32 master weights (FSDP casts for compute).
+    """The model from its transformers config: fp32 master weights (FSDP casts for compute), or
+    bf16 throughout for bf16-pure.
     fully_shard moves each rank's shard to the mesh's device; for models whose fp32 copy does
     not fit in host memory once per rank, build on the meta device and load a checkpoint after
     parallelize()."""
@@ -265,7 +275,8 @@ def build_model_source() -> str:
     config._attn_implementation = "sdpa"
     config.use_cache = False
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    dtype = torch.bfloat16 if TUNED.precision == "bf16-pure" else torch.float32
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 '''

@@ -33,7 +33,7 @@ def export_lightning(t: Tuned) -> Export:
         m.warn("fp16: Lightning's ModelParallelStrategy runs no sharded grad scaler here, so the loss is not "
                "scaled as in the tuned run (torch's ShardedGradScaler): prefer bf16, or scale the loss yourself")
     return build_export(fmt="lightning", filename="lightning_fsdp2.py", tuned=t, mapper=m, body=_script(t),
-                        expresses=("op_level_ac",),
+                        expresses=("op_level_ac", "bf16_pure"),
                         target=f"Lightning {_lightning_version()} ModelParallelStrategy (FSDP2 fully_shard)")
 
 
@@ -51,6 +51,7 @@ Use your own model and data: keep configure_model(), configure_optimizers() and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -85,7 +86,10 @@ class TunedModule(pl.LightningModule):
             self._parallelized = True
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = self.model(input_ids=batch, labels=batch).loss
+        # Activation offload (GPUs only: on CPUs the host is the device) around forward; Lightning runs backward.
+        offload = TUNED.activation_offload and self.device.type == "cuda"
+        with OffloadedActivations() if offload else contextlib.nullcontext():
+            loss = self.model(input_ids=batch, labels=batch).loss
         self.log("loss", loss, prog_bar=True)
         return loss
 

@@ -116,6 +116,8 @@ def memory_chart(trials: list[dict[str, Any]], *, capacity: int, limit: int | No
 def _series_key(config: dict[str, Any]) -> str:
     parts = [f"ac={config.get('activation_checkpointing', '?')}"]
     parts.append("offload" if config.get("cpu_offload") else "no offload")
+    if config.get("activation_offload"):
+        parts.append("act-offload")
     if config.get("reshard_after_forward") is False:
         parts.append("no reshard")
     if config.get("precision", "bf16") != "bf16":

@@ -72,6 +72,8 @@ def _config_label(config: dict[str, Any]) -> str:
              f"ac={config.get('activation_checkpointing', '?')}"]
     if config.get("cpu_offload"):
         parts.append("offload")
+    if config.get("activation_offload"):
+        parts.append("act-offload")
     if config.get("reshard_after_forward") is False:
         parts.append("no-reshard")
     return " ".join(str(p) for p in parts)

@@ -194,13 +194,15 @@ class RealBackend(TrialBackend):
         killer, which takes the whole launch down. A cpu trial with CPU offload is not launched
         either: FSDP2's CPUOffloadPolicy pins host memory, which needs an accelerator, so the trial
         would measure the configuration without offload under the offload configuration's name."""
-        if spec.train.cpu_offload and not self.applies_cpu_offload:
-            return TrialResult(
-                status="error", message=(
-                    "refused before launch: CPU offload cannot run on the cpu backend (FSDP2's CPUOffloadPolicy "
-                    "pins host memory, which needs an accelerator): use --backend sim to predict it or "
-                    "--backend cuda to measure it"),
-                extras=dict(tensor_peak_bytes=None, refused=True, unsupported="cpu_offload"))
+        for knob, why in (("cpu_offload", "CPU offload cannot run on the cpu backend (FSDP2's CPUOffloadPolicy "
+                                          "pins host memory, which needs an accelerator)"),
+                          ("activation_offload", "activation offload cannot run on the cpu backend (on CPUs the host "
+                                                 "is the device: moving saved tensors frees nothing)")):
+            if getattr(spec.train, knob) and not self.applies_cpu_offload:
+                return TrialResult(
+                    status="error", message=(f"refused before launch: {why}: use --backend sim to predict it or "
+                                             "--backend cuda to measure it"),
+                    extras=dict(tensor_peak_bytes=None, refused=True, unsupported=knob))
         if not self.host_check or (self.device == "cuda" and not spec.train.cpu_offload):
             return None
         need, basis = self._host_need(spec)

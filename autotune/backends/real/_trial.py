@@ -22,7 +22,8 @@ from autotune.backends.real._capacity import CapacityTracker, reset_rss_peak, rs
 from autotune.backends.real._faults import Fault, inject_faults
 from autotune.config import TrialSpec
 from autotune.parallel import parallelize
-from autotune.training import build_model, make_optimizer, sync_weights_to_vllm, token_batches, train_step
+from autotune.training import (OffloadedActivations, build_model, make_optimizer, sync_weights_to_vllm,
+                               token_batches, train_step)
 
 # A short trial accumulates at most this many micro-batches per step: the per-step memory
 # pattern (reduce-scatter after every micro-batch) is the same from the second one on.
@@ -68,6 +69,12 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
         cap = cap_device_memory(device, limit_bytes=spec.limit_bytes)
         torch.cuda.reset_peak_memory_stats(device)
     model, notes = materialise(spec, mesh=mesh, device=device, seed=seed)
+    offloaded = None
+    if spec.train.activation_offload:
+        if on_cuda:
+            offloaded = OffloadedActivations()
+        else:  # on CPUs the host is the device: nothing would be freed (the backend refuses it before launch)
+            notes.append("activation_offload requested but not applied: the host is the device on CPUs")
     optimizer = make_optimizer(model, impl=spec.train.optimizer_impl)
     scaler = make_grad_scaler(spec.train.precision, device)
     grad_accum = min(spec.grad_accum_steps, MAX_TRIAL_GRAD_ACCUM)
@@ -98,7 +105,7 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
                 dist.barrier(device_ids=[device.index] if on_cuda else None)
                 start = time.perf_counter()
             loss = train_step(model, optimizer, batches, grad_accum_steps=grad_accum, scaler=scaler,
-                              phase_times=phases if timed else None, clock=clock)
+                              phase_times=phases if timed else None, clock=clock, saved_activations=offloaded)
             if timed:
                 _synchronize(device)
                 step_times.append(time.perf_counter() - start)
@@ -109,7 +116,8 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
         # peak would miss it. Step on (untimed) until one step is taken.
         extra = 0
         while scaler is not None and not optimizer.state and extra < FP16_EXTRA_STEPS:
-            losses.append(float(train_step(model, optimizer, batches, grad_accum_steps=grad_accum, scaler=scaler)))
+            losses.append(float(train_step(model, optimizer, batches, grad_accum_steps=grad_accum, scaler=scaler,
+                                           saved_activations=offloaded)))
             extra += 1
         if scaler is not None and not optimizer.state:
             raise RuntimeError(f"fp16: the grad scaler skipped all {len(losses)} optimizer steps (inf/NaN "
@@ -172,7 +180,7 @@ def materialise(spec: TrialSpec, *, mesh, device: torch.device, seed: int) -> tu
     notes: list[str] = []
     offload = spec.train.cpu_offload and device.type == "cuda"
     with torch.device("meta"):
-        model = build_model(spec.model, seed=seed)
+        model = build_model(spec.model, seed=seed, precision=spec.train.precision, finetuning=spec.finetuning)
     if spec.train.cpu_offload and not offload:
         notes.append("cpu_offload requested but not applied: CPUOffloadPolicy needs an accelerator")
     with warnings.catch_warnings():

@@ -176,7 +176,7 @@ class SimBackend(TrialBackend):
         train = spec.train.with_(micro_batch_size=micro_batch_size, cpu_offload=False)
         return (spec.model.name, repr(sorted(spec.model.config_dict.items())), depth, spec.cluster.num_gpus,
                 spec.seq_len, train.cache_key(), spec.grad_accum_steps > 1, keep_middle, self.device_kind,
-                spec.workload.weight_sync)
+                spec.workload.weight_sync, spec.finetuning.key())
 
     def _trace(self, spec: TrialSpec, *, depth: int, micro_batch_size: int, keep_middle: bool) -> StepTrace:
         train = spec.train.with_(micro_batch_size=micro_batch_size, cpu_offload=False)
@@ -187,7 +187,8 @@ class SimBackend(TrialBackend):
             self._traces[key] = self._tracer.trace(
                 spec.model, depth=depth, mesh=mesh, world_size=world_size, train=train, seq_len=spec.seq_len,
                 grad_accum_steps=spec.grad_accum_steps, keep_middle=keep_middle,
-                gloo=self.device_kind == "cpu", weight_sync=spec.workload.weight_sync)
+                gloo=self.device_kind == "cpu", weight_sync=spec.workload.weight_sync,
+                finetuning=spec.finetuning)
         return self._traces[key]
 
     def _sites(self, spec: TrialSpec) -> tuple[dict, StepTrace, dict[str, Any]]:
@@ -201,7 +202,8 @@ class SimBackend(TrialBackend):
         if depths is None:
             trace = self._trace(spec, depth=num_layers, micro_batch_size=mb, keep_middle=True)
             return trace.sites, trace, dict(traced_layers=[num_layers], extrapolated=False,
-                                            flops_per_microbatch=trace.flops, op_work=dict(trace.op_work))
+                                            flops_per_microbatch=trace.flops, op_work=dict(trace.op_work),
+                                            offloaded_activations=dict(trace.offloaded))
         # A configuration seen before at another micro-batch is being grown: trace micro-batches
         # 2 and 3 once, then every larger one is free. A first look traces the one asked for.
         family = self._trace_key(spec, depth=0, micro_batch_size=1, keep_middle=False)
@@ -213,7 +215,7 @@ class SimBackend(TrialBackend):
         combined = extrapolate(traces, num_layers=num_layers, micro_batch_size=mb, period=period)
         notes = dict(traced_layers=list(depths), traced_micro_batches=list(mbs), extrapolated=True,
                      flops_per_microbatch=combined.flops, dropped_sites=combined.dropped_sites,
-                     op_work=dict(combined.op_work or {}))
+                     op_work=dict(combined.op_work or {}), offloaded_activations=dict(combined.offloaded or {}))
         return combined.sites, traces[depths[0], mbs[0]], notes
 
     def _shallow_traces(self, spec: TrialSpec, keys: list[tuple[int, int]]) -> dict[tuple[int, int], StepTrace]:
@@ -275,6 +277,7 @@ class SimBackend(TrialBackend):
         offload = spec.train.cpu_offload
         host_per_node = None
         root_staging = 0
+        offloaded = notes.get("offloaded_activations") or {}
         if offload:
             host_per_rank = _offload.host_bytes_per_rank(sites, trace, num_layers=spec.model.num_layers)
             host_per_node = host_per_rank * spec.cluster.gpus_per_node
@@ -314,6 +317,9 @@ class SimBackend(TrialBackend):
             basis += "; " + sync["basis"]
         if offload:
             basis += "; " + _offload.OFFLOAD_BASIS
+        if offloaded:
+            basis += ("; saved activations offloaded to pinned host memory (the offload hooks traced: the device "
+                      "frees each at pack and allocates it again at unpack)")
         source = "estimated" if offload else "predicted+estimated" if runtime else "predicted"
         peak = Figure(total, source, basis)
 
@@ -328,12 +334,28 @@ class SimBackend(TrialBackend):
                           predicted_device_bytes=int(total))
         throughput, message = self._throughput(spec, trace, notes["flops_per_microbatch"], extras,
                                                op_work=notes.get("op_work"))
+        if offloaded and throughput is not None and throughput.value:
+            throughput = _with_activation_transfers(throughput, spec, offloaded, extras)
         host_figure = None
         if host_per_node is not None:
             host_figure = Figure(host_per_node, "estimated",
                                  f"{_offload.OFFLOAD_BASIS}; per rank {format_bytes(host_per_node / spec.cluster.gpus_per_node)} "
                                  f"x {spec.cluster.gpus_per_node} ranks per node, "
                                  f"{format_bytes(costmodel.HOST_PROCESS_BYTES)} process memory each")
+        if offloaded:
+            # Activation offload: what the hooks held at most, in pinned blocks, on every rank of a node.
+            activations_host = offloaded.get("host_bytes", 0) * spec.cluster.gpus_per_node
+            moved_basis = (f"saved activations offloaded: {format_bytes(offloaded.get('host_bytes', 0))} of pinned host "
+                     f"memory per rank at most (predicted: the offload hooks counted in the trace) x "
+                     f"{spec.cluster.gpus_per_node} ranks per node")
+            if host_figure is None:
+                host_per_node = activations_host + costmodel.HOST_PROCESS_BYTES * spec.cluster.gpus_per_node
+                host_figure = Figure(host_per_node, "predicted+estimated",
+                                     f"{moved_basis}, plus {format_bytes(costmodel.HOST_PROCESS_BYTES)} process memory "
+                                     "each (estimated)")
+            else:
+                host_per_node += activations_host
+                host_figure = Figure(host_per_node, "estimated", f"{host_figure.basis}; {moved_basis}")
 
         status, reasons = "ok", []
         if total > spec.limit_bytes:
@@ -343,8 +365,8 @@ class SimBackend(TrialBackend):
         host_limit = spec.cluster.host_memory_bytes
         if host_per_node is not None and host_limit is not None and host_per_node > host_limit:
             status = "oom"
-            reasons.append(f"CPU offload needs {format_bytes(host_per_node)} of host memory per node, over "
-                           f"--host-memory {format_bytes(host_limit)}")
+            reasons.append(f"{'CPU offload' if offload else 'activation offload'} needs {format_bytes(host_per_node)} "
+                           f"of host memory per node, over --host-memory {format_bytes(host_limit)}")
         return TrialResult(status=status, peak_memory=peak, memory_breakdown=breakdown,
                            tokens_per_sec=throughput, host_memory_per_node=host_figure,
                            message="; ".join(reasons + [m for m in (sync and sync["basis"], message) if m]),
@@ -406,6 +428,26 @@ class SimBackend(TrialBackend):
         basis = (f"{step.basis}; FLOPs counted in the trace (recomputation included); range {low:,.0f}-{high:,.0f} "
                  f"({costmodel.range_source(shipped, host_bound=step.host_bound)})")
         return Figure(step.tokens_per_sec, "estimated", basis), ""
+
+
+def _with_activation_transfers(throughput: Figure, spec: TrialSpec, offloaded: dict[str, int],
+                               extras: dict[str, Any]) -> Figure:
+    """Activation offload's copies added to the step: each micro-batch moves what its forward saved
+    to the host and back (the traced `moved_bytes`, each way) over the GPU's host link. The hooks
+    copy on the compute stream, so the copies are counted as not overlapped (an upper bound on the
+    time: torchtune's version overlaps them on a side stream)."""
+    gbps = costmodel.host_link_gbps(spec.cluster.gpu)
+    transfer_s = spec.grad_accum_steps * 2 * offloaded.get("moved_bytes", 0) / (gbps * 1e9)
+    tokens = spec.train.micro_batch_size * spec.seq_len * spec.grad_accum_steps * spec.cluster.num_gpus
+    step_s = tokens / throughput.value + transfer_s
+    extras["activation_transfer_s"] = transfer_s
+    if extras.get("tokens_per_sec_range"):
+        low, high = extras["tokens_per_sec_range"]
+        extras["tokens_per_sec_range"] = [tokens / (tokens / low + transfer_s), tokens / (tokens / high + transfer_s)]
+    return Figure(tokens / step_s, throughput.source,
+                  f"{throughput.basis}; plus {transfer_s:.3f} s per step of activation offload copies "
+                  f"({format_bytes(offloaded.get('moved_bytes', 0))} each way per micro-batch at {gbps:g} GB/s, "
+                  "the host link's achieved figure, not overlapped)")
 
 
 def _weight_sync(sites: dict, peak_key: tuple, *, source: str = "predicted") -> dict[str, Any]:

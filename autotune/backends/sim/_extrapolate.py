@@ -47,6 +47,8 @@ class Extrapolated:
     op_work: dict[str, float] | None = None
     """`StepTrace.op_work` of the full model, extrapolated like the FLOPs (every block adds the
     same ops)."""
+    offloaded: dict[str, int] | None = None
+    """`StepTrace.offloaded` of the full model (every block offloads the same tensors)."""
 
 
 def _affine(v11: int, v21: int, v12: int, v22: int, x: int, y: int) -> int:
@@ -87,4 +89,7 @@ def extrapolate(traces: dict[tuple[int, int], StepTrace], *, num_layers: int, mi
     flops = _affine(*(int(t.flops) for t in corners), x, y)
     kinds = set().union(*(t.op_work for t in corners))
     op_work = {k: float(_affine(*(int(t.op_work.get(k, 0)) for t in corners), x, y)) for k in kinds}
-    return Extrapolated(sites=sites, flops=float(flops), dropped_sites=len(every - common), op_work=op_work)
+    moved = set().union(*(t.offloaded for t in corners))
+    offloaded = {k: _affine(*(int(t.offloaded.get(k, 0)) for t in corners), x, y) for k in moved}
+    return Extrapolated(sites=sites, flops=float(flops), dropped_sites=len(every - common), op_work=op_work,
+                        offloaded=offloaded)

@@ -99,10 +99,11 @@ def _tensor_bytes(values) -> int:
     return total
 
 from autotune.catalog.models import ModelSpec  # noqa: E402
-from autotune.config import TrainConfig
+from autotune.config import FineTuning, TrainConfig
 from autotune.costmodel import LARGE_MEMORY_OP_BYTES
 from autotune.parallel import Blocks, parallelize
-from autotune.training import build_model, make_optimizer, sync_weights_to_vllm, token_batches, train_step
+from autotune.training import (OffloadedActivations, build_model, make_optimizer, sync_weights_to_vllm,
+                               token_batches, train_step)
 
 __all__ = ["REFTYPE_CATEGORIES", "SYNC_PHASE", "SiteKey", "StepTrace", "Tracer", "period_of"]
 
@@ -170,6 +171,9 @@ class StepTrace:
     op_work: dict[str, float] = field(default_factory=dict)
     """Forward + backward of one micro-batch on one rank, by how the step-time model costs each
     op (`OP_KINDS`): '<kind>_ops' (count), 'matmul_flops', 'attention_flops', 'memory_bytes'."""
+    offloaded: dict[str, int] = field(default_factory=dict)
+    """Activation offload (GPU runs): 'host_bytes', the most one rank holds in pinned host memory
+    at once, and 'moved_bytes', what one micro-batch copies each way (training.OffloadedActivations)."""
 
 
 def _next_pow2(n: int) -> int:
@@ -378,13 +382,15 @@ class Tracer:
 
     def trace(self, model_spec: ModelSpec, *, depth: int, mesh, world_size: int, train: TrainConfig,
               seq_len: int, grad_accum_steps: int, count_flops: bool = True,
-              keep_middle: bool = True, gloo: bool = False, weight_sync: bool = False) -> StepTrace:
+              keep_middle: bool = True, gloo: bool = False, weight_sync: bool = False,
+              finetuning: FineTuning | None = None) -> StepTrace:
         """Trace one steady-state step of `model_spec` cut to `depth` blocks. `keep_middle=False`
         records only the sites that exist at every depth (for extrapolation); `gloo` adds the
         copy gloo's reduce-scatter makes (a CPU run), which NCCL does not; `weight_sync` adds the
         sites of TRL's weight sync to vLLM after the step (GRPO, `training.sync_weights_to_vllm`)."""
         start = time.perf_counter()
-        built = self._built(model_spec, depth=depth, mesh=mesh, world_size=world_size, train=train)
+        built = self._built(model_spec, depth=depth, mesh=mesh, world_size=world_size, train=train,
+                            finetuning=finetuning or FineTuning())
         period = period_of(train, model_spec)
         steady_accum = grad_accum_steps > 1
         position_of = _position_namer(built.model, built.blocks, depth=depth, period=period,
@@ -398,9 +404,12 @@ class Tracer:
             # micro-batch size: traced once per model, then skipped.
             optimizer = built.optimizer if built.optimizer_sites is None else _SkipStep(built.optimizer)
             sync_now = weight_sync and built.sync_sites is None
+            # Activation offload on a GPU run (a CPU run cannot apply it): the same hooks a real
+            # trial enters, keeping no copy, so the device side is traced exactly.
+            offload = OffloadedActivations(to_host=False) if train.activation_offload and not gloo else None
             with tracker:
                 # One micro-batch: later ones repeat it; their gradients are added below.
-                train_step(built.model, optimizer, batches, grad_accum_steps=1)
+                train_step(built.model, optimizer, batches, grad_accum_steps=1, saved_activations=offload)
                 if sync_now:
                     # After the optimizer step and zero_grad, as GRPOTrainer syncs before its next
                     # generation. The same at every micro-batch: traced once per model, like the
@@ -434,14 +443,17 @@ class Tracer:
                          pinned_param_bytes=dict(built.pinned), duration_s=time.perf_counter() - start,
                          largest_allocation_bytes=int(tracker.largest_allocation),
                          sync_largest_allocation_bytes=built.sync_largest_allocation if weight_sync else 0,
-                         op_work=dict(tracker.op_work))
+                         op_work=dict(tracker.op_work),
+                         offloaded=dict(host_bytes=offload.host_bytes, moved_bytes=offload.moved_bytes) if offload else {})
 
-    def _built(self, model_spec: ModelSpec, *, depth: int, mesh, world_size: int, train: TrainConfig) -> _Built:
+    def _built(self, model_spec: ModelSpec, *, depth: int, mesh, world_size: int, train: TrainConfig,
+               finetuning: FineTuning) -> _Built:
         # Every knob but the three that do not change the built model: a new knob can never reuse
         # a model built for another value of it. Resharding after forward is switched on the
         # built model (as FSDP2 allows at run time), which saves a build and a warm-up step.
         key = (model_spec.name, repr(sorted(model_spec.config_dict.items())), depth, world_size,
-               train.with_(micro_batch_size=1, cpu_offload=False, reshard_after_forward=True).cache_key())
+               train.with_(micro_batch_size=1, cpu_offload=False, reshard_after_forward=True).cache_key(),
+               finetuning.key())
         if key in self._models:
             built = self._models[key]
             _set_reshard_after_forward(built, train.reshard_after_forward)
@@ -449,7 +461,8 @@ class Tracer:
         if len(self._models) >= self._max_cached_models:
             self._models.pop(next(iter(self._models)))
         with self._fake_mode, _real_mask_decisions():
-            model = build_model(model_spec, num_layers=depth)
+            with _module_to_assigns_data():
+                model = build_model(model_spec, num_layers=depth, precision=train.precision, finetuning=finetuning)
             with _post_forward_meshes_outside_fake_mode():
                 blocks = parallelize(model, mesh, train.with_(cpu_offload=False), allow_offload=False)
             optimizer = make_optimizer(model, impl=train.optimizer_impl)
@@ -458,8 +471,8 @@ class Tracer:
         block_params = sum(p.numel() for p in blocks.layers[0].parameters())
         root_params = sum(p.numel() for p in model.parameters() if id(p) not in block_ids)
         pinned = {
-            "block": sum(_next_pow2(p.to_local().numel() * 4) for p in blocks.layers[0].parameters()),
-            "root": sum(_next_pow2(p.to_local().numel() * 4) for p in model.parameters() if id(p) not in block_ids),
+            "block": sum(_next_pow2(p.to_local().nbytes) for p in blocks.layers[0].parameters()),
+            "root": sum(_next_pow2(p.to_local().nbytes) for p in model.parameters() if id(p) not in block_ids),
         }
         built = _Built(model=model, optimizer=optimizer, blocks=blocks, block_params=block_params,
                        root_params=root_params, pinned=pinned, reshard_after_forward=train.reshard_after_forward)
@@ -544,6 +557,42 @@ def _post_forward_meshes_outside_fake_mode():
         yield
     finally:
         _fully_shard._get_post_forward_mesh_info = build
+
+
+@contextmanager
+def _module_to_assigns_data():
+    """Let Module.to move fake parameters, as it moves real ones.
+
+    Module.to swaps a parameter for its converted copy when the copy is a tensor subclass, and a
+    fake tensor cannot be swapped (its mode holds weak references to it), so any Module.to inside
+    the fake mode fails: peft calls it on every adapter it adds. While the simulator builds a
+    model, a module whose parameters are fake has each one's data assigned instead, which is what
+    Module.to does for plain tensors (the parameter object, and so FSDP's and the optimizer's view
+    of it, stays the same)."""
+    apply = nn.Module._apply
+
+    def assign_data(self, fn, recurse=True):
+        if not any(isinstance(p, FakeTensor) for p in self._parameters.values() if p is not None):
+            return apply(self, fn, recurse)
+        if recurse:
+            for child in self.children():
+                child._apply(fn)
+        for param in self._parameters.values():
+            if param is not None:
+                with torch.no_grad():
+                    converted = fn(param)
+                if converted is not param:
+                    param.data = converted
+        for name, buffer in self._buffers.items():
+            if buffer is not None:
+                self._buffers[name] = fn(buffer)
+        return self
+
+    nn.Module._apply = assign_data
+    try:
+        yield
+    finally:
+        nn.Module._apply = apply
 
 
 @contextmanager

@@ -1,0 +1,167 @@
+"""Fine-tuning (issue 27): LoRA through the real peft library and pure bf16, against real runs.
+
+One launch of 2 gloo ranks runs every row for real with the cpu backend (peft wraps the model
+before FSDP2, as in the simulator); the simulator predicts each row's CPU run. Tensor peaks must
+agree within 1%, and the measured peaks must move the way fine-tuning says they do (independent of
+the simulator). Trainable-parameter counts are checked against peft's own count and against a
+count of the adapters' shapes made from the plain model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from autotune.catalog.models import resolve_model
+from autotune.config import Cluster, FineTuning, TrainConfig, TrialSpec
+from autotune.training import build_model, parameter_counts
+from tests.test_sim_accuracy import assert_tensor_peaks_agree, measure_and_predict
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (model, checkpointing, precision, peft)
+MATRIX = [
+    ("tiny-llama", "none", "bf16", "none"),
+    ("tiny-llama", "none", "bf16", "lora"),
+    ("tiny-llama", "full", "bf16", "lora"),
+    ("tiny-qwen2", "none", "bf16", "lora"),
+    ("tiny-qwen2", "full", "bf16", "lora"),
+    ("tiny-llama", "none", "bf16-pure", "none"),
+    ("tiny-llama", "none", "bf16-pure", "lora"),
+]
+
+
+def _spec(model: str, ac: str, precision: str, peft: str) -> TrialSpec:
+    return TrialSpec(model=resolve_model(model), cluster=Cluster(num_gpus=2), seq_len=256,
+                     train=TrainConfig(activation_checkpointing=ac, micro_batch_size=2, precision=precision),
+                     finetuning=FineTuning(peft=peft))
+
+
+@pytest.fixture(scope="module")
+def measured_and_predicted():
+    """A launch of its own: 2 gloo ranks, 7 trials (about 2 minutes on a 2-core VM)."""
+    return measure_and_predict([_spec(*row) for row in MATRIX])
+
+
+@pytest.mark.slow
+def test_tensor_peaks_match_real_gloo_runs(measured_and_predicted):
+    for spec, real, sim in zip(*measured_and_predicted):
+        assert_tensor_peaks_agree(spec, real, sim)
+
+
+@pytest.mark.slow
+def test_lora_and_pure_bf16_lower_the_measured_peak(measured_and_predicted):
+    """Measured, not predicted: LoRA drops the base's AdamW state and fp32 copy (it adds the
+    adapters' activations), pure bf16 halves the parameters and AdamW state, and checkpointing
+    still saves activations under LoRA. So a test fails if peft's freezing or the dtypes were not
+    applied in the real run."""
+    _, measured, _ = measured_and_predicted
+    peak = {row: result.extras["tensor_peak_bytes"] for row, result in zip(MATRIX, measured)}
+    full = peak[("tiny-llama", "none", "bf16", "none")]
+    lora = peak[("tiny-llama", "none", "bf16", "lora")]
+    base = parameter_counts(resolve_model("tiny-llama"), FineTuning(peft="lora"))
+    per_rank_base = (base.total - base.trainable) / 2
+    # At least AdamW's two fp32 states of half the base are gone (the rest of the 10 B per base
+    # parameter pays for the adapters' inputs and dropout copies, 12 MB here).
+    assert full - lora >= 8 * per_rank_base / 2
+    assert peak[("tiny-llama", "full", "bf16", "lora")] < lora
+    assert peak[("tiny-qwen2", "full", "bf16", "lora")] < peak[("tiny-qwen2", "none", "bf16", "lora")]
+    assert peak[("tiny-llama", "none", "bf16-pure", "none")] < full
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
+def test_trainable_parameters_match_peft_and_the_adapter_shapes(model):
+    """peft's own count on a real build, and r x (in + out) summed over the plain model's linear
+    layers except the output head (peft's all-linear), equal what autotune reports."""
+    spec, lora = resolve_model(model), FineTuning(peft="lora", rank=8)
+    counts = parameter_counts(spec, lora)
+    net = build_model(spec, finetuning=lora)
+    trainable, total = net.get_nb_trainable_parameters()
+    assert (counts.trainable, counts.total) == (trainable, total)
+    with torch.device("meta"):
+        plain = build_model(spec)
+    head = plain.get_output_embeddings()
+    adapters = sum(8 * (m.in_features + m.out_features) for m in plain.modules()
+                   if isinstance(m, torch.nn.Linear) and m is not head)
+    assert counts.trainable == adapters
+    assert counts.total == sum(p.numel() for p in plain.parameters()) + adapters
+    # The frozen base is stored in the compute dtype, the adapters in fp32 (mixed precision).
+    dtypes = {(p.requires_grad, p.dtype) for p in net.parameters()}
+    assert dtypes == {(True, torch.float32), (False, torch.bfloat16)}
+
+
+def test_a_lora_tune_records_what_trained(tmp_path):
+    """The main job with --peft lora: best.json says what trained (valid against the schema), the
+    study is not the full fine-tune's, and the winner's trial command asks for the same LoRA."""
+    from autotune.cli import EXIT_OK, main
+
+    schema = json.loads((ROOT / "schemas" / "result.schema.json").read_text())
+    runs = tmp_path / "runs"
+    base = ["--model", "tiny-llama", "--gpus", "2", "--global-tokens", "16Ki", "--seq-len", "256",
+            "--backend", "analytic", "--runs-dir", str(runs)]
+    assert main([*base, "--peft", "lora", "--lora-rank", "8", "--out", str(tmp_path / "lora.json")]) == EXIT_OK
+    assert main([*base, "--out", str(tmp_path / "full.json")]) == EXIT_OK
+    lora, full = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("lora", "full"))
+    jsonschema.validate(lora, schema)
+    counts = parameter_counts(resolve_model("tiny-llama"), FineTuning(peft="lora", rank=8))
+    assert lora["finetuning"] == {"peft": "lora", "rank": 8, "alpha": 32, "dropout": 0.05, "targets": "all-linear",
+                                  "trainable_parameters": counts.trainable, "total_parameters": counts.total}
+    assert full["finetuning"]["peft"] == "none"
+    assert lora["study"] != full["study"]
+    assert lora["memory_breakdown"]["optimizer_state"] < full["memory_breakdown"]["optimizer_state"] / 10
+    for command in (lora.get("why_winner") or {}).get("decide_with", []):
+        assert "--peft lora --lora-rank 8" in command
+
+
+@pytest.mark.parametrize("ac", ["full", "none"])
+def test_activation_offload_moves_what_forward_saves(ac):
+    """The simulator's offload hooks (training.OffloadedActivations, run under fake tensors on an
+    FSDP2 model of 2 ranks) move exactly the bytes a plain bf16 forward of the same model saves for
+    backward, counted here by a hook of the test's own (parameters and tensors under 1 KiB stay,
+    torchtune's rule); and the device's predicted peak falls."""
+    from autotune.backends.sim import SimBackend
+    from autotune.knobs import Checkpointing
+    from autotune.parallel import apply_ac, find_decoder_blocks
+    from autotune.training import token_batches
+
+    model = resolve_model("tiny-llama")
+    results = {}
+    with SimBackend(device_kind="cuda", screen=False) as sim:
+        for offload in (False, True):
+            spec = TrialSpec(model=model, cluster=Cluster(num_gpus=2), seq_len=512,
+                             train=TrainConfig(micro_batch_size=2, activation_checkpointing=ac,
+                                               activation_offload=offload))
+            results[offload] = sim.evaluate(spec)
+    net = build_model(model).to(torch.bfloat16)
+    apply_ac(find_decoder_blocks(net), Checkpointing.parse(ac))
+    saved = []
+
+    def pack(tensor):
+        if not isinstance(tensor, torch.nn.Parameter) and tensor.numel() * tensor.element_size() >= 1024:
+            saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    tokens = next(token_batches(vocab_size=model.vocab_size, micro_batch_size=2, seq_len=512, device="cpu"))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        net(input_ids=tokens, labels=tokens)
+    assert results[True].extras["offloaded_activations"]["moved_bytes"] == sum(saved)
+    assert results[True].extras["tensor_peak_bytes"] < results[False].extras["tensor_peak_bytes"]
+    assert results[True].host_memory_per_node.value > 2 * sum(saved)  # two ranks' pinned copies, and more
+    assert "activation offload copies" in results[True].tokens_per_sec.basis
+
+
+def test_the_cpu_backend_refuses_activation_offload():
+    """On CPUs the host is the device: a real cpu trial would measure the configuration without
+    offload under its name, so it is refused before launch with what to do instead."""
+    from autotune.backends.real import RealBackend
+
+    spec = TrialSpec(model=resolve_model("micro-llama"), cluster=Cluster(num_gpus=2), seq_len=64,
+                     train=TrainConfig(activation_offload=True))
+    with RealBackend(device="cpu") as real:
+        result = real.evaluate(spec)
+    assert result.status == "error" and result.extras["refused"]
+    assert "activation offload cannot run on the cpu backend" in result.message and "--backend sim" in result.message
