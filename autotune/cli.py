@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", help="also write the winning configuration JSON here")
     run.add_argument("--export", help="comma-separated export formats to write next to best.json "
                                       "(fsdp2, fsdp1, lightning, lightning-fsdp1, accelerate, hf-trainer, trl, "
-                                      "torchtitan, llama-cookbook)")
+                                      "torchtitan, llama-cookbook, litgpt; 'all': all but lightning-fsdp1)")
     run.add_argument("--max-trials", type=positive_int, help="stop after this many new trials")
     run.add_argument("--time-budget", type=duration, help="stop starting trials after this long, e.g. 10m")
     run.add_argument("--json", action="store_true", help="print the result JSON on stdout, nothing else")
