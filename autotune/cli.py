@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="write a result in the format of another training stack")
     export.add_argument("result", help="runs/<run-id>/best.json (or the run folder)")
-    export.add_argument("--format", required=True, help="comma-separated formats, or 'all'")
+    export.add_argument("--format", required=True,
+                        help="comma-separated formats, or 'all' (every format but lightning-fsdp1)")
     export.add_argument("--out-dir", help="where to write (default: next to the result)")
 
     agent = sub.add_parser("agent", help="multi-node trials: run this node's part of the launches of a "
