@@ -880,15 +880,19 @@ def _litgpt_parses(path: Path, tmp_path: Path) -> dict[str, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ac, offload, reshard, precision, impl", [
-    ("full", False, True, "bf16", "fused"), ("none", True, False, "fp32", "foreach")])
-def test_litgpt_config_goes_through_litgpts_own_cli(run_result, tmp_path, ac, offload, reshard, precision, impl):
+@pytest.mark.parametrize("ac, offload, reshard, precision, impl, nodes, group", [
+    ("full", False, True, "bf16", "fused", 1, 0), ("none", True, False, "fp32", "foreach", 1, 0),
+    ("every:2", False, True, "bf16", "fused", 2, 8)])
+def test_litgpt_config_goes_through_litgpts_own_cli(run_result, tmp_path, ac, offload, reshard, precision, impl,
+                                                    nodes, group):
     """Both commands parse the file with LitGPT's CLI and run their setup() up to Fabric: the tuned
     devices, nodes, batch, accumulation and precision arrive; what the scripts hard-code (their
     FSDPStrategy) is what the mapping says, and every difference is a warning."""
     result = variant(run_result, activation_checkpointing=ac, cpu_offload=offload, reshard_after_forward=reshard,
-                     checkpoint="sharded")
+                     checkpoint="sharded", shard_group_size=group)
     result["optimizer"]["impl"] = impl
+    if nodes > 1:
+        result.update(gpus=8 * nodes, nodes=nodes)
     if precision == "fp32":
         result["precision"], result["fsdp"]["param_dtype"] = "fp32", "float32"
     path, exported = write(tmp_path, result, "litgpt")
@@ -911,4 +915,6 @@ def test_litgpt_config_goes_through_litgpts_own_cli(run_result, tmp_path, ac, of
     assert built["pretrain"]["sharding"] == "HYBRID_SHARD" and built["finetune_full"]["sharding"] == "FULL_SHARD"
     assert built["pretrain"]["checkpointing"] is False and built["finetune_full"]["checkpointing"] is True
     assert status["activation_checkpointing"] == "approximated"  # one of the two commands always differs
+    # HSDP in groups of one node is pretrain's HYBRID_SHARD; one node: both commands shard over every GPU.
+    assert status["shard_group_size"] == ("approximated" if group else "mapped")
     assert "pretrain" in next(w for w in exported.warnings if w.startswith("activation_checkpointing"))
