@@ -8,6 +8,10 @@ TORCH_PIN ?= torch==2.13.0
 # what transformers 5 and TRL need. tests/test_export.py checks the torchtitan export with it.
 TITAN_VENV ?= .venv-torchtitan
 TITAN_PIN  ?= torchtitan==0.3.0
+# LitGPT 0.5.13 in an environment of its own: it needs huggingface-hub < 1.4, transformers 5 needs
+# >= 1.31. tests/test_export.py runs the litgpt export through LitGPT's own CLI with it.
+LITGPT_VENV ?= .venv-litgpt
+LITGPT_PIN  ?= litgpt==0.5.13 'huggingface-hub<1.4' requests
 
 .PHONY: setup run test bench clean
 
@@ -26,6 +30,13 @@ $(TITAN_VENV)/.installed:
 	$(TITAN_VENV)/bin/pip install -q $(TITAN_PIN) triton
 	@touch $@
 
+$(LITGPT_VENV)/.installed:
+	$(PYTHON) -m venv $(LITGPT_VENV)
+	$(LITGPT_VENV)/bin/pip install -q --upgrade pip
+	$(LITGPT_VENV)/bin/pip install -q $(TORCH_PIN)
+	$(LITGPT_VENV)/bin/pip install -q $(LITGPT_PIN)
+	@touch $@
+
 setup: $(BIN)/autotune
 
 # The main job on its embedded defaults.
@@ -35,7 +46,7 @@ run: setup
 # The whole test suite (installs what it needs: Chromium for the report test, PostgreSQL and Slurm for the sweep tests).
 # Two pytest-xdist workers, each taking whole test modules (module fixtures are made once): much of
 # the suite is one busy core (tracing, imports) or waiting (timeouts, a database restart, Slurm).
-test: setup $(TITAN_VENV)/.installed
+test: setup $(TITAN_VENV)/.installed $(LITGPT_VENV)/.installed
 	bash tests/setup_browser.sh
 	bash tests/setup_postgres.sh
 	bash tests/setup_slurm.sh
@@ -45,4 +56,4 @@ bench: setup
 	for f in benchmarks/bench_*.py; do $(BIN)/python $$f || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(TITAN_VENV) *.egg-info
+	rm -rf $(VENV) $(TITAN_VENV) $(LITGPT_VENV) *.egg-info

@@ -160,13 +160,16 @@ def _tune_in_run_dir(options: TuneOptions, console, *, request, store, finished,
 
 
 def parse_formats(text: str) -> list[str]:
-    from autotune.export import FORMATS
+    from autotune.export import FORMATS, ON_REQUEST
 
-    names = list(FORMATS) if text.strip() == "all" else [f.strip() for f in text.split(",") if f.strip()]
+    if text.strip() == "all":
+        names = [f for f in FORMATS if f not in ON_REQUEST]
+    else:
+        names = [f.strip() for f in text.split(",") if f.strip()]
     unknown = [n for n in names if n not in FORMATS]
     if unknown or not names:
         raise UsageError(f"unknown export format {', '.join(unknown) or text!r}: choose from "
-                         f"{', '.join(FORMATS)} or 'all'")
+                         f"{', '.join(FORMATS)} or 'all' (every one but {', '.join(ON_REQUEST)})")
     return names
 
 

@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", help="also write the winning configuration JSON here")
     run.add_argument("--export", help="comma-separated export formats to write next to best.json "
                                       "(fsdp2, fsdp1, lightning, lightning-fsdp1, accelerate, hf-trainer, trl, "
-                                      "torchtitan, llama-cookbook)")
+                                      "torchtitan, llama-cookbook, litgpt; 'all': all but lightning-fsdp1)")
     run.add_argument("--max-trials", type=positive_int, help="stop after this many new trials")
     run.add_argument("--time-budget", type=duration, help="stop starting trials after this long, e.g. 10m")
     run.add_argument("--json", action="store_true", help="print the result JSON on stdout, nothing else")
@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="write a result in the format of another training stack")
     export.add_argument("result", help="runs/<run-id>/best.json (or the run folder)")
-    export.add_argument("--format", required=True, help="comma-separated formats, or 'all'")
+    export.add_argument("--format", required=True,
+                        help="comma-separated formats, or 'all' (every format but lightning-fsdp1)")
     export.add_argument("--out-dir", help="where to write (default: next to the result)")
 
     agent = sub.add_parser("agent", help="multi-node trials: run this node's part of the launches of a "

@@ -84,6 +84,14 @@ def test_every_format_accounts_for_every_knob_and_names_its_target(run_result):
             assert warning in exported.text, f"{fmt}: warning not in the file: {warning}"
 
 
+def test_all_means_every_format_but_those_on_request():
+    from autotune.api import parse_formats
+
+    assert parse_formats("all") == [f for f in FORMATS if f != "lightning-fsdp1"]
+    assert "litgpt" in parse_formats("all")
+    assert parse_formats("lightning-fsdp1,litgpt") == ["lightning-fsdp1", "litgpt"]  # by name it is written
+
+
 def test_unknown_format_and_bad_result_are_usage_errors(run_result):
     with pytest.raises(UsageError, match="unknown export format"):
         export_result(run_result, "deepspeed")
@@ -132,6 +140,40 @@ def test_accelerate_config_loads_through_accelerate_launch(run_result, tmp_path,
     assert any(w.startswith("grad_accum_steps: unsupported") for w in exported.warnings)
 
 
+def test_accelerate_hsdp_and_multi_node_launch_through_accelerate(run_result, tmp_path, monkeypatch):
+    """HSDP 2 x 8 on 2 nodes: accelerate launch's own validation turns the YAML's parallelism_config
+    into the environment its ParallelismConfig reads (a (dp_replicate, dp_shard) mesh for fully_shard),
+    and each node's --machine_rank / --main_process_ip reach torchrun's arguments."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    result = variant(run_result, shard_group_size=8)
+    result.update(gpus=16, nodes=2)
+    path, exported = write(tmp_path, result, "accelerate")
+    assert not any(w.startswith("shard_group_size") for w in exported.warnings)
+    for key in [k for k in os.environ if k.startswith(("PARALLELISM_CONFIG_", "ACCELERATE_"))]:
+        monkeypatch.delenv(key)
+    launch = launch_command_parser().parse_args(["--config_file", str(path), "--machine_rank", "1",
+                                                 "--main_process_ip", "10.0.0.1", "x.py"])
+    args, _, _ = _validate_launch_command(launch)
+    env = prepare_multi_gpu_env(args)
+    assert (args.nnodes, args.nproc_per_node, args.node_rank) == ("2", "8", 1)
+    assert args.rdzv_endpoint == "10.0.0.1:29500"  # torchrun's rendezvous at the main node
+    for key, value in env.items():
+        if key.startswith(("PARALLELISM_CONFIG_", "ACCELERATE_")):
+            monkeypatch.setenv(key, value)
+    assert env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+    mesh = ParallelismConfig()  # what Accelerator() builds from that environment
+    assert (mesh.dp_replicate_size, mesh.dp_shard_size) == (2, 8) and mesh.total_size == result["gpus"]
+    assert mesh.fsdp_dim_names == ["dp_replicate", "dp_shard_cp"]  # fully_shard gets the 2-D mesh: HSDP
+    # Launched without the per-node flags, the placeholder address fails instead of waiting on localhost.
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "x.py"]))
+    prepare_multi_gpu_env(args)
+    assert args.rdzv_endpoint == "MAIN_NODE_ADDRESS:29500" and args.node_rank == 0
+    assert '--machine_rank "$NODE_RANK" --main_process_ip "$MAIN_ADDR"' in exported.text
+
+
 def _trainer_args(path: Path, config_class):
     from transformers import HfArgumentParser
 
@@ -160,6 +202,51 @@ def test_hf_trainer_arguments_reach_accelerates_fsdp_plugin(run_result, tmp_path
     assert not any(w.startswith("activation_checkpointing") for w in exported.warnings)  # full is expressible
 
 
+def test_trl_takes_activation_offloading_and_the_other_exports_say_what_they_lack(run_result, tmp_path):
+    """Activation offload: TRL's SFTConfig parses `activation_offloading: true` (its own port of
+    torchtune's hooks); the fsdp2 script and Lightning apply autotune's; stacks without it warn."""
+    trl = pytest.importorskip("trl", reason="trl is not installed (pip install trl)")
+    result = variant(run_result, activation_checkpointing="full")
+    result["fsdp"]["activation_offload"] = True
+    path, exported = write(tmp_path, result, "trl")
+    assert _trainer_args(path, trl.SFTConfig).activation_offloading is True
+    assert any(w.startswith("activation_offload: approximated") for w in exported.warnings)
+    for fmt in ("fsdp2", "lightning"):
+        assert not any(w.startswith("activation_offload") for w in export_result(result, fmt).warnings), fmt
+    for fmt in ("accelerate", "hf-trainer", "torchtitan", "llama-cookbook"):
+        warnings = export_result(llama3_8b(result), fmt).warnings
+        assert any(w.startswith("activation_offload: unsupported") for w in warnings), fmt
+
+
+def test_every_export_of_a_lora_tune_says_how_to_add_the_adapters(run_result):
+    """No export writes LoRA yet: each warns, with the LoraConfig that was traced, which peft itself
+    must accept (its own constructor checks the values)."""
+    from peft import LoraConfig
+
+    result = variant(run_result, activation_checkpointing="full")
+    result["finetuning"] = {"peft": "lora", "rank": 8, "alpha": 16, "dropout": 0.1, "targets": "q_proj,v_proj"}
+    for fmt in ("fsdp2", "lightning", "accelerate", "hf-trainer", "trl", "torchtitan", "llama-cookbook", "litgpt"):
+        warning = next(w for w in export_result(llama3_8b(result), fmt).warnings if "LoRA" in w)
+        call = warning[warning.index("LoraConfig(") + len("LoraConfig("):warning.index("))")]
+        config = eval(f"LoraConfig({call})", {"LoraConfig": LoraConfig})  # noqa: S307 - our own export's text
+        assert (config.r, config.lora_alpha, config.lora_dropout) == (8, 16, 0.1), fmt
+        assert set(config.target_modules) == {"q_proj", "v_proj"}, fmt
+
+
+def test_pure_bf16_is_exact_where_the_stack_trains_in_bf16(run_result):
+    """bf16-pure: LitGPT's bf16-true and llama-cookbook's pure_bf16 are it, and so are the exports
+    that embed autotune's own model build and policy; the others keep fp32 masters and say so."""
+    result = variant(run_result, activation_checkpointing="full")
+    result["precision"], result["fsdp"]["reduce_dtype"] = "bf16-pure", "bfloat16"
+    for fmt in ("fsdp2", "lightning", "litgpt", "llama-cookbook"):
+        assert not any(w.startswith(("precision", "reduce_dtype")) for w in export_result(result, fmt).warnings), fmt
+    for fmt in ("accelerate", "hf-trainer", "trl", "torchtitan"):
+        assert any(w.startswith("precision: approximated") and "pure bf16" in w
+                   for w in export_result(llama3_8b(result), fmt).warnings), fmt
+    script = export_result(result, "fsdp2").text
+    assert 'precision=\'bf16-pure\'' in script and "torch.bfloat16 if TUNED.precision == \"bf16-pure\"" in script
+
+
 def test_trl_config_turns_model_checkpointing_off_when_fsdp_checkpoints(run_result, tmp_path):
     trl = pytest.importorskip("trl", reason="trl is not installed (pip install trl)")
     result = variant(run_result, activation_checkpointing="full")
@@ -182,6 +269,11 @@ def test_lightning_fsdp1_strategy_and_trainer_take_the_tuned_values(run_result, 
     assert strategy.mixed_precision_config.param_dtype == torch.bfloat16
     assert strategy.mixed_precision_config.reduce_dtype == torch.float32  # not Lightning's bf16 reduce
     assert strategy._state_dict_type == result["checkpoint"]["recommended"]
+    # No autocast on top of the policy (Lightning's "bf16-mixed" would, and reduce in bf16).
+    from lightning.pytorch.plugins.precision import FSDPPrecision
+
+    assert module["TRAINER_KWARGS"]["precision"] == "32-true"
+    assert not isinstance(FSDPPrecision(module["TRAINER_KWARGS"]["precision"]).forward_context(), torch.autocast)
     kwargs = dict(module["TRAINER_KWARGS"], accelerator="cpu", devices=1)  # FSDP itself needs GPUs
     trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, **kwargs)
     assert trainer.accumulate_grad_batches == result["grad_accum_steps"]
@@ -218,15 +310,20 @@ def test_lightning_fsdp2_strategy_and_trainer_take_the_tuned_values(run_result, 
 
 
 @pytest.mark.slow
-def test_lightning_fsdp2_export_trains_on_two_cpu_ranks(run_result, tmp_path):
-    """Lightning itself launches 2 gloo ranks and trains; the live model then says what FSDP2
-    applied, compared with best.json (every:2 checkpointing, no reshard, bf16/fp32, accumulation)."""
+@pytest.mark.parametrize("ranks, group", [(2, 0), (4, 2)], ids=["fsdp-2-ranks", "hsdp-2x2-ranks"])
+def test_lightning_fsdp2_export_trains_on_cpu_ranks(run_result, tmp_path, ranks, group):
+    """Lightning itself launches gloo ranks and trains; the live model then says what FSDP2
+    applied, compared with best.json (every:2 checkpointing, no reshard, bf16/fp32, accumulation;
+    HSDP: the 2-D mesh, 2 replicas of 2-rank shard groups)."""
     result = _micro_llama_result(run_result)
-    path, _ = write(tmp_path, result, "lightning")
+    result["fsdp"]["shard_group_size"] = group
+    result["gpus"] = ranks
+    path, exported = write(tmp_path, result, "lightning")
+    assert not any(w.startswith("shard_group_size") for w in exported.warnings)
     report = tmp_path / "applied.json"
-    command = [sys.executable, str(path), "--steps", "2", "--devices", "2", "--accelerator", "cpu",
+    command = [sys.executable, str(path), "--steps", "2", "--devices", str(ranks), "--accelerator", "cpu",
                "--report", str(report)]
-    output = _run_to_completion(command, tmp_path, timeout_s=180)
+    output = _run_to_completion(command, tmp_path, timeout_s=240)
     applied = json.loads(report.read_text())
     blocks = result["model"]["num_layers"]
     assert applied["blocks"] == applied["fsdp_blocks"] == blocks and applied["root_is_fsdp"], applied
@@ -235,6 +332,7 @@ def test_lightning_fsdp2_export_trains_on_two_cpu_ranks(run_result, tmp_path):
     assert applied["reduce_dtype"] == result["fsdp"]["reduce_dtype"]
     assert applied["reshard_after_forward"] is result["fsdp"]["reshard_after_forward"] is False
     assert applied["mesh_size"] == applied["world_size"] == result["gpus"]
+    assert applied["mesh_shape"] == ([ranks // group, group] if group else [ranks])
     assert applied["accumulate_grad_batches"] == result["grad_accum_steps"]
     assert applied["micro_batch_size"] == result["micro_batch_size"]
     assert applied["optimizer"] == "AdamW" and applied["optimizer_impl"] == result["optimizer"]["impl"]
@@ -304,10 +402,10 @@ def test_llama_cookbook_flags_are_its_config_fields(run_result, tmp_path):
 
     result = variant(run_result, activation_checkpointing="full", cpu_offload=False, reshard_after_forward=False,
                      checkpoint="sharded")
-    path, _ = write(tmp_path, result, "llama-cookbook")
-    command = " ".join(line.rstrip("\\") for line in path.read_text().splitlines()
-                       if line and not line.startswith(("#", "set ", "export ")))
-    words = shlex.split(command)
+    path, exported = write(tmp_path, result, "llama-cookbook")
+    lines = path.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("torchrun"))
+    words = shlex.split(" ".join(line.rstrip("\\") for line in lines[start:] if line and not line.startswith("#")))
     assert words[:1] == ["torchrun"] and "llama_cookbook.finetuning" in words
     flags = dict(zip(words[words.index("llama_cookbook.finetuning") + 1::2],
                      words[words.index("llama_cookbook.finetuning") + 2::2]))
@@ -326,14 +424,35 @@ def test_llama_cookbook_flags_are_its_config_fields(run_result, tmp_path):
     assert int(flags["batch_size_training"]) == result["micro_batch_size"]
     assert int(flags["gradient_accumulation_steps"]) == result["grad_accum_steps"]
     assert int(flags["context_length"]) == result["seq_len"]
+    # What llama-cookbook really trains in: it loads the weights in bf16 whatever the flags; said, not mapped.
+    assert flags["pure_bf16"] == "True" and flags["mixed_precision"] == "False"
+    assert any(w.startswith("precision: approximated") and "pure bfloat16" in w for w in exported.warnings)
+
+
+def test_llama_cookbook_script_stops_with_the_accelerate_pin_it_needs(run_result, tmp_path):
+    """llama-cookbook 0.0.5.post1's utils/train_utils.py imports is_ccl_available from accelerate,
+    gone since 1.13: run with this environment's accelerate (1.15), the script stops before torchrun
+    with the pip line that fixes it (checked with accelerate 1.12's wheel by hand: the import works)."""
+    import accelerate
+    from packaging.version import Version
+
+    assert Version(accelerate.__version__) >= Version("1.13")
+    path, exported = write(tmp_path, run_result, "llama-cookbook")
+    proc = _torchrun_arguments(path)  # a torchrun that would print its arguments: never reached
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert "pip install 'accelerate<1.13'" in proc.stderr
+    assert any("accelerate >= 1.13" in w for w in exported.warnings)
 
 
 def test_fp32_reduction_is_exact_where_the_stack_reduces_in_fp32(run_result):
     fp32 = copy.deepcopy(run_result)
     fp32["precision"], fp32["fsdp"]["param_dtype"] = "fp32", "float32"
-    for fmt in ("accelerate", "hf-trainer", "llama-cookbook"):
+    for fmt in ("accelerate", "hf-trainer", "litgpt"):
         assert not any(w.startswith("reduce_dtype") for w in export_result(fp32, fmt).warnings), fmt
         assert any(w.startswith("reduce_dtype") for w in export_result(run_result, fmt).warnings), fmt
+    # llama-cookbook loads bf16 weights even for an fp32 run: reduced in bf16 either way.
+    for result in (fp32, run_result):
+        assert any(w.startswith("reduce_dtype") for w in export_result(result, "llama-cookbook").warnings)
 
 
 def test_fsdp2_script_embeds_the_wrapping_code_of_autotune_parallel(run_result):
@@ -393,9 +512,12 @@ def test_knobs_a_stack_cannot_express_are_warned_about(run_result):
     for fmt in ("fsdp2", "torchtitan"):
         assert not any(w.startswith(("shard_group_size", "activation_checkpointing"))
                        for w in export_result(result, fmt).warnings), fmt
+    for fmt in ("accelerate", "lightning"):  # HSDP: Accelerate's parallelism_config, Lightning's 2-D mesh
+        assert not any(w.startswith("shard_group_size") for w in export_result(result, fmt).warnings), fmt
     for fmt in ("accelerate", "hf-trainer", "llama-cookbook"):
         warnings = export_result(result, fmt).warnings
-        assert any(w.startswith("shard_group_size: unsupported") for w in warnings), fmt
+        if fmt != "accelerate":
+            assert any(w.startswith("shard_group_size: unsupported") for w in warnings), fmt
         assert any(w.startswith("activation_checkpointing: approximated") and "op-level" in w for w in warnings), fmt
 
 
@@ -502,23 +624,53 @@ for args in json.loads(sys.argv[1]):  # one exported command line per case
         "shard": cfg.parallelism.data_parallel_shard_degree, "replicate": cfg.parallelism.data_parallel_replicate_degree,
         "reshard": cfg.parallelism.fsdp_reshard_after_forward, "optimizer": cfg.optimizer.implementation,
         "ac": type(cfg.activation_checkpoint).__qualname__ if cfg.activation_checkpoint is not None else None,
+        "checkpoint": [cfg.checkpoint.enable, cfg.checkpoint.interval, cfg.checkpoint.folder],
     }), flush=True)
 """
 
 
-def _torchtitan_python() -> str:
-    """torchtitan 0.3 lives in its own environment (make test creates .venv-torchtitan): it pins
-    huggingface_hub < 2 and datasets < 5, below what transformers 5 and TRL need."""
-    python = os.environ.get("AUTOTUNE_TORCHTITAN_PYTHON") or str(ROOT / ".venv-torchtitan" / "bin" / "python")
+def _stack_python(stack: str, venv: str) -> str:
+    """The interpreter of a stack that needs an environment of its own (make test creates `venv`;
+    AUTOTUNE_<STACK>_PYTHON overrides): skipped with the reason where it is missing, failed on CI."""
+    python = os.environ.get(f"AUTOTUNE_{stack.upper()}_PYTHON") or str(ROOT / venv / "bin" / "python")
     if not os.path.exists(python):
         if os.environ.get("CI"):
-            pytest.fail(f"torchtitan's environment is missing ({python}): make test creates it")
-        pytest.skip(f"no torchtitan environment at {python} (make test creates it)")
+            pytest.fail(f"{stack}'s environment is missing ({python}): make test creates it")
+        pytest.skip(f"no {stack} environment at {python} (make test creates it)")
     return python
+
+
+def _torchtitan_python() -> str:
+    """torchtitan 0.3 pins huggingface_hub < 2 and datasets < 5, below what transformers 5 and TRL need."""
+    return _stack_python("torchtitan", ".venv-torchtitan")
 
 
 TORCHTITAN_CASES = [("full", False, True, 0), ("none", True, False, 0), ("op", False, True, 1)]
 """(activation checkpointing, cpu offload, reshard after forward, HSDP shard group size)."""
+TORCHTITAN_USER_ARGS = ["--checkpoint.interval", "7", "--checkpoint.folder", "ckpt", "--training.local-batch-size", "3"]
+"""What a user appends to the script (./torchtitan.sh ARGS) in the last run of the check."""
+
+
+def _torchrun_arguments(script: Path, *args: str, main_addr: str | None = "10.0.0.1") -> subprocess.CompletedProcess:
+    """Run an exported shell script with bash and a `torchrun` on PATH that prints its arguments
+    as JSON (so "$@", the quoting and the variables are the shell's)."""
+    stub = script.parent / "bin"
+    stub.mkdir(exist_ok=True)
+    (stub / "torchrun").write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    (stub / "torchrun").chmod(0o755)
+    env = dict(os.environ, PATH=f"{stub}{os.pathsep}{os.environ['PATH']}")
+    env.pop("MAIN_ADDR", None)
+    if main_addr:
+        env["MAIN_ADDR"] = main_addr
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=env)
+
+
+def _torchtitan_arguments(script: Path, *args: str) -> list[str]:
+    """The arguments torchtitan.train gets when the exported script runs."""
+    proc = _torchrun_arguments(script, *args)
+    assert proc.returncode == 0, proc.stderr
+    words = json.loads(proc.stdout.splitlines()[-1])
+    return words[words.index("torchtitan.train") + 1:]
 
 
 @pytest.fixture(scope="module")
@@ -535,13 +687,18 @@ def torchtitan_builds(run_result, tmp_path_factory) -> dict:
                                    reshard_after_forward=reshard, shard_group_size=group))
         folder = tmp_path_factory.mktemp("torchtitan")
         exports[case] = (result, write(folder, result, "torchtitan")[0])
-    proc = subprocess.run([python, "-c", TORCHTITAN_CHECK,
-                           json.dumps([overrides_of(path.read_text()) for _, path in exports.values()])],
+    runs = [overrides_of(path.read_text()) for _, path in exports.values()]
+    last = next(iter(exports.values()))[1]
+    assert _torchtitan_arguments(last) == runs[0]  # what bash passes is what overrides_of reads
+    runs.append(_torchtitan_arguments(last, *TORCHTITAN_USER_ARGS))
+    proc = subprocess.run([python, "-c", TORCHTITAN_CHECK, json.dumps(runs)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path_factory.mktemp("torchtitan-cwd"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     built = [json.loads(line[len("BUILT "):]) for line in proc.stdout.splitlines() if line.startswith("BUILT ")]
-    assert len(built) == len(exports), proc.stdout[-3000:]
-    return {case: (result, path, got) for (case, (result, path)), got in zip(exports.items(), built)}
+    assert len(built) == len(runs), proc.stdout[-3000:]
+    builds = {case: (result, path, got) for (case, (result, path)), got in zip(exports.items(), built)}
+    builds["user-args"] = (None, last, built[-1])
+    return builds
 
 
 @pytest.mark.slow
@@ -564,7 +721,30 @@ def test_torchtitan_parses_the_export_and_builds_the_tuned_model(torchtitan_buil
     assert got["offload"] is offload and got["reshard"] == ("always" if reshard else "never")
     assert got["optimizer"] == result["optimizer"]["impl"]
     assert got["ac"] == ({"full": "FullAC.Config", "none": None, "op": "SelectiveAC.Config"}[ac])
+    # Checkpointing on (off in torchtitan's llama3 configs), at torchtitan's own interval and folder.
+    assert got["checkpoint"] == [True, 500, "checkpoint"]
     subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+@pytest.mark.slow
+def test_torchtitan_script_takes_the_users_overrides_after_its_own(torchtitan_builds):
+    """./torchtitan.sh ARGS: bash passes them before the checkpointing subcommand (tyro refuses
+    top-level options after it) and, coming last, they win over the exported values."""
+    _, _, got = torchtitan_builds["user-args"]
+    assert got["checkpoint"] == [True, 7, "ckpt"] and got["local"] == 3
+    assert got["ac"] == "FullAC.Config"  # the subcommand still applies
+
+
+def test_torchtitan_multi_node_script_needs_the_main_node_address(run_result, tmp_path):
+    result = llama3_8b(variant(run_result))
+    result.update(gpus=16, nodes=2)
+    path, _ = write(tmp_path, result, "torchtitan")
+    words = json.loads(_torchrun_arguments(path).stdout.splitlines()[-1])
+    launcher = words[:words.index("-m")]
+    assert launcher[launcher.index("--nnodes") + 1] == "2" and launcher[launcher.index("--nproc_per_node") + 1] == "8"
+    assert launcher[launcher.index("--rdzv_endpoint") + 1] == "10.0.0.1:29500"
+    proc = _torchrun_arguments(path, main_addr=None)
+    assert proc.returncode != 0 and "MAIN_ADDR" in proc.stderr  # never a rendezvous on localhost
 
 
 def test_torchtitan_is_refused_for_a_model_it_does_not_have(run_result):
@@ -639,3 +819,149 @@ def test_fsdp2_script_trains_experts_sharded_on_their_largest_dimension_on_four_
     placements = json.loads(report.read_text())["placements"]
     experts = {name: dim for name, dim in placements.items() if name.endswith(("gate_up_proj", "down_proj"))}
     assert experts and all(dim != 0 for dim in experts.values()), placements
+
+
+LITGPT_CHECK = r"""
+import inspect, json, sys, tempfile
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.fabric.plugins.precision.fsdp import FSDPPrecision
+
+
+class Stop(Exception):
+    pass
+
+
+class RecordingFabric:
+    '''Stands in for L.Fabric: records what LitGPT's own setup() built (strategy, precision, devices).'''
+
+    def __init__(self, devices, num_nodes, strategy, precision, loggers=None, **kwargs):
+        mp = FSDPPrecision(precision)
+        self.record = {
+            "devices": devices, "num_nodes": num_nodes, "precision": precision,
+            "autocast": isinstance(mp.forward_context(), torch.autocast),
+            "reduce_dtype": str(mp.mixed_precision_config.reduce_dtype).removeprefix("torch."),
+            "sharding": strategy.sharding_strategy.name,
+            "state_dict_type": strategy._state_dict_type,
+            "checkpointing": bool(strategy._activation_checkpointing_kwargs),
+            "cpu_offload": bool(strategy.cpu_offload and strategy.cpu_offload.offload_params),
+        }
+
+    def launch(self, function=None, *args):  # finetune_full: launch(main, ...); pretrain: launch(), then main()
+        if function is not None:
+            function(self, *args)
+
+    def print(self, *args, **kwargs):
+        pass
+
+
+def recording(original):
+    '''Replaces a script's main(): runs the script's own validate_args and accumulation arithmetic on
+    what setup() passes, prints the record, and stops before training.'''
+
+    def main(*args, **kwargs):
+        bound = inspect.signature(original).bind(*args, **kwargs)
+        bound.apply_defaults()
+        bound = bound.arguments
+        validate = original.__globals__["validate_args"]
+        validate(**{name: bound[name] for name in inspect.signature(validate).parameters})  # raises if refused
+        train = bound["train"]
+        from litgpt.utils import instantiate_torch_optimizer
+
+        optimizer = instantiate_torch_optimizer(bound["optimizer"], [torch.nn.Parameter(torch.ones(1))])
+        record = dict(bound["fabric"].record,
+            micro=train.micro_batch_size, global_batch=train.global_batch_size, seq_len=train.max_seq_length,
+            accumulation=train.gradient_accumulation_iters(bound["devices"], bound["num_nodes"]),
+            optimizer=type(optimizer).__name__, fused=bool(optimizer.defaults.get("fused")),
+            foreach=optimizer.defaults.get("foreach"))
+        print("LITGPT " + json.dumps(record), flush=True)
+        raise Stop
+
+    return main
+
+
+L.Fabric = RecordingFabric
+import litgpt.finetune.full
+import litgpt.pretrain
+
+for script in (litgpt.pretrain, litgpt.finetune.full):
+    script.main = recording(script.main)
+from litgpt.__main__ import main
+from litgpt.config import Config
+from litgpt.utils import save_config
+
+# finetune_full needs a checkpoint directory: LitGPT's own files for a small model it has.
+checkpoint = Path(tempfile.mkdtemp()) / "pythia-14m"
+checkpoint.mkdir()
+save_config(Config.from_name("pythia-14m"), checkpoint)
+for name, text in (("lit_model.pth", ""), ("tokenizer.json", "{}"), ("tokenizer_config.json", "{}")):
+    (checkpoint / name).write_text(text)
+config, out = sys.argv[1], tempfile.mkdtemp()
+for command in (["pretrain", "pythia-14m", "--logger_name", "csv"], ["finetune_full", str(checkpoint)]):
+    sys.argv = ["litgpt", *command, "--config", config, "--out_dir", out]
+    try:
+        main()
+    except Stop:
+        pass
+"""
+
+
+def _litgpt_python() -> str:
+    """LitGPT 0.5.13 needs huggingface-hub < 1.4; transformers 5.24 needs >= 1.31."""
+    return _stack_python("litgpt", ".venv-litgpt")
+
+
+def _litgpt_parses(path: Path, tmp_path: Path) -> dict[str, dict]:
+    """The exported YAML through `litgpt pretrain` and `litgpt finetune_full` (LitGPT's own
+    jsonargparse CLI, its setup() and validate_args): what each command built."""
+    proc = subprocess.run([_litgpt_python(), "-c", LITGPT_CHECK, str(path)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    records = [json.loads(line[len("LITGPT "):]) for line in proc.stdout.splitlines() if line.startswith("LITGPT ")]
+    assert len(records) == 2, (proc.stdout + proc.stderr)[-3000:]
+    return dict(zip(("pretrain", "finetune_full"), records))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ac, offload, reshard, precision, impl, nodes, group", [
+    ("full", False, True, "bf16", "fused", 1, 0), ("none", True, False, "fp32", "foreach", 1, 0),
+    ("every:2", False, True, "bf16", "fused", 2, 8), ("full", False, True, "bf16-pure", "fused", 1, 0)])
+def test_litgpt_config_goes_through_litgpts_own_cli(run_result, tmp_path, ac, offload, reshard, precision, impl,
+                                                    nodes, group):
+    """Both commands parse the file with LitGPT's CLI and run their setup() up to Fabric: the tuned
+    devices, nodes, batch, accumulation and precision arrive; what the scripts hard-code (their
+    FSDPStrategy) is what the mapping says, and every difference is a warning."""
+    result = variant(run_result, activation_checkpointing=ac, cpu_offload=offload, reshard_after_forward=reshard,
+                     checkpoint="sharded", shard_group_size=group)
+    result["optimizer"]["impl"] = impl
+    if nodes > 1:
+        result.update(gpus=8 * nodes, nodes=nodes)
+    if precision == "fp32":
+        result["precision"], result["fsdp"]["param_dtype"] = "fp32", "float32"
+    if precision == "bf16-pure":
+        result["precision"], result["fsdp"]["reduce_dtype"] = "bf16-pure", "bfloat16"
+    path, exported = write(tmp_path, result, "litgpt")
+    built = _litgpt_parses(path, tmp_path)
+    status = {m.knob: m.status for m in exported.mappings}
+    warned = lambda knob: any(w.startswith(f"{knob}: ") for w in exported.warnings)  # noqa: E731
+    for command, got in built.items():
+        assert got["devices"] == result["gpus"] // result["nodes"] and got["num_nodes"] == result["nodes"], command
+        assert got["micro"] == result["micro_batch_size"] and got["seq_len"] == result["seq_len"], command
+        assert got["accumulation"] == result["grad_accum_steps"], command  # LitGPT's own arithmetic
+        assert got["optimizer"] == "AdamW" and got["fused"] == (impl == "fused"), command
+        # bf16: fp32 masters under autocast with a bf16 reduce (warned); fp32 and pure bf16: exact.
+        assert got["precision"] == {"bf16": "bf16-mixed", "fp32": "32-true", "bf16-pure": "bf16-true"}[precision]
+        assert got["autocast"] is (precision == "bf16") and warned("precision") is (precision == "bf16")
+        assert (got["reduce_dtype"] == result["fsdp"]["reduce_dtype"]) is (not warned("reduce_dtype"))
+        # Hard-coded by the scripts, whatever was tuned: said in the file.
+        assert got["state_dict_type"] == "full" and status["state_dict_type"] == "approximated"
+        assert got["cpu_offload"] is False and (status["cpu_offload"] == "unsupported") is offload
+        assert (status["reshard_after_forward"] == "mapped") is reshard
+    assert built["pretrain"]["sharding"] == "HYBRID_SHARD" and built["finetune_full"]["sharding"] == "FULL_SHARD"
+    assert built["pretrain"]["checkpointing"] is False and built["finetune_full"]["checkpointing"] is True
+    assert status["activation_checkpointing"] == "approximated"  # one of the two commands always differs
+    # HSDP in groups of one node is pretrain's HYBRID_SHARD; one node: both commands shard over every GPU.
+    assert status["shard_group_size"] == ("approximated" if group else "mapped")
+    assert "pretrain" in next(w for w in exported.warnings if w.startswith("activation_checkpointing"))

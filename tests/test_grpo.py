@@ -215,3 +215,44 @@ def test_other_formats_say_they_run_without_vllm_and_sft_keeps_sftconfig(grpo_re
     assert export_result(sft, "trl").filename == "trl_sft.yaml"
     del sft["workload"]  # a result written before the workload existed is an SFT one
     assert export_result(sft, "trl").filename == "trl_sft.yaml"
+
+
+def test_grpo_every_k_uses_fsdps_checkpointing_because_trl_drops_every_n_layers(grpo_result, tmp_path):
+    """every:K for GRPO: TRL 1.16's GRPOTrainer wraps its no-grad log-probability forward in
+    trl.models.utils.disable_gradient_checkpointing, which turns the model's checkpointing back on
+    without every_n_layers. Shown here with TRL's own context manager on a model set up as the
+    Trainer sets it up; the export therefore uses FSDP's checkpointing of every block (which TRL
+    does not touch) and says why, instead of the model-level route the SFT export takes."""
+    trl_utils = pytest.importorskip("trl.models.utils", reason="trl is not installed")
+    from autotune.knobs import Checkpointing
+    from autotune.training import build_model
+
+    result = copy.deepcopy(grpo_result)
+    result["fsdp"]["activation_checkpointing"] = "every:2"
+    exported = export_result(result, "trl")
+    path = tmp_path / exported.filename
+    path.write_text(exported.text)
+    args, _ = _grpo_args(path)
+
+    def checkpointed(model) -> list[int]:
+        return [i for i, layer in enumerate(model.model.layers) if layer.gradient_checkpointing]
+
+    # The model-level route (what the SFT export writes): the tuned blocks until TRL's first
+    # generation step, then every block.
+    with torch.device("meta"):
+        model = build_model(resolve_model("micro-llama"))
+    kwargs = {"every_n_layers": 2, "use_reentrant": False}
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=2)
+    tuned = Checkpointing.parse("every:2").blocks(len(model.model.layers))
+    assert set(checkpointed(model)) == tuned
+    with trl_utils.disable_gradient_checkpointing(model, kwargs):  # as GRPOTrainer passes its args' kwargs
+        pass
+    assert checkpointed(model) == list(range(len(model.model.layers))) != sorted(tuned)
+    # The export: no model-level checkpointing for TRL to re-enable; FSDP's own, every block, warned.
+    assert args.gradient_checkpointing is False and args.activation_checkpointing is False
+    assert args.fsdp_plugin_args["activation_checkpointing"] is True
+    warning = next(w for w in exported.warnings if w.startswith("activation_checkpointing: approximated"))
+    assert "disable_gradient_checkpointing" in warning and "every_n_layers" in warning
+    sft = copy.deepcopy(result)
+    sft["workload"] = {"kind": "sft", "vllm_gpu_memory_utilization": None}
+    assert "every_n_layers=2" in {m.knob: m.key for m in export_result(sft, "trl").mappings}["activation_checkpointing"]

@@ -20,10 +20,11 @@ from autotune.export._cookbook import export_cookbook
 from autotune.export._fsdp1 import export_fsdp1, export_lightning_fsdp1
 from autotune.export._fsdp2 import export_fsdp2
 from autotune.export._lightning import export_lightning
+from autotune.export._litgpt import export_litgpt
 from autotune.export._hf import export_accelerate, export_hf_trainer, export_trl
 from autotune.export._torchtitan import export_torchtitan
 
-__all__ = ["FORMATS", "KNOBS", "Export", "KnobMapping", "Tuned", "export_result", "write_exports"]
+__all__ = ["FORMATS", "KNOBS", "ON_REQUEST", "Export", "KnobMapping", "Tuned", "export_result", "write_exports"]
 
 FORMATS: dict[str, Callable[[Tuned], Export]] = {
     "fsdp2": export_fsdp2,
@@ -35,7 +36,13 @@ FORMATS: dict[str, Callable[[Tuned], Export]] = {
     "trl": export_trl,
     "torchtitan": export_torchtitan,
     "llama-cookbook": export_cookbook,
+    "litgpt": export_litgpt,
 }
+
+
+ON_REQUEST = ("lightning-fsdp1",)
+"""Formats `all` leaves out: written only when named (FSDP1's flat parameters are not what was
+traced; the `lightning` format is the FSDP2 one)."""
 
 
 def export_result(result: dict[str, Any], fmt: str) -> Export:

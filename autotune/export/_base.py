@@ -97,6 +97,12 @@ class Tuned:
     largest evenly divisible dimension (autotune.knobs.shard_dim)."""
 
     @property
+    def stack_precision(self) -> str:
+        """The precision mode to ask of a stack that has only bf16 / fp16 / fp32 modes: pure bf16 as
+        bf16 (the stack's bf16 keeps fp32 masters: map_knobs_not_expressed says so)."""
+        return "bf16" if self.precision == "bf16-pure" else self.precision
+
+    @property
     def gpus_per_node(self) -> int:
         return self.gpus // self.nodes
 
@@ -354,6 +360,56 @@ def header(*, tuned: Tuned, target: str, mapper: Mapper) -> str:
         lines += ["", "WARNINGS (this file cannot express everything that was tuned):"]
         lines += [f"  - {w}" for w in mapper.warnings]
     return "".join(f"# {line}".rstrip() + "\n" for line in lines)
+
+
+RDZV_PORT = 29500
+MAIN_ADDR_PLACEHOLDER = "MAIN_NODE_ADDRESS"
+"""Written where a config file needs the main node's address: replace it (or override it on the
+launch line); left as it is, the rendezvous fails on the name instead of waiting on localhost."""
+
+
+def torchrun_launch(t: Tuned) -> str:
+    """torchrun's node arguments. On several nodes every node runs the same line, with a c10d
+    rendezvous at the main node (node ranks are assigned by it): MAIN_ADDR must be set, and the
+    shell stops with that message when it is not."""
+    line = f"torchrun --nnodes {t.nodes} --nproc_per_node {t.gpus_per_node}"
+    if t.nodes > 1:
+        # (no apostrophe in the message: bash would read it as a quote inside "${...}")
+        endpoint = f'"${{MAIN_ADDR:?set MAIN_ADDR to the address of the main node}}:{RDZV_PORT}"'
+        line += f" --rdzv_backend c10d --rdzv_endpoint {endpoint}"
+    return line
+
+
+def accelerate_launch(t: Tuned, config: str = "") -> str:
+    """`accelerate launch` with the world size (or a config file): on several nodes each node also
+    passes its own --machine_rank (0 on the main node) and the main node's address."""
+    line = f"accelerate launch --config_file {config}" if config else \
+        f"accelerate launch --num_processes {t.gpus} --num_machines {t.nodes}"
+    if t.nodes > 1:
+        line += f' --machine_rank "$NODE_RANK" --main_process_ip "$MAIN_ADDR" --main_process_port {RDZV_PORT}'
+    return line
+
+
+def nodes_note(t: Tuned, *, ranks: bool) -> str:
+    """The comment line under a launch line on several nodes ('' on one node)."""
+    if t.nodes == 1:
+        return ""
+    rank = f"; NODE_RANK 0 on the main node, {_other_ranks(t)}" if ranks else ""
+    return f"# Run it on each of the {t.nodes} nodes: MAIN_ADDR the main node's address{rank}.\n"
+
+
+def _other_ranks(t: Tuned) -> str:
+    return "1 on the other" if t.nodes == 2 else f"1..{t.nodes - 1} on the others"
+
+
+def fabric_nodes_note(t: Tuned) -> str:
+    """How Lightning (Trainer, Fabric) is started on several nodes ('' on one): its
+    LightningEnvironment reads the rendezvous from these variables (SLURM sets its own)."""
+    if t.nodes == 1:
+        return ""
+    return (f"On {t.nodes} nodes: run the same command on each with MASTER_ADDR=<main node address> "
+            f"MASTER_PORT={RDZV_PORT} NODE_RANK=<0 on the main node, {_other_ranks(t)}> (under SLURM, Lightning reads "
+            "SLURM's variables instead).\n")
 
 
 def block_import(tuned: Tuned) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from autotune.export._base import Export, Mapper, Tuned, block_import, build_export
+from autotune.export._base import Export, Mapper, Tuned, block_import, build_export, torchrun_launch
 
 FSDP1_TARGET = (f"PyTorch FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel, deprecated in favour of "
                 f"fully_shard), torch {torch.__version__.split('+')[0]}")
@@ -78,7 +78,7 @@ def export_fsdp1(t: Tuned) -> Export:
                 state_key="FSDP.set_state_dict_type")
     m.mapped("micro_batch_size", "MICRO_BATCH_SIZE (your DataLoader's batch_size)")
     m.mapped("grad_accum_steps", "GRAD_ACCUM_STEPS (your loop)")
-    m.mapped("world_size", f"torchrun --nnodes {t.nodes} --nproc_per_node {t.gpus_per_node}")
+    m.mapped("world_size", torchrun_launch(t))
     body = f'''"""FullyShardedDataParallel arguments for the tuned configuration.
 
 Usage (after dist.init_process_group and torch.cuda.set_device):
@@ -153,7 +153,13 @@ def export_lightning_fsdp1(t: Tuned) -> Export:
     m.mapped("micro_batch_size", "DataLoader(batch_size=MICRO_BATCH_SIZE)")
     m.mapped("grad_accum_steps", "Trainer(accumulate_grad_batches=...)")
     m.mapped("world_size", "Trainer(devices=..., num_nodes=...)")
-    precision = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}[t.precision]
+    # "32-true": no autocast; the explicit MixedPrecision below casts, as FSDP2's policy does in the
+    # traced run. Only fp16 keeps "16-mixed", the one mode in which Lightning builds a ShardedGradScaler.
+    precision = "16-mixed" if t.precision == "fp16" else "32-true"
+    if t.precision == "fp16":
+        m.warn("fp16: Trainer(precision='16-mixed') for Lightning's ShardedGradScaler also runs the forward under "
+               "torch.autocast(float16) on top of the MixedPrecision policy: ops autocast keeps in float32 "
+               "(softmax, the loss) change the activation memory from what was traced")
     if t.ac_every is None:
         ac_policy = "None"
     elif t.ac_every == 1:
@@ -165,9 +171,10 @@ def export_lightning_fsdp1(t: Tuned) -> Export:
 Usage:
     trainer = Trainer(strategy=make_strategy(), **TRAINER_KWARGS)
     loader = DataLoader(dataset, batch_size=MICRO_BATCH_SIZE)
-The explicit mixed_precision= below keeps the tuned fp32 gradient reduction: Lightning's
-"{precision}" alone would reduce gradients in {t.param_dtype}. FSDP2 in Lightning goes through
-ModelParallelStrategy instead; the knobs above are FSDP1's equivalents.
+The explicit mixed_precision= below is the tuned policy ({t.param_dtype} compute, fp32 gradient
+reduction, fp32 master weights and buffers); Trainer(precision={precision!r}) keeps Lightning from
+adding its own ("bf16-mixed" would autocast every forward and reduce gradients in bf16). FSDP2 in
+Lightning goes through ModelParallelStrategy instead; the knobs above are FSDP1's equivalents.
 """
 
 import functools

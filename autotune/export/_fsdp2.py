@@ -16,7 +16,7 @@ import torch
 from autotune import knobs as _knobs
 from autotune import parallel as _parallel
 from autotune import training as _training
-from autotune.export._base import Export, Mapper, Tuned, build_export
+from autotune.export._base import Export, Mapper, Tuned, build_export, torchrun_launch
 
 TARGET = f"PyTorch FSDP2 (torch.distributed.fsdp.fully_shard), torch {torch.__version__.split('+')[0]}"
 
@@ -60,7 +60,7 @@ def export_fsdp2(tuned: Tuned) -> Export:
     m.mapped("micro_batch_size", "TUNED.micro_batch_size")
     m.mapped("grad_accum_steps", "GRAD_ACCUM_STEPS")
     m.mapped("wrap", "fully_shard per block (find_decoder_blocks), then the root")
-    m.mapped("world_size", f"torchrun --nnodes {tuned.nodes} --nproc_per_node {tuned.gpus_per_node}")
+    m.mapped("world_size", torchrun_launch(tuned))
     m.mapped("state_dict_type", f"save_checkpoint ({tuned.state_dict_type})")
     m.mapped("optimizer_impl", f"make_optimizer(impl={tuned.optimizer_impl!r})")
     m.mapped("shard_group_size", "ParallelDims.of(TUNED, world).build_mesh(): 1-D, or 2-D (replicate, shard) for HSDP")
@@ -74,10 +74,7 @@ def _model_config(t: Tuned) -> dict:
 
 
 def _script(t: Tuned) -> str:
-    launch = (f"torchrun --nnodes {t.nodes} --nproc_per_node {t.gpus_per_node} train_fsdp2.py --steps 10"
-              if t.nodes == 1 else
-              f"torchrun --nnodes {t.nodes} --nproc_per_node {t.gpus_per_node} --rdzv_backend c10d "
-              "--rdzv_endpoint HOST:29500 train_fsdp2.py --steps 10")
+    launch = f"{torchrun_launch(t)} train_fsdp2.py --steps 10"
     return f'''"""The tuned FSDP2 configuration as a training script, on random tokens.
 
 Run: {launch}

@@ -9,7 +9,18 @@ from typing import Any
 
 import yaml
 
-from autotune.export._base import Export, ExportRefused, Mapper, Tuned, build_export
+from autotune.export._base import (
+    MAIN_ADDR_PLACEHOLDER,
+    RDZV_PORT,
+    Export,
+    ExportRefused,
+    Mapper,
+    Tuned,
+    accelerate_launch,
+    build_export,
+    nodes_note,
+    torchrun_launch,
+)
 from autotune.export._fsdp1 import optimizer_kwargs
 
 
@@ -49,8 +60,19 @@ def _has_every_n_layers() -> bool:
 
 
 def _model_level_every_k(t: Tuned) -> bool:
-    """every:K through the Trainer's model-level checkpointing: blocks 0, K, 2K, ... exactly."""
-    return t.ac_every is not None and t.ac_every > 1 and _has_every_n_layers()
+    """every:K through the Trainer's model-level checkpointing: blocks 0, K, 2K, ... exactly. Not
+    for GRPO: see GRPO_EVERY_K."""
+    return t.ac_every is not None and t.ac_every > 1 and t.workload != "grpo" and _has_every_n_layers()
+
+
+GRPO_EVERY_K = (
+    "TRL 1.16's GRPOTrainer runs its no-grad log-probability forward inside disable_gradient_checkpointing "
+    "(trl/models/utils.py), which turns the model's checkpointing back on with "
+    "gradient_checkpointing_enable(gradient_checkpointing_kwargs): every_n_layers is dropped (it ends up among "
+    "torch.utils.checkpoint's kwargs), so after the first generation step every block is checkpointed; no config "
+    "key passes it through")
+"""Why a GRPO config never uses the model-level every_n_layers route (checked against TRL's code in
+tests/test_grpo.py)."""
 
 
 def _map_fsdp_knobs(m: Mapper, t: Tuned, prefix: str) -> None:
@@ -65,9 +87,10 @@ def _map_fsdp_knobs(m: Mapper, t: Tuned, prefix: str) -> None:
                        "refuses both); transformers warns it adds an all-gather in backward under FSDP "
                        "(transformers issue 30404), so communication may exceed what was estimated")
     else:
+        why = f"{GRPO_EVERY_K}; FSDP's own " if not prefix and t.workload == "grpo" else ""
         m.approximated("activation_checkpointing", f"{prefix}activation_checkpointing: true",
-                       f"every:{t.ac_every} (blocks 0, {t.ac_every}, ...) cannot be expressed: checkpointing "
-                       f"all {t.num_layers} blocks instead, which uses less activation memory but recomputes "
+                       f"every:{t.ac_every} (blocks 0, {t.ac_every}, ...) cannot be expressed: {why}checkpointing "
+                       f"of all {t.num_layers} blocks instead, which uses less activation memory but recomputes "
                        "more (slower than tuned)")
     m.mapped("cpu_offload", f"{prefix}offload_params" if prefix else "cpu_offload")
     m.mapped("reshard_after_forward", f"{prefix}reshard_after_forward")
@@ -87,17 +110,24 @@ def export_accelerate(t: Tuned) -> Export:
                   "in your script")
     m.unsupported("grad_accum_steps", "not an accelerate config key: use "
                   f"Accelerator(gradient_accumulation_steps={t.grad_accum_steps}) in your script")
-    m.mapped("world_size", "num_processes / num_machines")
+    m.mapped("world_size", "num_processes / num_machines" + ("; machine_rank and main_process_ip per node "
+                                                              "(launch line)" if t.nodes > 1 else ""))
+    replicate, shard = t.hsdp_degrees
+    if t.shard_group_size:
+        m.mapped("shard_group_size", f"parallelism_config: dp_replicate_size {replicate} x dp_shard_size {shard} "
+                                     "(Accelerate's FSDP2 mesh: replicate across groups, shard within)")
     m.unsupported("optimizer_impl", f"not an accelerate config key: build torch.optim.AdamW(..., "
                   f"{', '.join(f'{k}={v}' for k, v in optimizer_kwargs(t.optimizer_impl).items())}) in your script, "
                   "the implementation traced")
     config = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "FSDP",
-        "mixed_precision": _HF_MIXED[t.precision],
+        "mixed_precision": _HF_MIXED[t.stack_precision],
         "num_machines": t.nodes,
         "num_processes": t.gpus,
         "machine_rank": 0,
+        # Several nodes: the launch line overrides machine_rank and the address on each node.
+        **({"main_process_ip": MAIN_ADDR_PLACEHOLDER, "main_process_port": RDZV_PORT} if t.nodes > 1 else {}),
         "main_training_function": "main",
         "rdzv_backend": "static",
         "same_network": True,
@@ -112,17 +142,24 @@ def export_accelerate(t: Tuned) -> Export:
             "fsdp_state_dict_type": t.state_dict_enum,
             "fsdp_cpu_ram_efficient_loading": True,
         },
+        # HSDP: Accelerate 1.15 builds a (dp_replicate, dp_shard) mesh for fully_shard from these.
+        **({"parallelism_config": {"parallelism_config_dp_replicate_size": replicate,
+                                   "parallelism_config_dp_shard_size": shard}} if t.shard_group_size else {}),
     }
-    body = (f"# Use: accelerate launch --config_file accelerate_fsdp2.yaml train.py\n"
+    placeholders = (f"# (machine_rank: 0 and main_process_ip: {MAIN_ADDR_PLACEHOLDER} below are placeholders the "
+                    "launch line overrides on each node)\n") if t.nodes > 1 else ""
+    body = (f"# Use: {accelerate_launch(t, 'accelerate_fsdp2.yaml')} train.py\n"
+            f"{nodes_note(t, ranks=True)}{placeholders}"
             f"# with DataLoader(batch_size={t.micro_batch_size}) and "
             f"Accelerator(gradient_accumulation_steps={t.grad_accum_steps}), sequences of {t.seq_len} tokens.\n"
             + _dump(config))
     return build_export(fmt="accelerate", filename="accelerate_fsdp2.yaml", tuned=t, mapper=m, body=body,
+                        expresses=("hsdp",),
                         target=f"Accelerate {_version('accelerate', '1.15')} (accelerate config YAML, FSDP version 2)")
 
 
 def _trainer_fields(t: Tuned, m: Mapper) -> dict[str, Any]:
-    _map_precision(m, t, {"bf16": "bf16: true", "fp16": "fp16: true", "fp32": "bf16/fp16 off"}[t.precision])
+    _map_precision(m, t, {"bf16": "bf16: true", "fp16": "fp16: true", "fp32": "bf16/fp16 off"}[t.stack_precision])
     _map_fsdp_knobs(m, t, "")
     m.mapped("micro_batch_size", "per_device_train_batch_size")
     m.mapped("grad_accum_steps", "gradient_accumulation_steps")
@@ -132,12 +169,12 @@ def _trainer_fields(t: Tuned, m: Mapper) -> dict[str, Any]:
         m.approximated("optimizer_impl", "optim: adamw_torch",
                        f"the Trainer has no switch for AdamW's {t.optimizer_impl} path: adamw_torch takes torch's "
                        "default (foreach on CUDA); pass optim_args or a custom optimizer for the per-parameter loop")
-    m.mapped("world_size", f"torchrun --nnodes {t.nodes} --nproc_per_node {t.gpus_per_node} (launch line above)")
+    m.mapped("world_size", f"{torchrun_launch(t)} (launch line above)")
     return {
         "output_dir": "output",
         "per_device_train_batch_size": t.micro_batch_size,
         "gradient_accumulation_steps": t.grad_accum_steps,
-        "bf16": t.precision == "bf16",
+        "bf16": t.stack_precision == "bf16",
         "fp16": t.precision == "fp16",
         "fsdp": True,
         "fsdp_config": {
@@ -161,7 +198,7 @@ def _trainer_fields(t: Tuned, m: Mapper) -> dict[str, Any]:
 def export_hf_trainer(t: Tuned) -> Export:
     m = Mapper()
     fields = _trainer_fields(t, m)
-    body = (f"# Use: torchrun --nnodes {t.nodes} --nproc_per_node {t.gpus_per_node} train.py hf_trainer_args.yaml\n"
+    body = (f"# Use: {torchrun_launch(t)} train.py hf_trainer_args.yaml\n{nodes_note(t, ranks=False)}"
             "# where train.py does: (args,) = HfArgumentParser(TrainingArguments).parse_yaml_file(sys.argv[1])\n"
             f"# Tokenize into sequences of {t.seq_len} tokens (the tuned seq_len).\n"
             + _dump(fields))
@@ -179,6 +216,16 @@ def export_trl(t: Tuned) -> Export:
     fields = _trainer_fields(t, m)
     fields["max_length"] = t.seq_len
     fields["packing"] = True
+    if t.activation_offload:
+        # TRL 1.16 ports torchtune's OffloadActivations: the same rule of what moves (not parameters,
+        # not under 1 KiB), on a side stream, and it keeps the output head's activations on the GPU.
+        fields["activation_offloading"] = True
+        m.approximated("activation_offload", "activation_offloading: true",
+                       "TRL's OffloadActivations (trl/models/activation_offloading.py) moves what autotune's "
+                       "OffloadedActivations moves except the output head's activations, which it keeps on the "
+                       "GPU (more memory at the loss than predicted), and overlaps the copies (faster)")
+    else:
+        m.mapped("activation_offload", "activation_offloading: false (TRL's default)")
     return _trl_export(t, m, fields, command="sft", config="SFTConfig",
                        note=f"packing fills sequences of max_length={t.seq_len} tokens as tuned.")
 
@@ -187,8 +234,9 @@ def _trl_export(t: Tuned, m: Mapper, fields: dict[str, Any], *, command: str, co
                 launch_args: str = "", target_note: str = "") -> Export:
     """A TRL config YAML for `trl <command>` (its `config` dataclass's fields), with its launch line."""
     filename = f"trl_{command}.yaml"
-    body = (f"# Use: accelerate launch --num_processes {t.gpus} --num_machines {t.nodes} -m trl.cli {command} "
+    body = (f"# Use: {accelerate_launch(t)} -m trl.cli {command} "
             f"--config {filename} --model_name_or_path MODEL --dataset_name DATA{launch_args}\n"
+            f"{nodes_note(t, ranks=True)}"
             f"# (or `trl {command} --config {filename} ...`). {config} fields; {note}\n"
             + _dump(fields))
     return build_export(fmt="trl", filename=filename, tuned=t, mapper=m, body=body,

@@ -6,7 +6,7 @@ Lightning runs is what autotune traced and measured. Lightning's FSDP1 `FSDPStra
 
 from __future__ import annotations
 
-from autotune.export._base import Export, Mapper, Tuned, build_export
+from autotune.export._base import Export, Mapper, Tuned, build_export, fabric_nodes_note
 from autotune.export._fsdp2 import build_model_source, map_parallelize_knobs, tuned_and_wrapping
 
 
@@ -27,13 +27,16 @@ def export_lightning(t: Tuned) -> Export:
     m.mapped("wrap", "parallelize(): fully_shard per block, then the root (configure_model)")
     m.mapped("world_size", f"ModelParallelStrategy(data_parallel_size={t.gpus}, tensor_parallel_size=1); "
                            f"Trainer(devices={t.gpus_per_node}, num_nodes={t.nodes})")
+    m.mapped("shard_group_size", "configure_model(): Lightning's data-parallel mesh, or for HSDP the 2-D "
+                                 "(replicate, shard) mesh of ParallelDims.of(TUNED, world).build_mesh(), as the fsdp2 "
+                                 "script builds it")
     m.mapped("state_dict_type", f"ModelParallelStrategy(save_distributed_checkpoint={t.state_dict_type == 'sharded'})")
     m.mapped("optimizer_impl", f"configure_optimizers: make_optimizer(impl={t.optimizer_impl!r})")
     if t.precision == "fp16":
         m.warn("fp16: Lightning's ModelParallelStrategy runs no sharded grad scaler here, so the loss is not "
                "scaled as in the tuned run (torch's ShardedGradScaler): prefer bf16, or scale the loss yourself")
     return build_export(fmt="lightning", filename="lightning_fsdp2.py", tuned=t, mapper=m, body=_script(t),
-                        expresses=("op_level_ac", "bf16_pure"),
+                        expresses=("op_level_ac", "hsdp", "bf16_pure"),
                         target=f"Lightning {_lightning_version()} ModelParallelStrategy (FSDP2 fully_shard)")
 
 
@@ -44,6 +47,7 @@ whose configure_model() applies autotune's parallelize() (below, copied from aut
 
 Run: python lightning_fsdp2.py --steps 10            (Lightning starts one process per device)
      python lightning_fsdp2.py --steps 2 --devices 2 --accelerator cpu   (on CPUs)
+{fabric_nodes_note(t)}
 Use your own model and data: keep configure_model(), configure_optimizers() and make_trainer().
 --report prints, from the live model after training, what FSDP2 applied.
 """
@@ -81,8 +85,11 @@ class TunedModule(pl.LightningModule):
     def configure_model(self) -> None:
         # Lightning's FSDP2 hook: the same wrapping autotune traced and ran.
         if not getattr(self, "_parallelized", False):
-            parallelize(self.model, self.device_mesh["data_parallel"], TUNED,
-                        allow_offload=self.device_mesh.device_type == "cuda")
+            mesh = self.device_mesh["data_parallel"]
+            dims = ParallelDims.of(TUNED, mesh.size())
+            if dims.hsdp:  # HSDP: Lightning's mesh is 1-D over the data-parallel ranks; fully_shard needs 2-D
+                mesh = dims.build_mesh(mesh.device_type)
+            parallelize(self.model, mesh, TUNED, allow_offload=mesh.device_type == "cuda")
             self._parallelized = True
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
@@ -139,6 +146,7 @@ def applied(module: TunedModule) -> dict:
         reduce_dtype=str(policy.reduce_dtype).removeprefix("torch."),
         reshard_after_forward=state._fsdp_param_group.post_forward_mesh_info is not None,  # None: kept gathered
         mesh_size=state._fsdp_param_group.mesh_info.mesh.size(),
+        mesh_shape=list(state._fsdp_param_group.mesh_info.mesh.shape),
         optimizer=type(optimizer).__name__,
         optimizer_impl="fused" if optimizer.defaults.get("fused") else
         "foreach" if optimizer.defaults.get("foreach") else "for-loop",

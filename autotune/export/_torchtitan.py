@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import shlex
 
-from autotune.export._base import Export, ExportRefused, Mapper, Tuned, build_export
+from autotune.export._base import Export, ExportRefused, Mapper, Tuned, build_export, nodes_note, torchrun_launch
 
 TARGET = "torchtitan 0.3.0 (python -m torchtitan.train --module M --config C, tyro overrides)"
 
-
-
+# torchtitan's own defaults (CheckpointManager.Config; the llama3 registry configs set interval 500
+# but leave enable off), written out so they show and can be changed: a later flag in "$@" wins.
+CHECKPOINT_INTERVAL = 500
+CHECKPOINT_FOLDER = "checkpoint"
 
 # (module, registry config) -> the transformers-config shapes of its model, read from torchtitan
 # 0.3.0's models/llama3/__init__.py and models/qwen3/__init__.py (dim, n_layers, n_heads,
@@ -100,11 +102,16 @@ def export_torchtitan(t: Tuned) -> Export:
                    f"torchtitan shards the blocks of its own {module} implementation, with the shapes of "
                    f"{t.wrap}; its numerics (RoPE scaling, init) are torchtitan's")
     m.mapped("world_size", "--parallelism.data-parallel-shard-degree x replicate degree; torchrun --nnodes/--nproc_per_node")
+    # Off in torchtitan 0.3's llama3 configs: without --checkpoint.enable the job saves nothing.
+    saving = (f"--checkpoint.enable (DCP, sharded: torchtitan's form) every --checkpoint.interval "
+              f"{CHECKPOINT_INTERVAL} steps into <dump folder>/--checkpoint.folder {CHECKPOINT_FOLDER}")
     if t.state_dict_type == "sharded":
-        m.mapped("state_dict_type", "checkpoint (DCP, sharded: torchtitan's form)")
+        m.mapped("state_dict_type", saving)
     else:
-        m.approximated("state_dict_type", "checkpoint (DCP, sharded)",
-                       "torchtitan saves sharded DCP checkpoints; consolidate the final one for a full state dict")
+        m.approximated("state_dict_type", saving,
+                       "torchtitan saves sharded DCP checkpoints (the last one model-only, its "
+                       "last_save_model_only default); add --checkpoint.last-save-in-hf for the final one as Hugging "
+                       "Face safetensors, or consolidate it, for the full state dict recommended")
     m.mapped("optimizer_impl", f"--optimizer.implementation {t.optimizer_impl}")
     m.warn("torchtitan's loss is chunked cross-entropy (ChunkedLossWrapper): its logits peak is smaller than "
            "the HF loss autotune traced, so the run has more headroom than predicted, not less")
@@ -120,11 +127,19 @@ def export_torchtitan(t: Tuned) -> Export:
         ("--parallelism.data-parallel-shard-degree", shard),
         ("--parallelism.fsdp-reshard-after-forward", "always" if t.reshard_after_forward else "never"),
         ("--optimizer.implementation", t.optimizer_impl),
+        ("--checkpoint.enable", None),
+        ("--checkpoint.interval", CHECKPOINT_INTERVAL),
+        ("--checkpoint.folder", CHECKPOINT_FOLDER),
     ]
-    lines = [f"torchrun --nnodes {t.nodes} --nproc_per_node {t.gpus_per_node} -m torchtitan.train"]
+    lines = [f"{torchrun_launch(t)} -m torchtitan.train"]
     lines += [f"    {flag}" + ("" if value is None else f" {shlex.quote(str(value))}") for flag, value in overrides]
-    lines += [f"    {ac}", '    "$@"']
+    # Overrides before the checkpointing subcommand: tyro applies what follows it to the subcommand
+    # and refuses top-level options there.
+    lines += ['    "$@"', f"    {ac}"]
     body = ("# Use: ./torchtitan.sh [more torchtitan overrides]; set --hf-assets-path to the model's tokenizer\n"
+            "# (e.g. --checkpoint.interval 1000 --checkpoint.folder ckpt: they come after the values below, and the\n"
+            "# last value given wins).\n"
+            f"{nodes_note(t, ranks=False)}"
             f"# (global batch {t.global_batch_size} sequences = {t.micro_batch_size} x {t.gpus} GPUs x "
             f"{t.grad_accum_steps} accumulation steps).\n"
             "set -euo pipefail\n" + " \\\n".join(lines) + "\n")
