@@ -273,8 +273,9 @@ def resolve_finetuning(options: Options, recorded: dict | None = None):
         raise UsageError("--peft lora needs the peft library: pip install 'autotune[finetune]' (or pip install peft)")
     base = dict(recorded or {}) if (recorded or {}).get("peft") == "lora" else {}
     base.update({name: value for name, value in given.items() if value is not None})
-    if isinstance(base.get("rank"), float) and base["rank"].is_integer():
-        base["rank"] = int(base["rank"])
+    for name in ("rank", "alpha"):  # whole numbers as integers (peft's and TRL's fields are ints)
+        if isinstance(base.get(name), float) and base[name].is_integer():
+            base[name] = int(base[name])
     return FineTuning.from_dict({**base, "peft": "lora"})
 
 

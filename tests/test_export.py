@@ -225,12 +225,32 @@ def test_every_export_of_a_lora_tune_says_how_to_add_the_adapters(run_result):
 
     result = variant(run_result, activation_checkpointing="full")
     result["finetuning"] = {"peft": "lora", "rank": 8, "alpha": 16, "dropout": 0.1, "targets": "q_proj,v_proj"}
-    for fmt in ("fsdp2", "lightning", "accelerate", "hf-trainer", "trl", "torchtitan", "llama-cookbook", "litgpt"):
+    for fmt in ("fsdp2", "lightning", "accelerate", "hf-trainer", "torchtitan", "llama-cookbook", "litgpt"):
         warning = next(w for w in export_result(llama3_8b(result), fmt).warnings if "LoRA" in w)
         call = warning[warning.index("LoraConfig(") + len("LoraConfig("):warning.index("))")]
         config = eval(f"LoraConfig({call})", {"LoraConfig": LoraConfig})  # noqa: S307 - our own export's text
         assert (config.r, config.lora_alpha, config.lora_dropout) == (8, 16, 0.1), fmt
         assert set(config.target_modules) == {"q_proj", "v_proj"}, fmt
+
+
+def test_trl_trains_the_tuned_lora_through_its_own_parser(run_result, tmp_path):
+    """TRL's own CLI parser reads the exported file into SFTConfig and ModelConfig, and TRL's own
+    get_peft_config turns it into the LoraConfig that was traced; the base loads in bf16."""
+    pytest.importorskip("trl", reason="trl is not installed (pip install trl)")
+    from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
+    from trl.trainer.utils import get_peft_config
+
+    result = variant(run_result, activation_checkpointing="full")
+    result["finetuning"] = {"peft": "lora", "rank": 8, "alpha": 16, "dropout": 0.1, "targets": "all-linear"}
+    path, exported = write(tmp_path, result, "trl")
+    assert not any("LoRA" in w for w in exported.warnings)
+    parser = TrlParser((ScriptArguments, SFTConfig, ModelConfig))
+    _, sft, model_args = parser.parse_args_and_config(
+        ["--config", str(path), "--dataset_name", "DATA", "--model_name_or_path", "MODEL", "--use_cpu", "true"])
+    config = get_peft_config(model_args)
+    assert (config.r, config.lora_alpha, config.lora_dropout) == (8, 16, 0.1)
+    assert config.target_modules == "all-linear" and model_args.dtype == "bfloat16"
+    assert sft.per_device_train_batch_size == result["micro_batch_size"]
 
 
 def test_pure_bf16_is_exact_where_the_stack_trains_in_bf16(run_result):

@@ -218,7 +218,7 @@ class Mapper:
         assert not missing, f"exporter left knobs unaccounted for: {sorted(missing)}"
 
 
-EXPRESSIBLE = ("op_level_ac", "hsdp", "bf16_pure")
+EXPRESSIBLE = ("op_level_ac", "hsdp", "bf16_pure", "lora")
 """Knob values only some stacks can express: an exporter names those it writes in build_export's
 `expresses`; for the rest the mapping is derived here, as approximated or unsupported."""
 
@@ -296,7 +296,7 @@ def build_export(*, fmt: str, filename: str, target: str, tuned: Tuned, mapper: 
         mapper.warn(f"tuned for TRL GRPO with vLLM colocated ({tuned.vllm_gpu_memory_utilization:g} of each GPU "
                     "left to vLLM): this file trains without vLLM or its weight sync; the trl format writes the "
                     "GRPOConfig")
-    if tuned.finetuning.get("peft") == "lora":
+    if tuned.finetuning.get("peft") == "lora" and "lora" not in expresses:
         f = tuned.finetuning
         targets = f.get("targets", "all-linear")
         targets = repr(targets) if targets == "all-linear" else repr(targets.split(","))

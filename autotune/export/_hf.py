@@ -230,16 +230,35 @@ def export_trl(t: Tuned) -> Export:
                        note=f"packing fills sequences of max_length={t.seq_len} tokens as tuned.")
 
 
+def _lora_fields(t: Tuned) -> dict[str, Any]:
+    """TRL's ModelConfig fields for the LoRA that was traced (trl 1.16, trl/trainer/model_config.py;
+    `trl <command> --config` fills every dataclass of its parser from one file). The base loads in
+    bf16 (`dtype`), and Accelerate's FSDP2 preparation upcasts only trainable parameters to fp32
+    (accelerate 1.15, utils/fsdp_utils.py: 'FSDP upcast of low precision parameters'): the frozen
+    base in bf16 and the adapters in fp32, as traced."""
+    f = t.finetuning
+    if f.get("peft") != "lora":
+        return {}
+    alpha = int(f["alpha"]) if float(f["alpha"]).is_integer() else f["alpha"]
+    return {"use_peft": True, "lora_r": int(f["rank"]), "lora_alpha": alpha, "lora_dropout": f["dropout"],
+            "lora_target_modules": str(f.get("targets", "all-linear")).split(","), "dtype": t.param_dtype}
+
+
 def _trl_export(t: Tuned, m: Mapper, fields: dict[str, Any], *, command: str, config: str, note: str,
                 launch_args: str = "", target_note: str = "") -> Export:
-    """A TRL config YAML for `trl <command>` (its `config` dataclass's fields), with its launch line."""
+    """A TRL config YAML for `trl <command>` (its `config` dataclass's fields, and ModelConfig's
+    LoRA fields for a LoRA tune), with its launch line."""
     filename = f"trl_{command}.yaml"
+    lora = _lora_fields(t)
+    if lora:
+        fields = {**fields, **lora}
+        config += " + ModelConfig (LoRA)"
     body = (f"# Use: {accelerate_launch(t)} -m trl.cli {command} "
             f"--config {filename} --model_name_or_path MODEL --dataset_name DATA{launch_args}\n"
             f"{nodes_note(t, ranks=True)}"
             f"# (or `trl {command} --config {filename} ...`). {config} fields; {note}\n"
             + _dump(fields))
-    return build_export(fmt="trl", filename=filename, tuned=t, mapper=m, body=body,
+    return build_export(fmt="trl", filename=filename, tuned=t, mapper=m, body=body, expresses=("lora",),
                         target=f"TRL {_version('trl', '1.16')} ({config} YAML{target_note}; transformers "
                                "TrainingArguments fsdp_config version 2)")
 
