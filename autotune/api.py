@@ -230,6 +230,7 @@ def resolve_problem(options: Options, *, check_batch=None) -> tuple[Any, Any, in
     host_memory = parse_bytes(options.host_memory, what="--host-memory") if options.host_memory else None
     if gpu_memory is not None and gpu_memory < 1:
         raise UsageError("--gpu-memory must be positive, e.g. 40GiB")
+    Cluster(num_gpus=options.gpus, num_nodes=options.nodes)  # the cluster's shape first: the first error is the real one
     if check_batch is not None:
         check_batch(options.gpus, seq_len)
     if options.gpu_type:

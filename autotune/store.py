@@ -270,6 +270,10 @@ def storage_errors(url: str) -> Iterator[None]:
     except Exception as exc:
         if exc.__class__.__name__ in ("ArgumentError", "OperationalError", "NoSuchModuleError", "ValueError"):
             raise UsageError(f"cannot open storage {shown!r}: {mask(str(exc).splitlines()[0])}") from None
+        if exc.__class__.__name__ == "DatabaseError" and "not a database" in str(exc):
+            # A file that is not SQLite (corrupted, or something else under the name): nothing is written to it.
+            raise UsageError(f"storage {shown!r} is not a study database (file is not a database): move the file "
+                             "away, or pass --storage (or --runs-dir) elsewhere") from None
         raise
 
 

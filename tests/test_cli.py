@@ -44,6 +44,7 @@ BAD_INPUTS = [
     (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--vllm-gpu-memory-utilization", "0.5"],
      "applies to --workload grpo only"),
     (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--workload", "rl"], "invalid choice"),
+    (["--model", "llama-7b", "--gpus", "100000", "--nodes", "3", "--global-tokens", "4M"], "not divisible by --nodes 3"),
     (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--lora-rank", "8"],
      "--lora-rank applies to --peft lora only"),
     (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--peft", "lora", "--lora-dropout", "1.5"],
@@ -69,6 +70,21 @@ def test_bad_input_real_cli(tmp_path, argv, message):
     assert proc.returncode == EXIT_USAGE, proc.stderr
     assert message in proc.stderr and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert not runs.exists()
+
+
+def test_a_storage_that_is_not_a_database_is_one_line_and_touches_nothing(tmp_path):
+    """runs/autotune.db full of random bytes (a corrupted or foreign file): one line naming it and
+    what to do, exit 2, the file unchanged and no run folder made."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    junk = os.urandom(4096)
+    (runs / "autotune.db").write_bytes(junk)
+    proc = run_cli(*TINY, "--backend", "analytic", "--runs-dir", str(runs))
+    assert proc.returncode == EXIT_USAGE, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "autotune.db" in proc.stderr and "not a study database" in proc.stderr and "--storage" in proc.stderr
+    assert (runs / "autotune.db").read_bytes() == junk
+    assert [p.name for p in runs.iterdir()] == ["autotune.db"]
 
 
 def test_malformed_space_and_unwritable_runs_dir(tmp_path):
