@@ -105,7 +105,11 @@ def loss_section(request: TuneRequest, winner: Step) -> dict[str, Any]:
 
 
 def finetuning_section(request: TuneRequest) -> dict[str, Any]:
-    """What trained, with parameter counts from a meta build of the model as peft wraps it."""
+    """What trained: every parameter (the model's cached count: no torch needed, so a cached plan
+    stays free), or LoRA's adapters, counted on meta builds of the model as peft wraps it."""
+    if not request.finetuning.lora:
+        total = request.model.num_parameters
+        return {**request.finetuning.to_dict(), "trainable_parameters": total, "total_parameters": total}
     from autotune.training import parameter_counts
 
     counts = parameter_counts(request.model, request.finetuning)
