@@ -337,11 +337,21 @@ def cmd_plan(args: argparse.Namespace, console) -> int:
         pass
     if plan.get("sequence_length"):
         console.seq_len_table(plan["sequence_length"])
+    ok = [o for o in plan["options"] if o["status"] == "ok"]
+    if ok:
+        sources = sorted({o["peak_memory_bytes"]["source"] for o in ok})
+        console.note(f"figures ({plan['backend']} backend): per-GPU memory {'/'.join(sources)}, tokens/s "
+                     f"{ok[0]['tokens_per_sec']['source']} on each GPU type's catalog figures; days, GPU-hours and "
+                     f"cost follow from tokens/s; every basis and range is in plan.json")
     console.plan_table(plan)
+    console.note(f"planned {len(plan['options'])} options in {plan['wall_s']:.0f} s (measured)")
     console.note(f"wrote {folder / 'plan.json'}" + (f" and {args.out}" if args.out else "") +
                  f"; export an option with: autotune export {folder / 'plan.json'} --option ID --format fsdp2")
     if args.json:
         sys.stdout.write(text)
+    if not ok:
+        console.error_line("no option has a configuration that fits (each row says which limit binds)")
+        return EXIT_NOTHING_FITS
     return EXIT_OK
 
 

@@ -246,3 +246,16 @@ def test_plan_seq_len_max_is_tunes_answer_on_the_smallest_option(tmp_path, capsy
     assert {o["seq_len"] for o in plan["options"]} == {length}
     probes = plan["sequence_length"]["by_gpu_type"]["h100-80gb"]["probes"]
     assert [p["seq_len"] for p in probes if p["fits"]][-1] == length
+
+
+def test_parallel_processes_give_the_same_plan(tmp_path):
+    """--jobs 2 (a process per GPU count) and --jobs 1 (one after another) plan the same winners
+    and figures."""
+    argv = ("--model", "llama3.2-1b", "--train-tokens", "1T", "--gpus", "8,16", "--gpu-type", "h100-80gb,a100-80gb",
+            "--global-tokens", "4Mi", "--backend", "analytic")
+    one = _plan(tmp_path / "one", *argv, "--jobs", "1")
+    two = _plan(tmp_path / "two", *argv, "--jobs", "2")
+    assert [o["id"] for o in one["options"]] == [o["id"] for o in two["options"]]
+    for a, b in zip(one["options"], two["options"]):
+        assert _answer(a["result"]) == _answer(b["result"])
+        assert a["tokens_per_sec"] == b["tokens_per_sec"] and a["binds"] == b["binds"]

@@ -94,9 +94,11 @@ def _table(plan: dict) -> str:
             f'<td class="num">{_gib(o["peak_memory_bytes"]["value"])}{_src(o["peak_memory_bytes"]["source"])}'
             f'<br><span class="muted">limit {_gib(o["memory_limit_bytes"])}</span></td>'
             f'<td>{escape(o["binds"]["limit"])}<br><span class="muted">{escape(o["binds"]["detail"])}</span></td></tr>')
-    return ('<div class="scroll"><table><tr><th>option</th><th>winner</th><th>tokens/s</th><th>time to train</th>'
+    # Every row shown (a plan has tens of options, not hundreds); ranges wrap under their figure.
+    return ('<style>table.plan td.num{white-space:normal}table.plan td:first-child{white-space:nowrap}</style>'
+            '<table class="plan"><tr><th>option</th><th>winner</th><th>tokens/s</th><th>time to train</th>'
             '<th>GPU-hours</th><th>cost</th><th>scaling eff.</th><th>peak/GPU</th><th>binds</th></tr>'
-            + "".join(rows) + "</table></div>")
+            + "".join(rows) + "</table>")
 
 
 def _sequence(plan: dict) -> str:
