@@ -235,17 +235,29 @@ def _figure(value: float | None, source: str, basis: str, low: float | None = No
 
 def binding_limit(row: dict[str, Any], options: PlanOptions) -> dict[str, str]:
     """Which limit binds this option: global batch, memory or communication (see COMMUNICATION_BOUND)."""
-    from autotune.units import format_bytes, parse_count
-
     if row["status"] == "global-batch":
         return {"limit": "global batch", "detail": row["message"]}
     if row["status"] == "nothing-fits":
         return {"limit": "memory", "detail": row["message"]}
-    document, records = row["result"], row["records"]
-    winner = next((r for r in records if r["step"] == document["found_by"]["step"]), None)
-    step_time = ((winner or {}).get("result") or {}).get("extras", {}).get("step_time") or {}
-    share = step_time.get("exposed_comm_s", 0.0) / step_time["seconds"] if step_time.get("seconds") else 0.0
-    if share >= COMMUNICATION_BOUND:
+    document = row["result"]
+    step_time = (_winner_record(row).get("result") or {}).get("extras", {}).get("step_time") or {}
+    share = step_time.get("exposed_comm_s", 0.0) / step_time["seconds"] if step_time.get("seconds") else None
+    limit = _limit(document, row["records"], options, share)
+    if share is not None:
+        limit["exposed_communication_share"] = share  # estimated, like the step time it comes from
+    return limit
+
+
+def _winner_record(row: dict[str, Any]) -> dict[str, Any]:
+    """The study's record of the winning trial (its result's extras: step time, tokens/s range)."""
+    step = row["result"]["found_by"]["step"]
+    return next((r for r in row["records"] if r["step"] == step), {})
+
+
+def _limit(document: dict[str, Any], records: list[dict], options: PlanOptions, share: float | None) -> dict[str, Any]:
+    from autotune.units import format_bytes, parse_count
+
+    if share is not None and share >= COMMUNICATION_BOUND:
         return {"limit": "communication",
                 "detail": f"exposed communication is {share:.0%} of the step time (estimated; bound at "
                           f"{COMMUNICATION_BOUND:.0%})"}
@@ -288,7 +300,7 @@ def option_figures(rows: list[dict[str, Any]], options: PlanOptions) -> list[dic
 
 def _winner_figures(row: dict[str, Any], options: PlanOptions, base: dict[str, Any]) -> dict[str, Any]:
     document = row["result"]
-    winner = next((r for r in row["records"] if r["step"] == document["found_by"]["step"]), {})
+    winner = _winner_record(row)
     tps = document["tokens_per_sec"]
     source, basis = document["throughput_source"], document["throughput_basis"]
     low, high = (winner.get("result") or {}).get("extras", {}).get("tokens_per_sec_range") or (None, None)
