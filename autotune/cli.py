@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--time-budget", type=duration, help="stop starting trials after this long, e.g. 10m")
     run.add_argument("--json", action="store_true", help="print the result JSON on stdout, nothing else")
 
+    from autotune.catalog.gpus import DEFAULT_GPU
+    from autotune.plan import GPUS_PER_NODE, PLAN_BACKENDS
+
     plan = sub.add_parser("plan", help="for a model and a token budget: GPU count and type, time, cost and "
                                        "binding limit of each option (a tune per option)")
     what = plan.add_argument_group("the question")
@@ -133,15 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--train-tokens", required=True, help="tokens to train on, e.g. 1T, 300G, 15_000_000_000")
     what.add_argument("--gpus", required=True,
                       help="GPU counts: a list (8,16,32) and/or doubling ranges (8..256 = 8,16,...,256)")
-    what.add_argument("--gpu-type", default="h100-80gb",
-                      help="comma-separated GPU catalog entries (default h100-80gb)")
-    what.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (default 8)")
+    what.add_argument("--gpu-type", default=DEFAULT_GPU,
+                      help=f"comma-separated GPU catalog entries (default {DEFAULT_GPU})")
+    what.add_argument("--gpus-per-node", type=positive_int, default=GPUS_PER_NODE,
+                      help=f"GPUs per node (default {GPUS_PER_NODE})")
     what.add_argument("--global-tokens", required=True, help="target tokens per optimizer step, as in tune: 4Mi")
     what.add_argument("--price", help="price per GPU-hour by type, e.g. h100-80gb=2.49,a100-80gb=1.79; no "
                                       "default prices: cost is shown only where one is given")
     _add_seq_len(what, seq_len_max=True)
     how = plan.add_argument_group("how")
-    how.add_argument("--backend", choices=("sim", "analytic"), default="sim",
+    how.add_argument("--backend", choices=PLAN_BACKENDS, default=PLAN_BACKENDS[0],
                      help="sim (traced memory, estimated throughput; default) or analytic (closed form)")
     how.add_argument("--global-tolerance", type=fraction, default=None, help="as in tune (default 0.01)")
     how.add_argument("--headroom", type=fraction, default=None, help="as in tune (default 0.10)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+import dataclasses
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -28,7 +29,7 @@ from autotune.errors import NothingFits, UsageError
 from autotune.options import TuneOptions, positive_int
 
 PLAN_SCHEMA_VERSION = 1
-PLAN_BACKENDS = ("sim", "analytic")
+PLAN_BACKENDS = ("sim", "analytic")  # the first is the default; real trials would need the cluster asked about
 GPUS_PER_NODE = 8
 """An 8-GPU node (HGX/DGX) unless --gpus-per-node says otherwise: the node count of each option."""
 
@@ -57,13 +58,24 @@ class PlanOptions:
     storage: str | None = None
     trust_remote_code: bool = False
     jobs: int | None = None
+    whole_sequences: bool = False
+    """--seq-len max: --global-tokens rounded to whole sequences per GPU at the length found, as
+    each probe had it (autotune/seqlen.py), so no option is refused for a length only it divides."""
 
-    def tune_options(self, gpu_type: str, gpus: int, *, seq_len: int | None = None,
-                     global_tokens: str | int | None = None) -> TuneOptions:
+    def global_tokens_for(self, gpus: int, seq_len: int) -> str | int:
+        if not self.whole_sequences:
+            return self.global_tokens
+        from autotune.seqlen import global_tokens_at
+        from autotune.units import parse_count
+
+        return global_tokens_at(parse_count(self.global_tokens, what="--global-tokens"), gpus=gpus, seq_len=seq_len)
+
+    def tune_options(self, gpu_type: str, gpus: int, *, seq_len: int | None = None) -> TuneOptions:
         """The `autotune tune` options of one option: the command it stands for."""
+        seq_len = seq_len or self.seq_len
         return TuneOptions(model=self.model, gpus=gpus, nodes=nodes_for(gpus, self.gpus_per_node),
-                           global_tokens=global_tokens or self.global_tokens, gpu_type=gpu_type,
-                           seq_len=seq_len or self.seq_len, backend=self.backend, headroom=self.headroom,
+                           global_tokens=self.global_tokens_for(gpus, seq_len) if seq_len else self.global_tokens,
+                           gpu_type=gpu_type, seq_len=seq_len, backend=self.backend, headroom=self.headroom,
                            global_tolerance=self.global_tolerance, space=self.space, runs_dir=self.runs_dir,
                            storage=self.storage, trust_remote_code=self.trust_remote_code)
 
@@ -146,7 +158,7 @@ def batch_refusal(options: PlanOptions, gpus: int, seq_len: int) -> str | None:
     from autotune.batch import DEFAULT_TOLERANCE, check_reachable, check_target
     from autotune.units import parse_count
 
-    target = parse_count(options.global_tokens, what="--global-tokens")
+    target = parse_count(options.global_tokens_for(gpus, seq_len), what="--global-tokens")
     tolerance = DEFAULT_TOLERANCE if options.global_tolerance is None else options.global_tolerance
     try:
         check_target(target_tokens=target, num_gpus=gpus, seq_len=seq_len)
@@ -162,7 +174,8 @@ def _run_group(options: PlanOptions, gpus: int, gpu_types: tuple[str, ...], seq_
 
     rows: list[dict[str, Any]] = []
     refused = batch_refusal(options, gpus, seq_len)
-    backend = None if refused else make_backend(options.backend, options.tune_options(gpu_types[0], gpus))
+    first = options.tune_options(gpu_types[0], gpus, seq_len=seq_len)
+    backend = None if refused else make_backend(options.backend, first)
     try:
         for gpu_type in gpu_types:
             row: dict[str, Any] = {"gpu_type": gpu_type, "gpus": gpus, "nodes": nodes_for(gpus, options.gpus_per_node),
@@ -172,7 +185,8 @@ def _run_group(options: PlanOptions, gpus: int, gpu_types: tuple[str, ...], seq_
                 row.update(status="global-batch", message=refused)
             else:
                 try:
-                    document = run_tune(options.tune_options(gpu_type, gpus), _quiet(), backend=backend)
+                    asked = options.tune_options(gpu_type, gpus, seq_len=seq_len)
+                    document = run_tune(asked, _quiet(), backend=backend)
                     row.update(status="ok", result=document, records=_records(options, document))
                 except NothingFits as exc:
                     row.update(status="nothing-fits", message=str(exc))
@@ -233,7 +247,7 @@ def _figure(value: float | None, source: str, basis: str, low: float | None = No
             "range": [low, high] if low is not None and high is not None else None}
 
 
-def binding_limit(row: dict[str, Any], options: PlanOptions) -> dict[str, str]:
+def binding_limit(row: dict[str, Any]) -> dict[str, Any]:
     """Which limit binds this option: global batch, memory or communication (see COMMUNICATION_BOUND)."""
     if row["status"] == "global-batch":
         return {"limit": "global batch", "detail": row["message"]}
@@ -242,7 +256,7 @@ def binding_limit(row: dict[str, Any], options: PlanOptions) -> dict[str, str]:
     document = row["result"]
     step_time = (_winner_record(row).get("result") or {}).get("extras", {}).get("step_time") or {}
     share = step_time.get("exposed_comm_s", 0.0) / step_time["seconds"] if step_time.get("seconds") else None
-    limit = _limit(document, row["records"], options, share)
+    limit = _limit(document, row["records"], share)
     if share is not None:
         limit["exposed_communication_share"] = share  # estimated, like the step time it comes from
     return limit
@@ -254,18 +268,18 @@ def _winner_record(row: dict[str, Any]) -> dict[str, Any]:
     return next((r for r in row["records"] if r["step"] == step), {})
 
 
-def _limit(document: dict[str, Any], records: list[dict], options: PlanOptions, share: float | None) -> dict[str, Any]:
-    from autotune.units import format_bytes, parse_count
+def _limit(document: dict[str, Any], records: list[dict], share: float | None) -> dict[str, Any]:
+    from autotune.units import format_bytes
 
     if share is not None and share >= COMMUNICATION_BOUND:
         return {"limit": "communication",
                 "detail": f"exposed communication is {share:.0%} of the step time (estimated; bound at "
                           f"{COMMUNICATION_BOUND:.0%})"}
     micro = document["micro_batch_size"]
-    per_gpu = parse_count(options.global_tokens, what="--global-tokens") // (document["gpus"] * document["seq_len"])
+    per_gpu = document["global_tokens_target"] // (document["gpus"] * document["seq_len"])
     if micro >= per_gpu:
         return {"limit": "global batch",
-                "detail": f"{options.global_tokens} tokens over {document['gpus']} GPUs x seq {document['seq_len']} "
+                "detail": f"{document['global_tokens_target']:,} tokens over {document['gpus']} GPUs x seq {document['seq_len']} "
                           f"allow at most micro-batch {max(per_gpu, 1)}; memory would allow more"}
     failed = min((r["config"]["micro_batch_size"] for r in records
                   if not r["fits"] and r["config"]["micro_batch_size"] > micro), default=None)
@@ -290,7 +304,7 @@ def option_figures(rows: list[dict[str, Any]], options: PlanOptions) -> list[dic
     for row in sorted(rows, key=lambda r: (order[r["gpu_type"]], r["gpus"])):
         option = {"id": f"{row['gpu_type']}x{row['gpus']}", "gpu_type": row["gpu_type"], "gpus": row["gpus"],
                   "nodes": row["nodes"], "seq_len": row["seq_len"], "status": row["status"],
-                  "message": row.get("message"), "binds": binding_limit(row, options),
+                  "message": row.get("message"), "binds": binding_limit(row),
                   "wall_s": round(row["wall_s"], 2)}
         if row["status"] == "ok":
             option.update(_winner_figures(row, options, smallest[row["gpu_type"]]))
@@ -364,7 +378,8 @@ def run_plan(options: PlanOptions, log, *, seq_len_max=None) -> dict[str, Any]:
     sequence = None
     if seq_len_max is not None:
         sequence = seq_len_max(model)
-        seq_len = sequence["max_seq_len"] or seq_len
+        seq_len = sequence["max_seq_len"]
+        options = dataclasses.replace(options, seq_len=seq_len, whole_sequences=True)
     rows = run_options(options, seq_len, log)
     return {
         "schema_version": PLAN_SCHEMA_VERSION,

@@ -259,3 +259,14 @@ def test_parallel_processes_give_the_same_plan(tmp_path):
     for a, b in zip(one["options"], two["options"]):
         assert _answer(a["result"]) == _answer(b["result"])
         assert a["tokens_per_sec"] == b["tokens_per_sec"] and a["binds"] == b["binds"]
+
+
+def test_export_from_a_plan_needs_a_known_option(shared_plan, tmp_path, capsys):
+    _, _, tmp = shared_plan
+    (path,) = (tmp / "runs").glob("plan-*/plan.json")
+    for argv, message in (([], "choose an option with --option, one of a100-80gbx8"),
+                          (["--option", "h100-80gbx32"], "no option 'h100-80gbx32' in the plan")):
+        capsys.readouterr()
+        assert main(["export", str(path), *argv, "--format", "fsdp2", "--out-dir", str(tmp_path)]) == EXIT_USAGE
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
