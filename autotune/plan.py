@@ -9,9 +9,10 @@ Sharing work between options: a trace depends on the model, the world size, the 
 and the configuration, never on the GPU type (the sim backend's trace key has no GPU in it; the
 GPU enters only in the memory limit, the runtime terms and the step-time estimate computed from
 the trace). So the options of one GPU count run one after another on one backend and reuse its
-traces exactly; different GPU counts shard differently and are traced afresh, each GPU count in
-its own process where cores are free (tests/test_plan.py checks a shared-trace row against a
-fresh `autotune tune`).
+traces exactly. Across GPU counts the same backend derives a configuration's trace from its
+traces at two other world sizes where that is exact (backends/sim/_world.py). With --jobs > 1
+each GPU count runs in its own process instead, sharing only across GPU types.
+tests/test_plan.py checks shared and derived rows against fresh `autotune tune` runs.
 """
 
 from __future__ import annotations
@@ -168,14 +169,25 @@ def batch_refusal(options: PlanOptions, gpus: int, seq_len: int) -> str | None:
     return None
 
 
-def _run_group(options: PlanOptions, gpus: int, gpu_types: tuple[str, ...], seq_len: int) -> list[dict[str, Any]]:
-    """The options of one GPU count, on one backend (their traces are the same: see the module doc)."""
-    from autotune.api import make_backend, run_tune
+def plan_backend(options: PlanOptions, gpus: int, seq_len: int):
+    """One backend for options that share traces; on sim it derives traces across world sizes (_world)."""
+    from autotune.api import make_backend
+
+    backend = make_backend(options.backend, options.tune_options(options.gpu_types[0], gpus, seq_len=seq_len))
+    if hasattr(backend, "derive_world_sizes"):
+        backend.derive_world_sizes = True
+    return backend
+
+
+def _run_group(options: PlanOptions, gpus: int, gpu_types: tuple[str, ...], seq_len: int,
+               shared=None) -> list[dict[str, Any]]:
+    """The options of one GPU count, on one backend (their traces are the same: see the module doc);
+    `shared`: a backend of the whole plan's (then not closed here)."""
+    from autotune.api import run_tune
 
     rows: list[dict[str, Any]] = []
     refused = batch_refusal(options, gpus, seq_len)
-    first = options.tune_options(gpu_types[0], gpus, seq_len=seq_len)
-    backend = None if refused else make_backend(options.backend, first)
+    backend = shared or (None if refused else plan_backend(options, gpus, seq_len))
     try:
         for gpu_type in gpu_types:
             row: dict[str, Any] = {"gpu_type": gpu_type, "gpus": gpus, "nodes": nodes_for(gpus, options.gpus_per_node),
@@ -193,7 +205,7 @@ def _run_group(options: PlanOptions, gpus: int, gpu_types: tuple[str, ...], seq_
             row["wall_s"] = time.monotonic() - began
             rows.append(row)
     finally:
-        if backend is not None:
+        if backend is not None and shared is None:
             backend.close()
     return rows
 
@@ -220,9 +232,14 @@ def run_options(options: PlanOptions, seq_len: int, log) -> list[dict[str, Any]]
         f"{', '.join(map(str, groups))} GPUs) in {jobs} process{'es' if jobs > 1 else ''}")
     rows: list[dict[str, Any]] = []
     if jobs <= 1:
-        for gpus in groups:
-            rows += _run_group(options, gpus, options.gpu_types, seq_len)
-            log(f"{gpus} GPUs: done ({', '.join(_short(r) for r in rows[-len(options.gpu_types):])})")
+        # One backend for every GPU count: traces at two world sizes give the others where exact (_world).
+        backend = plan_backend(options, groups[0], seq_len)
+        try:
+            for gpus in groups:
+                rows += _run_group(options, gpus, options.gpu_types, seq_len, shared=backend)
+                log(f"{gpus} GPUs: done ({', '.join(_short(r) for r in rows[-len(options.gpu_types):])})")
+        finally:
+            backend.close()
     else:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
             futures = {gpus: pool.submit(_run_group, options, gpus, options.gpu_types, seq_len) for gpus in groups}

@@ -170,6 +170,8 @@ class StepTrace:
     op_work: dict[str, float] = field(default_factory=dict)
     """Forward + backward of one micro-batch on one rank, by how the step-time model costs each
     op (`OP_KINDS`): '<kind>_ops' (count), 'matmul_flops', 'attention_flops', 'memory_bytes'."""
+    derived_from: tuple[int, ...] = ()
+    """The two world sizes this trace was derived from (_world.derive), or () where it was traced."""
 
 
 def _next_pow2(n: int) -> int:
