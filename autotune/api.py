@@ -38,9 +38,11 @@ def tune(model: str, *, gpus: int, global_tokens: int | str, **options: Any) -> 
     return run_tune(checked, Console(quiet=True))
 
 
-def run_tune(options: TuneOptions, console) -> dict[str, Any]:
+def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
     """A whole tuning run: the result document, or NothingFits (its message says why and where the
-    trials are). Progress goes to `console` (the CLI's; autotune.tune() passes a quiet one)."""
+    trials are). Progress goes to `console` (the CLI's; autotune.tune() passes a quiet one).
+    `backend`: a trial backend of options.backend's kind to use (and not close), so that runs of
+    one `autotune plan` share its traces; None makes one for this run."""
     from autotune.batch import DEFAULT_TOLERANCE, check_reachable, check_target
     from autotune.records import DEFAULT_HEADROOM, TuneRequest
     from autotune.search_space import load_space
@@ -88,7 +90,7 @@ def run_tune(options: TuneOptions, console) -> dict[str, Any]:
     try:
         document = _tune_in_run_dir(options, console, request=request, store=store, finished=finished,
                                     run_dir=run_dir, log=log, backend_name=backend_name,
-                                    backend_why=backend_why, gpu_note=gpu_note, formats=formats)
+                                    backend_why=backend_why, gpu_note=gpu_note, formats=formats, backend=backend)
         state = "done"
         return document
     except NothingFits:
@@ -103,7 +105,8 @@ def run_tune(options: TuneOptions, console) -> dict[str, Any]:
 
 
 def _tune_in_run_dir(options: TuneOptions, console, *, request, store, finished, run_dir: Path, log,
-                     backend_name: str, backend_why: str, gpu_note: str, formats: list[str]) -> dict[str, Any]:
+                     backend_name: str, backend_why: str, gpu_note: str, formats: list[str],
+                     backend=None) -> dict[str, Any]:
     """The run itself, once its folder is claimed: trials, then the files."""
     from autotune.backends import get_backend
     from autotune.controller import Controller
@@ -114,7 +117,8 @@ def _tune_in_run_dir(options: TuneOptions, console, *, request, store, finished,
 
     run_id = run_dir.name
     model = request.model
-    backend = make_backend(backend_name, options)
+    shared = backend is not None
+    backend = backend or make_backend(backend_name, options)
     predictor = _predictor_for(backend_name)
     console.header(request, backend_name, backend_why, backend.describe(), store, finished, run_dir)
     console.note(gpu_note)
@@ -132,7 +136,8 @@ def _tune_in_run_dir(options: TuneOptions, console, *, request, store, finished,
         with console.progress():
             outcome = controller.tune()
     finally:
-        backend.close()
+        if not shared:
+            backend.close()
         if predictor is not None:
             predictor.close()
     records = store.trials(run_id=run_id)

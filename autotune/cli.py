@@ -1,4 +1,4 @@
-"""The command line: `autotune [tune] ...`, `trial`, `export`, `report`, `sweep`, `regress`, `agent`.
+"""The command line: `autotune [tune] ...`, `plan`, `trial`, `export`, `report`, `sweep`, `regress`, `agent`.
 
 Each command is a thin wrapper over library functions; shared options are defined once;
 errors are turned into one line and an exit code in one place (`main`).
@@ -36,7 +36,7 @@ class Terminated(KeyboardInterrupt):
     are kept, trial workers are stopped and temporary folders removed on the way out."""
 
 
-COMMANDS = ("tune", "trial", "export", "report", "agent", "sweep", "regress", "calibrate")
+COMMANDS = ("tune", "plan", "trial", "export", "report", "agent", "sweep", "regress", "calibrate")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,7 +47,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 # -- shared options ---------------------------------------------------------------------------------
-def _add_problem_options(parser: argparse.ArgumentParser, *, model_required: bool) -> None:
+def _add_problem_options(parser: argparse.ArgumentParser, *, model_required: bool, seq_len_max: bool = False) -> None:
     group = parser.add_argument_group("model and cluster")
     group.add_argument("--model", required=model_required,
                        help="catalog name (llama-7b, llama3-8b, mistral-7b, qwen2.5-7b, tiny-llama, ...) "
@@ -61,8 +61,7 @@ def _add_problem_options(parser: argparse.ArgumentParser, *, model_required: boo
     group.add_argument("--gpu-memory", help="override the memory per GPU, e.g. 40GiB; on the cpu backend "
                                             "the per-rank capacity")
     group.add_argument("--host-memory", help="host memory per node, e.g. 1TiB (checked for CPU offload)")
-    group.add_argument("--seq-len", type=positive_int, help="training sequence length (default: the "
-                                                             "catalog entry's)")
+    _add_seq_len(group, seq_len_max=seq_len_max)
     group.add_argument("--hardware", metavar="PROFILE",
                        help="hardware profile the sim backend estimates step time on: a JSON file from "
                             "`autotune calibrate` or a catalog GPU name (default: the GPU's shipped profile)")
@@ -96,13 +95,26 @@ def _add_problem_options(parser: argparse.ArgumentParser, *, model_required: boo
     real.add_argument("--node-rank", help=argparse.SUPPRESS)  # gone: refused with what to do instead
 
 
+def _add_seq_len(group, *, seq_len_max: bool) -> None:
+    from autotune.seqlen import SEQ_LEN_STEP, seq_len_or_max
+
+    if not seq_len_max:
+        group.add_argument("--seq-len", type=positive_int, help="training sequence length (default: the catalog entry's)")
+        return
+    group.add_argument("--seq-len", type=seq_len_or_max,
+                       help="training sequence length (default: the catalog entry's), or 'max': the longest "
+                            "that fits with some configuration, with a table of throughput vs length")
+    group.add_argument("--seq-len-step", type=positive_int, default=SEQ_LEN_STEP,
+                       help=f"--seq-len max: the granularity of the answer (default {SEQ_LEN_STEP})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     root = _Parser(prog="autotune", description="Find the fastest FSDP2 configuration that fits, and prove it.")
     root.add_argument("--version", "-V", action="store_true", help="print the version and exit")
     sub = root.add_subparsers(dest="command", parser_class=_Parser)
 
     tune = sub.add_parser("tune", help="walk the decision graph and write the winner (the default command)")
-    _add_problem_options(tune, model_required=True)
+    _add_problem_options(tune, model_required=True, seq_len_max=True)
     tune.set_defaults(gpus=None)
     run = tune.add_argument_group("run")
     run.add_argument("--global-tokens", required=True,
@@ -124,6 +136,37 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--time-budget", type=duration, help="stop starting trials after this long, e.g. 10m")
     run.add_argument("--json", action="store_true", help="print the result JSON on stdout, nothing else")
 
+    from autotune.catalog.gpus import DEFAULT_GPU
+    from autotune.plan import GPUS_PER_NODE, PLAN_BACKENDS
+
+    plan = sub.add_parser("plan", help="for a model and a token budget: GPU count and type, time, cost and "
+                                       "binding limit of each option (a tune per option)")
+    what = plan.add_argument_group("the question")
+    what.add_argument("--model", required=True, help="catalog name or a path to a Hugging Face config.json")
+    what.add_argument("--trust-remote-code", action="store_true", help="allow a local config that needs custom code")
+    what.add_argument("--train-tokens", required=True, help="tokens to train on, e.g. 1T, 300G, 15_000_000_000")
+    what.add_argument("--gpus", required=True,
+                      help="GPU counts: a list (8,16,32) and/or doubling ranges (8..256 = 8,16,...,256)")
+    what.add_argument("--gpu-type", default=DEFAULT_GPU,
+                      help=f"comma-separated GPU catalog entries (default {DEFAULT_GPU})")
+    what.add_argument("--gpus-per-node", type=positive_int, default=GPUS_PER_NODE,
+                      help=f"GPUs per node (default {GPUS_PER_NODE})")
+    what.add_argument("--global-tokens", required=True, help="target tokens per optimizer step, as in tune: 4Mi")
+    what.add_argument("--price", help="price per GPU-hour by type, e.g. h100-80gb=2.49,a100-80gb=1.79; no "
+                                      "default prices: cost is shown only where one is given")
+    _add_seq_len(what, seq_len_max=True)
+    how = plan.add_argument_group("how")
+    how.add_argument("--backend", choices=PLAN_BACKENDS, default=PLAN_BACKENDS[0],
+                     help="sim (traced memory, estimated throughput; default) or analytic (closed form)")
+    how.add_argument("--global-tolerance", type=fraction, default=None, help="as in tune (default 0.01)")
+    how.add_argument("--headroom", type=fraction, default=None, help="as in tune (default 0.10)")
+    how.add_argument("--space", help="search-space TOML, as in tune")
+    how.add_argument("--storage", help="Optuna storage URL (default: sqlite in --runs-dir)")
+    how.add_argument("--runs-dir", default="runs", help="output folder: each option's run and plan-<time>/ (default runs)")
+    how.add_argument("--jobs", type=positive_int, help="processes (default: one per two free cores on sim)")
+    how.add_argument("--out", help="also write plan.json here")
+    how.add_argument("--json", action="store_true", help="print plan.json on stdout, nothing else")
+
     trial = sub.add_parser("trial", help="evaluate one configuration and print its result as JSON")
     _add_problem_options(trial, model_required=False)
     knobs = trial.add_argument_group("configuration (or --config)")
@@ -134,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fraction of GPU memory kept free (default 0.10)")
 
     export = sub.add_parser("export", help="write a result in the format of another training stack")
-    export.add_argument("result", help="runs/<run-id>/best.json (or the run folder)")
+    export.add_argument("result", help="runs/<run-id>/best.json (or the run folder), or a plan.json with --option")
+    export.add_argument("--option", help="a plan.json's option to export: <gpu-type>x<gpus>, e.g. h100-80gbx64")
     export.add_argument("--format", required=True,
                         help="comma-separated formats, or 'all' (every format but lightning-fsdp1)")
     export.add_argument("--out-dir", help="where to write (default: next to the result)")
@@ -232,12 +276,98 @@ def cmd_tune(args: argparse.Namespace, console) -> int:
     from autotune.result import dumps
 
     try:
-        document = run_tune(TuneOptions.from_namespace(args), console)
+        if args.seq_len == "max":
+            document = _tune_seq_len_max(args, console)
+        else:
+            document = run_tune(TuneOptions.from_namespace(args), console)
     except NothingFits as exc:
         console.error_line(str(exc))
         return EXIT_NOTHING_FITS
     if args.json:
         sys.stdout.write(dumps(document))
+    return EXIT_OK
+
+
+def _tune_seq_len_max(args: argparse.Namespace, console) -> dict:
+    """--seq-len max: bisect the length (each probe a quiet tune), then tune at the answer out loud."""
+    import dataclasses
+
+    from autotune.console import Console
+    from autotune.seqlen import find_max_seq_len, global_tokens_at, tune_probe
+    from autotune.units import parse_count
+
+    options = dataclasses.replace(TuneOptions.from_namespace(args), seq_len=None)
+    model, _, _, _ = resolve_problem(options)
+    target = parse_count(options.global_tokens, what="--global-tokens")
+    probe = tune_probe(options, lambda: Console(quiet=True), target=target)
+    sequence = find_max_seq_len(probe, max_positions=model.max_positions, step=args.seq_len_step, log=console.note)
+    console.seq_len_table(sequence)
+    if sequence["max_seq_len"] is None:
+        raise NothingFits(f"no sequence length fits, not even {args.seq_len_step} ({sequence['bound']})")
+    length = sequence["max_seq_len"]
+    tokens = global_tokens_at(target, gpus=options.gpus, seq_len=length)
+    console.note(f"longest sequence length that fits: {length} (bound: {sequence['bound']}); tuning at it with "
+                 f"{tokens:,} global tokens (--global-tokens in whole sequences per GPU)")
+    return run_tune(dataclasses.replace(options, seq_len=length, global_tokens=tokens), console)
+
+
+def cmd_plan(args: argparse.Namespace, console) -> int:
+    from autotune.files import write_atomic
+    from autotune.plan import PlanOptions, parse_gpu_counts, parse_gpu_types, parse_prices, plan_dir, run_plan
+    from autotune.result import dumps
+    from autotune.units import parse_count
+
+    gpu_types = parse_gpu_types(args.gpu_type)
+    train_tokens = parse_count(args.train_tokens, what="--train-tokens")
+    if train_tokens < 1:
+        raise UsageError("--train-tokens must be positive, e.g. 1T")
+    parse_count(args.global_tokens, what="--global-tokens")
+    check_out_file(args.out)
+    options = PlanOptions(model=args.model, train_tokens=train_tokens, gpus=parse_gpu_counts(args.gpus),
+                          gpu_types=gpu_types, global_tokens=args.global_tokens,
+                          prices=parse_prices(args.price, gpu_types),
+                          seq_len=None if args.seq_len == "max" else args.seq_len, backend=args.backend,
+                          gpus_per_node=args.gpus_per_node, headroom=args.headroom,
+                          global_tolerance=args.global_tolerance, space=args.space, runs_dir=args.runs_dir,
+                          storage=args.storage, trust_remote_code=args.trust_remote_code, jobs=args.jobs)
+    seq_len_max = None
+    if args.seq_len == "max":
+        from autotune.plan import plan_max_seq_len
+
+        seq_len_max = lambda model: plan_max_seq_len(options, model, step=args.seq_len_step, log=console.note)  # noqa: E731
+    try:
+        plan = run_plan(options, console.note, seq_len_max=seq_len_max)
+    except NothingFits as exc:
+        console.error_line(str(exc))
+        return EXIT_NOTHING_FITS
+    folder = plan_dir(args.runs_dir)
+    text = dumps(plan)
+    write_atomic(folder / "plan.json", text)
+    if args.out:
+        write_atomic(Path(args.out), text)
+    try:
+        from autotune.report import write_plan_report
+
+        console.note(f"report: {write_plan_report(folder, plan)}")
+    except ImportError:
+        pass
+    if plan.get("sequence_length"):
+        console.seq_len_table(plan["sequence_length"])
+    ok = [o for o in plan["options"] if o["status"] == "ok"]
+    if ok:
+        sources = sorted({o["peak_memory_bytes"]["source"] for o in ok})
+        console.note(f"figures ({plan['backend']} backend): per-GPU memory {'/'.join(sources)}, tokens/s "
+                     f"{ok[0]['tokens_per_sec']['source']} on each GPU type's catalog figures; days, GPU-hours and "
+                     f"cost follow from tokens/s; every basis and range is in plan.json")
+    console.plan_table(plan)
+    console.note(f"planned {len(plan['options'])} options in {plan['wall_s']:.0f} s (measured)")
+    console.note(f"wrote {folder / 'plan.json'}" + (f" and {args.out}" if args.out else "") +
+                 f"; export an option with: autotune export {folder / 'plan.json'} --option ID --format fsdp2")
+    if args.json:
+        sys.stdout.write(text)
+    if not ok:
+        console.error_line("no option has a configuration that fits (each row says which limit binds)")
+        return EXIT_NOTHING_FITS
     return EXIT_OK
 
 
@@ -302,9 +432,17 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
 
 
 def cmd_export(args: argparse.Namespace, console) -> int:
+    from autotune.plan import find_option, is_plan
     from autotune.result import load_result
 
     document = load_result(args.result)
+    if is_plan(document):
+        if not args.option:
+            raise UsageError(f"{args.result} is a plan: choose an option with --option, one of "
+                             f"{', '.join(o['id'] for o in document['options'])}")
+        document = find_option(document, args.option)
+    elif args.option:
+        raise UsageError(f"--option is for a plan.json; {args.result} is one run's result")
     formats = parse_formats(args.format)
     source = Path(args.result)
     out_dir = Path(args.out_dir) if args.out_dir else (source if source.is_dir() else source.parent)
@@ -466,7 +604,7 @@ def _interrupted(console, exc: KeyboardInterrupt) -> int:
 def _main(argv: list[str], console) -> int:
     try:
         args = parse_args(argv)
-        handler = {"tune": cmd_tune, "trial": cmd_trial, "export": cmd_export, "report": cmd_report,
+        handler = {"tune": cmd_tune, "plan": cmd_plan, "trial": cmd_trial, "export": cmd_export, "report": cmd_report,
                    "agent": cmd_agent, "sweep": cmd_sweep, "regress": cmd_regress,
                    "calibrate": cmd_calibrate}[args.command]
         return handler(args, console)

@@ -70,6 +70,17 @@ _SHORT_STAGE = {"checkpointing": "ckpt", "baseline": "base", "act-offload": "act
 _STATUS_STYLE = {"ok": "green", "oom": "red", "pruned": "yellow", "error": "magenta", "timeout": "magenta"}
 
 
+def _compact(value: float) -> str:
+    """56.6K, 1.2M: three significant figures in five or six characters (a table cell)."""
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{unit}"
+    return f"{value:.3g}"
+
+
+_SHORT_LIMIT = {"memory": "mem", "global batch": "batch", "communication": "comm", "search space": "space"}
+
+
 class Console:
     def __init__(self, *, quiet: bool = False, notes_to_stderr: bool = False) -> None:
         """quiet: no human output on stdout (--json). notes_to_stderr: stdout carries data (trial)."""
@@ -208,6 +219,53 @@ class Console:
         if why.get("sentence"):
             self.out.print(f"   why: {why['sentence']}", markup=False)
         self.out.print(f"   wrote {run_dir / 'best.json'}" + (f" and {out}" if out else ""))
+
+    def plan_table(self, plan: dict) -> None:
+        """One row per plan option, within 80 columns; every figure's source and range are in plan.json."""
+        from autotune.config import TrainConfig
+
+        table = Table(title="options (E estimated; days, GPU-h, cost from tok/s; eff: per GPU vs smallest)",
+                      box=None, pad_edge=False, padding=(0, 1), title_justify="left", header_style="bold underline")
+        for column, justify in (("option", "left"), ("winner", "left"), ("tok/s", "right"), ("days", "right"),
+                                ("GPU-h", "right"), ("cost", "right"), ("eff", "right"), ("binds", "left")):
+            table.add_column(column, justify=justify, no_wrap=True)
+        for option in plan["options"]:
+            binds = _SHORT_LIMIT.get(option["binds"]["limit"], option["binds"]["limit"])
+            if option["status"] != "ok":
+                table.add_row(option["id"], option["status"], "-", "-", "-", "-", "-", binds)
+                continue
+            tps, cost = option["tokens_per_sec"], option["cost"]
+            days = option["time_to_train_s"]["value"] / 86400
+            table.add_row(option["id"], _short_label(TrainConfig.from_result(option["result"])).replace("ac:", ""),
+                          f"{_compact(tps['value'])} {_SOURCE_LETTER.get(tps['source'], '?')}",
+                          f"{days:,.0f}" if days >= 100 else f"{days:.1f}",
+                          _compact(option["gpu_hours"]["value"]), _compact(cost["value"]) if cost else "-",
+                          f"{option['scaling_efficiency']['value']:.0%}", binds)
+        self.out.print(table)
+
+    def seq_len_table(self, sequence: dict) -> None:
+        """--seq-len max: the probes, throughput vs sequence length."""
+        tables = sequence.get("by_gpu_type") or {"": sequence}
+        for gpu_type, found in tables.items():
+            self.note(f"sequence length{' on ' + gpu_type if gpu_type else ''}: longest that fits "
+                      f"{found['max_seq_len'] or 'none'} (step {found['step']}; bound: {found['bound']})")
+            table = Table(title="throughput vs sequence length (P predicted, E estimated)",
+                          box=None, pad_edge=False, padding=(0, 1), title_justify="left",
+                          header_style="bold underline", width=80)
+            for column, justify in (("seq_len", "right"), ("fits", "left"), ("winner", "left"), ("peak/GPU", "right"),
+                                    ("tok/s", "right")):
+                table.add_column(column, justify=justify, no_wrap=True)
+            for row in found["probes"]:
+                if not row["fits"]:
+                    table.add_row(str(row["seq_len"]), "no", "-", "-", "-")
+                    continue
+                winner = f"mb{row['micro_batch_size']} ac:{row['activation_checkpointing']}" + \
+                    (" offload" if row["cpu_offload"] else "")
+                table.add_row(str(row["seq_len"]), "yes", winner,
+                              f"{format_bytes(row['peak_memory_bytes'])} "
+                              f"{_SOURCE_LETTER.get(row['memory_source'], '?')}",
+                              f"{row['tokens_per_sec']:,.0f} {_SOURCE_LETTER.get(row['throughput_source'], '?')}")
+            self.out.print(table)
 
     def exported(self, fmt: str, path: Path, warnings: list[str]) -> None:
         self.note(f"export {fmt}: {path}")

@@ -319,9 +319,13 @@ class ModelSpec:
         return self._config(overrides)
 
     def _config(self, overrides: dict[str, Any]):
+        import copy
+
         from transformers import AutoConfig
 
-        overrides = dict(overrides)
+        # A deep copy: transformers writes into nested fields (rope_theta into rope_scaling), which
+        # would change config_dict, and with it every key made from it, after the first build.
+        overrides = copy.deepcopy(dict(overrides))
         overrides.pop("model_type", None)
         overrides.pop("transformers_version", None)
         config = AutoConfig.for_model(self.model_type, **overrides)

@@ -125,6 +125,33 @@ def _series_key(config: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+class Log2Frame:
+    """An SVG chart's frame: a log2 x axis from `low` to `high`, a linear y axis from 0 to a tick above
+    `top_value` (no point drawn above the axis) with its grid lines; `out` holds the opening tag and
+    the grid, for the caller to add its marks and close."""
+
+    width, left, right = 1100, 78, 20  # the page width: no scaling
+
+    def __init__(self, low: float, high: float, top_value: float, *, chart_id: str, aria: str, height: int,
+                 bottom: int, plot_top: int, y_format=None) -> None:
+        self.lo, self.hi = math.log2(low), math.log2(high)
+        self.hi = self.hi if self.hi > self.lo else self.lo + 1
+        self.top = _ticks(top_value * 1.05)[-1] if top_value else 1.0
+        self.height, self.bottom, self.plot_top = height, bottom, plot_top
+        self.out = [f'<svg class="chart" id="{chart_id}" viewBox="0 0 {self.width} {height}" width="{self.width}" '
+                    f'height="{height}" role="img" aria-label="{escape(aria)}">']
+        for tick in _ticks(self.top):
+            self.out.append(f'<line x1="{self.left}" x2="{self.width - self.right}" y1="{self.y(tick):.1f}" '
+                            f'y2="{self.y(tick):.1f}" class="grid"/><text x="{self.left - 6}" y="{self.y(tick) + 4:.1f}" '
+                            f'class="axis" text-anchor="end">{(y_format or _short)(tick)}</text>')
+
+    def x(self, value: float) -> float:
+        return self.left + (self.width - self.left - self.right) * (math.log2(value) - self.lo) / (self.hi - self.lo)
+
+    def y(self, value: float) -> float:
+        return self.bottom - (self.bottom - self.plot_top) * value / self.top
+
+
 def throughput_chart(trials: list[dict[str, Any]]) -> str:
     """Tokens/s against micro-batch (log2 axis), one line per checkpointing/offload setting;
     trials that fit are dots, out-of-memory ones crosses on the axis."""
@@ -139,22 +166,10 @@ def throughput_chart(trials: list[dict[str, Any]]) -> str:
     if not series:
         return '<p class="empty">No trial has a micro-batch size.</p>'
     micro_all = [m for points in series.values() for m, *_ in points]
-    lo, hi = math.log2(min(micro_all)), math.log2(max(micro_all))
-    hi = hi if hi > lo else lo + 1
-    top = _ticks(max(values) * 1.05)[-1] if values else 1.0  # the axis ends on a tick above every point
-    width, height, left, right, bottom, plot_top = 1100, 335, 78, 20, 290, 20  # the page width: no scaling
-
-    def x(micro: int) -> float:
-        return left + (width - left - right) * (math.log2(micro) - lo) / (hi - lo)
-
-    def y(value: float) -> float:
-        return bottom - (bottom - plot_top) * value / top
-
-    out = [f'<svg class="chart" id="throughput-chart" viewBox="0 0 {width} {height}" width="{width}" '
-           f'height="{height}" role="img" aria-label="tokens per second against micro-batch size">']
-    for tick in _ticks(top):
-        out.append(f'<line x1="{left}" x2="{width - right}" y1="{y(tick):.1f}" y2="{y(tick):.1f}" class="grid"/>'
-                   f'<text x="{left - 6}" y="{y(tick) + 4:.1f}" class="axis" text-anchor="end">{_short(tick)}</text>')
+    frame = Log2Frame(min(micro_all), max(micro_all), max(values) if values else 0.0, chart_id="throughput-chart",
+                      aria="tokens per second against micro-batch size", height=335, bottom=290, plot_top=20)
+    x, y, out = frame.x, frame.y, frame.out
+    lo, hi, width, left, bottom, plot_top = frame.lo, frame.hi, frame.width, frame.left, frame.bottom, frame.plot_top
     # Every power of two in range, and every micro-batch a trial used (3, 6, 21 ...) too.
     labels = {2 ** p for p in range(int(math.floor(lo)), int(math.ceil(hi)) + 1) if lo <= p <= hi} | set(micro_all)
     placed: list[float] = []

@@ -197,6 +197,16 @@ def _checkpoint(result: dict[str, Any]) -> str:
             + rows + "</tbody></table>")
 
 
+def page_head(title: str) -> str:
+    """A page's head and its first heading: the CSS, and the script the browser check reads."""
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>
+<meta name="viewport" content="width=device-width, initial-scale=1"><style>{_CSS}</style>
+<script>{_SCRIPT}</script></head>
+<body data-rendered="pending">
+<h1>{escape(title)}</h1>"""
+
+
 def render_report(result: dict[str, Any], trials: list[dict[str, Any]]) -> str:
     """The whole report as one HTML string (see the module docstring)."""
     trials = sorted(trials, key=lambda t: (t["step"], t.get("number", 0)))
@@ -210,12 +220,7 @@ def render_report(result: dict[str, Any], trials: list[dict[str, Any]]) -> str:
     sources = sorted({((t.get("result") or {}).get("peak_memory") or {}).get("source") for t in trials} - {None})
     title = f"autotune: {model['name']} on {result['gpus']} x {gpu['type']}"
     provenance = result.get("provenance", {})
-    return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>
-<meta name="viewport" content="width=device-width, initial-scale=1"><style>{_CSS}</style>
-<script>{_SCRIPT}</script></head>
-<body data-rendered="pending">
-<h1>{escape(title)}</h1>
+    return f"""{page_head(title)}
 <div class="sub">run {escape(str(result.get('run_id', '')))} &middot; {model['parameters']:,} parameters &middot;
 {result['nodes']} node(s) &middot; {_gib(gpu['memory_bytes'])} per GPU &middot; backend {escape(result['backend'])}
 &middot; {escape(provenance.get('tool', ''))}, torch {escape(provenance.get('torch', ''))}, {escape(provenance.get('time', ''))}</div>

@@ -29,6 +29,8 @@ RUNTIME_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "NCCL_BUFFSIZE", "NCCL_MAX_NCHANNELS",
 """Environment variables the runtime memory terms read: part of a cached prediction's key."""
 
 GiB = 2**30
+_WORLD_INDEX = 3
+"""Where the world size is in a trace key (_trace_key): traces differing only there share a derivation."""
 _MB_BASE = (2, 3)
 """Micro-batches larger than these are extrapolated from them (see _extrapolate)."""
 
@@ -51,7 +53,7 @@ class SimBackend(TrialBackend):
 
     def __init__(self, *, device_kind: Literal["cuda", "cpu"] = "cuda", extrapolate: bool = True,
                  extrapolate_micro_batch: bool = True, max_cached_models: int = 24, screen: bool = True,
-                 hardware=None, parallel: bool = False) -> None:
+                 hardware=None, parallel: bool = False, derive_world_sizes: bool = False) -> None:
         if device_kind not in ("cuda", "cpu"):
             raise ValueError(f"device_kind must be 'cuda' or 'cpu', got {device_kind!r}")
         self.device_kind = device_kind
@@ -63,6 +65,9 @@ class SimBackend(TrialBackend):
         self.screen = screen
         self._max_cached_models = max_cached_models
         self.parallel = parallel
+        self.derive_world_sizes = derive_world_sizes
+        """Derive a trace from the same configuration's traces at two other world sizes where that is
+        exact (_world), instead of tracing it: `autotune plan`, which asks for many GPU counts."""
         self._helper = None
         self._tracer_instance = None
         self._traces: dict[tuple, StepTrace] = {}
@@ -131,6 +136,7 @@ class SimBackend(TrialBackend):
         """Everything a prediction depends on besides versions and code (cache.fingerprint)."""
         return dict(spec=spec.to_dict(), device_kind=self.device_kind, extrapolate=self.extrapolate,
                     extrapolate_micro_batch=self.extrapolate_micro_batch, screen=self.screen,
+                    derive_world_sizes=self.derive_world_sizes,
                     environment={name: os.environ.get(name) for name in RUNTIME_ENV},
                     hardware=self.hardware.to_dict() if self.hardware is not None else None)
 
@@ -182,6 +188,7 @@ class SimBackend(TrialBackend):
         train = spec.train.with_(micro_batch_size=micro_batch_size, cpu_offload=False)
         world_size = spec.cluster.num_gpus
         key = self._trace_key(spec, depth=depth, micro_batch_size=micro_batch_size, keep_middle=keep_middle)
+        self._derive(spec, key, train)
         if key not in self._traces:
             mesh = self._mesh(spec)
             self._traces[key] = self._tracer.trace(
@@ -190,6 +197,29 @@ class SimBackend(TrialBackend):
                 gloo=self.device_kind == "cpu", weight_sync=spec.workload.weight_sync,
                 finetuning=spec.finetuning)
         return self._traces[key]
+
+    def _derive(self, spec: TrialSpec, key: tuple, train) -> None:
+        """With derive_world_sizes: the trace of `key` from the same configuration's traces at two other
+        world sizes, where that is exact (_world); else nothing (it is traced)."""
+        if key in self._traces or not self.derive_world_sizes:
+            return
+        derived = self._derived(spec, key, train)
+        if derived is not None:
+            self._traces[key] = derived
+
+    def _derived(self, spec: TrialSpec, key: tuple, train) -> StepTrace | None:
+        from autotune.backends.sim._world import derive, unpadded
+
+        world = _WORLD_INDEX
+        traced = sorted((other[world], trace) for other, trace in self._traces.items()
+                        if not trace.derived_from and other[:world] + other[world + 1:] == key[:world] + key[world + 1:])
+        # The per-operation cost model (a hardware profile) reads a figure a derivation leaves out (_world).
+        if len(traced) < 2 or self.device_kind != "cuda" or spec.workload.weight_sync or self._profile is not None:
+            return None
+        (w1, first), (w2, second) = traced[-2:]
+        if not unpadded(spec.model, train, (w1, w2, key[world])):
+            return None
+        return derive(first, w1, second, w2, key[world])
 
     def _sites(self, spec: TrialSpec) -> tuple[dict, StepTrace, dict[str, Any]]:
         """Sites of the full model at the spec's micro-batch, a trace for shapes, and notes."""
@@ -227,6 +257,9 @@ class SimBackend(TrialBackend):
         def known(depth: int, mb: int) -> bool:
             return self._trace_key(spec, depth=depth, micro_batch_size=mb, keep_middle=False) in self._traces
 
+        for d, m in keys:  # derived where exact: neither traced here nor sent to the helper
+            self._derive(spec, self._trace_key(spec, depth=d, micro_batch_size=m, keep_middle=False),
+                         spec.train.with_(micro_batch_size=m, cpu_offload=False))
         deepest = max(d for d, _ in keys)
         remote = [(d, m) for d, m in keys if d == deepest and not known(d, m)]
         helper = self._started_helper() if remote else None
@@ -305,6 +338,10 @@ class SimBackend(TrialBackend):
         breakdown["runtime_overhead"] = overhead
 
         basis = f"tensor peak traced exactly with fake tensors at world size {world_size}"
+        if trace.derived_from:
+            basis = (f"tensor peak derived exactly for world size {world_size} from fake-tensor traces at world "
+                     f"sizes {trace.derived_from[0]} and {trace.derived_from[1]} (no shard padded: every site's "
+                     "bytes affine in 1/world size)")
         if notes["extrapolated"]:
             basis += (f", extrapolated from {notes['traced_layers'][0]} and {notes['traced_layers'][1]} "
                       f"blocks to {spec.model.num_layers}")

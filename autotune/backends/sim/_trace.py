@@ -174,6 +174,8 @@ class StepTrace:
     offloaded: dict[str, int] = field(default_factory=dict)
     """Activation offload (GPU runs): 'host_bytes', the most one rank holds in pinned host memory
     at once, and 'moved_bytes', what one micro-batch copies each way (training.OffloadedActivations)."""
+    derived_from: tuple[int, ...] = ()
+    """The two world sizes this trace was derived from (_world.derive), or () where it was traced."""
 
 
 def _next_pow2(n: int) -> int:

@@ -1,0 +1,83 @@
+"""A trace at one world size from traces at two others: what `autotune plan` reuses across GPU counts.
+
+FSDP on dimension 0 whose every sharded dimension divides by W pads no shard, so at every site each
+category's bytes are a W-independent part (activations, the gathered unit, the logits; with HSDP or
+a reshard group, what is sharded over the group) plus a part proportional to 1/W (the shards of
+parameters, gradients and optimizer state over all W ranks, and what is copied in and out of
+them): affine in 1/W.
+Two traces at W1 and W2 then give the trace at any other unpadded W exactly. Anything the two
+traces do not agree on (sites, FLOPs, op counts, the largest allocation, parameter counts), a
+value that would not come out a whole byte, or a non-power-of-two W (the pinned-memory sizes are
+powers of two), and this returns None: the caller traces afresh. One figure is not affine: the
+bytes of memory ops over LARGE_MEMORY_OP_BYTES (an op's shard crosses the threshold as W grows);
+it is left out of a derived trace, which the roofline estimate does not read (the per-operation
+cost model does: with a hardware profile nothing is derived). tests/test_plan.py compares a
+derived trace, field by field, with a fresh one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+
+from autotune.backends.sim._trace import StepTrace
+
+
+def unpadded(model, train, world_sizes) -> bool:
+    """Whether no parameter shard is padded at any of `world_sizes` (shards on dimension 0; HSDP and
+    reshard groups are powers of two no larger than W, so they divide what W divides)."""
+    if train.shard_placement != "dim0":
+        return False
+    dims = {shape[0] for shape in model.block_param_shapes} | {model.hidden_size, model.vocab_size}
+    return all(w & (w - 1) == 0 and all(d % w == 0 for d in dims) for w in world_sizes)
+
+
+def _at(x1: Fraction, w1: int, x2: Fraction, w2: int, w: int) -> Fraction:
+    """The affine function of 1/W through (1/w1, x1) and (1/w2, x2), at 1/w."""
+    return x1 + (x2 - x1) * (Fraction(1, w) - Fraction(1, w1)) / (Fraction(1, w2) - Fraction(1, w1))
+
+
+def derive(first: StepTrace, w1: int, second: StepTrace, w2: int, w: int) -> StepTrace | None:
+    """The trace at world size `w` from traces at `w1` and `w2` (see the module doc), or None."""
+    if (set(first.sites) != set(second.sites) or first.flops != second.flops
+            or (first.block_params, first.root_params) != (second.block_params, second.root_params)
+            or first.largest_allocation_bytes != second.largest_allocation_bytes
+            or first.sync_largest_allocation_bytes or second.sync_largest_allocation_bytes
+            or set(first.op_work) != set(second.op_work) or set(first.pinned_param_bytes) != set(second.pinned_param_bytes)
+            or first.offloaded != second.offloaded):  # offloaded activations do not depend on W
+        return None
+    sites = {}
+    for key, cats in first.sites.items():
+        other = second.sites[key]
+        derived = {}
+        for ref in set(cats) | set(other):
+            value = _at(Fraction(cats.get(ref, 0)), w1, Fraction(other.get(ref, 0)), w2, w)
+            if value.denominator != 1 or value < 0:
+                return None
+            if value or ref in cats:
+                derived[ref] = int(value)
+        sites[key] = derived
+    op_work = {}
+    for name, value in first.op_work.items():
+        if name.endswith("_ops") and value != second.op_work[name]:
+            return None  # the same ops at every world size, or not this derivation
+        if name.endswith("_large"):
+            # Bytes of ops over a size threshold: shards shrinking past it make this no affine
+            # function. Kept where W does not change it; else left out (only the per-operation
+            # cost model reads it, and SimBackend derives nothing for that).
+            if value == second.op_work[name]:
+                op_work[name] = value
+            continue
+        op_work[name] = float(_at(Fraction(value), w1, Fraction(second.op_work[name]), w2, w))
+    pinned = {}
+    for name, nbytes in first.pinned_param_bytes.items():
+        other = second.pinned_param_bytes[name]
+        if nbytes == other:  # sharded over a group (HSDP), not over W
+            pinned[name] = nbytes
+        elif nbytes * w1 == other * w2 and (nbytes * w1) % w == 0:  # each shard's power of two halves with W
+            pinned[name] = nbytes * w1 // w
+        else:
+            return None
+    return dataclasses.replace(first, sites=sites, op_work=op_work, pinned_param_bytes=pinned, duration_s=0.0,
+                               tensor_peak_bytes=max(sum(c.values()) for c in sites.values()),
+                               derived_from=(w1, w2))

@@ -1,0 +1,92 @@
+"""`--seq-len max`: the longest sequence length that fits with some configuration, and its throughput.
+
+A bisection over multiples of a stated granularity (--seq-len-step, default SEQ_LEN_STEP) up to
+the model's positions. Each probe is a whole tune (api.run_tune: the controller's answer), so
+"fits" means the decision graph found a configuration within the memory limit -- checkpointing
+and CPU offload included -- and the probe's throughput is its winner's. Memory grows with the
+sequence length, so fitting is monotone in it and the bisection is exact on the grid.
+
+At each length the global batch is --global-tokens rounded to a whole number of sequences per GPU
+(at least one): a length is not refused for a global batch that only another length divides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from autotune.errors import NothingFits, UsageError
+
+SEQ_LEN_STEP = 1024
+"""The default granularity of the answer: attention kernels and data pipelines favour multiples of it."""
+
+UNBOUNDED_POSITIONS = 1 << 20
+"""The ceiling for a model whose config states no maximum position count."""
+
+
+def seq_len_or_max(text: str) -> int | str:
+    """The --seq-len argparse type: a positive integer, or 'max'."""
+    from autotune.options import positive_int
+
+    return "max" if str(text).strip().lower() == "max" else positive_int(text)
+
+
+def global_tokens_at(target: int, *, gpus: int, seq_len: int) -> int:
+    """--global-tokens rounded to a whole number (>= 1) of sequences per GPU at this length."""
+    unit = gpus * seq_len
+    return max(1, round(target / unit)) * unit
+
+
+def find_max_seq_len(probe: Callable[[int], dict[str, Any]], *, max_positions: int | None, step: int,
+                     log=lambda text: None) -> dict[str, Any]:
+    """Bisect on multiples of `step` up to `max_positions`; `probe(seq_len)` returns a row with
+    `fits`. Returns the answer, what bounds it, and every probe (the throughput table)."""
+    ceiling = ((max_positions or UNBOUNDED_POSITIONS) // step) * step
+    if ceiling < step:
+        raise UsageError(f"--seq-len-step {step} is longer than the model's {max_positions} positions")
+    probes: dict[int, dict[str, Any]] = {}
+
+    def fits(length: int) -> bool:
+        if length not in probes:
+            probes[length] = probe(length)
+            row = probes[length]
+            figure = f", {row['tokens_per_sec']:,.0f} tokens/s estimated" if row.get("tokens_per_sec") else ""
+            log(f"seq_len {length}: {'fits' if row['fits'] else 'does not fit'}{figure}")
+        return probes[length]["fits"]
+
+    if fits(ceiling):
+        answer, bound = ceiling, f"the model's positions ({max_positions})" if max_positions else "the search ceiling"
+    else:
+        low, high = 0, ceiling // step  # grid indices: low fits (0: nothing yet), high does not
+        while high - low > 1:
+            middle = (low + high) // 2
+            if fits(middle * step):
+                low = middle
+            else:
+                high = middle
+        answer = low * step or None
+        bound = f"memory: {high * step} does not fit" if answer else f"memory: not even {step} fits"
+    return {"max_seq_len": answer, "step": step, "bound": bound, "positions": max_positions,
+            "probes": [probes[k] for k in sorted(probes)],
+            "method": f"bisection on multiples of {step}; each probe a tune (the controller's winner)"}
+
+
+def tune_probe(options, console_factory, *, target: int, backend=None) -> Callable[[int], dict[str, Any]]:
+    """A probe that tunes `options` (TuneOptions) at a sequence length."""
+    from autotune.api import run_tune
+
+    def probe(length: int) -> dict[str, Any]:
+        tokens = global_tokens_at(target, gpus=options.gpus, seq_len=length)
+        asked = dataclasses.replace(options, seq_len=length, global_tokens=tokens)
+        try:
+            document = run_tune(asked, console_factory(), backend=backend)
+        except NothingFits as exc:
+            return {"seq_len": length, "fits": False, "global_tokens": tokens, "message": str(exc)}
+        return {"seq_len": length, "fits": True, "global_tokens": tokens,
+                "tokens_per_sec": document["tokens_per_sec"], "throughput_source": document["throughput_source"],
+                "peak_memory_bytes": document["peak_memory_bytes"], "memory_source": document["memory_source"],
+                "micro_batch_size": document["micro_batch_size"],
+                "activation_checkpointing": document["fsdp"]["activation_checkpointing"],
+                "cpu_offload": document["fsdp"]["cpu_offload"], "run_id": document["run_id"],
+                "result": document}
+    return probe

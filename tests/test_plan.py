@@ -1,0 +1,346 @@
+"""`autotune plan` and `--seq-len max`: each option against the tune command's own answer for the
+same problem, shared traces against fresh ones, bad input as one line, plan.json against its schema."""
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from autotune.cli import EXIT_OK, EXIT_USAGE, main
+
+ROOT = Path(__file__).resolve().parent.parent
+PLAN_SCHEMA = json.loads((ROOT / "schemas" / "plan.schema.json").read_text())
+RESULT_SCHEMA = json.loads((ROOT / "schemas" / "result.schema.json").read_text())
+
+# What differs between two runs of the same problem without being an answer.
+RUN_IDENTITY = ("run_id", "provenance", "study")
+
+
+def _plan(tmp_path: Path, *argv: str) -> dict:
+    assert main(["plan", *argv, "--runs-dir", str(tmp_path / "runs")]) == EXIT_OK
+    (path,) = (tmp_path / "runs").glob("plan-*/plan.json")
+    plan = json.loads(path.read_text())
+    jsonschema.validate(plan, PLAN_SCHEMA)
+    return plan
+
+
+def _answer(document: dict) -> dict:
+    return {k: v for k, v in document.items() if k not in RUN_IDENTITY}
+
+
+@pytest.fixture(scope="module")
+def shared_plan(tmp_path_factory):
+    """a100 first, so the h100 option of each GPU count runs on traces the a100 option made; 32 GPUs
+    after 8 and 16, so some of its traces are derived from theirs (_world)."""
+    tmp = tmp_path_factory.mktemp("plan")
+    from autotune.backends.sim import _world
+    from autotune.backends.sim._trace import Tracer
+
+    traced: list[tuple] = []
+    derived: list[int] = []
+    original, original_derive = Tracer.trace, _world.derive
+
+    def counting(self, model, **kwargs):
+        traced.append((kwargs["world_size"], kwargs["depth"], kwargs["train"].cache_key()))
+        return original(self, model, **kwargs)
+
+    def counting_derive(first, w1, second, w2, w):
+        trace = original_derive(first, w1, second, w2, w)
+        if trace is not None:
+            derived.append(w)
+        return trace
+
+    Tracer.trace, _world.derive = counting, counting_derive
+    try:
+        plan = _plan(tmp, "--model", "llama3.2-1b", "--train-tokens", "100G", "--gpus", "8..32",
+                     "--gpu-type", "a100-80gb,h100-80gb", "--global-tokens", "4Mi", "--price", "h100-80gb=2.49",
+                     "--jobs", "1")
+    finally:
+        Tracer.trace, _world.derive = original, original_derive
+    return plan, (traced, derived), tmp
+
+
+@pytest.mark.parametrize("gpus", [16, 32])
+def test_option_equals_tune_on_fresh_traces(shared_plan, tmp_path, gpus):
+    """The h100 rows (on traces the a100 option made; at 32 GPUs partly derived from the traces at 8
+    and 16) are what `autotune tune` says for the same problem with traces of its own, figure for
+    figure: every step of the decision path, the winner, its peak and tokens/s."""
+    plan, _, _ = shared_plan
+    option = next(o for o in plan["options"] if o["id"] == f"h100-80gbx{gpus}")
+    fresh = tmp_path / "fresh"
+    assert main(["--model", "llama3.2-1b", "--gpus", str(gpus), "--nodes", str(gpus // 8), "--gpu-type", "h100-80gb",
+                 "--global-tokens", "4Mi", "--backend", "sim", "--runs-dir", str(fresh),
+                 "--out", str(tmp_path / "best.json")]) == EXIT_OK
+    tuned = json.loads((tmp_path / "best.json").read_text())
+    jsonschema.validate(option["result"], RESULT_SCHEMA)
+    ours, theirs = _answer(option["result"]), _answer(tuned)
+    if "derived exactly" in ours["memory_basis"]:  # says how the trace was made; every figure is the same
+        ours["memory_basis"] = theirs["memory_basis"]
+    assert ours == theirs
+    assert option["tokens_per_sec"]["value"] == tuned["tokens_per_sec"]
+    assert option["peak_memory_bytes"]["value"] == tuned["peak_memory_bytes"]
+
+
+def test_options_share_traces(shared_plan):
+    """Each (world size, depth, configuration) is traced once across GPU types: the a100 and h100
+    options of a GPU count did not trace the same thing twice; and at 32 GPUs some traces were
+    derived from those at 8 and 16 instead of traced."""
+    _, (traced, derived), _ = shared_plan
+    assert traced, "the plan traced nothing: the cache was on?"
+    assert len(traced) == len(set(traced))
+    assert {world for world, _, _ in traced} <= {8, 16, 32}
+    assert derived and set(derived) == {32}
+
+
+def test_derived_figures(shared_plan):
+    """Time, GPU-hours and cost follow from tokens/s; cost only where a price was given; scaling
+    efficiency is tokens/s per GPU against the type's smallest option."""
+    plan, _, _ = shared_plan
+    by_id = {o["id"]: o for o in plan["options"]}
+    for option in plan["options"]:
+        assert option["status"] == "ok"
+        tps = option["result"]["tokens_per_sec"]
+        assert option["time_to_train_s"]["value"] == pytest.approx(100e9 / tps)
+        assert option["gpu_hours"]["value"] == pytest.approx(100e9 / tps / 3600 * option["gpus"])
+        assert option["tokens_per_sec"]["source"] == option["result"]["throughput_source"] == "estimated"
+        low, high = option["tokens_per_sec"]["range"]
+        assert low < tps < high
+        assert option["time_to_train_s"]["range"] == pytest.approx([100e9 / high, 100e9 / low])
+        if option["gpu_type"] == "h100-80gb":
+            assert option["cost"]["value"] == pytest.approx(option["gpu_hours"]["value"] * 2.49)
+        else:
+            assert option["cost"] is None
+        base = by_id[f"{option['gpu_type']}x8"]["result"]["tokens_per_sec"] / 8
+        assert option["scaling_efficiency"]["value"] == pytest.approx(tps / option["gpus"] / base)
+        assert option["binds"]["limit"] in ("memory", "communication", "global batch", "search space")
+
+
+def test_export_an_option(shared_plan, tmp_path):
+    """`autotune export plan.json --option` writes what exporting the option's own best.json writes."""
+    plan, _, tmp = shared_plan
+    (path,) = (tmp / "runs").glob("plan-*/plan.json")
+    option = next(o for o in plan["options"] if o["id"] == "h100-80gbx16")
+    assert main(["export", str(path), "--option", "h100-80gbx16", "--format", "fsdp2",
+                 "--out-dir", str(tmp_path / "a")]) == EXIT_OK
+    assert main(["export", str(Path(option["run_dir"]) / "best.json"), "--format", "fsdp2",
+                 "--out-dir", str(tmp_path / "b")]) == EXIT_OK
+    written = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert written and written == sorted(p.name for p in (tmp_path / "b").iterdir())
+    for name in written:
+        assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text()
+
+
+def test_console_table_reads_at_80_columns(shared_plan, capsys):
+    from autotune.console import Console
+
+    plan, _, _ = shared_plan
+    Console().plan_table(plan)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 + len(plan["options"])
+    assert max(len(line.rstrip()) for line in lines) <= 80
+
+
+def test_global_batch_binds_where_it_cannot_be_kept(tmp_path):
+    """4Mi tokens at seq 8192 is half a sequence per GPU on 1024 GPUs: tune refuses it; plan says so
+    in that option's row and goes on with the others."""
+    plan = _plan(tmp_path, "--model", "llama3-8b", "--train-tokens", "1T", "--gpus", "256,1024",
+                 "--global-tokens", "4Mi", "--backend", "analytic")
+    rows = {o["gpus"]: o for o in plan["options"]}
+    assert rows[1024]["status"] == "global-batch" and rows[1024]["binds"]["limit"] == "global batch"
+    assert main(["--model", "llama3-8b", "--gpus", "1024", "--nodes", "128", "--global-tokens", "4Mi",
+                 "--backend", "analytic", "--runs-dir", str(tmp_path / "t")]) == EXIT_USAGE
+    # 256 GPUs: 2 sequences per GPU at most, whatever memory allows
+    assert rows[256]["status"] == "ok"
+    if rows[256]["result"]["micro_batch_size"] == 2:
+        assert rows[256]["binds"]["limit"] in ("global batch", "communication")
+
+
+BAD_PLANS = [
+    (["--gpus", "8..x"], "is not a GPU count"),
+    (["--gpus", "16..8"], "runs backwards"),
+    (["--gpus", "12"], "not a whole number of 8-GPU nodes"),
+    (["--gpu-type", "h100"], "did you mean h100-80gb"),
+    (["--price", "a100-80gb=1.5"], "not in --gpu-type"),
+    (["--price", "h100-80gb=cheap"], "is not a number"),
+    (["--train-tokens", "lots"], "cannot parse --train-tokens"),
+    (["--seq-len", "max", "--seq-len-step", "0"], "must be a positive integer"),
+]
+
+
+@pytest.mark.parametrize("extra, message", BAD_PLANS, ids=[m for _, m in BAD_PLANS])
+def test_bad_plan_input_is_one_line(tmp_path, capsys, extra, message):
+    argv = {"--model": "llama3-8b", "--train-tokens": "1T", "--gpus": "8", "--gpu-type": "h100-80gb",
+            "--global-tokens": "4Mi"}
+    for flag, value in zip(extra[::2], extra[1::2]):
+        argv[flag] = value
+    args = [x for pair in argv.items() for x in pair]
+    assert main(["plan", *args, "--runs-dir", str(tmp_path / "runs")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()
+
+
+def _trial(capsys, *argv: str) -> dict:
+    """`autotune trial` on the sim backend: a fresh backend, fresh traces (the cache is off in tests)."""
+    capsys.readouterr()
+    assert main(["trial", "--backend", "sim", *argv]) == EXIT_OK
+    return json.loads(capsys.readouterr().out)
+
+
+def test_seq_len_max_is_the_longest_that_fits(tmp_path, capsys):
+    """llama3.2-1b (131,072 positions) on 8 x h100: the answer fits by a fresh trace of its winner,
+    and one step up the most memory-saving configuration the graph has (full checkpointing and
+    CPU offload, micro-batch 1) does not fit by a fresh trace."""
+    from autotune.seqlen import global_tokens_at
+
+    step = 8192
+    out = tmp_path / "best.json"
+    assert main(["--model", "llama3.2-1b", "--gpus", "8", "--gpu-type", "h100-80gb", "--global-tokens", "4Mi",
+                 "--backend", "sim", "--seq-len", "max", "--seq-len-step", str(step),
+                 "--runs-dir", str(tmp_path / "runs"), "--out", str(out)]) == EXIT_OK
+    printed = capsys.readouterr().out
+    assert "throughput vs sequence length" in printed
+    best = json.loads(out.read_text())
+    length = best["seq_len"]
+    assert length % step == 0 and length < 131072 and f"memory: {length + step} does not fit" in printed
+    fits = _trial(capsys, "--config", str(out))
+    assert fits["fits"] and fits["peak_memory"]["value"] <= fits["memory_limit_bytes"]
+    above = length + step
+    accum = global_tokens_at(4 * 2**20, gpus=8, seq_len=above) // (8 * above)
+    over = _trial(capsys, "--model", "llama3.2-1b", "--gpus", "8", "--gpu-type", "h100-80gb", "--seq-len", str(above),
+                  "--micro-batch", "1", "--grad-accum", str(accum), "--ac", "full", "--offload")
+    assert not over["fits"]
+
+
+def test_seq_len_max_stops_at_the_models_positions(tmp_path, capsys):
+    """llama3-8b on 8 x h100 fits its 8,192 positions (by a fresh trace of the winner); tune itself
+    refuses the next step up as longer than the model supports."""
+    out = tmp_path / "best.json"
+    assert main(["--model", "llama3-8b", "--gpus", "8", "--gpu-type", "h100-80gb", "--global-tokens", "4Mi",
+                 "--backend", "sim", "--seq-len", "max", "--runs-dir", str(tmp_path / "runs"),
+                 "--out", str(out)]) == EXIT_OK
+    printed = capsys.readouterr().out
+    assert "the model's positions (8192)" in printed
+    assert json.loads(out.read_text())["seq_len"] == 8192
+    assert _trial(capsys, "--config", str(out))["fits"]
+    assert main(["--model", "llama3-8b", "--gpus", "8", "--global-tokens", "4Mi", "--backend", "sim",
+                 "--seq-len", str(8192 + 1024), "--runs-dir", str(tmp_path / "r2")]) == EXIT_USAGE
+    assert "longer than llama3-8b supports" in capsys.readouterr().err
+
+
+def test_plan_report_renders_in_headless_chromium(shared_plan, tmp_path):
+    import os
+    import re
+    import shutil
+
+    from tests.test_report import _browser, _chromium
+
+    browser = _browser()
+    _, _, tmp = shared_plan
+    (page,) = (tmp / "runs").glob("plan-*/plan.html")
+    dom = _chromium(browser, "--virtual-time-budget=3000", "--dump-dom", page.resolve().as_uri())
+    body = re.search(r"<body[^>]*>", dom).group(0)
+    assert 'data-rendered="ok"' in body and 'data-charts="4"' in body and "data-js-errors" not in body, body
+    shot = tmp_path / "plan.png"
+    _chromium(browser, "--window-size=1280,2400", "--hide-scrollbars", f"--screenshot={shot}", page.resolve().as_uri())
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+    if os.environ.get("AUTOTUNE_UPDATE_SCREENSHOT"):  # refresh docs/plan_report.png from this run
+        shutil.copyfile(shot, ROOT / "docs" / "plan_report.png")
+
+
+def test_plan_seq_len_max_is_tunes_answer_on_the_smallest_option(tmp_path, capsys):
+    """plan --seq-len max plans every option at the length tune --seq-len max finds on the smallest."""
+    plan = _plan(tmp_path, "--model", "llama3.2-1b", "--train-tokens", "1T", "--gpus", "8,16",
+                 "--global-tokens", "4Mi", "--backend", "analytic", "--seq-len", "max", "--seq-len-step", "16384")
+    out = tmp_path / "best.json"
+    assert main(["--model", "llama3.2-1b", "--gpus", "8", "--gpu-type", "h100-80gb", "--global-tokens", "4Mi",
+                 "--backend", "analytic", "--seq-len", "max", "--seq-len-step", "16384",
+                 "--runs-dir", str(tmp_path / "tune"), "--out", str(out)]) == EXIT_OK
+    length = json.loads(out.read_text())["seq_len"]
+    assert plan["sequence_length"]["max_seq_len"] == plan["seq_len"] == length
+    assert {o["seq_len"] for o in plan["options"]} == {length}
+    probes = plan["sequence_length"]["by_gpu_type"]["h100-80gb"]["probes"]
+    assert [p["seq_len"] for p in probes if p["fits"]][-1] == length
+
+
+def test_parallel_processes_give_the_same_plan(tmp_path):
+    """--jobs 2 (a process per GPU count) and --jobs 1 (one after another) plan the same winners
+    and figures."""
+    argv = ("--model", "llama3.2-1b", "--train-tokens", "1T", "--gpus", "8,16", "--gpu-type", "h100-80gb,a100-80gb",
+            "--global-tokens", "4Mi", "--backend", "analytic")
+    one = _plan(tmp_path / "one", *argv, "--jobs", "1")
+    two = _plan(tmp_path / "two", *argv, "--jobs", "2")
+    assert [o["id"] for o in one["options"]] == [o["id"] for o in two["options"]]
+    for a, b in zip(one["options"], two["options"]):
+        assert _answer(a["result"]) == _answer(b["result"])
+        assert a["tokens_per_sec"] == b["tokens_per_sec"] and a["binds"] == b["binds"]
+
+
+def test_export_from_a_plan_needs_a_known_option(shared_plan, tmp_path, capsys):
+    _, _, tmp = shared_plan
+    (path,) = (tmp / "runs").glob("plan-*/plan.json")
+    for argv, message in (([], "choose an option with --option, one of a100-80gbx8"),
+                          (["--option", "h100-80gbx64"], "no option 'h100-80gbx64' in the plan")):
+        capsys.readouterr()
+        assert main(["export", str(path), *argv, "--format", "fsdp2", "--out-dir", str(tmp_path)]) == EXIT_USAGE
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+
+
+def _trace_spec(gpus: int, train, model: str = "llama3.2-1b"):
+    from autotune.api import resolve_problem
+    from autotune.options import TuneOptions
+    from autotune.records import TuneRequest
+    from autotune.search_space import load_space
+
+    options = TuneOptions(model=model, gpus=gpus, nodes=max(1, gpus // 8), global_tokens="4Mi", gpu_type="h100-80gb")
+    model_spec, cluster, seq_len, _ = resolve_problem(options)
+    request = TuneRequest(model=model_spec, cluster=cluster, seq_len=seq_len, target_tokens=4 * 2**20,
+                          space=load_space(None))
+    return request.spec(train)
+
+
+def _fields(trace) -> dict:
+    return {"sites": {key: {ref: n for ref, n in cats.items() if n} for key, cats in trace.sites.items()},
+            "flops": trace.flops, "tensor_peak_bytes": trace.tensor_peak_bytes, "op_work": trace.op_work,
+            "pinned": trace.pinned_param_bytes, "largest": trace.largest_allocation_bytes,
+            "params": (trace.block_params, trace.root_params), "depth": trace.depth}
+
+
+DERIVED = [("full", 1, {}, (8, 16, 32)), ("none", 2, {}, (8, 16, 32)),
+           ("full", 1, {"shard_group_size": 8}, (16, 32, 64)), ("full", 1, {"reshard_group_size": 8}, (16, 32, 64))]
+
+
+@pytest.mark.parametrize("ac, micro, knobs, worlds", DERIVED, ids=["full", "none-mb2", "hsdp8", "reshard8"])
+def test_a_trace_derived_from_two_world_sizes_equals_a_fresh_trace(ac, micro, knobs, worlds):
+    """What plan reuses across GPU counts: the trace at the third world size derived from those at
+    the first two is the fresh trace there, site by site and category by category (and FLOPs, op
+    work, pinned bytes), for plain FSDP, HSDP within a node and resharding to a node."""
+    from autotune.backends.sim._backend import SimBackend
+    from autotune.config import TrainConfig
+
+    config = TrainConfig(activation_checkpointing=ac, micro_batch_size=micro, **knobs)
+    first, second, third = worlds
+    deriving = SimBackend(derive_world_sizes=True)
+    try:
+        for gpus in (first, second):
+            assert not deriving._trace(_trace_spec(gpus, config), depth=3, micro_batch_size=config.micro_batch_size,
+                                       keep_middle=False).derived_from
+        derived = deriving._trace(_trace_spec(third, config), depth=3, micro_batch_size=config.micro_batch_size,
+                                  keep_middle=False)
+    finally:
+        deriving.close()
+    assert derived.derived_from == (first, second)
+    fresh_backend = SimBackend()
+    try:
+        fresh = fresh_backend._trace(_trace_spec(third, config), depth=3, micro_batch_size=config.micro_batch_size,
+                                     keep_middle=False)
+    finally:
+        fresh_backend.close()
+    assert not fresh.derived_from
+    large = "memory_bytes_large"  # not affine in 1/W (a size threshold): left out unless W leaves it alone
+    derived_fields, fresh_fields = _fields(derived), _fields(fresh)
+    if large not in derived.op_work:
+        fresh_fields["op_work"] = {k: v for k, v in fresh.op_work.items() if k != large}
+    assert derived_fields == fresh_fields
