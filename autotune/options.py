@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from autotune.errors import UsageError
+from autotune.seqlen import SEQ_LEN_STEP
 
 BACKENDS = ("auto", "sim", "analytic", "cpu", "cuda")
 WORKLOADS = ("sft", "grpo")
@@ -81,6 +82,8 @@ class TuneOptions:
     gpu_memory: str | None = None
     host_memory: str | None = None
     seq_len: int | None = _option(check=positive_int)
+    seq_len_step: int = _option(SEQ_LEN_STEP, check=positive_int)
+    """--seq-len max (the command line's): the granularity of the answer."""
     hardware: str | None = None
     backend: str = _option("auto", choices=BACKENDS)
     # workload
