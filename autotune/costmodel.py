@@ -363,6 +363,13 @@ def host_link_gbps(gpu: GPUSpec) -> float:
     return _PCIE_GBPS.get(gpu.name, _PCIE_GEN4_GBPS)
 
 
+def activation_transfer_s(gpu: GPUSpec, *, moved_bytes: float, num_microbatches: int) -> float:
+    """Activation offload's copies in one optimizer step: what each micro-batch's forward saved goes to
+    the host and comes back, over the host link, on the compute stream (not overlapped: an upper
+    bound, torchtune overlaps them on a side stream)."""
+    return num_microbatches * 2 * moved_bytes / (host_link_gbps(gpu) * 1e9)
+
+
 def matmul_efficiency(gpu: GPUSpec, tokens_per_microbatch: float, top: float | None = None, *,
                       hidden_size: int = 0, half_tokens: float | None = None,
                       half_hidden: float | None = None) -> float:

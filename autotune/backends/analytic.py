@@ -310,7 +310,8 @@ class AnalyticBackend(TrialBackend):
         if memory.offloaded_activation_bytes:
             # The copies to the host and back, on the compute stream (not overlapped), at the host link's rate.
             gbps = costmodel.host_link_gbps(spec.cluster.gpu)
-            transfer_s = spec.grad_accum_steps * 2 * memory.offloaded_activation_bytes / (gbps * 1e9)
+            transfer_s = costmodel.activation_transfer_s(spec.cluster.gpu, moved_bytes=memory.offloaded_activation_bytes,
+                                                         num_microbatches=spec.grad_accum_steps)
             tokens = spec.train.micro_batch_size * spec.seq_len * spec.grad_accum_steps * spec.cluster.num_gpus
             tokens_per_sec = tokens / (tokens / tokens_per_sec + transfer_s)
             tps_basis += f"; plus {transfer_s:.3f} s per step of activation offload copies at {gbps:g} GB/s"

@@ -229,6 +229,17 @@ def _approximate(mapper: Mapper, knobs: tuple[str, ...], note: str) -> None:
                           if m.knob in knobs and m.status == "mapped" else m for m in mapper.mappings]
 
 
+def _map_unless_written(mapper: Mapper, knob: str, *, at_default: bool, default: str, missing: str) -> None:
+    """A knob the exporter did not map: mapped when it is at its default (the stack's behaviour too),
+    else unsupported with what to do by hand."""
+    if knob in {m.knob for m in mapper.mappings}:
+        return
+    if at_default:
+        mapper.mapped(knob, default)
+    else:
+        mapper.unsupported(knob, missing)
+
+
 def map_knobs_not_expressed(tuned: Tuned, mapper: Mapper, *, stack: str, expresses: tuple[str, ...]) -> None:
     """Downgrade or add the mappings of knob values the stack cannot express (see EXPRESSIBLE)."""
     unknown = set(expresses) - set(EXPRESSIBLE)
@@ -242,23 +253,17 @@ def map_knobs_not_expressed(tuned: Tuned, mapper: Mapper, *, stack: str, express
         _approximate(mapper, ("activation_checkpointing",),
                      f"{stack} has no op-level selective checkpointing ({tuned.activation_checkpointing} was tuned): "
                      "every block is checkpointed whole instead (less memory, more recompute)")
-    if "reshard_group_size" not in {m.knob for m in mapper.mappings}:
-        if not tuned.reshard_group_size:
-            mapper.mapped("reshard_group_size", "resharded over the whole shard group (or kept gathered), as tuned")
-        else:
-            mapper.unsupported("reshard_group_size",
-                               f"resharding after forward to groups of {tuned.reshard_group_size} GPUs is not "
-                               f"expressible in {stack}: the file reshards over the whole shard group (less memory "
-                               "between forward and backward, backward's all-gather over every shard rank)")
-    if "activation_offload" not in {m.knob for m in mapper.mappings}:
-        if not tuned.activation_offload:
-            mapper.mapped("activation_offload", "saved activations stay on the GPU, as tuned")
-        else:
-            mapper.unsupported("activation_offload",
-                               f"activation offload is not written for {stack}: wrap each forward in torch's "
-                               "torch.autograd.graph.save_on_cpu(pin_memory=True) (it also copies parameters; "
-                               "torchtune's OffloadActivations skips them, as tuned) or the GPU runs out of memory; "
-                               "the fsdp2 script and Lightning exports apply it")
+    _map_unless_written(mapper, "reshard_group_size", at_default=not tuned.reshard_group_size,
+                        default="resharded over the whole shard group (or kept gathered), as tuned",
+                        missing=f"resharding after forward to groups of {tuned.reshard_group_size} GPUs is not "
+                                f"expressible in {stack}: the file reshards over the whole shard group (less memory "
+                                "between forward and backward, backward's all-gather over every shard rank)")
+    _map_unless_written(mapper, "activation_offload", at_default=not tuned.activation_offload,
+                        default="saved activations stay on the GPU, as tuned",
+                        missing=f"activation offload is not written for {stack}: wrap each forward in torch's "
+                                "torch.autograd.graph.save_on_cpu(pin_memory=True) (it also copies parameters; "
+                                "torchtune's OffloadActivations skips them, as tuned) or the GPU runs out of memory; "
+                                "the fsdp2 script and Lightning exports apply it")
     if "shard_placement" not in {m.knob for m in mapper.mappings}:
         if tuned.shard_placement == "dim0":
             mapper.mapped("shard_placement", "every parameter sharded on dimension 0 (FSDP's default), as tuned")

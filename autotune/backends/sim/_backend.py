@@ -474,7 +474,8 @@ def _with_activation_transfers(throughput: Figure, spec: TrialSpec, offloaded: d
     copy on the compute stream, so the copies are counted as not overlapped (an upper bound on the
     time: torchtune's version overlaps them on a side stream)."""
     gbps = costmodel.host_link_gbps(spec.cluster.gpu)
-    transfer_s = spec.grad_accum_steps * 2 * offloaded.get("moved_bytes", 0) / (gbps * 1e9)
+    transfer_s = costmodel.activation_transfer_s(spec.cluster.gpu, moved_bytes=offloaded.get("moved_bytes", 0),
+                                                 num_microbatches=spec.grad_accum_steps)
     tokens = spec.train.micro_batch_size * spec.seq_len * spec.grad_accum_steps * spec.cluster.num_gpus
     step_s = tokens / throughput.value + transfer_s
     extras["activation_transfer_s"] = transfer_s
