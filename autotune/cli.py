@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-trials", type=positive_int, help="stop after this many new trials")
     run.add_argument("--time-budget", type=duration, help="stop starting trials after this long, e.g. 10m")
     run.add_argument("--json", action="store_true", help="print the result JSON on stdout, nothing else")
+    run.add_argument("--verbose", action="store_true",
+                     help="print the winner's full bases, ranges, checkpoint advice and close-call commands "
+                          "(always in best.json and report.html)")
 
     from autotune.catalog.gpus import DEFAULT_GPU
     from autotune.plan import GPUS_PER_NODE, PLAN_BACKENDS
@@ -336,7 +339,8 @@ def cmd_plan(args: argparse.Namespace, console) -> int:
 
         seq_len_max = lambda model: plan_max_seq_len(options, model, step=args.seq_len_step, log=console.note)  # noqa: E731
     try:
-        plan = run_plan(options, console.note, seq_len_max=seq_len_max)
+        with console.progress() as live:
+            plan = run_plan(options, console.note, seq_len_max=seq_len_max, progress=live)
     except NothingFits as exc:
         console.error_line(str(exc))
         return EXIT_NOTHING_FITS
@@ -558,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     from autotune.console import Console
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    console = Console(quiet="--json" in argv, notes_to_stderr=bool(argv) and argv[0] in ("trial", "export"))
+    console = Console(quiet="--json" in argv, verbose="--verbose" in argv, progress_lines=True,
+                      notes_to_stderr=bool(argv) and argv[0] in ("trial", "export"))
     # Ctrl-C and SIGTERM unwind through the same except clause, raised only where that is safe
     # (autotune/interrupts.py: never inside torch, an import or a storage call).
     try:

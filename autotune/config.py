@@ -79,8 +79,8 @@ class TrainConfig:
     def with_(self, **changes: Any) -> "TrainConfig":
         return replace(self, **changes)
 
-    def label(self) -> str:
-        return knobs.label(self.knob_values())
+    def label(self, *, omit: tuple[str, ...] = (), short: bool = False) -> str:
+        return knobs.label(self.knob_values(), omit=omit, short=short)
 
     def knob_values(self) -> dict[str, Any]:
         return {knob.name: getattr(self, knob.name) for knob in knobs.KNOBS}

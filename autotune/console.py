@@ -7,13 +7,18 @@ human output is silenced and stdout carries only the result document.
 from __future__ import annotations
 
 import contextlib
+import statistics
+import sys
+import threading
+import time
 from pathlib import Path
 
 from rich.console import Console as RichConsole
-from rich.markup import escape
-from rich.table import Table
+from rich.progress import Progress, ProgressColumn, SpinnerColumn, TextColumn
+from rich.table import Column, Table
 from rich.text import Text
 
+from autotune.config import TrainConfig
 from autotune.secrets import mask
 from autotune.units import format_bytes, format_count
 
@@ -44,24 +49,8 @@ def _short_figure(figure, fmt) -> str:
 
 
 def _short_label(train) -> str:
-    """'mb2 ac:full offload no-rs': the configuration in a couple of dozen characters (the
-    precision is the run's, said in the table's title)."""
-    parts = [f"mb{train.micro_batch_size}", f"ac:{train.activation_checkpointing}"]
-    if train.cpu_offload:
-        parts.append("offload")
-    if getattr(train, "activation_offload", False):
-        parts.append("act-off")
-    if not train.reshard_after_forward:
-        parts.append("no-rs")
-    if getattr(train, "shard_group_size", 0):
-        parts.append(f"hsdp{train.shard_group_size}")
-    if getattr(train, "reshard_group_size", 0):
-        parts.append(f"rs{train.reshard_group_size}")
-    if getattr(train, "shard_placement", "dim0") != "dim0":
-        parts.append(f"shard:{train.shard_placement}")
-    if getattr(train, "optimizer_impl", "fused") != "fused":  # sampled trials vary it
-        parts.append(train.optimizer_impl)
-    return " ".join(parts)
+    """'mb=2 ac=full offload no-rs': the configuration without its precision (said once above it)."""
+    return train.label(omit=("precision",), short=True)
 
 
 _SHORT_STAGE = {"checkpointing": "ckpt", "baseline": "base", "act-offload": "actoff"}
@@ -81,16 +70,207 @@ def _compact(value: float) -> str:
 _SHORT_LIMIT = {"memory": "mem", "global batch": "batch", "communication": "comm", "search space": "space"}
 
 
+class _Wrapped:
+    """Text wrapped at words to the console's width, its continuation lines indented (a hanging
+    indent under a bullet, or a block indented under the line it explains). No trailing spaces:
+    piped output stays clean."""
+
+    def __init__(self, text: Text, indent: int = 3, *, first: Text | None = None) -> None:
+        self.text, self.indent, self.first = text, indent, first
+
+    def __rich_console__(self, console, options):
+        text = self.first + self.text if self.first is not None else self.text
+        # The first line carries its own lead (a bullet, 'winner: '), the others the indent.
+        lines = text.wrap(console, max(20, options.max_width - self.indent), no_wrap=False)
+        for i, line in enumerate(lines):
+            line.rstrip()
+            yield line if i == 0 and self.first is not None else Text(" " * self.indent) + line
+
+
+class _Trimmed:
+    """A table without the spaces rich pads its last cells with (piped output stays clean)."""
+
+    def __init__(self, renderable) -> None:
+        self.renderable = renderable
+
+    def __rich_console__(self, console, options):
+        for segments in console.render_lines(self.renderable, options, pad=False):
+            line = Text.assemble(*((segment.text, segment.style) for segment in segments if not segment.control))
+            line.rstrip()
+            yield line
+
+
+def _hanging(mark: Text, text: Text) -> _Wrapped:
+    """`• text`, the text wrapped under itself."""
+    return _Wrapped(text, 2, first=mark + Text(" "))
+
+
+def _indented(text: Text, indent: int = 3) -> _Wrapped:
+    return _Wrapped(text, indent)
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else \
+        f"{seconds // 60}:{seconds % 60:02d}"
+
+
+def _peak_line(document: dict) -> str:
+    """'peak 65.39 GiB/GPU P+E: tensor peak 62.72 GiB P + runtime 2.67 GiB E of a 71.68 GiB limit'."""
+    letter = _SOURCE_LETTER.get(document["memory_source"], "?")
+    line = f"peak {format_bytes(document['peak_memory_bytes'])}/GPU {letter}"
+    parts = document.get("memory") or {}
+    tensor, runtime = parts.get("tensor_peak"), parts.get("runtime")
+    if tensor and runtime and runtime.get("total_bytes"):
+        line += (f": tensor peak {format_bytes(tensor['bytes'])} {_SOURCE_LETTER.get(tensor['source'], '?')} "
+                 f"+ runtime {format_bytes(runtime['total_bytes'])} {_SOURCE_LETTER.get(runtime['source'], '?')}")
+    return line + f" (limit {format_bytes(document['memory_limit_bytes'])})"
+
+
+def _throughput_line(document: dict) -> str:
+    """'31,990 tok/s E for the job (24,952-39,028), 3,999/GPU, 125 s/step, MFU 35.6%'."""
+    tps, gpus = document["tokens_per_sec"], document["gpus"]
+    line = f"{tps:,.0f} tok/s {_SOURCE_LETTER.get(document['throughput_source'], '?')} for the job"
+    span = document.get("tokens_per_sec_range")
+    if span:
+        line += f" ({span[0]:,.0f}-{span[1]:,.0f})"
+    line += f", {tps / gpus:,.0f}/GPU, {document['global_tokens'] / tps:.3g} s/step"
+    if document.get("mfu"):
+        line += f", MFU {document['mfu']:.1%}"
+    return line
+
+
+def _short_why(document: dict, why: dict) -> str:
+    """why_winner's sentence without the labels and commands (they are in best.json)."""
+    runner = why.get("runner_up_step")
+    if runner is None:
+        return f"the only configuration that fits within the global batch's tolerance"
+    entry = next((e for e in document["decision_path"] if e["step"] == runner), None)
+    runner_tps = entry and entry.get("tokens_per_sec")
+    text = f"ahead of the runner-up, trial {runner}"
+    if runner_tps and document["tokens_per_sec"]:
+        text = f"{document['tokens_per_sec'] / runner_tps - 1:+.1%} against the runner-up, trial {runner}"
+    if why.get("close_call"):
+        return text + ("; a close call, not settled: the two estimates are within each other's range, "
+                       "a real trial of each decides")
+    if why.get("close_call") is False:
+        return text + ", outside the winner's estimated range"
+    if document["throughput_source"] == "estimated":
+        return text + "; both are estimates: a real trial of the two decides a close call"
+    return text
+
+
+class _LiveWork:
+    """The piece of work running now (a trial, a plan's options), its elapsed time and what is left.
+
+    On a terminal: rich's progress display, one live line under the output. Piped, in a log or with
+    --json: plain lines on stderr (stdout stays the summary, or the JSON): one when slow work starts
+    (real trials, minutes each) and one a minute while anything runs, so a CI log shows it is alive."""
+
+    HEARTBEAT_S = 60.0
+
+    def __init__(self, console: "Console") -> None:
+        self.console = console
+        self.description = ""
+        self.started: float | None = None
+        self.expected_s: float | None = None
+        self.basis = ""
+        self._progress = None
+        self._task = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "_LiveWork":
+        terminal = self.console.out.is_terminal and not self.console.quiet
+        if terminal:
+            # One line: the description gives way (ellipsis) before the clock does.
+            self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}", table_column=Column(
+                no_wrap=True, overflow="ellipsis", ratio=1)), _ClockColumn(self), expand=True,
+                                      console=self.console.out, transient=True, refresh_per_second=2)
+            self._progress.start()
+            self._task = self._progress.add_task("starting", total=None)
+        elif self.console.progress_lines:
+            self._thread = threading.Thread(target=self._heartbeat, name="autotune-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._progress is not None:
+            self._progress.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=1)
+
+    def begin(self, description: str, *, expected_s: float | None, basis: str, announce: bool = False,
+              started: float | None = None) -> None:
+        self.description, self.expected_s, self.basis = description, expected_s, basis
+        self.started = time.monotonic() if started is None else started
+        if self._progress is not None:
+            self._progress.update(self._task, description=description, refresh=True)
+        elif announce and self.console.progress_lines:
+            self._plain(f"{description}: started, {self.remaining()}")
+
+    def end(self) -> float | None:
+        """The seconds the work took (None if nothing had begun)."""
+        if self.started is None:
+            return None
+        seconds, self.started = time.monotonic() - self.started, None
+        return seconds
+
+    def remaining(self, *, basis: bool = True) -> str:
+        said = f" ({self.basis})" if basis else ""
+        if self.expected_s is None:
+            return f"no estimate yet{said}"
+        left = self.expected_s - (time.monotonic() - (self.started or time.monotonic()))
+        if left <= 0:
+            return f"past the expected {_clock(self.expected_s)}{said}"
+        return f"~{_clock(left)} left{said}"
+
+    def elapsed(self) -> str:
+        return _clock(time.monotonic() - self.started) if self.started is not None else "0:00"
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.HEARTBEAT_S):
+            if self.started is not None and time.monotonic() - self.started >= self.HEARTBEAT_S:
+                self._plain(f"{self.description}: running {self.elapsed()}, {self.remaining()}")
+
+    def _plain(self, text: str) -> None:
+        print(f"autotune: {mask(text)}", file=sys.stderr, flush=True)
+
+
+class _ClockColumn(ProgressColumn):
+    """Progress column: '0:41 elapsed, ~1:20 left' (the estimate's basis goes in plain lines)."""
+
+    def __init__(self, work: _LiveWork) -> None:
+        super().__init__()
+        self.work = work
+
+    def render(self, task) -> Text:
+        if self.work.started is None:
+            return Text("")
+        return Text(f"{self.work.elapsed()} elapsed, {self.work.remaining(basis=False)}", style="dim", no_wrap=True)
+
+
 class Console:
-    def __init__(self, *, quiet: bool = False, notes_to_stderr: bool = False) -> None:
-        """quiet: no human output on stdout (--json). notes_to_stderr: stdout carries data (trial)."""
+    def __init__(self, *, quiet: bool = False, notes_to_stderr: bool = False, verbose: bool = False,
+                 progress_lines: bool = False) -> None:
+        """quiet: no human output on stdout (--json). notes_to_stderr: stdout carries data (trial).
+        verbose: the winner's full bases, checkpoint advice and close-call commands (else in best.json).
+        progress_lines: where no live line can be drawn (a pipe, --json), say on stderr that long work
+        is alive (the command line's console; the library's quiet consoles stay silent).
+
+        Output follows the terminal's width, and 80 columns where there is none (a pipe, a log):
+        rich wraps at words. Error lines stay single lines (soft wrap) whatever their length."""
         self.quiet = quiet
+        self.verbose = verbose
         self.notes_to_stderr = notes_to_stderr
-        self.out = RichConsole(highlight=False, quiet=quiet, soft_wrap=True)
-        if not self.out.is_terminal:  # logs and CI: wide enough for the trial table
-            self.out.width = 150
+        self.progress_lines = progress_lines
+        self.out = RichConsole(highlight=False, quiet=quiet)
         self.err = RichConsole(stderr=True, highlight=False, soft_wrap=True)
-        self._status = None
+        self._live: _LiveWork | None = None
+        self._slow_work = False  # real trials (minutes each): plain start lines when piped
+        self._trial_seconds: list[float] = []
+        self._last_step = 0
 
     # -- plain lines -------------------------------------------------------------------------------
     def note(self, text: str) -> None:
@@ -98,7 +278,7 @@ class Console:
         if self.notes_to_stderr:
             self.err.print(f"autotune: {text}", markup=False)
         else:
-            self.out.print(Text("• ", style="cyan") + Text(text))  # user text is never markup
+            self.out.print(_hanging(Text("•", style="cyan"), Text(text)))  # user text is never markup
 
     def error_line(self, text: str) -> None:
         # One line, no markup interpretation of user-provided text, no storage password.
@@ -106,11 +286,13 @@ class Console:
 
     def header(self, request, backend_name, backend_why, backend_description, store, finished, run_dir: Path) -> None:
         model, cluster = request.model, request.cluster
+        self._slow_work = backend_name in ("cpu", "cuda")
         # Names come from the user (a config path, _name_or_path): printed as text, never as markup.
-        self.out.print(f"[bold]autotune[/bold] {escape(model.name)} ({format_count(model.num_parameters)} "
-                       f"parameters, {model.num_layers} × {escape(model.block_class)}) on {cluster.num_gpus} × "
-                       f"{escape(cluster.gpu.name)}"
-                       f" ({cluster.num_nodes} node{'s' if cluster.num_nodes > 1 else ''}), seq_len {request.seq_len}")
+        self.out.print(_Wrapped(Text(
+            f"{model.name} ({format_count(model.num_parameters)} parameters, {model.num_layers} × "
+            f"{model.block_class}) on {cluster.num_gpus} × {cluster.gpu.name} ({cluster.num_nodes} "
+            f"node{'s' if cluster.num_nodes > 1 else ''}), seq_len {request.seq_len}"), 0,
+            first=Text("autotune ", style="bold")))
         self.note(f"backend: {backend_name} ({backend_why})")
         self.note(f"figures: {backend_description}")
         self.note(f"workload: {request.workload.label()}")
@@ -129,35 +311,51 @@ class Console:
     # -- progress ----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def progress(self):
-        if self.quiet or not self.out.is_terminal:
-            yield
-            return
-        with self.out.status("starting") as status:
-            self._status = status
+        """While trials run: a live line on a terminal, plain lines on stderr otherwise."""
+        with _LiveWork(self) as live:
+            self._live = live
             try:
-                yield
+                yield live
             finally:
-                self._status = None
+                self._live = None
 
     def trial_started(self, stage: str, train, reason: str) -> None:
-        if self._status is not None:
-            self._status.update(f"[bold]{stage}[/bold] {train.label()}: running trial")
+        if self._live is None:
+            return
+        number = self._last_step + 1
+        durations = self._trial_seconds
+        if durations:
+            expected = statistics.median(durations)
+            basis = f"median of {len(durations)} earlier trial{'s' if len(durations) > 1 else ''}"
+        else:
+            expected, basis = None, "first trial of this run"
+        self._live.begin(f"trial {number} {_SHORT_STAGE.get(stage, stage)} {_short_label(train)}",
+                         expected_s=expected, basis=basis, announce=self._slow_work)
 
     def step(self, step, trial_number: int) -> None:
+        """A finished trial, one line (wrapped at words), then why it was run."""
+        self._last_step = step.step
+        if self._live is not None:
+            seconds = self._live.end()
+            if seconds is not None and step.reused_from is None:
+                self._trial_seconds.append(seconds)
         result = step.result
         style = _STATUS_STYLE.get(result.status, "white")
         verdict = "fits" if step.fits else result.status
-        reused = " [dim](reused trial from the study: not run again)[/dim]" if step.reused_from is not None else ""
-        figures = f"peak {_figure(result.peak_memory, format_bytes)}"
+        line = Text(f"{step.step:>2} ", style="bold") + Text(
+            f"{_SHORT_STAGE.get(step.stage, step.stage):<7} {_short_label(step.train):<18} ")
+        line += Text(f"{verdict:<6}", style=style)
+        line += Text(f" {_short_figure(result.peak_memory, format_bytes)}")
         if result.tokens_per_sec is not None and result.tokens_per_sec.value is not None:
-            figures += f", {_figure(result.tokens_per_sec, _tps)}"
+            line += Text(f", {_short_figure(result.tokens_per_sec, _tps)}")
         if step.prediction_error is not None:
-            figures += f" [dim](tensor peak predicted {step.prediction_error:+.2%} off)[/dim]"
-        self.out.print(f"[bold]{step.step:>2}[/bold] {step.stage:<13} {step.train.label():<38} "
-                       f"[{style}]{verdict:<7}[/{style}] {figures}{reused}")
-        self.out.print(Text(f"   why: {step.reason}", style="dim"))
+            line += Text(f" (P {step.prediction_error:+.2%} off)", style="dim")
+        if step.reused_from is not None:
+            line += Text(" (reused from the study)", style="dim")
+        self.out.print(_Wrapped(Text(""), first=line))
+        self.out.print(_indented(Text(f"why: {step.reason}", style="dim")))
         if result.message and result.status != "ok":
-            self.out.print(Text(f"   {result.message}", style="dim"))
+            self.out.print(_indented(Text(result.message, style="dim")))
 
     # -- summaries ---------------------------------------------------------------------------------
     def trial_table(self, steps, request, winner=None) -> None:
@@ -165,13 +363,14 @@ class Console:
         if not steps:
             return
         precisions = sorted({s.train.precision for s in steps})
-        table = Table(title=f"trials, {'/'.join(precisions)} (* winner; P/E/M predicted/estimated/measured; "
-                            "tok/s: whole job)",
-                      box=None, pad_edge=False, padding=(0, 1), title_justify="left", header_style="bold underline")
+        self.out.print(_Wrapped(Text(f"trials, {'/'.join(precisions)} (* winner; P/E/M: predicted/estimated/"
+                                     "measured)", style="italic"), 0))
+        table = Table(box=None, pad_edge=False, padding=(0, 1), header_style="bold underline")
+        # Figures keep their width; a long configuration wraps at its spaces instead of being cut.
         for column, justify, width in (("#", "right", 3), ("stage", "left", 7), ("configuration", "left", None),
-                                       ("acc", "right", 4), ("status", "left", 6), ("peak/GPU", "right", 11),
-                                       ("tok/s", "right", None)):
-            table.add_column(column, justify=justify, no_wrap=True, min_width=width)
+                                       ("acc", "right", 4), ("status", "left", 6), ("peak/GPU", "right", 14),
+                                       ("job tok/s", "right", 10)):
+            table.add_column(column, justify=justify, no_wrap=column != "configuration", min_width=width)
         for s in steps:
             result = s.result
             mark = "*" if winner is not None and s is winner else ""
@@ -179,51 +378,61 @@ class Console:
                           str(s.batch.grad_accum_steps), "fits" if s.fits else result.status,
                           _short_figure(result.peak_memory, format_bytes),
                           _short_figure(result.tokens_per_sec, lambda v: f"{v:,.0f}"))
-        self.out.print(table)
+        self.out.print(_Trimmed(table))
 
     def winner(self, document: dict, run_dir: Path, out: str | None) -> None:
+        """The winner in a few short lines; the full bases with --verbose (and always in best.json)."""
         fsdp = document["fsdp"]
-        self.out.print(
-            f"[bold green]winner[/bold green]: {document['precision']} micro-batch {document['micro_batch_size']} × "
-            f"{document['grad_accum_steps']} accumulation × {document['gpus']} GPUs × {document['seq_len']} = "
-            f"{document['global_tokens']:,} tokens/step ({document['global_tokens_deviation']:+.2%} vs target), "
-            f"checkpointing {fsdp['activation_checkpointing']}, offload {'on' if fsdp['cpu_offload'] else 'off'}, "
-            f"reshard {'on' if fsdp['reshard_after_forward'] else 'off'}")
-        peak = document["peak_memory_bytes"]
-        tps = document["tokens_per_sec"]
-        self.out.print(f"   peak {format_bytes(peak)} per GPU "
-                       f"({_basis(document['memory_source'], document['memory_basis'])})", markup=False)
-        if tps:  # a figure of 0 (no throughput) has no step time
-            gpus = document["gpus"]
-            step_s = document["global_tokens"] / tps
-            mfu = document.get("mfu")
-            mfu_text = f", MFU {mfu:.1%}" if mfu else ""
-            self.out.print(f"   {tps:,.0f} tokens/s for the whole job = {tps / gpus:,.0f} per GPU, "
-                           f"{step_s:.3g} s per optimizer step{mfu_text} "
-                           f"({_basis(document['throughput_source'], document['throughput_basis'])})", markup=False)
+        train = TrainConfig.from_result(document)
+        self.out.print(_Wrapped(Text(
+            f"{_short_label(train)} ({document['precision']}), {document['grad_accum_steps']} accumulation "
+            f"step{'s' if document['grad_accum_steps'] != 1 else ''} "
+            f"x {document['gpus']} GPUs x seq {document['seq_len']} = {document['global_tokens']:,} tokens/step "
+            f"({document['global_tokens_deviation']:+.2%} vs target)"), first=Text("winner: ", style="bold green")))
+        self.out.print(_indented(Text(_peak_line(document))))
+        if document["tokens_per_sec"]:  # a figure of 0 (no throughput) has no step time
+            self.out.print(_indented(Text(_throughput_line(document))))
         offloads = [what for what, on in (("CPU offload", fsdp["cpu_offload"]),
                                           ("activation offload", fsdp.get("activation_offload"))) if on]
         if offloads and document.get("host_memory_bytes") is None and document.get("host_memory_per_node_bytes"):
-            self.out.print(f"   assumes {format_bytes(document['host_memory_per_node_bytes'])} of host memory per "
-                           f"node for {' and '.join(offloads)} (estimated), not checked: pass --host-memory to "
-                           "check it", markup=False, style="yellow")
+            self.out.print(_indented(Text(
+                f"assumes {format_bytes(document['host_memory_per_node_bytes'])} host memory per node for "
+                f"{' and '.join(offloads)} (E), not checked: pass --host-memory", style="yellow")))
         error = document.get("prediction_error")
         if error:
-            self.out.print(f"   simulator vs measured tensor peak over {error['trials']} trials: median "
-                           f"{error['median_abs']:.2%}, worst {error['max_abs']:.2%} off")
+            self.out.print(_indented(Text(f"simulator vs measured tensor peak, {error['trials']} trials: median "
+                                          f"{error['median_abs']:.2%}, worst {error['max_abs']:.2%} off")))
+        why = document.get("why_winner") or {}
+        self.out.print(_indented(Text(f"why: {_short_why(document, why)}")))
+        if self.verbose:
+            self._winner_details(document, why)
+        result_path = run_dir / "best.json"
+        self.out.print(_indented(Text(f"wrote {result_path}" + (f" and {out}" if out else ""))))
+        if not self.verbose:
+            self.out.print(_indented(Text(
+                "bases, ranges, checkpoint advice" + (", the trial commands" if why.get("decide_with") else "")
+                + ": report.html and best.json there, or --verbose", style="dim")))
+        self.out.print(_indented(Text(f"next: autotune export {run_dir} --format fsdp2 (or accelerate, trl, "
+                                      "torchtitan, ...: autotune export --help)", style="dim")))
+
+    def _winner_details(self, document: dict, why: dict) -> None:
+        """--verbose: every basis and range in full, each line wrapped at words."""
+        lines = [f"memory: {_basis(document['memory_source'], document['memory_basis'])}"]
+        if document["tokens_per_sec"]:
+            lines.append(f"throughput: {_basis(document['throughput_source'], document['throughput_basis'])}")
         checkpoint = document.get("checkpoint") or {}
         if checkpoint.get("recommended"):
-            self.out.print(f"   checkpoint: save {checkpoint['recommended']} ({checkpoint['state_dict_type']}): "
-                           f"{checkpoint['reason']} (estimated)", markup=False)
-        why = document.get("why_winner") or {}
+            lines.append(f"checkpoint: save {checkpoint['recommended']} ({checkpoint['state_dict_type']}): "
+                         f"{checkpoint['reason']} (estimated)")
         if why.get("sentence"):
-            self.out.print(f"   why: {why['sentence']}", markup=False)
-        self.out.print(f"   wrote {run_dir / 'best.json'}" + (f" and {out}" if out else ""))
+            lines.append(f"why, in full: {why['sentence']}")
+        for command in why.get("decide_with") or []:
+            lines.append(f"decide with: {command}")
+        for line in lines:
+            self.out.print(_indented(Text(line), 3))
 
     def plan_table(self, plan: dict) -> None:
         """One row per plan option, within 80 columns; every figure's source and range are in plan.json."""
-        from autotune.config import TrainConfig
-
         table = Table(title="options (E estimated; days, GPU-h, cost from tok/s; eff: per GPU vs smallest)",
                       box=None, pad_edge=False, padding=(0, 1), title_justify="left", header_style="bold underline")
         for column, justify in (("option", "left"), ("winner", "left"), ("tok/s", "right"), ("days", "right"),
@@ -236,12 +445,12 @@ class Console:
                 continue
             tps, cost = option["tokens_per_sec"], option["cost"]
             days = option["time_to_train_s"]["value"] / 86400
-            table.add_row(option["id"], _short_label(TrainConfig.from_result(option["result"])).replace("ac:", ""),
+            table.add_row(option["id"], _short_label(TrainConfig.from_result(option["result"])).replace("ac=", ""),
                           f"{_compact(tps['value'])} {_SOURCE_LETTER.get(tps['source'], '?')}",
                           f"{days:,.0f}" if days >= 100 else f"{days:.1f}",
                           _compact(option["gpu_hours"]["value"]), _compact(cost["value"]) if cost else "-",
                           f"{option['scaling_efficiency']['value']:.0%}", binds)
-        self.out.print(table)
+        self.out.print(_Trimmed(table))
 
     def seq_len_table(self, sequence: dict) -> None:
         """--seq-len max: the probes, throughput vs sequence length."""
@@ -251,7 +460,7 @@ class Console:
                       f"{found['max_seq_len'] or 'none'} (step {found['step']}; bound: {found['bound']})")
             table = Table(title="throughput vs sequence length (P predicted, E estimated)",
                           box=None, pad_edge=False, padding=(0, 1), title_justify="left",
-                          header_style="bold underline", width=80)
+                          header_style="bold underline")
             for column, justify in (("seq_len", "right"), ("fits", "left"), ("winner", "left"), ("peak/GPU", "right"),
                                     ("tok/s", "right")):
                 table.add_column(column, justify=justify, no_wrap=True)
@@ -265,7 +474,7 @@ class Console:
                               f"{format_bytes(row['peak_memory_bytes'])} "
                               f"{_SOURCE_LETTER.get(row['memory_source'], '?')}",
                               f"{row['tokens_per_sec']:,.0f} {_SOURCE_LETTER.get(row['throughput_source'], '?')}")
-            self.out.print(table)
+            self.out.print(_Trimmed(table))
 
     def exported(self, fmt: str, path: Path, warnings: list[str]) -> None:
         self.note(f"export {fmt}: {path}")

@@ -198,6 +198,8 @@ class Knob:
     """What a best.json written before the knob existed ran (None: the default)."""
     label: Callable[[Any], str] = lambda value: ""
     """The fragment of TrainConfig.label(): '' when it says nothing."""
+    short: Callable[[Any], str] | None = None
+    """The fragment in an 80-column table, where it differs from the label (None: the label)."""
     to_json: Callable[[Any], Any] = lambda value: value
     optuna: Callable[[Any], dict[str, tuple[Any, Any]]] | None = None
     """value -> {parameter: (encoded value, distribution factory)}: fixed value spaces, since a
@@ -328,14 +330,14 @@ KNOBS: tuple[Knob, ...] = (
          result_path=("fsdp", "activation_offload"),
          help="tensors saved for backward (not parameters, at least 1 KiB: torchtune's rule) go to pinned host "
               "memory in forward and come back in backward (training.OffloadedActivations); GPUs only",
-         label=lambda v: "act-offload" if v else "",
+         label=lambda v: "act-offload" if v else "", short=lambda v: "act-off" if v else "",
          optuna=lambda v: _categorical_param("activation_offload", (False, True))(v) if v else {},
          alternative=True, keyed_at_default=False,
          domain=lambda ctx: (False, True) if ctx.activation_offload else (False,)),
     Knob(name="reshard_after_forward", default=True, flag="--reshard", parse=_bool, boolean=True,
          result_path=("fsdp", "reshard_after_forward"),
          help="free gathered block parameters after forward (ZeRO-3); --no-reshard keeps them (ZeRO-2-like)",
-         label=lambda v: "" if v else "no-reshard",
+         label=lambda v: "" if v else "no-reshard", short=lambda v: "" if v else "no-rs",
          optuna=_categorical_param("reshard_after_forward", (True, False)), alternative=False,
          domain=lambda ctx: ctx.reshard),
     Knob(name="shard_group_size", default=0, flag="--hsdp", parse=_group_size,
@@ -388,8 +390,13 @@ def identity(values: dict[str, Any]) -> dict[str, Any]:
             if knob.keyed_at_default or values[knob.name] != knob.default}
 
 
-def label(values: dict[str, Any]) -> str:
-    return " ".join(part for knob in KNOBS if (part := knob.label(values[knob.name])))
+def label(values: dict[str, Any], *, omit: tuple[str, ...] = (), short: bool = False) -> str:
+    """'bf16 mb=2 ac=full offload': each knob's part, knobs at a default that says nothing left out.
+    short: the parts an 80-column table prints."""
+    def part(knob: Knob) -> str:
+        return (knob.short or knob.label)(values[knob.name]) if short else knob.label(values[knob.name])
+
+    return " ".join(text for knob in KNOBS if knob.name not in omit and (text := part(knob)))
 
 
 def optuna_params(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

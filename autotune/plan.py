@@ -223,9 +223,20 @@ def free_cores() -> int:
     return max(1, cores - round(os.getloadavg()[0]))
 
 
-def run_options(options: PlanOptions, seq_len: int, log) -> list[dict[str, Any]]:
+def run_options(options: PlanOptions, seq_len: int, log, *, progress=None) -> list[dict[str, Any]]:
     """Every option's row (tune's outcome), GPU counts in parallel processes where cores are free."""
     groups = list(options.gpus)
+    began = time.monotonic()
+
+    def tell(done: int) -> None:
+        if progress is None:
+            return
+        # What is left: the GPU counts to go at the mean time of those done (the first has no estimate).
+        expected = (time.monotonic() - began) / done * len(groups) if done else None
+        progress.begin(f"planning {options.model}: {done} of {len(groups)} GPU counts done", expected_s=expected,
+                       basis=f"mean of {done} done" if done else "first GPU count", started=began)
+
+    tell(0)
     # The sim backend already traces on a second core (its helper): by default a process per 2 free cores.
     jobs = min(len(groups), options.jobs or max(1, free_cores() // (2 if options.backend == "sim" else 1)))
     log(f"{len(groups) * len(options.gpu_types)} options ({', '.join(options.gpu_types)} x "
@@ -238,6 +249,7 @@ def run_options(options: PlanOptions, seq_len: int, log) -> list[dict[str, Any]]
             for gpus in groups:
                 rows += _run_group(options, gpus, options.gpu_types, seq_len, shared=backend)
                 log(f"{gpus} GPUs: done ({', '.join(_short(r) for r in rows[-len(options.gpu_types):])})")
+                tell(len(rows) // len(options.gpu_types))
         finally:
             backend.close()
     else:
@@ -246,6 +258,7 @@ def run_options(options: PlanOptions, seq_len: int, log) -> list[dict[str, Any]]
             for gpus, future in futures.items():
                 rows += future.result()
                 log(f"{gpus} GPUs: done ({', '.join(_short(r) for r in rows[-len(options.gpu_types):])})")
+                tell(len(rows) // len(options.gpu_types))
     return rows
 
 
@@ -377,8 +390,9 @@ def _configuration(document: dict) -> dict[str, Any]:
 
 
 # -- the plan -------------------------------------------------------------------------------------
-def run_plan(options: PlanOptions, log, *, seq_len_max=None) -> dict[str, Any]:
-    """The plan document (plan.json's content; schemas/plan.schema.json)."""
+def run_plan(options: PlanOptions, log, *, seq_len_max=None, progress=None) -> dict[str, Any]:
+    """The plan document (plan.json's content; schemas/plan.schema.json). `progress`: the console's
+    live line (begin(description, expected_s=, basis=, started=)), told as GPU counts finish."""
     from autotune.api import check_wrappable
     from autotune.catalog.models import resolve_model
     from autotune.result import provenance
@@ -397,7 +411,7 @@ def run_plan(options: PlanOptions, log, *, seq_len_max=None) -> dict[str, Any]:
         sequence = seq_len_max(model)
         seq_len = sequence["max_seq_len"]
         options = dataclasses.replace(options, seq_len=seq_len, whole_sequences=True)
-    rows = run_options(options, seq_len, log)
+    rows = run_options(options, seq_len, log, progress=progress)
     return {
         "schema_version": PLAN_SCHEMA_VERSION,
         "kind": "autotune-plan",

@@ -132,6 +132,10 @@ def workload_section(request: TuneRequest, winner: Step) -> dict[str, Any]:
     return section
 
 
+def _range(span) -> list[float] | None:
+    return [float(span[0]), float(span[1])] if span else None
+
+
 def why_winner(winner: Step, steps: list[Step], request: TuneRequest) -> dict[str, Any]:
     """One sentence on why the winner won, against the runner-up (the next fastest configuration
     that fits within the global-batch tolerance)."""
@@ -249,6 +253,8 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
         "tokens_per_sec": result.throughput,
         "throughput_source": tps.source if tps else "estimated",
         "throughput_basis": tps.basis if tps else "no throughput figure from this backend",
+        # An estimate's range from the cost model's validation errors; a measurement has none.
+        "tokens_per_sec_range": _range(result.extras.get("tokens_per_sec_range")),
         # Measured by real trials, estimated by the simulator and the closed form (throughput_source says which).
         "mfu": result.extras.get("mfu", result.extras.get("mfu_estimated")),
         "predicted": winner.predicted.to_dict() if winner.predicted else None,

@@ -69,7 +69,7 @@ def test_a_bad_value_is_the_same_one_line_error_from_the_library_and_the_cli(opt
 def test_tune_options_are_the_tune_commands_options_with_its_defaults():
     tune = build_parser()._subparsers._group_actions[0].choices["tune"]
     flags = {a.dest: a.default for a in tune._actions
-             if a.option_strings and a.dest not in ("help", "json", "node_rank")}  # --json: the CLI's printing
+             if a.option_strings and a.dest not in ("help", "json", "verbose", "node_rank")}  # the CLI's printing
     fields = {f.name: f.default for f in dataclasses.fields(TuneOptions)}
     fields["model"] = fields["global_tokens"] = None  # required on both sides
     assert fields == flags
