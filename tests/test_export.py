@@ -848,6 +848,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.fabric.plugins.precision.fsdp import FSDPPrecision
+from lightning.fabric.strategies import ModelParallelStrategy
 
 
 class Stop(Exception):
@@ -859,15 +860,21 @@ class RecordingFabric:
 
     def __init__(self, devices, num_nodes, strategy, precision, loggers=None, **kwargs):
         mp = FSDPPrecision(precision)
-        self.record = {
-            "devices": devices, "num_nodes": num_nodes, "precision": precision,
-            "autocast": isinstance(mp.forward_context(), torch.autocast),
+        self.record = {"devices": devices, "num_nodes": num_nodes, "precision": precision,
+                       "autocast": isinstance(mp.forward_context(), torch.autocast)}
+        if isinstance(strategy, ModelParallelStrategy):  # finetune_lora: FSDP2 through its parallelize_fn
+            parallelize = inspect.signature(strategy._parallelize_fn).parameters
+            self.record.update(strategy="ModelParallelStrategy",
+                               data_parallel=strategy._data_parallel_size,
+                               checkpointing=parallelize["activation_checkpointing"].default)
+            return
+        self.record.update({
             "reduce_dtype": str(mp.mixed_precision_config.reduce_dtype).removeprefix("torch."),
             "sharding": strategy.sharding_strategy.name,
             "state_dict_type": strategy._state_dict_type,
             "checkpointing": bool(strategy._activation_checkpointing_kwargs),
             "cpu_offload": bool(strategy.cpu_offload and strategy.cpu_offload.offload_params),
-        }
+        })
 
     def launch(self, function=None, *args):  # finetune_full: launch(main, ...); pretrain: launch(), then main()
         if function is not None:
@@ -896,6 +903,8 @@ def recording(original):
             accumulation=train.gradient_accumulation_iters(bound["devices"], bound["num_nodes"]),
             optimizer=type(optimizer).__name__, fused=bool(optimizer.defaults.get("fused")),
             foreach=optimizer.defaults.get("foreach"))
+        config = bound["config"]
+        record.update({name: getattr(config, name) for name in dir(config) if name.startswith("lora_")})
         print("LITGPT " + json.dumps(record), flush=True)
         raise Stop
 
@@ -904,9 +913,10 @@ def recording(original):
 
 L.Fabric = RecordingFabric
 import litgpt.finetune.full
+import litgpt.finetune.lora
 import litgpt.pretrain
 
-for script in (litgpt.pretrain, litgpt.finetune.full):
+for script in (litgpt.pretrain, litgpt.finetune.full, litgpt.finetune.lora):
     script.main = recording(script.main)
 from litgpt.__main__ import main
 from litgpt.config import Config
@@ -919,7 +929,9 @@ save_config(Config.from_name("pythia-14m"), checkpoint)
 for name, text in (("lit_model.pth", ""), ("tokenizer.json", "{}"), ("tokenizer_config.json", "{}")):
     (checkpoint / name).write_text(text)
 config, out = sys.argv[1], tempfile.mkdtemp()
-for command in (["pretrain", "pythia-14m", "--logger_name", "csv"], ["finetune_full", str(checkpoint)]):
+commands = {"full": (["pretrain", "pythia-14m", "--logger_name", "csv"], ["finetune_full", str(checkpoint)]),
+            "lora": (["finetune_lora", str(checkpoint)],)}[sys.argv[2]]
+for command in commands:
     sys.argv = ["litgpt", *command, "--config", config, "--out_dir", out]
     try:
         main()
@@ -933,15 +945,16 @@ def _litgpt_python() -> str:
     return _stack_python("litgpt", ".venv-litgpt")
 
 
-def _litgpt_parses(path: Path, tmp_path: Path) -> dict[str, dict]:
-    """The exported YAML through `litgpt pretrain` and `litgpt finetune_full` (LitGPT's own
-    jsonargparse CLI, its setup() and validate_args): what each command built."""
-    proc = subprocess.run([_litgpt_python(), "-c", LITGPT_CHECK, str(path)], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
+def _litgpt_parses(path: Path, tmp_path: Path, *, lora: bool = False) -> dict[str, dict]:
+    """The exported YAML through `litgpt pretrain` and `litgpt finetune_full`, or `litgpt
+    finetune_lora` (LitGPT's own jsonargparse CLI, its setup() and validate_args): what each built."""
+    proc = subprocess.run([_litgpt_python(), "-c", LITGPT_CHECK, str(path), "lora" if lora else "full"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     records = [json.loads(line[len("LITGPT "):]) for line in proc.stdout.splitlines() if line.startswith("LITGPT ")]
-    assert len(records) == 2, (proc.stdout + proc.stderr)[-3000:]
-    return dict(zip(("pretrain", "finetune_full"), records))
+    commands = ("finetune_lora",) if lora else ("pretrain", "finetune_full")
+    assert len(records) == len(commands), (proc.stdout + proc.stderr)[-3000:]
+    return dict(zip(commands, records))
 
 
 @pytest.mark.slow
@@ -985,3 +998,34 @@ def test_litgpt_config_goes_through_litgpts_own_cli(run_result, tmp_path, ac, of
     # HSDP in groups of one node is pretrain's HYBRID_SHARD; one node: both commands shard over every GPU.
     assert status["shard_group_size"] == ("approximated" if group else "mapped")
     assert "pretrain" in next(w for w in exported.warnings if w.startswith("activation_checkpointing"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("targets, precision", [("all-linear", "bf16"), ("q_proj,v_proj,gate_proj", "bf16-pure")])
+def test_litgpt_lora_config_goes_through_finetune_lora(run_result, tmp_path, targets, precision):
+    """A LoRA tune exports for `litgpt finetune_lora`: LitGPT's CLI parses it and its setup() builds
+    FSDP2 (ModelParallelStrategy over every GPU) with the tuned adapters' rank, alpha, dropout and
+    switches, batch and precision; the switches LitGPT cannot set per module are a warning."""
+    result = variant(run_result, activation_checkpointing="full")
+    result["finetuning"] = {"peft": "lora", "rank": 8, "alpha": 16.0, "dropout": 0.1, "targets": targets,
+                            "trainable_parameters": 1, "total_parameters": 2}
+    if precision == "bf16-pure":
+        result["precision"], result["fsdp"]["reduce_dtype"] = "bf16-pure", "bfloat16"
+    path, exported = write(tmp_path, result, "litgpt")
+    got = _litgpt_parses(path, tmp_path, lora=True)["finetune_lora"]
+    status = {m.knob: m.status for m in exported.mappings}
+    assert got["strategy"] == "ModelParallelStrategy" and got["data_parallel"] == result["gpus"]
+    assert got["devices"] == result["gpus"] and got["micro"] == result["micro_batch_size"]
+    assert got["accumulation"] == result["grad_accum_steps"]  # LitGPT's own arithmetic
+    assert (got["lora_r"], got["lora_alpha"], got["lora_dropout"]) == (8, 16, 0.1)
+    # Every block checkpointed is what parallelize_fn does unasked, and what was tuned here.
+    assert got["checkpointing"] is True and status["activation_checkpointing"] == "mapped"
+    assert got["precision"] == "bf16-true" and got["autocast"] is False
+    assert (status["precision"] == "mapped") is (precision == "bf16-pure")
+    if targets == "all-linear":  # peft's all-linear: every Linear but the output head
+        assert all(got[k] for k in ("lora_query", "lora_key", "lora_value", "lora_projection", "lora_mlp"))
+        assert got["lora_head"] is False and not any(w.startswith("LoRA targets") for w in exported.warnings)
+    else:  # the MLP switch covers gate, up and down: said
+        assert got["lora_query"] and got["lora_value"] and got["lora_mlp"] and not got["lora_key"]
+        assert any(w.startswith("LoRA targets") and "lora_mlp covers" in w for w in exported.warnings)
+    assert not any("does not add the adapters" in w for w in exported.warnings)

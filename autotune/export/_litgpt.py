@@ -1,5 +1,5 @@
-"""LitGPT 0.5: a config YAML for `litgpt pretrain` and `litgpt finetune_full` (jsonargparse reads it
-with --config; the model comes on the command line).
+"""LitGPT 0.5: a config YAML for `litgpt pretrain` and `litgpt finetune_full`, or for a LoRA tune
+`litgpt finetune_lora` (jsonargparse reads it with --config; the model comes on the command line).
 
 LitGPT's YAML carries precision, devices, num_nodes and train.{global,micro}_batch_size (it derives
 the accumulation from them); its scripts build Lightning Fabric's FSDPStrategy (FSDP1) themselves,
@@ -8,8 +8,13 @@ with settings no config key reaches. Read from litgpt 0.5.13's setup() functions
                                   sharding_strategy="HYBRID_SHARD"); AdamW fused=True on CUDA
   finetune/full.py:  FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block},
                                   state_dict_type="full", limit_all_gathers=True, cpu_offload=False)
-Both use "auto" (no FSDP) on a single device. Where the two commands differ from what was tuned
-in different ways, the mapping says so for each.
+  finetune/lora.py:  FSDP2 through Fabric's ModelParallelStrategy(parallelize_fn, data_parallel_size=
+                     devices x num_nodes): checkpoint_wrapper on every Block (parallelize_fn's
+                     activation_checkpointing=True), fully_shard (reshard after forward) on every
+                     trainable Linear, every Block and the model; no offload, no MixedPrecisionPolicy
+                     (Fabric's precision: bf16-true creates the whole model, adapters too, in bf16)
+All use "auto" (no FSDP) on a single device. Where the commands differ from what was tuned in
+different ways, the mapping says so for each.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from autotune.export._fsdp1 import optimizer_kwargs
 VERSION = "0.5.13"
 TARGET = (f"LitGPT {VERSION} (litgpt pretrain / finetune_full --config; Lightning Fabric FSDPStrategy, "
           "FSDP1 underneath)")
+TARGET_LORA = f"LitGPT {VERSION} (litgpt finetune_lora --config; Lightning Fabric ModelParallelStrategy, FSDP2)"
 FILENAME = "litgpt.yaml"
 
 
@@ -119,16 +125,103 @@ def _map_optimizer(m: Mapper, t: Tuned) -> dict[str, Any]:
     return {"class_path": "torch.optim.AdamW", "init_args": kwargs}
 
 
+# LitGPT's LoRA switches and the transformers module names each covers (Llama-style names: LitGPT
+# fuses q, k and v into one `attn` Linear with a switch per part, and its MLP switch covers every
+# MLP projection).
+LORA_SWITCHES = {"lora_query": ("q_proj",), "lora_key": ("k_proj",), "lora_value": ("v_proj",),
+                 "lora_projection": ("o_proj",), "lora_mlp": ("gate_proj", "up_proj", "down_proj"),
+                 "lora_head": ("lm_head",)}
+
+
+def _lora_config(m: Mapper, t: Tuned) -> dict[str, Any]:
+    """finetune_lora's LoRA keys for the adapters that were traced (peft's LoraConfig)."""
+    f = t.finetuning
+    targets = str(f.get("targets", "all-linear"))
+    if targets == "all-linear":  # peft: every Linear but the output head
+        switches = {key: key != "lora_head" for key in LORA_SWITCHES}
+    else:
+        names = set(targets.split(","))
+        switches = {key: bool(names & set(covers)) for key, covers in LORA_SWITCHES.items()}
+        partial = [key for key, covers in LORA_SWITCHES.items() if names & set(covers) and not set(covers) <= names]
+        unknown = sorted(names - {n for covers in LORA_SWITCHES.values() for n in covers})
+        if partial or unknown:
+            m.warn(f"LoRA targets {targets} were tuned: LitGPT switches adapters per part ("
+                   + ", ".join(f"{k} covers {'/'.join(LORA_SWITCHES[k])}" for k in partial)
+                   + (f"; no switch for {', '.join(unknown)}" if unknown else "")
+                   + "): the adapters written differ from those traced")
+    alpha = float(f["alpha"])
+    if not alpha.is_integer():
+        m.warn(f"lora_alpha {alpha:g} was tuned: LitGPT takes an integer, {round(alpha)} written")
+    return {"lora_r": int(f["rank"]), "lora_alpha": round(alpha), "lora_dropout": float(f["dropout"]), **switches}
+
+
+def _map_lora_command(m: Mapper, t: Tuned) -> str:
+    """finetune_lora's hard-coded FSDP2 setup against what was tuned; returns its precision string."""
+    if t.precision == "fp32":
+        m.mapped("precision", "precision: 32-true")
+        m.mapped("reduce_dtype", "precision: 32-true (fp32 throughout)")
+        precision = "32-true"
+    elif t.precision == "bf16-pure":
+        m.mapped("precision", "precision: bf16-true (everything in bf16, as tuned)")
+        m.mapped("reduce_dtype", "precision: bf16-true (gradients reduced in bfloat16, as tuned)")
+        precision = "bf16-true"
+    else:
+        m.approximated("precision", "precision: bf16-true",
+                       "the frozen base in bf16 as tuned, but LitGPT creates the adapters in bf16 too (their AdamW "
+                       "state in bf16: a little less memory than predicted, pure-bf16 numerics for the adapters); "
+                       "bf16-mixed would keep the frozen base in fp32 (twice its memory)")
+        m.approximated("reduce_dtype", "precision: bf16-true", "adapter gradients reduced in bfloat16, not float32")
+        precision = "bf16-true"
+    if t.ac_every == 1 and not t.op_level_ac:
+        m.mapped("activation_checkpointing", "hard-coded: parallelize_fn wraps every Block in checkpoint_wrapper, "
+                                             "as tuned")
+    else:
+        m.approximated("activation_checkpointing", "hard-coded: checkpoint_wrapper on every Block",
+                       f"{t.activation_checkpointing} was tuned: finetune_lora checkpoints every block whole (less "
+                       "memory, more recompute; edit parallelize_fn to change it)")
+    if t.cpu_offload:
+        m.unsupported("cpu_offload", "finetune_lora never offloads (fully_shard without an offload policy): "
+                                     "more GPU memory than tuned")
+    else:
+        m.mapped("cpu_offload", "hard-coded off, as tuned")
+    if t.reshard_after_forward:
+        m.mapped("reshard_after_forward", "hard-coded: fully_shard's default reshard_after_forward=True, as tuned")
+    else:
+        m.approximated("reshard_after_forward", "hard-coded: fully_shard's default (reshard after forward)",
+                       "less memory, an extra all-gather per block in backward (slower than tuned)")
+    if t.shard_group_size:
+        m.unsupported("shard_group_size", "ModelParallelStrategy shards over every GPU "
+                                          "(data_parallel_size = devices x num_nodes): no HSDP groups")
+    else:
+        m.mapped("shard_group_size", "hard-coded: ModelParallelStrategy(data_parallel_size=devices x num_nodes), "
+                                     "sharding over every GPU as tuned")
+    m.mapped("state_dict_type", "hard-coded: save_lora_checkpoint gathers the adapters only (full_tensor to rank 0: "
+                                "megabytes, not the model)")
+    return precision
+
+
 def export_litgpt(t: Tuned) -> Export:
+    """pretrain / finetune_full, or finetune_lora for a LoRA tune: the same keys for what they share."""
     m = Mapper()
-    precision = _precision(m, t)
-    _map_hard_coded(m, t)
+    lora = t.finetuning.get("peft") == "lora"
+    if lora:
+        precision = _map_lora_command(m, t)
+        extra = _lora_config(m, t)
+        wrap, sharded = "hard-coded: fully_shard on every Block and every trainable Linear", \
+            ", and shards each adapter Linear as its own group"
+        usage = f"# Use: litgpt finetune_lora <checkpoint_dir> --config {FILENAME} [--data ...]\n"
+    else:
+        precision = _precision(m, t)
+        _map_hard_coded(m, t)
+        extra, wrap, sharded = {}, "hard-coded: auto_wrap_policy={Block} (litgpt.model.Block)", ""
+        usage = (f"# Use: litgpt finetune_full <checkpoint_dir> --config {FILENAME} [--data ...]\n"
+                 f"#  or: litgpt pretrain <model_name> --config {FILENAME} [--data ... --tokenizer_dir ...]\n")
     m.mapped("micro_batch_size", "train.micro_batch_size")
     m.mapped("grad_accum_steps", "train.global_batch_size (LitGPT derives accumulation = global / (devices x "
                                  "num_nodes) / micro)")
-    m.approximated("wrap", "hard-coded: auto_wrap_policy={Block} (litgpt.model.Block)",
-                   f"LitGPT trains its own GPT implementation and wraps its Block, not transformers' {t.wrap}: "
-                   "same shapes for a model LitGPT has, its numerics and kernels are LitGPT's")
+    m.approximated("wrap", wrap, f"LitGPT trains its own GPT implementation and wraps its Block, not transformers' "
+                                 f"{t.wrap}{sharded}: same shapes for a model LitGPT has, its numerics and kernels "
+                                 "are LitGPT's")
     m.mapped("world_size", "devices / num_nodes")
     optimizer = _map_optimizer(m, t)
     if t.gpus == 1:
@@ -137,6 +230,7 @@ def export_litgpt(t: Tuned) -> Export:
         "precision": precision,
         "devices": t.gpus_per_node,
         "num_nodes": t.nodes,
+        **extra,
         "train": {
             "global_batch_size": t.global_batch_size,
             "micro_batch_size": t.micro_batch_size,
@@ -145,11 +239,9 @@ def export_litgpt(t: Tuned) -> Export:
         "optimizer": optimizer,
     }
     multi = f"# {fabric_nodes_note(t)}" if t.nodes > 1 else ""
-    body = (f"# Use: litgpt finetune_full <checkpoint_dir> --config {FILENAME} [--data ...]\n"
-            f"#  or: litgpt pretrain <model_name> --config {FILENAME} [--data ... --tokenizer_dir ...]\n"
-            f"{multi}"
+    body = (f"{usage}{multi}"
             f"# Global batch {t.global_batch_size} sequences = {t.micro_batch_size} x {t.gpus} GPUs x "
             f"{t.grad_accum_steps} accumulation steps; each command keeps its own defaults for the other keys.\n"
             + yaml.safe_dump(config, sort_keys=False, default_flow_style=False))
-    return build_export(fmt="litgpt", filename=FILENAME, target=TARGET, tuned=t, mapper=m, body=body,
-                        expresses=("bf16_pure",))
+    return build_export(fmt="litgpt", filename=FILENAME, target=TARGET_LORA if lora else TARGET, tuned=t, mapper=m,
+                        body=body, expresses=("bf16_pure", "lora") if lora else ("bf16_pure",))
