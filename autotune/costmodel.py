@@ -299,37 +299,41 @@ class CollectiveVolume:
 
 def collective_bytes(*, block_params: int, num_blocks: int, root_params: int, param_bytes: int,
                      reduce_bytes: int = 4, reshard_after_forward: bool = True,
-                     num_microbatches: int = 1) -> CollectiveVolume:
+                     num_microbatches: int = 1, trainable: tuple[int, int] | None = None) -> CollectiveVolume:
     """FSDP2 collective volume per GPU per optimizer step.
 
     Per micro-batch: forward all-gathers every block and the root in the parameter dtype;
     backward all-gathers the blocks again when they were resharded after forward (the root
-    never is); backward reduce-scatters every gradient in `reduce_bytes` (fp32 here). Gradients
-    are reduced after every micro-batch (no deferred sync), so all of it repeats per micro-batch.
-    Activation checkpointing adds no collective: recomputation runs while the backward
-    all-gather holds the block's parameters.
+    never is); backward reduce-scatters every gradient in `reduce_bytes` (fp32 here): of the
+    `trainable` (block, root) parameters only where some are frozen (LoRA: FSDP2 reduces the
+    parameters that have gradients). Gradients are reduced after every micro-batch (no deferred
+    sync), so all of it repeats per micro-batch. Activation checkpointing adds no collective:
+    recomputation runs while the backward all-gather holds the block's parameters.
     """
     if min(block_params, num_blocks, root_params) < 0 or num_microbatches < 1:
         raise ValueError("parameter counts must be >= 0 and num_microbatches >= 1")
     blocks = block_params * num_blocks
     gathers_per_block = 2 if reshard_after_forward else 1
     allgather = (blocks * gathers_per_block + root_params) * param_bytes
-    reduce_scatter = (blocks + root_params) * reduce_bytes
+    block_grads, root_grads = trainable if trainable is not None else (block_params, root_params)
+    reduce_scatter = (block_grads * num_blocks + root_grads) * reduce_bytes
     return CollectiveVolume(allgather_bytes=float(allgather * num_microbatches),
                             reduce_scatter_bytes=float(reduce_scatter * num_microbatches))
 
 
 def offload_bytes(*, block_params: int, num_blocks: int, root_params: int, num_gpus: int,
-                  reshard_after_forward: bool = True, num_microbatches: int = 1) -> tuple[float, float]:
+                  reshard_after_forward: bool = True, num_microbatches: int = 1,
+                  trainable: tuple[int, int] | None = None) -> tuple[float, float]:
     """(host->device, device->host) bytes per GPU per step under FSDP2's CPUOffloadPolicy.
 
     The fp32 shard is copied to the device before every all-gather of it and the fp32 reduced
-    gradient shard back after every reduce-scatter.
+    gradient shard of each `trainable` (block, root) parameter back after every reduce-scatter.
     """
     blocks = block_params * num_blocks
     gathers_per_block = 2 if reshard_after_forward else 1
+    block_grads, root_grads = trainable if trainable is not None else (block_params, root_params)
     h2d = (blocks * gathers_per_block + root_params) * 4 / num_gpus
-    d2h = (blocks + root_params) * 4 / num_gpus
+    d2h = (block_grads * num_blocks + root_grads) * 4 / num_gpus
     return float(h2d * num_microbatches), float(d2h * num_microbatches)
 
 
@@ -337,14 +341,18 @@ def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_p
                    num_gpus: int, block_params: int, num_blocks: int, root_params: int, param_bytes: int,
                    reshard_after_forward: bool = True, cpu_offload: bool = False,
                    num_microbatches: int = 1, dispatched_ops_per_microbatch: float = 0.0,
-                   hidden_size: int = 0, reduce_bytes: int = 4) -> StepWork:
+                   hidden_size: int = 0, reduce_bytes: int = 4,
+                   trainable: tuple[int, int] | None = None) -> StepWork:
     """The `StepWork` of a full-sharded FSDP2 step from what a backend counted: FLOPs, sizes;
-    gradients reduced in `reduce_bytes` per element (fp32, FSDP2's default here)."""
+    gradients reduced in `reduce_bytes` per element (fp32, FSDP2's default here), of the
+    `trainable` (block, root) parameters where some are frozen (LoRA), which alone the optimizer steps."""
     sizes = dict(block_params=block_params, num_blocks=num_blocks, root_params=root_params,
-                 reshard_after_forward=reshard_after_forward, num_microbatches=num_microbatches)
+                 reshard_after_forward=reshard_after_forward, num_microbatches=num_microbatches,
+                 trainable=trainable)
     volume = collective_bytes(param_bytes=param_bytes, reduce_bytes=reduce_bytes, **sizes)
     h2d, d2h = offload_bytes(num_gpus=num_gpus, **sizes) if cpu_offload else (0.0, 0.0)
-    total_params = root_params + num_blocks * block_params
+    block_grads, root_grads = trainable if trainable is not None else (block_params, root_params)
+    total_params = root_grads + num_blocks * block_grads
     return StepWork(
         flops_per_gpu=flops_per_gpu, model_flops_per_gpu=model_flops_per_gpu,
         tokens_per_step=tokens_per_gpu_step * num_gpus, num_microbatches=num_microbatches,
@@ -581,7 +589,8 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
                           num_microbatches: int = 1, reshard_after_forward: bool = True,
                           cpu_offload: bool = False, precision: str = "bf16",
                           model_flops_per_gpu: float | None = None, peak_tflops: float | None = None,
-                          shard_group_size: int = 0, reshard_group_size: int = 0) -> OpStepTime:
+                          shard_group_size: int = 0, reshard_group_size: int = 0,
+                          trainable: tuple[int, int] | None = None) -> OpStepTime:
     """Step time of one rank from the traced ops on a hardware profile (autotune/hardware.py).
 
     device per micro-batch  = matmul FLOPs / rate + matmuls x fixed cost
@@ -602,6 +611,8 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
     HSDP (`shard_group_size` g < n): the unit's collectives run within its group of g ranks (on
     the node's links when the group fits in a node), then each gradient shard is all-reduced across
     the n/g replicas (a ring all-reduce: twice a reduce-scatter's traffic, inter-node across nodes).
+    `trainable` (block, root): the parameters with gradients where some are frozen (LoRA): only
+    they are reduce-scattered, copied back from offload and stepped by the optimizer.
     optimizer: AdamW over the rank's shard on the device (28 bytes per parameter at
     `optimizer_gbps`), or on the host (`cpu_adam_params_per_s`, shared by a node's ranks) with CPU
     offload or on a cpu profile; offload adds the host<->device copies of the fp32 shards.
@@ -686,13 +697,15 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
                                   gbps=p["inter_node_gbps" if across else "intra_node_gbps"],
                                   latency_us=p["inter_node_latency_us" if across else "intra_node_latency_us"])
 
-    block_comm = ag(block_params) + (ag_backward(block_params) if reshard_after_forward else 0.0) + rs(block_params)
-    root_comm = ag(root_params) + rs(root_params)
+    block_grads, root_grads = trainable if trainable is not None else (block_params, root_params)
+    block_comm = ag(block_params) + (ag_backward(block_params) if reshard_after_forward else 0.0) + \
+        (rs(block_grads) if block_grads else 0.0)
+    root_comm = ag(root_params) + (rs(root_grads) if root_grads else 0.0)
     comm_mb = num_blocks * block_comm + root_comm
     offload_mb = 0.0
     if cpu_offload:
         h2d, d2h = offload_bytes(block_params=block_params, num_blocks=num_blocks, root_params=root_params,
-                                 num_gpus=group, reshard_after_forward=reshard_after_forward)
+                                 num_gpus=group, reshard_after_forward=reshard_after_forward, trainable=trainable)
         offload_mb = (h2d + d2h) / (p["host_link_gbps"] * 1e9)
     overlap = min(max(p["comm_overlap"], 0.0), 1.0)
     per_block_compute = compute_s / mb / max(num_blocks, 1)
@@ -704,7 +717,7 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
     exposed_s = exposed_mb * mb
     exposed_comm_s = exposed_s * (comm_s / (comm_s + offload_s)) if comm_s + offload_s else 0.0
 
-    shard_params = -(-(root_params + num_blocks * block_params) // group)
+    shard_params = -(-(root_grads + num_blocks * block_grads) // group)
     if cpu_offload or p.device == "cpu":
         ranks_sharing = max(n // num_nodes, 1) if cpu_offload and p.device == "cuda" else 1
         optimizer_s = shard_params * ranks_sharing / p["cpu_adam_params_per_s"]

@@ -165,3 +165,48 @@ def test_the_cpu_backend_refuses_activation_offload():
         result = real.evaluate(spec)
     assert result.status == "error" and result.extras["refused"]
     assert "activation offload cannot run on the cpu backend" in result.message and "--backend sim" in result.message
+
+
+@pytest.mark.parametrize("peft", ["none", "lora"])
+def test_reduce_scatter_volume_is_what_fsdp2_reduces(peft):
+    """The cost model's reduce-scatter bytes per micro-batch against the bytes FSDP2 itself hands
+    to reduce-scatter in a real training step (real tensors, autotune's parallelize, a fake process
+    group of 2 ranks, every c10d reduce-scatter input counted): LoRA reduces the adapters'
+    gradients only, a full fine-tune every parameter's (FSDP2 pads each to the world size: <1%)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autotune import costmodel
+    from autotune.backends.analytic import trainable_split
+    from autotune.backends.sim._fakepg import fake_mesh, release_fake_group
+    from autotune.parallel import ParallelDims, parallelize
+    from autotune.training import make_optimizer, token_batches, train_step
+
+    class ReduceScatterBytes(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "reduce_scatter" in func.__name__:
+                tensor = args[1]  # (output shard, unsharded input, ...)
+                ReduceScatterBytes.total += tensor.numel() * tensor.element_size()
+            return func(*args, **(kwargs or {}))
+
+    spec = _spec("tiny-llama", "none", "bf16", peft)
+    counts = parameter_counts(spec.model, spec.finetuning)
+    mesh = fake_mesh(ParallelDims.of(spec.train, 2))
+    try:
+        net = build_model(spec.model, finetuning=spec.finetuning)
+        parallelize(net, mesh, spec.train)
+        optimizer = make_optimizer(net, impl="foreach")
+        batches = token_batches(vocab_size=spec.model.vocab_size, micro_batch_size=1, seq_len=32, device="cpu")
+        with ReduceScatterBytes():
+            train_step(net, optimizer, batches, grad_accum_steps=1)
+    finally:
+        release_fake_group()
+    volume = costmodel.collective_bytes(block_params=counts.block_total, num_blocks=spec.model.num_layers,
+                                        root_params=counts.root_total, param_bytes=2,
+                                        trainable=trainable_split(spec))
+    counted = ReduceScatterBytes.total
+    assert counted > 0 and abs(volume.reduce_scatter_bytes - counted) <= 0.01 * counted, (volume, counted)
+    assert (trainable_split(spec) is None) is (peft == "none")
+    if peft == "lora":  # the adapters only: a small fraction of what a full fine-tune reduces
+        assert counted < 0.2 * 4 * counts.total

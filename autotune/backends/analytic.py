@@ -263,6 +263,18 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
                           peak_at=peak_at, offloaded_activation_bytes=int(offloaded_host))
 
 
+def trainable_split(spec: TrialSpec) -> tuple[int, int] | None:
+    """(per block, root) parameters that take gradients where some are frozen (LoRA), else None:
+    what FSDP2 reduce-scatters and the optimizer steps (costmodel). Counted on the model as peft
+    wraps it (torch is imported for LoRA only: a full fine-tune's plan stays torch-free)."""
+    if not spec.finetuning.lora:
+        return None
+    from autotune.training import parameter_counts
+
+    counts = parameter_counts(spec.model, spec.finetuning)
+    return counts.block_trainable, counts.root_trainable
+
+
 def step_work(spec: TrialSpec, *, reduce_bytes: int = 4) -> costmodel.StepWork:
     """FLOPs, collective and offload bytes of one optimizer step on one GPU, gradients reduced in
     `reduce_bytes` per element (fp32, as autotune's trials reduce)."""
@@ -284,7 +296,8 @@ def step_work(spec: TrialSpec, *, reduce_bytes: int = 4) -> costmodel.StepWork:
         tokens_per_gpu_step=tokens_per_gpu, num_gpus=spec.cluster.num_gpus, block_params=shape.block_params,
         num_blocks=shape.num_layers, root_params=shape.root_params, param_bytes=PARAM_BYTES[train.precision],
         reshard_after_forward=train.reshard_after_forward, cpu_offload=train.cpu_offload,
-        num_microbatches=spec.grad_accum_steps, hidden_size=shape.hidden, reduce_bytes=reduce_bytes)
+        num_microbatches=spec.grad_accum_steps, hidden_size=shape.hidden, reduce_bytes=reduce_bytes,
+        trainable=trainable_split(spec))
 
 
 class AnalyticBackend(TrialBackend):

@@ -10,7 +10,7 @@ import os
 from typing import TYPE_CHECKING
 
 from autotune import cache, costmodel
-from autotune.backends.analytic import SCREEN_MARGIN, model_shape
+from autotune.backends.analytic import SCREEN_MARGIN, model_shape, trainable_split
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
 from autotune.backends.sim._extrapolate import extrapolate, shallow_depths
 from autotune.config import PARAM_DTYPE_BYTES, TrialSpec
@@ -435,7 +435,8 @@ class SimBackend(TrialBackend):
                 cpu_offload=spec.train.cpu_offload, precision=spec.train.precision,
                 model_flops_per_gpu=model_flops_per_token(spec.model, spec.seq_len) * tokens_per_gpu_step,
                 peak_tflops=spec.cluster.gpu.peak_tflops if self.device_kind == "cuda" else None,
-                shard_group_size=spec.train.shard_group_size, reshard_group_size=spec.train.reshard_group_size)
+                shard_group_size=spec.train.shard_group_size, reshard_group_size=spec.train.reshard_group_size,
+                trainable=trainable_split(spec))
             extras["step_time"] = op_step.to_dict()
             if op_step.mfu is not None:
                 extras["mfu_estimated"] = op_step.mfu
@@ -454,7 +455,7 @@ class SimBackend(TrialBackend):
             param_bytes=PARAM_DTYPE_BYTES[spec.train.precision], reshard_after_forward=spec.train.reshard_after_forward,
             cpu_offload=spec.train.cpu_offload, num_microbatches=accum,
             dispatched_ops_per_microbatch=(op_work or {}).get("dispatched_ops", 0.0),
-            hidden_size=model_shape(spec.model).hidden)
+            hidden_size=model_shape(spec.model).hidden, trainable=trainable_split(spec))
         step = costmodel.estimate_step_time(work, spec.cluster, shard_group_size=spec.train.shard_group_size,
                                             reshard_group_size=spec.train.reshard_group_size)
         extras["step_time"] = step.to_dict()
