@@ -2,7 +2,7 @@
 
 The pipeline, in the order a run walks it (one folder or module each):
 
-    catalog/      models and GPUs the tool knows (plain data)
+    catalog/      models and GPUs the tool knows (plain data), where a model's decoder blocks are
     knobs.py      the tuned knobs, defined once (everything that lists them derives from it)
     config.py     what a trial is: model, cluster, the tuned knobs, the global batch
     parallel.py   the one device mesh (ParallelDims) and FSDP2 wrapping every trial, trace and export uses
@@ -18,7 +18,7 @@ The pipeline, in the order a run walks it (one folder or module each):
     cli.py        the command line: parses flags into the library's options, prints, exits with a code
 """
 
-__version__ = "0.1.0"
+from autotune.version import __version__
 
 
 def tune(model: str, *, gpus: int, global_tokens: int | str, **options):

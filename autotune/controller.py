@@ -234,7 +234,7 @@ class Controller:
         chosen, shard = self.request.space.shard_placement, self.request.cluster.num_gpus
         if chosen != "auto":
             return chosen, ""
-        moved = self.request.model.shapes_moved_by_placement(shard)
+        moved = knobs.shapes_moved_by_placement(self.request.model.block_param_shapes, shard)
         if not moved:
             stuck = sorted(shape for shape in self.request.model.block_param_shapes if shape[0] < shard)
             if stuck:  # smaller than the group, and no other dimension divides evenly: dim 0, padded

@@ -52,6 +52,13 @@ def shard_dim(shape: tuple[int, ...], shard_size: int, placement: str) -> int:
     return max(even, key=lambda d: (shape[d], -d)) if even else 0
 
 
+def shapes_moved_by_placement(shapes, shard_size: int) -> list[tuple[int, ...]]:
+    """Of a model's block parameter `shapes` (ModelSpec.block_param_shapes), those
+    `--shard-placement largest` shards off dimension 0 on a shard group of `shard_size` ranks
+    (none: it is the default placement)."""
+    return [shape for shape in shapes if shard_dim(shape, shard_size, "largest")]
+
+
 # --- activation checkpointing: a typed value -------------------------------------------------------
 
 AC_MODES: tuple[str, ...] = ("none", "full", "every", "op")
