@@ -14,7 +14,7 @@ from autotune.catalog.gpus import GPUSpec, GPUS
 from autotune.catalog.models import ModelSpec
 from autotune import knobs
 from autotune.errors import UsageError
-from autotune.knobs import OPTIMIZER_IMPLS, PRECISIONS, Checkpointing  # noqa: F401  (re-exported)
+from autotune.knobs import Checkpointing
 
 Precision = Literal["bf16", "fp16", "fp32", "bf16-pure"]
 PARAM_DTYPE_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",

@@ -214,7 +214,7 @@ class Knob:
     alternative: Any = None
     """A valid non-default value (tests change every knob to it: each must change the cache key)."""
     keyed_at_default: bool = True
-    """False for knobs added after studies existed: a trial's identity (controller.config_key)
+    """False for knobs added after studies existed: a trial's identity (records.config_key)
     leaves them out at their default, so a resumed study still finds its old trials."""
     domain: Callable[["SampleContext"], tuple[Any, ...]] | None = None
     """The values the sampler beyond the graph draws from (None: the default only)."""
