@@ -10,7 +10,8 @@ The pipeline, in the order a run walks it (one folder or module each):
     backends/     how a trial is evaluated: estimated, predicted (sim), measured (cpu/cuda)
     records.py    what a run was asked and each step it took (TuneRequest, Step)
     controller.py the memory-tuning decision graph over a backend
-    store.py      the Optuna study and the runs/ folder
+    store.py      the Optuna study: every trial, on SQLite or a shared database
+    run_folder.py runs/<run-id>/: its name, status.json, autotune.log, trials.csv
     export/       the winner in the formats of other stacks
     report/       the HTML report
     options.py    the tune options, typed (TuneOptions), and the validators the CLI's flags use too

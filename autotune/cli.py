@@ -473,7 +473,8 @@ def cmd_report(args: argparse.Namespace, console) -> int:
 def cmd_sweep(args: argparse.Namespace, console) -> int:
     """Work on a sweep until every problem is finished (or start --local workers that do)."""
     from autotune.secrets import mask
-    from autotune.store import default_storage, ensure_writable
+    from autotune.run_folder import ensure_writable
+    from autotune.store import default_storage
     from autotune.sweep import SweepQueue, load_sweep, run_worker, sweep_results
 
     sweep = load_sweep(Path(args.file), name=args.name)

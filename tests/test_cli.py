@@ -238,7 +238,7 @@ def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path):
     from autotune.catalog.models import resolve_model
     from autotune.config import Cluster
     from autotune.records import TuneRequest
-    from autotune.store import new_run_dir
+    from autotune.run_folder import new_run_dir
 
     request = TuneRequest(model=resolve_model("tiny-llama"), cluster=Cluster(num_gpus=2), seq_len=256,
                           target_tokens=64_000)
