@@ -387,7 +387,7 @@ LARGE_MEMORY_OP_BYTES = 16 * MiB
 `memory_gbps_large`: its buffers do not fit in a CPU's last-level cache shared by the ranks (32
 MiB on the 2-core VM), and a new output's pages are first touched by it. On one step of
 tiny-llama (2 gloo ranks, micro-batch 8) the log-softmax of the loss ran at 2.5-3 GB/s against
-56-84 GB/s for elementwise ops at activation sizes (torch.profiler, docs/BENCHMARKS.md, run 9)."""
+56-84 GB/s for elementwise ops at activation sizes (torch.profiler, docs/history/BENCHMARKS-2026-11-25.md, run 9)."""
 
 @dataclass(frozen=True, kw_only=True)
 class OpWork:
