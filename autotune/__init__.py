@@ -1,6 +1,7 @@
 """autotune: find the fastest PyTorch FSDP2 configuration that fits, and prove it.
 
-The pipeline, in the order a run walks it (one folder or module each):
+The pipeline, in the order a run walks it (one folder or module each; docs/ARCHITECTURE.md draws
+it, with the import layers tests/test_architecture.py checks):
 
     catalog/      models and GPUs the tool knows (plain data), where a model's decoder blocks are
     knobs.py      the tuned knobs, defined once (everything that lists them derives from it)
