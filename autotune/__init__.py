@@ -1,8 +1,9 @@
 """autotune: find the fastest PyTorch FSDP2 configuration that fits, and prove it.
 
-The pipeline, in the order a run walks it (one folder or module each):
+The pipeline, in the order a run walks it (one folder or module each; docs/ARCHITECTURE.md draws
+it, with the import layers tests/test_architecture.py checks):
 
-    catalog/      models and GPUs the tool knows (plain data)
+    catalog/      models and GPUs the tool knows (plain data), where a model's decoder blocks are
     knobs.py      the tuned knobs, defined once (everything that lists them derives from it)
     config.py     what a trial is: model, cluster, the tuned knobs, the global batch
     parallel.py   the one device mesh (ParallelDims) and FSDP2 wrapping every trial, trace and export uses
@@ -10,7 +11,8 @@ The pipeline, in the order a run walks it (one folder or module each):
     backends/     how a trial is evaluated: estimated, predicted (sim), measured (cpu/cuda)
     records.py    what a run was asked and each step it took (TuneRequest, Step)
     controller.py the memory-tuning decision graph over a backend
-    store.py      the Optuna study and the runs/ folder
+    store.py      the Optuna study: every trial, on SQLite or a shared database
+    run_folder.py runs/<run-id>/: its name, status.json, autotune.log, trials.csv
     export/       the winner in the formats of other stacks
     report/       the HTML report
     options.py    the tune options, typed (TuneOptions), and the validators the CLI's flags use too
@@ -18,7 +20,7 @@ The pipeline, in the order a run walks it (one folder or module each):
     cli.py        the command line: parses flags into the library's options, prints, exits with a code
 """
 
-__version__ = "0.1.0"
+from autotune.version import __version__
 
 
 def tune(model: str, *, gpus: int, global_tokens: int | str, **options):

@@ -46,8 +46,8 @@ def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
     from autotune.batch import DEFAULT_TOLERANCE, check_reachable, check_target
     from autotune.records import DEFAULT_HEADROOM, TuneRequest
     from autotune.search_space import load_space
-    from autotune.store import (RunLog, TrialStore, default_storage, ensure_writable, new_run_dir, study_name,
-                                write_run_state)
+    from autotune.run_folder import RunLog, ensure_writable, new_run_dir, write_run_state
+    from autotune.store import TrialStore, default_storage, study_name
     from autotune.units import format_bytes, parse_count
 
     check_multi_node(options)
@@ -113,7 +113,8 @@ def _tune_in_run_dir(options: TuneOptions, console, *, request, store, finished,
     from autotune.records import why_nothing_fits
     from autotune.files import write_atomic
     from autotune.result import build_result, dumps
-    from autotune.store import step_record, trials_csv
+    from autotune.run_folder import trials_csv
+    from autotune.store import step_record
 
     run_id = run_dir.name
     model = request.model

@@ -24,7 +24,8 @@ from autotune.api import (check_multi_node, check_out_file, check_wrappable, cho
                           write_formats)
 from autotune.errors import AutotuneError, NothingFits, StorageUnavailable, UsageError
 from autotune.interrupts import raised_where_safe
-from autotune.options import BACKENDS, PEFT_METHODS, WORKLOADS, TuneOptions, duration, fraction, number, positive_int, usage_error
+from autotune.config import PEFT_METHODS
+from autotune.options import BACKENDS, SEQ_LEN_STEP, WORKLOADS, TuneOptions, duration, fraction, number, positive_int, usage_error
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
@@ -96,7 +97,7 @@ def _add_problem_options(parser: argparse.ArgumentParser, *, model_required: boo
 
 
 def _add_seq_len(group, *, seq_len_max: bool) -> None:
-    from autotune.seqlen import SEQ_LEN_STEP, seq_len_or_max
+    from autotune.seqlen import seq_len_or_max
 
     if not seq_len_max:
         group.add_argument("--seq-len", type=positive_int, help="training sequence length (default: the catalog entry's)")
@@ -476,7 +477,8 @@ def cmd_report(args: argparse.Namespace, console) -> int:
 def cmd_sweep(args: argparse.Namespace, console) -> int:
     """Work on a sweep until every problem is finished (or start --local workers that do)."""
     from autotune.secrets import mask
-    from autotune.store import default_storage, ensure_writable
+    from autotune.run_folder import ensure_writable
+    from autotune.store import default_storage
     from autotune.sweep import SweepQueue, load_sweep, run_worker, sweep_results
 
     sweep = load_sweep(Path(args.file), name=args.name)

@@ -14,8 +14,7 @@ from autotune.catalog.gpus import GPUSpec, GPUS
 from autotune.catalog.models import ModelSpec
 from autotune import knobs
 from autotune.errors import UsageError
-from autotune.options import PEFT_METHODS
-from autotune.knobs import OPTIMIZER_IMPLS, PRECISIONS, Checkpointing  # noqa: F401  (re-exported)
+from autotune.knobs import Checkpointing
 
 Precision = Literal["bf16", "fp16", "fp32", "bf16-pure"]
 PARAM_DTYPE_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
@@ -207,6 +206,10 @@ DEFAULT_LORA_TARGETS = "all-linear"
 what TRL's LoRA examples target."""
 
 
+PEFT_METHODS = ("none", "lora")
+"""What trains: `none`, every parameter; `lora`, peft adapters on a frozen base (FineTuning)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class FineTuning:
     """What trains. `none`: every parameter (a full fine-tune or pretraining). `lora`: the real
@@ -295,7 +298,7 @@ class TrialSpec:
             raise UsageError(f"--reshard-group {group}: the group must be a factor of the {shard} GPUs parameters "
                              f"are sharded over (e.g. {min(per_node, shard)}, a node's); 0 reshards over all of them")
         if self.train.shard_placement != "dim0":
-            if not self.model.placement_moves_parameters(shard):  # nothing moves: the default (one name)
+            if not knobs.shapes_moved_by_placement(self.model.block_param_shapes, shard):  # nothing moves: the default (one name)
                 object.__setattr__(self, "train", self.train.with_(shard_placement="dim0"))
             elif self.train.reshard_group_size:
                 # FSDP2 reshards after forward to a smaller group by splitting dimension 0 only.

@@ -28,16 +28,9 @@ from autotune import knobs
 from autotune.backends.analytic import SCREEN_MARGIN
 from autotune.backends.base import TrialBackend, TrialResult
 from autotune.batch import within_tolerance
-from autotune.config import Checkpointing, TrainConfig
-from autotune.records import (  # noqa: F401  (re-exported: callers written before the records moved)
-    DEFAULT_HEADROOM,
-    Step,
-    TuneOutcome,
-    TuneRequest,
-    config_key,
-    prediction_summary,
-    why_nothing_fits,
-)
+from autotune.config import TrainConfig
+from autotune.knobs import Checkpointing
+from autotune.records import Step, TuneOutcome, TuneRequest, config_key, why_nothing_fits
 
 EXPLORE_MARGIN = 0.03
 """Where throughput is only estimated, an exploration candidate whose closed-form estimate is
@@ -234,7 +227,7 @@ class Controller:
         chosen, shard = self.request.space.shard_placement, self.request.cluster.num_gpus
         if chosen != "auto":
             return chosen, ""
-        moved = self.request.model.shapes_moved_by_placement(shard)
+        moved = knobs.shapes_moved_by_placement(self.request.model.block_param_shapes, shard)
         if not moved:
             stuck = sorted(shape for shape in self.request.model.block_param_shapes if shape[0] < shard)
             if stuck:  # smaller than the group, and no other dimension divides evenly: dim 0, padded

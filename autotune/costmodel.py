@@ -23,10 +23,10 @@ from autotune.catalog.gpus import GPUSpec
 from autotune.config import Cluster
 
 __all__ = [
-    "CollectiveVolume", "PublishedRun", "StepTime", "StepWork",
+    "CollectiveVolume", "StepTime", "StepWork",
     "collective_bytes", "estimate_basis", "estimate_step_time", "fsdp_step_work", "host_link_gbps",
     "matmul_efficiency", "offload_bytes",
-    "ESTIMATE_BASIS", "PUBLISHED_RUNS",
+    "ESTIMATE_BASIS",
     "MATMUL_EFFICIENCY", "DEFAULT_MATMUL_EFFICIENCY", "HALF_EFFICIENCY_TOKENS", "HALF_EFFICIENCY_HIDDEN",
     "REFERENCE_HIDDEN",
     "INTRA_NODE_BUS_EFFICIENCY", "INTER_NODE_BUS_EFFICIENCY", "CPU_ADAM_PARAMS_PER_S_PER_NODE",
@@ -41,9 +41,10 @@ MATMUL_EFFICIENCY = {"a100-80gb": 0.76, "a100-40gb": 0.76, "h100-80gb": 0.49, "h
 """Fraction of the data-sheet dense peak that an eager FSDP transformer step's FLOPs (recompute
 included) run at on large micro-batches of a model REFERENCE_HIDDEN wide, by GPU. Fitted with
 HALF_EFFICIENCY_TOKENS, HALF_EFFICIENCY_HIDDEN and INTER_NODE_BUS_EFFICIENCY to the 21 published
-torchtitan and PyTorch/IBM FSDP runs in PUBLISHED_RUNS, all rows at once (benchmarks/bench_costmodel.py
---published prints this fit and checks it leave-one-out): A100s reach ~3/4 of peak on 70B-wide
-models, H100s half (eager kernels and flash attention lag the 3x faster tensor cores)."""
+torchtitan and PyTorch/IBM FSDP runs in autotune/data/published_runs.json, all rows at once
+(autotune/costmodel_fit.py; benchmarks/bench_costmodel.py --published prints this fit and checks it
+leave-one-out): A100s reach ~3/4 of peak on 70B-wide models, H100s half (eager kernels and flash
+attention lag the 3x faster tensor cores)."""
 DEFAULT_MATMUL_EFFICIENCY = 0.50
 """For catalog GPUs without a published FSDP figure: unvalidated."""
 HALF_EFFICIENCY_TOKENS = 920
@@ -99,114 +100,6 @@ node together; memory-bandwidth bound: ~16 bytes read + 12 written per parameter
 HOST_PROCESS_BYTES = 3 * GiB
 """Host memory of one GPU training process before offloaded state: Python, torch, CUDA and NCCL
 libraries, pinned staging buffers."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class PublishedRun:
-    """A public, measured FSDP training throughput the constants above are checked against."""
-
-    model: str
-    """Catalog name with the same shapes."""
-    gpu: str
-    num_gpus: int
-    num_nodes: int
-    seq_len: int
-    micro_batch_size: int
-    activation_checkpointing: str
-    """The nearest autotune mode (in FLOPs) to what the run used; `note` says what it used."""
-    tokens_per_sec_per_gpu: float
-    source: str
-    note: str = ""
-    shard_group_size: int = 0
-    """GPUs each parameter is sharded over: 0 for all of them (FSDP), a node's 8 for HSDP."""
-    reduce_bytes: int = 4
-    """Bytes per gradient element reduced: 4 (fp32, FSDP2's and torchtitan's default), 2 where the
-    run reduced in bf16 (fms-fsdp's MixedPrecision(reduce_dtype=torch.bfloat16))."""
-
-
-TORCHTITAN_A100 = "torchtitan docs/performance.md (2024), Llama 3 / Llama 2 on 64 A100 (80GB), FSDP2"
-FMS_FSDP_FEB = "foundation-model-stack/fms-fsdp README, February 2024 table (commit 6327da6; FSDP1, eager, 128 A100)"
-FMS_FSDP_MAR_A100 = ("foundation-model-stack/fms-fsdp README, March 2024 table (commit 4ffb9bd; FSDP1, eager, "
-                     "128 A100 80G, 400 Gbps)")
-FMS_FSDP_MAR_H100 = ("foundation-model-stack/fms-fsdp README, March 2024 table (commit 4ffb9bd; FSDP1, eager, "
-                     "96 H100, 800 Gbps)")
-
-PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
-    PublishedRun(model="llama3-8b", gpu="h100-80gb", num_gpus=8, num_nodes=1, seq_len=8192,
-                 micro_batch_size=2, activation_checkpointing="op", tokens_per_sec_per_gpu=5762,
-                 source="torchtitan, arXiv 2410.06511 / docs/performance.md, Table 1 (FSDP, eager)",
-                 note="selective op AC; H100 96 GB HBM2e at a 500 W power limit"),
-    PublishedRun(model="llama3-8b", gpu="h100-80gb", num_gpus=128, num_nodes=16, seq_len=8192,
-                 micro_batch_size=2, activation_checkpointing="op", tokens_per_sec_per_gpu=5605,
-                 source="torchtitan docs/performance.md (Grand Teton, 2024-12), Table 3 (FSDP, eager, 128 GPUs)",
-                 note="selective op AC; 400 Gb/s RDMA per GPU; H100 96 GB HBM2e at a 500 W power limit"),
-    # torchtitan's Llama 3 and Llama 2 tables: same model, same 64 A100s, different checkpointing.
-    # "selective layer" is torchtitan's every-2nd-block AC, "selective op" its op-level policy (op).
-    PublishedRun(model="llama3-8b", gpu="a100-80gb", num_gpus=64, num_nodes=8, seq_len=8192,
-                 micro_batch_size=1, activation_checkpointing="every:2", tokens_per_sec_per_gpu=2904,
-                 source=TORCHTITAN_A100, note="selective layer AC; 56.8% MFU reported"),
-    PublishedRun(model="llama3-8b", gpu="a100-80gb", num_gpus=64, num_nodes=8, seq_len=8192,
-                 micro_batch_size=1, activation_checkpointing="op", tokens_per_sec_per_gpu=2973,
-                 source=TORCHTITAN_A100, note="selective op AC; 58.2% MFU reported"),
-    PublishedRun(model="llama3-70b", gpu="a100-80gb", num_gpus=64, num_nodes=8, seq_len=8192,
-                 micro_batch_size=1, activation_checkpointing="full", tokens_per_sec_per_gpu=331,
-                 source=TORCHTITAN_A100, note="full AC; 51.7% MFU reported"),
-    PublishedRun(model="llama-13b", gpu="a100-80gb", num_gpus=64, num_nodes=8, seq_len=4096,
-                 micro_batch_size=2, activation_checkpointing="none", tokens_per_sec_per_gpu=2162,
-                 source=TORCHTITAN_A100, note="Llama 2 13B, no AC; 61.1% MFU reported"),
-    PublishedRun(model="llama-13b", gpu="a100-80gb", num_gpus=64, num_nodes=8, seq_len=4096,
-                 micro_batch_size=2, activation_checkpointing="every:2", tokens_per_sec_per_gpu=1914,
-                 source=TORCHTITAN_A100, note="Llama 2 13B, selective layer AC; 54.1% MFU reported"),
-    PublishedRun(model="llama-13b", gpu="a100-80gb", num_gpus=64, num_nodes=8, seq_len=4096,
-                 micro_batch_size=2, activation_checkpointing="op", tokens_per_sec_per_gpu=1904,
-                 source=TORCHTITAN_A100, note="Llama 2 13B, selective op AC; 53.8% MFU reported"),
-    PublishedRun(model="llama-70b", gpu="a100-80gb", num_gpus=64, num_nodes=8, seq_len=4096,
-                 micro_batch_size=1, activation_checkpointing="op", tokens_per_sec_per_gpu=355,
-                 source=TORCHTITAN_A100, note="Llama 2 70B, selective op AC (mb 2 ran out of memory); 50.8% MFU"),
-    PublishedRun(model="llama-70b", gpu="a100-80gb", num_gpus=64, num_nodes=8, seq_len=4096,
-                 micro_batch_size=2, activation_checkpointing="full", tokens_per_sec_per_gpu=353,
-                 source=TORCHTITAN_A100, note="Llama 2 70B, full AC; 50.5% MFU reported"),
-    # fms-fsdp (PyTorch/IBM, FSDP1, eager) published two tables on the same clusters: February 2024
-    # (per-model best configurations) and March 2024 (batch 2 throughout, A100s and H100s). Where
-    # both list one configuration (7B HSDP mb2: 3,760 then 3,700) the later figure is kept.
-    # "Selective AC" there checkpoints every k-th block; its 13B HFU/MFU ratio (0.59/0.51) is
-    # that of every second block.
-    PublishedRun(model="llama-13b", gpu="a100-80gb", num_gpus=128, num_nodes=16, seq_len=4096,
-                 micro_batch_size=1, activation_checkpointing="none", tokens_per_sec_per_gpu=1700,
-                 source=FMS_FSDP_FEB, note="HSDP (sharded within a node), no AC", shard_group_size=8, reduce_bytes=2),
-    PublishedRun(model="codellama-34b", gpu="a100-80gb", num_gpus=128, num_nodes=16, seq_len=4096,
-                 micro_batch_size=8, activation_checkpointing="full", tokens_per_sec_per_gpu=772,
-                 source=FMS_FSDP_FEB, note="fms-fsdp llama2_34b (Code Llama 34B shape), FSDP, AC on", reduce_bytes=2),
-    PublishedRun(model="llama-70b", gpu="a100-80gb", num_gpus=128, num_nodes=16, seq_len=4096,
-                 micro_batch_size=6, activation_checkpointing="full", tokens_per_sec_per_gpu=380,
-                 source=FMS_FSDP_FEB, note="FSDP with activation checkpointing", reduce_bytes=2),
-    PublishedRun(model="llama-7b", gpu="a100-80gb", num_gpus=128, num_nodes=16, seq_len=4096,
-                 micro_batch_size=2, activation_checkpointing="none", tokens_per_sec_per_gpu=3700,
-                 source=FMS_FSDP_MAR_A100, note="HSDP, no AC; 0.57 MFU (3,760 in the February table)",
-                 shard_group_size=8, reduce_bytes=2),
-    PublishedRun(model="llama-13b", gpu="a100-80gb", num_gpus=128, num_nodes=16, seq_len=4096,
-                 micro_batch_size=2, activation_checkpointing="every:2", tokens_per_sec_per_gpu=1800,
-                 source=FMS_FSDP_MAR_A100, note="FSDP, selective AC; 0.51 MFU, 0.59 HFU", reduce_bytes=2),
-    PublishedRun(model="codellama-34b", gpu="a100-80gb", num_gpus=128, num_nodes=16, seq_len=4096,
-                 micro_batch_size=2, activation_checkpointing="full", tokens_per_sec_per_gpu=700,
-                 source=FMS_FSDP_MAR_A100, note="llama2_34b, FSDP, full AC; 0.47 MFU, 0.64 HFU", reduce_bytes=2),
-    PublishedRun(model="llama-70b", gpu="a100-80gb", num_gpus=128, num_nodes=16, seq_len=4096,
-                 micro_batch_size=2, activation_checkpointing="full", tokens_per_sec_per_gpu=370,
-                 source=FMS_FSDP_MAR_A100, note="FSDP, full AC; 0.50 MFU, 0.67 HFU", reduce_bytes=2),
-    PublishedRun(model="llama-7b", gpu="h100-80gb", num_gpus=96, num_nodes=12, seq_len=4096,
-                 micro_batch_size=2, activation_checkpointing="none", tokens_per_sec_per_gpu=7500,
-                 source=FMS_FSDP_MAR_H100, note="HSDP, no AC; 0.37 MFU", shard_group_size=8, reduce_bytes=2),
-    PublishedRun(model="llama-13b", gpu="h100-80gb", num_gpus=96, num_nodes=12, seq_len=4096,
-                 micro_batch_size=2, activation_checkpointing="every:2", tokens_per_sec_per_gpu=3800,
-                 source=FMS_FSDP_MAR_H100, note="FSDP, selective AC; 0.35 MFU, 0.40 HFU", reduce_bytes=2),
-    PublishedRun(model="codellama-34b", gpu="h100-80gb", num_gpus=96, num_nodes=12, seq_len=4096,
-                 micro_batch_size=2, activation_checkpointing="full", tokens_per_sec_per_gpu=1550,
-                 source=FMS_FSDP_MAR_H100, note="llama2_34b, FSDP, full AC; 0.32 MFU, 0.44 HFU", reduce_bytes=2),
-    PublishedRun(model="llama-70b", gpu="h100-80gb", num_gpus=96, num_nodes=12, seq_len=4096,
-                 micro_batch_size=2, activation_checkpointing="full", tokens_per_sec_per_gpu=800,
-                 source=FMS_FSDP_MAR_H100, note="FSDP, full AC; 0.34 MFU, 0.45 HFU", reduce_bytes=2),
-)
-"""Measured FSDP throughputs; docs/COSTMODEL.md shows how far the estimate is from each."""
 
 
 def estimate_basis(gpu: GPUSpec, efficiency: float) -> str:
@@ -502,7 +395,7 @@ LARGE_MEMORY_OP_BYTES = 16 * MiB
 `memory_gbps_large`: its buffers do not fit in a CPU's last-level cache shared by the ranks (32
 MiB on the 2-core VM), and a new output's pages are first touched by it. On one step of
 tiny-llama (2 gloo ranks, micro-batch 8) the log-softmax of the loss ran at 2.5-3 GB/s against
-56-84 GB/s for elementwise ops at activation sizes (torch.profiler, docs/BENCHMARKS.md, run 9)."""
+56-84 GB/s for elementwise ops at activation sizes (torch.profiler, docs/history/BENCHMARKS-2026-11-25.md, run 9)."""
 
 @dataclass(frozen=True, kw_only=True)
 class OpWork:

@@ -173,7 +173,7 @@ PUBLISHED_MATMUL_FRACTION = {
     "a100": (costmodel.MATMUL_EFFICIENCY["a100-80gb"],
              "the fraction of the A100 dense bf16 peak (312 TFLOP/s) an eager FSDP step's FLOPs run at in "
              "torchtitan's Llama 3 and Llama 2 runs on 64 A100s (docs/performance.md 2024) and fms-fsdp's "
-             "on 128 A100s, fitted to all of costmodel.PUBLISHED_RUNS"),
+             "on 128 A100s, fitted to all of autotune/data/published_runs.json"),
     "hopper": (costmodel.MATMUL_EFFICIENCY["h100-80gb"],
                "the fraction of the H100 dense bf16 peak (989 TFLOP/s) an eager FSDP step's FLOPs run at in "
                "torchtitan's Llama 3.1 8B on 8 and 128 H100s (docs/performance.md Tables 1 and 3, FSDP eager)"),

@@ -52,6 +52,13 @@ def shard_dim(shape: tuple[int, ...], shard_size: int, placement: str) -> int:
     return max(even, key=lambda d: (shape[d], -d)) if even else 0
 
 
+def shapes_moved_by_placement(shapes, shard_size: int) -> list[tuple[int, ...]]:
+    """Of a model's block parameter `shapes` (ModelSpec.block_param_shapes), those
+    `--shard-placement largest` shards off dimension 0 on a shard group of `shard_size` ranks
+    (none: it is the default placement)."""
+    return [shape for shape in shapes if shard_dim(shape, shard_size, "largest")]
+
+
 # --- activation checkpointing: a typed value -------------------------------------------------------
 
 AC_MODES: tuple[str, ...] = ("none", "full", "every", "op")
@@ -209,7 +216,7 @@ class Knob:
     alternative: Any = None
     """A valid non-default value (tests change every knob to it: each must change the cache key)."""
     keyed_at_default: bool = True
-    """False for knobs added after studies existed: a trial's identity (controller.config_key)
+    """False for knobs added after studies existed: a trial's identity (records.config_key)
     leaves them out at their default, so a resumed study still finds its old trials."""
     domain: Callable[["SampleContext"], tuple[Any, ...]] | None = None
     """The values the sampler beyond the graph draws from (None: the default only)."""

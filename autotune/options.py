@@ -13,13 +13,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from autotune.config import PEFT_METHODS
 from autotune.errors import UsageError
-from autotune.seqlen import SEQ_LEN_STEP
 
 BACKENDS = ("auto", "sim", "analytic", "cpu", "cuda")
 WORKLOADS = ("sft", "grpo")
-PEFT_METHODS = ("none", "lora")
-"""What trains: `none`, every parameter; `lora`, peft adapters on a frozen base (config.FineTuning)."""
+SEQ_LEN_STEP = 1024
+"""`--seq-len max`'s default granularity (autotune/seqlen.py): attention kernels and data pipelines
+favour multiples of it."""
 
 
 # -- validators (argparse types: they raise ArgumentTypeError, whose text argparse prints) -----------

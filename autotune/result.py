@@ -11,8 +11,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import autotune
 from autotune.records import Step, TuneRequest, prediction_summary
+from autotune.version import __version__
 from autotune import knobs
 from autotune.config import MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, PARAM_DTYPE_NAMES
 from autotune.runtime_memory import ALLOC_CONF_ENV, alloc_conf
@@ -35,7 +35,7 @@ def provenance() -> dict[str, str]:
     import optuna
 
     return {
-        "tool": f"autotune {autotune.__version__}",
+        "tool": f"autotune {__version__}",
         # Installed versions, read without importing (a plan served from the cache needs neither).
         "torch": _installed("torch"),
         "transformers": _installed("transformers"),

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.config import OPTIMIZER_IMPLS, PRECISIONS
-from autotune.knobs import OP_POLICIES, SHARD_PLACEMENTS
+from autotune.knobs import OP_POLICIES, OPTIMIZER_IMPLS, PRECISIONS, SHARD_PLACEMENTS
 from autotune.errors import UsageError
 
 DEFAULT_SPACE = Path(__file__).resolve().parent.parent / "search_spaces" / "default.toml"

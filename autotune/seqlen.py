@@ -1,6 +1,6 @@
 """`--seq-len max`: the longest sequence length that fits with some configuration, and its throughput.
 
-A bisection over multiples of a stated granularity (--seq-len-step, default SEQ_LEN_STEP) up to
+A bisection over multiples of a stated granularity (--seq-len-step, default options.SEQ_LEN_STEP) up to
 the model's positions. Each probe is a whole tune (api.run_tune: the controller's answer), so
 "fits" means the decision graph found a configuration within the memory limit -- checkpointing
 and CPU offload included -- and the probe's throughput is its winner's. Memory grows with the
@@ -16,9 +16,7 @@ import dataclasses
 from typing import Any, Callable
 
 from autotune.errors import NothingFits, UsageError
-
-SEQ_LEN_STEP = 1024
-"""The default granularity of the answer: attention kernels and data pipelines favour multiples of it."""
+from autotune.options import positive_int
 
 UNBOUNDED_POSITIONS = 1 << 20
 """The ceiling for a model whose config states no maximum position count."""
@@ -26,8 +24,6 @@ UNBOUNDED_POSITIONS = 1 << 20
 
 def seq_len_or_max(text: str) -> int | str:
     """The --seq-len argparse type: a positive integer, or 'max'."""
-    from autotune.options import positive_int
-
     return "max" if str(text).strip().lower() == "max" else positive_int(text)
 
 

@@ -1,9 +1,9 @@
-"""Where results live: the Optuna study (every trial) and the runs/ folder (each run's files).
+"""The Optuna study: every trial of a tuning problem, on SQLite or a shared database.
 
 Trials are written to the study whole, in one insert each (`study.add_trial` of a finished
 trial), so an interrupted run never leaves a half-recorded trial behind; rerunning the same
-command finds the study by name and reuses its finished trials. Files under runs/<id>/ are
-written to a temporary name and renamed into place: never half-written.
+command finds the study by name and reuses its finished trials. A storage that stops answering
+is waited for (outages), then given up on. Each run's own files are autotune/run_folder.py's.
 """
 
 from __future__ import annotations
@@ -12,12 +12,9 @@ import contextlib
 import functools
 import hashlib
 import json
-import logging
 import os
 import re
-import tempfile
 from collections.abc import Iterator
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -27,19 +24,6 @@ from autotune.errors import StorageUnavailable, UsageError
 
 STUDY_DB = "autotune.db"
 _REUSED = "reused:"  # study attribute prefix: reused:<run_id>:<step> -> the trial a run's step reused
-
-
-def ensure_writable(runs_dir: Path) -> Path:
-    """Create the runs folder and check it takes files, before any trial runs."""
-    try:
-        runs_dir.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=runs_dir, prefix=".probe.")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise UsageError(f"runs directory {str(runs_dir)!r} is not writable ({exc.strerror}): "
-                         "pass a writable folder with --runs-dir") from None
-    return runs_dir
 
 
 def default_storage(runs_dir: Path) -> str:
@@ -366,83 +350,3 @@ def step_record(step: Step) -> dict[str, Any]:
         "reused_from": step.reused_from,
         "key": config_key(step.train, grad_accum_steps=step.batch.grad_accum_steps, backend=step.backend),
     }
-
-
-def new_run_dir(request: TuneRequest, runs_dir: Path) -> Path:
-    """Create and claim runs/<run-id>/: a timestamp, the model and GPU count, and a suffix when
-    another run (a rerun, a sweep worker) started in the same second."""
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.model.name)
-    base = f"{stamp}-{name}-{request.cluster.num_gpus}gpu"
-    for attempt in range(1, 1000):
-        candidate = runs_dir / (base if attempt == 1 else f"{base}-{attempt}")
-        try:
-            candidate.mkdir(parents=True)  # atomic: exactly one run gets each folder
-            return candidate
-        except FileExistsError:
-            continue
-    raise UsageError(f"cannot create a run folder under {str(runs_dir)!r}: too many runs named {base}")
-
-
-def trials_csv(records: list[dict[str, Any]]) -> str:
-    """The trial table as CSV text (one row per trial, figures with their sources; an empty cell
-    where a trial has no value). Written with the csv module: importing pandas for it cost
-    0.4 s of every plan."""
-    import csv
-    import io
-
-    rows = []
-    for r in records:
-        result = r["result"]
-        peak = result.get("peak_memory") or {}
-        tps = result.get("tokens_per_sec") or {}
-        predicted = (r.get("predicted") or {}).get("peak_memory") or {}
-        rows.append({
-            "trial": r.get("number"), "step": r["step"], "stage": r["stage"], "status": r["status"],
-            "fits": r["fits"], **{k: v for k, v in r["config"].items()},
-            "grad_accum_steps": r["grad_accum_steps"], "global_tokens": r.get("global_tokens"),
-            "peak_memory_bytes": peak.get("value"), "memory_source": peak.get("source"),
-            "predicted_peak_bytes": predicted.get("value"),
-            "tokens_per_sec": tps.get("value"), "throughput_source": tps.get("source"),
-            "backend": r["backend"], "reason": r["reason"], "message": result.get("message", ""),
-            "duration_s": result.get("duration_s"),
-        })
-    columns = list(dict.fromkeys(key for row in rows for key in row))  # in order of first appearance
-    text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=columns, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    return text.getvalue()
-
-
-def write_run_state(run_dir: Path, state: str, log=None) -> None:
-    """runs/<id>/status.json: running, done, nothing-fits, failed or interrupted, with the time, so a
-    folder left by a killed or failed run says so (and the log says it too)."""
-    from autotune.files import write_json
-
-    write_json(run_dir / "status.json", {"state": state,
-                                         "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})
-    if log is not None:
-        log(f"state: {state}")
-
-
-class RunLog:
-    """runs/<id>/autotune.log: one line per event, flushed as it happens."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.logger = logging.getLogger(f"autotune.run.{path.parent.name}")
-        self.logger.setLevel(logging.INFO)
-        self.logger.propagate = False
-        self.handler = logging.FileHandler(path)
-        self.handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-        self.logger.addHandler(self.handler)
-
-    def __call__(self, message: str) -> None:
-        from autotune.secrets import mask
-
-        self.logger.info(mask(message))
-
-    def close(self) -> None:
-        self.logger.removeHandler(self.handler)
-        self.handler.close()

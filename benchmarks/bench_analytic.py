@@ -2,7 +2,7 @@
 
 Prints three tables (all on this machine's CPU; no GPU needed):
 1. seconds per evaluated configuration (median over a sweep), first call apart;
-2. estimated tokens/s/GPU against the published FSDP runs in autotune.costmodel.PUBLISHED_RUNS;
+2. estimated tokens/s/GPU against the published FSDP runs (autotune/data/published_runs.json);
 3. closed-form tensor peak against a fake-tensor trace of the same configuration
    (FSDPMemTracker, the simulator's method; shallow copies of the catalog shapes, so it stays quick).
 
@@ -17,7 +17,7 @@ import statistics
 import time
 from dataclasses import replace
 
-from autotune import costmodel
+from autotune.costmodel_fit import published_runs
 from autotune.backends.analytic import AnalyticBackend, estimate_memory
 from autotune.catalog.gpus import GPUS
 from autotune.catalog.models import resolve_model
@@ -76,7 +76,7 @@ def bench_published(backend: AnalyticBackend) -> None:
     print("## Throughput against published FSDP runs (tokens/s/GPU)")
     print("| model | GPUs | config | published | estimated | diff | source |")
     print("|---|---|---|---|---|---|---|")
-    for run in costmodel.PUBLISHED_RUNS:
+    for run in published_runs():
         spec = spec_for(run.model, run.num_gpus, run.num_nodes, run.seq_len, gpu=run.gpu,
                         micro_batch_size=run.micro_batch_size, activation_checkpointing=run.activation_checkpointing,
                         shard_group_size=run.shard_group_size)

@@ -8,7 +8,8 @@
    that profile and (b) measured with the cpu backend (real FSDP2 steps), in a shuffled order.
    Targets (issue 11): median |error| <= 15%, Kendall tau >= 0.8, the estimate's pick within 5%
    of the measured best.
-2. Published runs (`--published`). Headline: leave-one-source-out over costmodel.PUBLISHED_RUNS:
+2. Published runs (`--published`; the rows: autotune/data/published_runs.json, the fit:
+   autotune/costmodel_fit.py). Headline: leave-one-source-out:
    every row of a source (one table: a cluster, a software stack, a date) held out together, the
    constants refitted on the other sources, the held-out rows predicted (median and worst |error|
    per source and over all rows): what a user of a cluster the fit never saw gets. Secondary:
@@ -41,7 +42,7 @@ import statistics
 import sys
 import time
 
-from autotune import cache, costmodel
+from autotune import cache, costmodel, costmodel_fit
 from autotune.config import Cluster, TrainConfig, TrialSpec
 
 GRID_MODEL = "tiny-llama"
@@ -184,79 +185,6 @@ def run_grid(args) -> dict:
     return out
 
 
-def _family(gpu: str) -> str:
-    return "a100" if gpu.startswith("a100") else "hopper" if gpu.startswith(("h100", "h200")) else gpu
-
-
-@functools.lru_cache(maxsize=None)
-def _published_work(run):
-    """The run's spec and step work (FLOPs, bytes): they do not depend on the fitted constants."""
-    from autotune.backends.analytic import step_work
-    from autotune.catalog.gpus import GPUS
-    from autotune.catalog.models import resolve_model
-
-    spec = TrialSpec(model=resolve_model(run.model), seq_len=run.seq_len,
-                     cluster=Cluster(num_gpus=run.num_gpus, num_nodes=run.num_nodes, gpu=GPUS[run.gpu]),
-                     train=TrainConfig(micro_batch_size=run.micro_batch_size,
-                                       activation_checkpointing=run.activation_checkpointing,
-                                       shard_group_size=run.shard_group_size))
-    return spec, step_work(spec, reduce_bytes=run.reduce_bytes)
-
-
-def _published_estimate(run, fit: dict[str, float]) -> float:
-    spec, work = _published_work(run)
-    step = costmodel.estimate_step_time(
-        work, spec.cluster, shard_group_size=run.shard_group_size,
-        matmul_top_efficiency=fit.get(_family(run.gpu), costmodel.DEFAULT_MATMUL_EFFICIENCY),
-        inter_node_bus_efficiency=fit["inter"], half_efficiency_tokens=fit["half_tokens"],
-        half_efficiency_hidden=fit["half_hidden"])
-    return step.tokens_per_sec / run.num_gpus
-
-
-FIT_BOUNDS = {"inter": (0.5, 4.0), "half_tokens": (0.0, 4096.0), "half_hidden": (0.0, 8192.0)}
-"""Ranges the shared constants are fitted in; each GPU family's efficiency in (0.2, 1.0)."""
-FIT_START = {"inter": 1.0, "half_tokens": 512.0, "half_hidden": 1024.0}
-"""A fixed start, not the shipped constants: the fit does not depend on what it checks."""
-
-
-def _fit(rows) -> dict[str, float]:
-    """Least squares in log error over `rows`: the efficiency per GPU family, the inter-node bus
-    efficiency and the two half-efficiency points, by coordinate descent (a 13-point scan of each
-    constant, then golden-section search around the best point; 6 sweeps)."""
-    families = sorted({_family(r.gpu) for r in rows})
-    bounds = {**{fam: (0.2, 1.0) for fam in families}, **FIT_BOUNDS}
-    fit = {**{fam: 0.6 for fam in families}, **FIT_START}
-
-    def loss(params):
-        return sum(math.log(_published_estimate(r, params) / r.tokens_per_sec_per_gpu) ** 2 for r in rows)
-
-    for _ in range(6):
-        for name, (lo, hi) in bounds.items():
-            fit[name] = _line_minimum(lambda value: loss({**fit, name: value}), lo, hi)
-    return fit
-
-
-def _line_minimum(f, lo: float, hi: float) -> float:
-    """Where `f` is least on [lo, hi]: the best of 13 evenly spaced points, then 24 golden-section
-    steps between its neighbours (the better of that point and the section's middle)."""
-    grid = [lo + (hi - lo) * i / 12 for i in range(13)]
-    best = min(range(13), key=lambda i: f(grid[i]))
-    a, b = grid[max(best - 1, 0)], grid[min(best + 1, 12)]
-    ratio = (math.sqrt(5) - 1) / 2
-    c, d = b - ratio * (b - a), a + ratio * (b - a)
-    fc, fd = f(c), f(d)
-    for _ in range(24):
-        if fc < fd:
-            b, d, fd = d, c, fc
-            c = b - ratio * (b - a)
-            fc = f(c)
-        else:
-            a, c, fc = c, d, fd
-            d = a + ratio * (b - a)
-            fd = f(d)
-    return min((grid[best], (a + b) / 2), key=f)
-
-
 def _describe(fit: dict[str, float], fam: str) -> str:
     top = f"eff {fit[fam]:.2f}" if fam in fit else "eff (no other row on this GPU: data-sheet default)"
     return (f"{top}, inter-node {fit['inter']:.2f}, half at {fit['half_tokens']:,.0f} tokens / "
@@ -270,12 +198,12 @@ difference does not say which configuration is faster."""
 
 
 def run_published_by_source() -> dict:
-    """Leave-one-source-out: every row of a source (one cluster, software stack and date: one
-    table) held out together and the constants refitted on the other sources. Rows of one source
-    share their efficiency, so this is the check of what a user of another cluster gets; a source
-    whose GPU family no other source has falls back to the data-sheet default efficiency."""
-    rows = list(costmodel.PUBLISHED_RUNS)
-    sources = list(dict.fromkeys(r.source for r in rows))
+    """Leave-one-source-out (costmodel_fit.held_out_by_source). Rows of one source share their
+    efficiency, so this is the check of what a user of another cluster gets; a source whose GPU
+    family no other source has falls back to the data-sheet default efficiency."""
+    rows = list(costmodel_fit.published_runs())
+    held_out = costmodel_fit.held_out_by_source(rows)
+    sources = list(held_out)
     print("\n## Published FSDP runs, leave-one-source-out (tokens/s/GPU)")
     print(f"{len(rows)} rows from {len(sources)} sources; each source's rows estimated with the constants "
           "refitted on the other sources only")
@@ -283,16 +211,15 @@ def run_published_by_source() -> dict:
     print("|---|---|---|---|---|---|")
     errors: list[float] = [0.0] * len(rows)
     by_source = {}
-    for source in sources:
-        held = [i for i, r in enumerate(rows) if r.source == source]
-        fit = _fit([r for r in rows if r.source != source])
+    for source, (fit, estimates) in held_out.items():
+        held = list(estimates)
         for i in held:
-            errors[i] = _published_estimate(rows[i], fit) / rows[i].tokens_per_sec_per_gpu - 1
+            errors[i] = estimates[i] / rows[i].tokens_per_sec_per_gpu - 1
         errs = [errors[i] for i in held]
         by_source[source] = errs
         gpus = ", ".join(sorted({rows[i].gpu for i in held}))
         print(f"| {source[:70]} | {len(held)} | {gpus} | {statistics.median(errs):+.1%} | "
-              f"{max(errs, key=abs):+.1%} | {_describe(fit, _family(rows[held[0]].gpu))} |", flush=True)
+              f"{max(errs, key=abs):+.1%} | {_describe(fit, costmodel_fit.gpu_family(rows[held[0]].gpu))} |")
     med = statistics.median(abs(e) for e in errors)
     worst = max(abs(e) for e in errors)
     print(f"\nleave-one-source-out median |error| {med:.1%}, worst {worst:.1%} over {len(rows)} rows")
@@ -301,22 +228,20 @@ def run_published_by_source() -> dict:
 
 
 def run_published() -> dict:
-    rows = list(costmodel.PUBLISHED_RUNS)
+    rows = list(costmodel_fit.published_runs())
     print("\n## Published FSDP runs, leave-one-row-out (tokens/s/GPU; secondary: a row's siblings of the "
           "same source stay in the fit)")
     print(f"{len(rows)} rows ({sum(bool(r.shard_group_size) for r in rows)} HSDP)")
     print("| model | GPUs | published (measured) | estimated, held out | error | fitted on the others |")
     print("|---|---|---|---|---|---|")
     errors, held = [], []
-    for i, run in enumerate(rows):
-        fit = _fit(rows[:i] + rows[i + 1:])
-        est = _published_estimate(run, fit)
+    for run, (fit, est) in zip(rows, costmodel_fit.held_out_by_row(rows)):
         err = est / run.tokens_per_sec_per_gpu - 1
         errors.append(err)
         held.append(est)
         hsdp = f" HSDP {run.shard_group_size}" if run.shard_group_size else ""
         print(f"| {run.model} mb{run.micro_batch_size} ac={run.activation_checkpointing}{hsdp} | {run.num_gpus}x {run.gpu} | "
-              f"{run.tokens_per_sec_per_gpu:,.0f} | {est:,.0f} | {err:+.1%} | {_describe(fit, _family(run.gpu))} |", flush=True)
+              f"{run.tokens_per_sec_per_gpu:,.0f} | {est:,.0f} | {err:+.1%} | {_describe(fit, costmodel_fit.gpu_family(run.gpu))} |")
     # The ordering target: every pair of configurations of one model on the same hardware in one
     # published table, the held-out estimates in the published order (pairs closer than
     # PUBLISHED_TIE are ties). Pairs across two tables of one source (fms-fsdp's February and
@@ -350,8 +275,9 @@ def run_published() -> dict:
     print(f"\nleave-one-out median |error| {med:.1%} (target <= 10%), worst {worst:.1%} (target <= 25%); "
           f"same-model same-hardware pairs of one table in the published order: {ordered} of {pairs} "
           f"({ties} more within {PUBLISHED_TIE:.0%}: ties); across two tables: {across_ordered} of {across}")
-    fit = _fit(rows)
-    shipped = {**{_family(g): e for g, e in costmodel.MATMUL_EFFICIENCY.items() if _family(g) in fit},
+    fit = costmodel_fit.fit(rows)
+    shipped = {**{costmodel_fit.gpu_family(g): e for g, e in costmodel.MATMUL_EFFICIENCY.items()
+                  if costmodel_fit.gpu_family(g) in fit},
                "inter": costmodel.INTER_NODE_BUS_EFFICIENCY, "half_tokens": costmodel.HALF_EFFICIENCY_TOKENS,
                "half_hidden": costmodel.HALF_EFFICIENCY_HIDDEN}
     print("fitted on all rows (what costmodel ships): "

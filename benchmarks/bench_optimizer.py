@@ -15,7 +15,8 @@ import dataclasses
 from autotune.backends.real import RealBackend
 from autotune.backends.sim import SimBackend
 from autotune.catalog.models import resolve_model
-from autotune.config import OPTIMIZER_IMPLS, Cluster, TrainConfig, TrialSpec
+from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.knobs import OPTIMIZER_IMPLS
 
 MiB = 2**20
 

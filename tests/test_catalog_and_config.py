@@ -66,7 +66,7 @@ def test_model_without_repeated_blocks_names_supported_families(tmp_path):
     # use a transformers model with no ModuleList of blocks at all.
     from torch import nn
 
-    from autotune.parallel import find_decoder_blocks
+    from autotune.catalog.blocks import find_decoder_blocks
 
     with pytest.raises(UnsupportedModelError, match="supported families: llama"):
         find_decoder_blocks(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))

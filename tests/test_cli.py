@@ -242,8 +242,8 @@ def test_interrupted_run_keeps_finished_trials_and_resumes(tmp_path, capsys, mon
 def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path):
     from autotune.catalog.models import resolve_model
     from autotune.config import Cluster
-    from autotune.controller import TuneRequest
-    from autotune.store import new_run_dir
+    from autotune.records import TuneRequest
+    from autotune.run_folder import new_run_dir
 
     request = TuneRequest(model=resolve_model("tiny-llama"), cluster=Cluster(num_gpus=2), seq_len=256,
                           target_tokens=64_000)
@@ -381,7 +381,8 @@ def test_trial_table_fits_an_80_column_terminal_and_marks_the_winner():
     from autotune.catalog.gpus import GPUS
     from autotune.config import Cluster
     from autotune.console import Console
-    from autotune.controller import Controller, TuneRequest
+    from autotune.controller import Controller
+    from autotune.records import TuneRequest
 
     request = TuneRequest(model=resolve_model("llama-70b"), cluster=Cluster(num_gpus=2, gpu=GPUS["rtx4090-24gb"]),
                           seq_len=4096, target_tokens=1_000_000)

@@ -12,7 +12,8 @@ from autotune.backends.base import Figure, TrialBackend, TrialResult
 from autotune.catalog.gpus import GPUS
 from autotune.catalog.models import resolve_model
 from autotune.config import Cluster, TrainConfig
-from autotune.controller import Controller, TuneRequest
+from autotune.controller import Controller
+from autotune.records import TuneRequest
 from autotune.search_space import SearchSpace
 
 GiB = 2**30

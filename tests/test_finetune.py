@@ -125,7 +125,8 @@ def test_activation_offload_moves_what_forward_saves(ac):
     torchtune's rule); and the device's predicted peak falls."""
     from autotune.backends.sim import SimBackend
     from autotune.knobs import Checkpointing
-    from autotune.parallel import apply_ac, find_decoder_blocks
+    from autotune.catalog.blocks import find_decoder_blocks
+    from autotune.parallel import apply_ac
     from autotune.training import token_batches
 
     model = resolve_model("tiny-llama")

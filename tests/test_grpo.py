@@ -20,7 +20,7 @@ from autotune.backends.sim import SimBackend
 from autotune.catalog.models import resolve_model
 from autotune.cli import EXIT_USAGE, main
 from autotune.config import Cluster, TrainConfig, TrialSpec, Workload
-from autotune.controller import TuneRequest
+from autotune.records import TuneRequest
 from autotune.export import export_result
 
 ROOT = Path(__file__).resolve().parent.parent

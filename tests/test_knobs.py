@@ -98,7 +98,7 @@ def test_bad_knob_values_are_one_line_usage_errors(argv, message, capsys):
 def test_study_parameters_keep_their_value_spaces_and_old_trials_match():
     """A study refuses a parameter whose distribution changes; resuming matches trials recorded
     before the new knobs existed (their identity has no shard_group_size)."""
-    from autotune.controller import config_key
+    from autotune.records import config_key
 
     params, distributions = knobs.optuna_params(TrainConfig(activation_checkpointing="op:mm").knob_values())
     assert params["checkpoint_op_policy"] == "mm" and params["checkpoint_every"] == 0

@@ -385,7 +385,7 @@ class ModelSpec:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from autotune.parallel import find_decoder_blocks
+        from autotune.catalog.blocks import find_decoder_blocks
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(self.hf_config(), trust_remote_code=self.trust_remote_code)
@@ -427,7 +427,7 @@ class ModelSpec:
         from transformers import AutoModelForCausalLM
 
         from autotune.errors import UnsupportedModelError
-        from autotune.parallel import find_decoder_blocks
+        from autotune.catalog.blocks import find_decoder_blocks
 
         period = self.layer_period
         config = self.hf_config(num_layers=period)
@@ -461,16 +461,6 @@ class ModelSpec:
         """The distinct shapes of the decoder blocks' multi-dimensional parameters (a fused expert
         weight's first dimension is the number of experts): where FSDP2 can shard them."""
         return tuple(tuple(shape) for shape in self._meta_summary["block_param_shapes"])
-
-    def shapes_moved_by_placement(self, shard_size: int) -> list[tuple[int, ...]]:
-        """The block parameter shapes `--shard-placement largest` shards off dimension 0 on a shard
-        group of `shard_size` ranks (none: it is the default placement)."""
-        from autotune.knobs import shard_dim
-
-        return [shape for shape in self.block_param_shapes if shard_dim(shape, shard_size, "largest")]
-
-    def placement_moves_parameters(self, shard_size: int) -> bool:
-        return bool(self.shapes_moved_by_placement(shard_size))
 
     @property
     def root_parameters(self) -> int:

@@ -14,6 +14,7 @@ import textwrap
 import torch
 
 from autotune import knobs as _knobs
+from autotune.catalog import blocks as _blocks
 from autotune import parallel as _parallel
 from autotune import training as _training
 from autotune.export._base import Export, Mapper, Tuned, build_export, torchrun_launch
@@ -23,7 +24,7 @@ TARGET = f"PyTorch FSDP2 (torch.distributed.fsdp.fully_shard), torch {torch.__ve
 # Copied verbatim, in dependency order.
 _SOURCES = (
     _knobs.Checkpointing, _knobs.shard_dim, _parallel.ParallelDims,
-    _parallel.Blocks, _parallel.find_decoder_blocks, _parallel._config_depth, _parallel._block_class_name,
+    _blocks.Blocks, _blocks.find_decoder_blocks, _blocks._config_depth, _blocks._block_class_name,
     _parallel.mixed_precision_policy,
     _parallel.op_sac_policy, _parallel.apply_ac, _parallel.shard_placement_fn, _parallel.apply_fsdp,
     _parallel.parallelize,
@@ -242,7 +243,7 @@ _EVERY = re.compile({_knobs._EVERY.pattern!r})
 _OP = re.compile({_knobs._OP.pattern!r})
 
 
-SUPPORTED_FAMILIES = {_parallel.SUPPORTED_FAMILIES!r}
+SUPPORTED_FAMILIES = {_blocks.SUPPORTED_FAMILIES!r}
 MIN_OFFLOAD_BYTES = {_training.MIN_OFFLOAD_BYTES!r}
 PARAM_DTYPES = {{{dtypes}}}
 

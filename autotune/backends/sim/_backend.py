@@ -3,6 +3,7 @@ step time estimated from the traced FLOPs and FSDP's collective volumes (docs/SI
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Literal
 
@@ -288,10 +289,10 @@ class SimBackend(TrialBackend):
                 self._helper = False
                 return None
             self._tracer  # forked after torch and the tracing code are imported: the helper starts warm
-            self._helper = TraceHelper(dict(device_kind=self.device_kind, extrapolate=self.extrapolate,
-                                            extrapolate_micro_batch=self.extrapolate_micro_batch,
-                                            max_cached_models=self._max_cached_models, screen=self.screen,
-                                            hardware=self.hardware))
+            self._helper = TraceHelper(functools.partial(
+                SimBackend, device_kind=self.device_kind, extrapolate=self.extrapolate,
+                extrapolate_micro_batch=self.extrapolate_micro_batch, max_cached_models=self._max_cached_models,
+                screen=self.screen, hardware=self.hardware, parallel=False))
         return self._helper
 
     def _stop_helper(self) -> None:

@@ -3,7 +3,8 @@ shallower: every configuration needs both, they do not depend on each other, and
 on one core, so a 2-core machine traces a configuration in a little over half the time.
 
 The helper is forked from the process that needs it once torch and the tracing code are
-imported (imports are what a process start costs: 4 s of a plan). It keeps its own Tracer, so
+imported (imports are what a process start costs: 4 s of a plan). It builds its own backend
+(the factory it is given: this module does not know the backend class) with its own Tracer, so
 the models it built are reused for later micro-batches as the parent's are. It is killed when
 the backend closes, when a request fails or is interrupted, and at the latest when the backend
 is garbage collected or the interpreter exits: no helper outlives its parent's plan.
@@ -17,7 +18,7 @@ import multiprocessing
 import os
 import signal
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["HELPER_ENV", "TraceHelper", "can_help"]
 
@@ -36,12 +37,14 @@ def can_help() -> bool:
 
 
 class TraceHelper:
-    """One forked process that runs `SimBackend._trace` for the parent, one request at a time."""
+    """One forked process that runs a backend's `_trace` for the parent, one request at a time.
 
-    def __init__(self, backend_options: dict[str, Any]) -> None:
+    `new_backend` builds the helper's own backend in the child (forked: it need not pickle)."""
+
+    def __init__(self, new_backend: Callable[[], Any]) -> None:
         context = multiprocessing.get_context("fork")  # the parent's imports come with it
         self._conn, child_conn = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child_conn, backend_options), daemon=True,
+        self._process = context.Process(target=_serve, args=(child_conn, new_backend), daemon=True,
                                         name="autotune-sim-helper")
         self._process.start()
         child_conn.close()
@@ -72,16 +75,14 @@ def _kill(process, conn) -> None:
     process.join()
 
 
-def _serve(conn, backend_options: dict[str, Any]) -> None:
+def _serve(conn, new_backend: Callable[[], Any]) -> None:
     # The parent owns Ctrl-C and SIGTERM (autotune/interrupts.py) and kills this process when it
     # unwinds; the parent's deferred-signal timer must not fire here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.setitimer(signal.ITIMER_REAL, 0)
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    from autotune.backends.sim._backend import SimBackend
-
-    backend = SimBackend(**backend_options, parallel=False)
+    backend = new_backend()
     while True:
         try:
             spec, keys = conn.recv()

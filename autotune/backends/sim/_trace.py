@@ -98,10 +98,11 @@ def _tensor_bytes(values) -> int:
             total += _tensor_bytes(value)
     return total
 
-from autotune.catalog.models import ModelSpec  # noqa: E402
+from autotune.catalog.blocks import Blocks  # noqa: E402
+from autotune.catalog.models import ModelSpec
 from autotune.config import FineTuning, TrainConfig
 from autotune.costmodel import LARGE_MEMORY_OP_BYTES
-from autotune.parallel import Blocks, parallelize
+from autotune.parallel import parallelize
 from autotune.training import (OffloadedActivations, build_model, make_optimizer, sync_weights_to_vllm,
                                token_batches, train_step)
 

@@ -1,0 +1,155 @@
+"""The step-time model's free constants fitted to published FSDP runs, and checked held out.
+
+A tool, not part of the model: `costmodel.py` ships the constants this fit gives; the runs are
+data (autotune/data/published_runs.json: each row's source table, date or commit, hardware,
+stack, model, knobs and measured tokens/s per GPU); benchmarks/bench_costmodel.py --published
+prints the fit and both checks:
+
+- leave-one-source-out (the headline): every row of a source (one table: a cluster, a software
+  stack, a date) held out together, the constants refitted on the other sources: what a user of
+  a cluster the fit never saw gets;
+- leave-one-row-out: each row held out alone, its siblings of the same source still fitted.
+
+The free constants are the matmul efficiency per GPU family, the inter-node bus efficiency and
+the micro-batch tokens and hidden size of half efficiency. A held-out row whose GPU family no
+fitted row has falls back to the data-sheet default efficiency.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from autotune import costmodel
+from autotune.config import Cluster, TrainConfig, TrialSpec
+
+PUBLISHED_RUNS_FILE = Path(__file__).parent / "data" / "published_runs.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PublishedRun:
+    """A public, measured FSDP training throughput the cost model's constants are checked against."""
+
+    model: str
+    """Catalog name with the same shapes."""
+    gpu: str
+    num_gpus: int
+    num_nodes: int
+    seq_len: int
+    micro_batch_size: int
+    activation_checkpointing: str
+    """The nearest autotune mode (in FLOPs) to what the run used; `note` says what it used."""
+    tokens_per_sec_per_gpu: float
+    source: str
+    """The source table's citation: rows of one source share a cluster, a stack and a date."""
+    note: str = ""
+    shard_group_size: int = 0
+    """GPUs each parameter is sharded over: 0 for all of them (FSDP), a node's 8 for HSDP."""
+    reduce_bytes: int = 4
+    """Bytes per gradient element reduced: 4 (fp32, FSDP2's and torchtitan's default), 2 where the
+    run reduced in bf16 (fms-fsdp's MixedPrecision(reduce_dtype=torch.bfloat16))."""
+
+
+@functools.cache
+def published_runs() -> tuple[PublishedRun, ...]:
+    """The rows of PUBLISHED_RUNS_FILE, in its order, each citing its source in full."""
+    data = json.loads(PUBLISHED_RUNS_FILE.read_text())
+    sources = data["sources"]
+    return tuple(PublishedRun(**{**row, "source": sources[row["source"]]["citation"]}) for row in data["runs"])
+
+
+def gpu_family(gpu: str) -> str:
+    """The GPUs that share one fitted matmul efficiency (an A100's, a Hopper's)."""
+    return "a100" if gpu.startswith("a100") else "hopper" if gpu.startswith(("h100", "h200")) else gpu
+
+
+@functools.lru_cache(maxsize=None)
+def _published_work(run: PublishedRun):
+    """The run's spec and step work (FLOPs, bytes): they do not depend on the fitted constants."""
+    from autotune.backends.analytic import step_work
+    from autotune.catalog.gpus import GPUS
+    from autotune.catalog.models import resolve_model
+
+    spec = TrialSpec(model=resolve_model(run.model), seq_len=run.seq_len,
+                     cluster=Cluster(num_gpus=run.num_gpus, num_nodes=run.num_nodes, gpu=GPUS[run.gpu]),
+                     train=TrainConfig(micro_batch_size=run.micro_batch_size,
+                                       activation_checkpointing=run.activation_checkpointing,
+                                       shard_group_size=run.shard_group_size))
+    return spec, step_work(spec, reduce_bytes=run.reduce_bytes)
+
+
+def published_estimate(run: PublishedRun, fit: dict[str, float]) -> float:
+    """The estimated tokens/s per GPU of `run` with the constants `fit`."""
+    spec, work = _published_work(run)
+    step = costmodel.estimate_step_time(
+        work, spec.cluster, shard_group_size=run.shard_group_size,
+        matmul_top_efficiency=fit.get(gpu_family(run.gpu), costmodel.DEFAULT_MATMUL_EFFICIENCY),
+        inter_node_bus_efficiency=fit["inter"], half_efficiency_tokens=fit["half_tokens"],
+        half_efficiency_hidden=fit["half_hidden"])
+    return step.tokens_per_sec / run.num_gpus
+
+
+FIT_BOUNDS = {"inter": (0.5, 4.0), "half_tokens": (0.0, 4096.0), "half_hidden": (0.0, 8192.0)}
+"""Ranges the shared constants are fitted in; each GPU family's efficiency in (0.2, 1.0)."""
+FIT_START = {"inter": 1.0, "half_tokens": 512.0, "half_hidden": 1024.0}
+"""A fixed start, not the shipped constants: the fit does not depend on what it checks."""
+
+
+def fit(rows) -> dict[str, float]:
+    """Least squares in log error over `rows`: the efficiency per GPU family, the inter-node bus
+    efficiency and the two half-efficiency points, by coordinate descent (a 13-point scan of each
+    constant, then golden-section search around the best point; 6 sweeps)."""
+    families = sorted({gpu_family(r.gpu) for r in rows})
+    bounds = {**{fam: (0.2, 1.0) for fam in families}, **FIT_BOUNDS}
+    fitted = {**{fam: 0.6 for fam in families}, **FIT_START}
+
+    def loss(params):
+        return sum(math.log(published_estimate(r, params) / r.tokens_per_sec_per_gpu) ** 2 for r in rows)
+
+    for _ in range(6):
+        for name, (lo, hi) in bounds.items():
+            fitted[name] = _line_minimum(lambda value: loss({**fitted, name: value}), lo, hi)
+    return fitted
+
+
+def _line_minimum(f, lo: float, hi: float) -> float:
+    """Where `f` is least on [lo, hi]: the best of 13 evenly spaced points, then 24 golden-section
+    steps between its neighbours (the better of that point and the section's middle)."""
+    grid = [lo + (hi - lo) * i / 12 for i in range(13)]
+    best = min(range(13), key=lambda i: f(grid[i]))
+    a, b = grid[max(best - 1, 0)], grid[min(best + 1, 12)]
+    ratio = (math.sqrt(5) - 1) / 2
+    c, d = b - ratio * (b - a), a + ratio * (b - a)
+    fc, fd = f(c), f(d)
+    for _ in range(24):
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - ratio * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + ratio * (b - a)
+            fd = f(d)
+    return min((grid[best], (a + b) / 2), key=f)
+
+
+def held_out_by_source(rows) -> dict[str, tuple[dict[str, float], dict[int, float]]]:
+    """Leave-one-source-out: for each source (in the rows' order), the constants fitted on the
+    other sources' rows and the estimates of its own rows (tokens/s per GPU, by row index)."""
+    out = {}
+    for source in dict.fromkeys(r.source for r in rows):
+        fitted = fit([r for r in rows if r.source != source])
+        out[source] = fitted, {i: published_estimate(r, fitted) for i, r in enumerate(rows) if r.source == source}
+    return out
+
+
+def held_out_by_row(rows) -> list[tuple[dict[str, float], float]]:
+    """Leave-one-row-out: for each row, the constants fitted on every other row and its estimate."""
+    out = []
+    for i, run in enumerate(rows):
+        fitted = fit(rows[:i] + rows[i + 1:])
+        out.append((fitted, published_estimate(run, fitted)))
+    return out
