@@ -61,6 +61,8 @@ def _short_label(train) -> str:
         parts.append(f"shard:{train.shard_placement}")
     if getattr(train, "optimizer_impl", "fused") != "fused":  # sampled trials vary it
         parts.append(train.optimizer_impl)
+    if getattr(train, "compile", "none") != "none":
+        parts.append("compiled")
     return " ".join(parts)
 
 

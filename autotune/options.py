@@ -19,6 +19,10 @@ from autotune.seqlen import SEQ_LEN_STEP
 BACKENDS = ("auto", "sim", "analytic", "cpu", "cuda")
 WORKLOADS = ("sft", "grpo")
 PEFT_METHODS = ("none", "lora")
+COMPILE_SEARCH = ("none", "explore", "blocks")
+"""torch.compile in the search (--compile, and the search space's compile.mode): `none`, every trial
+eager; `explore`, the graph eager, then its fastest fitting candidates compiled (each predicted
+first, as every trial); `blocks`, every trial compiled."""
 """What trains: `none`, every parameter; `lora`, peft adapters on a frozen base (config.FineTuning)."""
 
 
@@ -110,6 +114,8 @@ class TuneOptions:
     export: str | None = None
     max_trials: int | None = _option(check=positive_int)
     time_budget: float | None = _option(check=duration)
+    compile: str | None = _option(choices=COMPILE_SEARCH)
+    """torch.compile in the search: none, explore or blocks; None: the search space's (compile.mode)."""
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> TuneOptions:

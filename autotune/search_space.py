@@ -10,6 +10,7 @@ from typing import Any
 from autotune.config import OPTIMIZER_IMPLS, PRECISIONS
 from autotune.knobs import OP_POLICIES, SHARD_PLACEMENTS
 from autotune.errors import UsageError
+from autotune.options import COMPILE_SEARCH  # one definition, the tune command's --compile choices
 
 DEFAULT_SPACE = Path(__file__).resolve().parent.parent / "search_spaces" / "default.toml"
 
@@ -21,6 +22,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "offload": {"enabled": bool, "activations": bool},
     "micro_batch": {"max": int, "refine": bool},
     "explore": {"no_reshard": bool, "checkpointed_larger_micro_batch": bool},
+    "compile": {"mode": str},
 }
 
 
@@ -47,6 +49,8 @@ class SearchSpace:
     refine: bool = True
     explore_no_reshard: bool = True
     explore_checkpointed_larger_micro_batch: bool = True
+    compile: str = "none"
+    """torch.compile in the search: one of COMPILE_SEARCH (the tune command's --compile overrides it)."""
     source: str = "built-in defaults"
 
     def to_dict(self) -> dict[str, Any]:
@@ -109,6 +113,10 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
     if not all(p in OP_POLICIES for p in op_level):
         raise UsageError(f"search space {where!r}: checkpointing.op_level must be a list of "
                          f"{', '.join(OP_POLICIES)} (or empty), got {op_level!r}")
+    compile_search = get("compile", "mode", "none")
+    if compile_search not in COMPILE_SEARCH:
+        raise UsageError(f"search space {where!r}: compile.mode must be one of {', '.join(COMPILE_SEARCH)}, "
+                         f"got {compile_search!r}")
     max_mb = get("micro_batch", "max", 64)
     if max_mb < 1:
         raise UsageError(f"search space {where!r}: micro_batch.max must be >= 1, got {max_mb}")
@@ -127,5 +135,6 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
         refine=get("micro_batch", "refine", True),
         explore_no_reshard=get("explore", "no_reshard", True),
         explore_checkpointed_larger_micro_batch=get("explore", "checkpointed_larger_micro_batch", True),
+        compile=compile_search,
         source=where,
     )
