@@ -212,10 +212,13 @@ def apply_compile(blocks: Blocks, mode: str, *, backend: str = COMPILE_BACKEND) 
         raise ValueError(f"unknown compile mode {mode!r}")
     import torch._dynamo
 
-    # Every block shares its class's code object: one cache entry per block and shape.
+    # Every block shares its class's code object: one cache entry per guard set (shapes, checkpointing).
+    # Past the limit dynamo would run the block eager without a word: an error instead.
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, 64)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 1024)
+    if not config.suppress_errors:
+        config.fail_on_recompile_limit_hit = True
     for block in blocks.layers:
         block.forward = torch.compile(block.forward, backend=backend, fullgraph=True, dynamic=False)
     return len(blocks.layers)
