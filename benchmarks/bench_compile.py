@@ -31,6 +31,8 @@ MATRIX = [  # (model, checkpointing, micro-batch, compile)
     ("tiny-qwen2", "none", 2, "blocks"),
     ("tiny-qwen2", "full", 2, "none"),
     ("tiny-qwen2", "full", 2, "blocks"),
+    ("tiny-llama", "op", 2, "none"),
+    ("tiny-llama", "op", 2, "blocks"),
 ]
 
 
