@@ -66,6 +66,8 @@ def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
 
     model, cluster, seq_len, gpu_note = resolve_problem(options, check_batch=check_batch)
     space = load_space(options.space)
+    if options.compile is not None:  # --compile overrides the search space's compile.mode
+        space = dataclasses.replace(space, compile=options.compile)
     formats = parse_formats(options.export) if options.export else []
     check_out_file(options.out)
     check_wrappable(model)

@@ -25,7 +25,8 @@ from autotune.api import (check_multi_node, check_out_file, check_wrappable, cho
 from autotune.errors import AutotuneError, NothingFits, StorageUnavailable, UsageError
 from autotune.interrupts import raised_where_safe
 from autotune.config import PEFT_METHODS
-from autotune.options import BACKENDS, SEQ_LEN_STEP, WORKLOADS, TuneOptions, duration, fraction, number, positive_int, usage_error
+from autotune.options import (BACKENDS, COMPILE_SEARCH, SEQ_LEN_STEP, WORKLOADS, TuneOptions, duration, fraction, number,
+                              positive_int, usage_error)
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
@@ -135,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       "torchtitan, llama-cookbook, litgpt; 'all': all but lightning-fsdp1)")
     run.add_argument("--max-trials", type=positive_int, help="stop after this many new trials")
     run.add_argument("--time-budget", type=duration, help="stop starting trials after this long, e.g. 10m")
+    run.add_argument("--compile", choices=COMPILE_SEARCH, default=None,
+                     help="torch.compile of the decoder blocks: none (eager), explore (the graph eager, then its "
+                          "best fitting candidates compiled) or blocks (every trial compiled); default: the "
+                          "search space's compile.mode (none). docs/COMPILE.md")
     run.add_argument("--json", action="store_true", help="print the result JSON on stdout, nothing else")
     run.add_argument("--verbose", action="store_true",
                      help="print the winner's full bases, ranges, checkpoint advice and close-call commands "

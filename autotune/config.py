@@ -58,6 +58,8 @@ class TrainConfig:
     shard_placement: str = _D["shard_placement"].default
     """dim0, or largest: parameters whose first dimension is smaller than the shard group (fused
     experts) shard on their largest evenly divisible dimension (parallel.shard_placement_fn)."""
+    compile: str = _D["compile"].default
+    """torch.compile of the decoder blocks: none or blocks (parallel.apply_compile)."""
 
     def __post_init__(self) -> None:
         for knob in knobs.KNOBS:

@@ -7,7 +7,8 @@
     4 grow           while it fits: double the micro-batch, then bisect (refine)
     5 align          the largest fitting micro-batch whose global batch is within tolerance
     6 explore        beyond the graph: lighter checkpointing, checkpointing with larger
-                     micro-batches, no resharding -- these can beat the graph's first fit
+                     micro-batches, no resharding -- these can beat the graph's first fit;
+                     with compile "explore", the best fitting candidates with compiled blocks
     7 sample         only under --time-budget, while it lasts: an Optuna sampler (TPE, seeded)
                      draws from every knob's domain (autotune.knobs), the simulator first as
                      the free oracle; configurations tried already are never repeated
@@ -40,6 +41,9 @@ SATURATION_GAIN = 0.02
 """Exploration stops doubling a micro-batch once a doubling gains less than this in tokens/sec
 while still below the best configuration found: throughput saturates with the micro-batch."""
 
+
+COMPILE_CANDIDATES = 2
+"""With compile "explore": how many of the fastest fitting eager configurations are tried compiled."""
 
 SAMPLER_SEED = 0
 """The sampler beyond the graph is seeded: the same problem samples the same configurations."""
@@ -192,7 +196,8 @@ class Controller:
             self.notes.append(f"{cluster.gpu.name} has no bf16: fp16 with a sharded grad scaler instead")
         placement, why_placement = self._placement()
         base = TrainConfig(precision=precision, reshard_after_forward=space.reshard_after_forward,
-                           optimizer_impl=space.optimizer_impl, shard_placement=placement)
+                           optimizer_impl=space.optimizer_impl, shard_placement=placement,
+                           compile="blocks" if space.compile == "blocks" else "none")
         step = self.run("baseline", base, f"start of the graph: {precision} mixed precision, micro-batch 1"
                                           f"{why_placement}")
         if not step.fits and space.checkpointing:
@@ -368,6 +373,27 @@ class Controller:
                      "keep gathered parameters after forward (no reshard): saves an all-gather per block "
                      "in backward if memory allows")
         self._explore_reshard_to_a_node()
+        self._explore_compile()
+
+    def _explore_compile(self) -> None:
+        """Compiled blocks on the fastest fitting eager configurations within the global batch's
+        tolerance (search space compile "explore"). Each is evaluated like any trial: predicted
+        first where trials are real (pruned if predicted not to fit), its memory traced compiled."""
+        if self.request.space.compile != "explore":
+            return
+        fitting = sorted((s for s in self.steps if s.fits and s.train.compile == "none" and s.stage != "confirm"
+                          and within_tolerance(s.batch, self.request.tolerance)),
+                         key=lambda s: s.result.throughput or 0.0, reverse=True)
+        tried: set[TrainConfig] = set()
+        for step in fitting:
+            if len(tried) == COMPILE_CANDIDATES:
+                break
+            train = step.train.with_(compile="blocks")
+            if train in tried:
+                continue
+            tried.add(train)
+            self.run("explore", train, f"compile each decoder block of {step.train.label()} (step {step.step}, "
+                                       "fits eager): the same configuration with torch.compile")
 
     def _explore_reshard_to_a_node(self) -> None:
         """On several nodes, when parameters are sharded across nodes: reshard each block after
@@ -428,6 +454,7 @@ class Controller:
             activation_offload=self._searches_offload and space.offload_activations,
             reshard=(True, False) if space.explore_no_reshard else (base.reshard_after_forward,),
             placements=(base.shard_placement,),
+            compile_modes=("none", "blocks") if space.compile == "explore" else (base.compile,),
             hsdp_groups=tuple(groups),
             reshard_groups=(cluster.gpus_per_node,) if (space.explore_no_reshard and cluster.num_nodes > 1
                                                         and base.shard_placement == "dim0") else ())

@@ -657,3 +657,33 @@ def estimate_range(tokens_per_sec: float, profile, *, host_bound: bool = False) 
 def range_source(profile, *, host_bound: bool = False) -> str:
     err, where = ESTIMATE_ERROR[_error_class(profile, host_bound)]
     return f"+-{err:.0%}, {where}"
+
+
+# --- torch.compile (issue 28) -------------------------------------------------------------------------
+
+COMPILE_PUBLISHED = (
+    # (GPUs, eager tokens/s per GPU, compiled tokens/s per GPU): Llama 3.1 8B, FSDP2, local batch 2,
+    # selective activation checkpointing, H100 (96 GB HBM2e, 500 W), torch of 2024-12-23.
+    (8, 5_762, 6_667),
+    (128, 5_605, 6_514),
+)
+COMPILE_SOURCE = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3: Llama 3.1 8B, FSDP2, "
+                  "per-block torch.compile, 8 and 128 H100s, local batch 2, selective AC")
+COMPILE_SPEEDUPS = tuple(compiled / eager for _, eager, compiled in COMPILE_PUBLISHED)
+"""1.157 and 1.162: tokens/s compiled over eager in the two published runs."""
+COMPILE_SPEEDUP = sum(COMPILE_SPEEDUPS) / len(COMPILE_SPEEDUPS)
+
+
+def compiled_throughput(tokens_per_sec: float, low: float | None = None, high: float | None = None
+                        ) -> tuple[float, float | None, float | None, str]:
+    """A compiled configuration's estimated tokens/s from its eager estimate: the eager figure times
+    the published compiled/eager ratio (COMPILE_SPEEDUP, 1.16), its range the eager range times the
+    smallest and largest published ratio. A published ratio on one model and GPU, applied as is: not
+    a fit, and not validated here (no GPU measured it; the CPU trials' inductor runs do not speak for
+    GPUs, docs/COMPILE.md). Returns (tokens/s, low, high, basis)."""
+    speedups = COMPILE_SPEEDUPS
+    basis = (f"compiled blocks: the eager estimate x {COMPILE_SPEEDUP:.3f}, the published compiled/eager ratio "
+             f"({' and '.join(f'{s:.3f}' for s in speedups)}; {COMPILE_SOURCE}); a published ratio applied as is, "
+             "not a fit and not validated by autotune")
+    return (tokens_per_sec * COMPILE_SPEEDUP, None if low is None else low * min(speedups),
+            None if high is None else high * max(speedups), basis)

@@ -30,12 +30,22 @@ OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "foreach", "for-loop")
 """AdamW implementations: `fused` (one kernel per step: HF Trainer's and torchtitan's default on GPUs),
 `foreach` (torch.optim's default on CUDA: temporaries for a whole group of parameters at once),
 `for-loop` (one parameter at a time: the least memory)."""
+COMPILE_MODES: tuple[str, ...] = ("none", "blocks")
+"""torch.compile: `none` (eager), `blocks`: each decoder block's forward compiled with
+`fullgraph=True` after checkpointing wraps it and before FSDP2 shards it, as torchtitan's
+`apply_compile` and FSDP2's documentation do (the root, embeddings, head and loss stay eager;
+FSDP2's hooks run eager between the compiled blocks). Whole-model compile is not a value: no
+stack autotune exports to compiles an FSDP2 model whole by default (docs/COMPILE.md)."""
 SHARD_PLACEMENTS: tuple[str, ...] = ("dim0", "largest")
 """Which dimension FSDP2 shards a parameter on (fully_shard's shard_placement_fn). `dim0`: every
 parameter on its first dimension (FSDP2's default). `largest`: a multi-dimensional parameter whose
 first dimension is smaller than the shard group (a fused expert weight, [experts, ...], on more ranks
 than experts) on its largest dimension that the group divides evenly, as torchtitan shards experts
 on dimension 1; every other parameter on its first."""
+COMPILE_SEARCH = ("none", "explore", "blocks")
+"""torch.compile in the search (--compile, and the search space's compile.mode): `none`, every trial
+eager; `explore`, the graph eager, then its fastest fitting candidates compiled (each predicted
+first, as every trial); `blocks`, every trial compiled."""
 
 
 def shard_dim(shape: tuple[int, ...], shard_size: int, placement: str) -> int:
@@ -253,6 +263,8 @@ class SampleContext:
     offload: bool = True
     activation_offload: bool = True
     reshard: tuple[bool, ...] = (True, False)
+    compile_modes: tuple[str, ...] = ("none",)
+    """torch.compile values the sampler may draw (`blocks` where the search space allows it)."""
     placements: tuple[str, ...] = ("dim0",)
     """Shard placements that change something (`largest` where a parameter's first dimension is
     smaller than the shard group)."""
@@ -376,6 +388,14 @@ KNOBS: tuple[Knob, ...] = (
          label=lambda v: "" if v == "dim0" else f"shard={v}",
          optuna=_categorical_param("shard_placement", SHARD_PLACEMENTS), alternative="largest",
          keyed_at_default=False, domain=lambda ctx: ctx.placements),
+    Knob(name="compile", default="none", flag="--compile", choices=COMPILE_MODES,
+         parse=_choice("compile", COMPILE_MODES), result_path=("compile", "mode"),
+         help="torch.compile: none (eager) or blocks (each decoder block compiled, fullgraph=True, before FSDP2 "
+              "shards it, as torchtitan does); real trials compile with inductor, the simulator traces what AOT "
+              "autograd's min-cut partitioner saves (docs/COMPILE.md)",
+         label=lambda v: "" if v == "none" else f"compile={v}", short=lambda v: "" if v == "none" else "compiled",
+         optuna=lambda v: _categorical_param("compile", COMPILE_MODES)(v) if v != "none" else {},
+         alternative="blocks", keyed_at_default=False, domain=lambda ctx: ctx.compile_modes),
 )
 BY_NAME: dict[str, Knob] = {knob.name: knob for knob in KNOBS}
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from autotune.config import PEFT_METHODS
+from autotune.knobs import COMPILE_SEARCH
 from autotune.errors import UsageError
 
 BACKENDS = ("auto", "sim", "analytic", "cpu", "cuda")
@@ -111,6 +112,8 @@ class TuneOptions:
     export: str | None = None
     max_trials: int | None = _option(check=positive_int)
     time_budget: float | None = _option(check=duration)
+    compile: str | None = _option(choices=COMPILE_SEARCH)
+    """torch.compile in the search: none, explore or blocks; None: the search space's (compile.mode)."""
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> TuneOptions:

@@ -7,8 +7,8 @@ sharded within a group, the gradients all-reduced across groups). `build_mesh` m
 `fully_shard` receives: 1-D for plain FSDP, 2-D `(dp_replicate, dp_shard)` for HSDP.
 
 Order matters, as in torchtitan's parallelize_llama: activation checkpointing wraps blocks
-first (fully_shard must see the wrapper so the recompute also all-gathers), then each decoder
-block is sharded bottom-up, then the root.
+first (fully_shard must see the wrapper so the recompute also all-gathers), then each block is
+compiled (torch.compile knob), then each decoder block is sharded bottom-up, then the root.
 """
 
 from __future__ import annotations
@@ -130,6 +130,64 @@ def apply_ac(blocks: Blocks, ac: Checkpointing) -> int:
     return wrapped
 
 
+COMPILE_BACKEND = "inductor"
+"""What real trials and the exports compile blocks with (torch.compile's default)."""
+
+
+def apply_compile(blocks: Blocks, mode: str, *, backend: str = COMPILE_BACKEND) -> int:
+    """torch.compile each decoder block in place (`mode` 'blocks'; 'none' does nothing), after
+    checkpointing wraps it (the checkpoint is inside the compiled region, as AOT autograd's
+    partitioner then decides what is saved) and before FSDP2 shards it, as torchtitan's
+    apply_compile orders it; `fullgraph=True` (a graph break is an error, not a silent eager
+    fallback), `dynamic=False` (a trial's shapes are fixed). The block's `forward` is compiled
+    rather than its `__call__` (torchtitan's `block.compile()`): FSDP2's hooks are excluded from
+    compilation either way (torch._dynamo.config.skip_fsdp_hooks), and module hooks such as a
+    memory tracker's stay outside the graph. The simulator passes `backend` (docs/COMPILE.md).
+    Returns how many blocks were compiled."""
+    if mode == "none":
+        return 0
+    if mode != "blocks":
+        raise ValueError(f"unknown compile mode {mode!r}")
+    import torch._dynamo
+
+    # Every block shares its class's code object: one cache entry per guard set (shapes, checkpointing).
+    # Past the limit dynamo would run the block eager without a word: an error instead.
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 64)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 1024)
+    if not config.suppress_errors:
+        config.fail_on_recompile_limit_hit = True
+    for block in blocks.layers:
+        block.forward = torch.compile(block.forward, backend=backend, fullgraph=True, dynamic=False)
+    return len(blocks.layers)
+
+
+def register_rng_rules(mode_class: type) -> None:
+    """Let a memory-tracking dispatch mode (the simulator's, the CPU trial's) run compiled blocks
+    under checkpointing. AOT autograd wraps a random op that checkpointing recomputes (SDPA takes a
+    dropout argument) in the `run_and_save_rng_state` / `run_with_rng_state` higher-order ops, so
+    the recompute draws the same numbers, and a mode must say how to run them: here the wrapped op
+    runs through the mode like any other op, with the CPU generator's state saved and restored as
+    those ops' own CPU implementations do (torch/_prims/rng_prims.py). Idempotent."""
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    if mode_class in run_and_save_rng_state.python_key_table:
+        return
+
+    @run_and_save_rng_state.py_impl(mode_class)
+    def _save(mode, op, *args, **kwargs):
+        return torch.get_rng_state(), mode.__torch_dispatch__(op, (), args, kwargs)
+
+    @run_with_rng_state.py_impl(mode_class)
+    def _with(mode, rng_state, op, *args, **kwargs):
+        current = torch.get_rng_state()
+        torch.set_rng_state(rng_state)
+        try:
+            return mode.__torch_dispatch__(op, (), args, kwargs)
+        finally:
+            torch.set_rng_state(current)
+
+
 def shard_placement_fn(mesh, placement: str):
     """fully_shard's shard_placement_fn for a placement (None: FSDP2's default, dim 0)."""
     if placement == "dim0":
@@ -165,13 +223,16 @@ def apply_fsdp(model: nn.Module, blocks: Blocks, mesh, train: TrainConfig, *, al
                 shard_placement_fn=place)
 
 
-def parallelize(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bool = True) -> Blocks:
+def parallelize(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bool = True,
+                compile_backend: str = COMPILE_BACKEND) -> Blocks:
     """Apply the tuned configuration to a freshly built model, in place.
 
     `allow_offload=False` is for places that cannot pin host memory (no accelerator): the
-    simulator then models offload from the trace instead of applying it.
+    simulator then models offload from the trace instead of applying it. `compile_backend`: what
+    compiled blocks are compiled with (the simulator's fake tensors cannot run inductor's kernels).
     """
     blocks = find_decoder_blocks(model)
     apply_ac(blocks, train.activation_checkpointing)
+    apply_compile(blocks, train.compile, backend=compile_backend)
     apply_fsdp(model, blocks, mesh, train, allow_offload=allow_offload)
     return blocks

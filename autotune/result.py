@@ -191,7 +191,37 @@ def _trial_command(request: TuneRequest, step: Step) -> str:
             + (f" --reshard-group {t.reshard_group_size}" if t.reshard_group_size else "")
             + (f" --shard-placement {t.shard_placement}" if t.shard_placement != "dim0" else "")
             + (" --activation-offload" if t.activation_offload else "")
+            + (f" --compile {t.compile}" if t.compile != "none" else "")
             + finetuning_flags(request.finetuning))
+
+
+def compile_section(winner: Step, steps: list[Step], *, tolerance: float) -> dict[str, Any]:
+    """torch.compile in best.json: the winner's mode, and the fastest fitting eager and compiled
+    configurations within the global batch's tolerance side by side (each figure with its source:
+    compiled throughput on GPUs is an estimate from a published ratio, docs/COMPILE.md)."""
+    from autotune.batch import within_tolerance
+    from autotune.parallel import COMPILE_BACKEND
+
+    def fastest(mode: str) -> dict[str, Any] | None:
+        fitting = [s for s in steps if s.fits and s.train.compile == mode and s.stage != "confirm"
+                   and within_tolerance(s.batch, tolerance)]
+        if not fitting:
+            return None
+        best = max(fitting, key=lambda s: s.result.throughput or 0.0)
+        tps = best.result.tokens_per_sec
+        return dict(step=best.step, configuration=best.train.label(), tokens_per_sec=best.result.throughput,
+                    throughput_source=tps.source if tps else None, peak_memory_bytes=best.result.peak_bytes,
+                    memory_source=best.result.peak_memory.source if best.result.peak_memory else None,
+                    speedup_basis=(best.result.extras.get("compile_speedup") or {}).get("basis"))
+
+    eager, compiled = fastest("none"), fastest("blocks")
+    section: dict[str, Any] = {"mode": winner.train.compile,
+                               "backend": COMPILE_BACKEND if winner.train.compile != "none" else None}
+    if compiled is not None or eager is not None:
+        section["eager_vs_compiled"] = {"eager": eager, "compiled": compiled}
+        if eager and compiled and eager["tokens_per_sec"] and compiled["tokens_per_sec"]:
+            section["eager_vs_compiled"]["compiled_over_eager"] = compiled["tokens_per_sec"] / eager["tokens_per_sec"]
+    return section
 
 
 def finetuning_flags(finetuning) -> str:
@@ -241,6 +271,7 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
                     "for a whole parameter group, see docs/SIMULATOR.md)",
         },
         "loss": loss_section(request, winner),
+        "compile": compile_section(winner, steps, tolerance=request.tolerance),
         "peak_memory_bytes": result.peak_bytes,
         "memory_source": peak.source if peak else "estimated",
         "memory_basis": peak.basis if peak else "",

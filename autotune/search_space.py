@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.knobs import OP_POLICIES, OPTIMIZER_IMPLS, PRECISIONS, SHARD_PLACEMENTS
+from autotune.knobs import COMPILE_SEARCH, OP_POLICIES, OPTIMIZER_IMPLS, PRECISIONS, SHARD_PLACEMENTS
 from autotune.errors import UsageError
 
 DEFAULT_SPACE = Path(__file__).resolve().parent.parent / "search_spaces" / "default.toml"
@@ -20,6 +20,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "offload": {"enabled": bool, "activations": bool},
     "micro_batch": {"max": int, "refine": bool},
     "explore": {"no_reshard": bool, "checkpointed_larger_micro_batch": bool},
+    "compile": {"mode": str},
 }
 
 
@@ -46,6 +47,8 @@ class SearchSpace:
     refine: bool = True
     explore_no_reshard: bool = True
     explore_checkpointed_larger_micro_batch: bool = True
+    compile: str = "none"
+    """torch.compile in the search: one of COMPILE_SEARCH (the tune command's --compile overrides it)."""
     source: str = "built-in defaults"
 
     def to_dict(self) -> dict[str, Any]:
@@ -108,6 +111,10 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
     if not all(p in OP_POLICIES for p in op_level):
         raise UsageError(f"search space {where!r}: checkpointing.op_level must be a list of "
                          f"{', '.join(OP_POLICIES)} (or empty), got {op_level!r}")
+    compile_search = get("compile", "mode", "none")
+    if compile_search not in COMPILE_SEARCH:
+        raise UsageError(f"search space {where!r}: compile.mode must be one of {', '.join(COMPILE_SEARCH)}, "
+                         f"got {compile_search!r}")
     max_mb = get("micro_batch", "max", 64)
     if max_mb < 1:
         raise UsageError(f"search space {where!r}: micro_batch.max must be >= 1, got {max_mb}")
@@ -126,5 +133,6 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
         refine=get("micro_batch", "refine", True),
         explore_no_reshard=get("explore", "no_reshard", True),
         explore_checkpointed_larger_micro_batch=get("explore", "checkpointed_larger_micro_batch", True),
+        compile=compile_search,
         source=where,
     )

@@ -645,6 +645,7 @@ for args in json.loads(sys.argv[1]):  # one exported command line per case
         "reshard": cfg.parallelism.fsdp_reshard_after_forward, "optimizer": cfg.optimizer.implementation,
         "ac": type(cfg.activation_checkpoint).__qualname__ if cfg.activation_checkpoint is not None else None,
         "checkpoint": [cfg.checkpoint.enable, cfg.checkpoint.interval, cfg.checkpoint.folder],
+        "compile": [cfg.compile.enable, list(cfg.compile.components)],
     }), flush=True)
 """
 
@@ -711,13 +712,18 @@ def torchtitan_builds(run_result, tmp_path_factory) -> dict:
     last = next(iter(exports.values()))[1]
     assert _torchtitan_arguments(last) == runs[0]  # what bash passes is what overrides_of reads
     runs.append(_torchtitan_arguments(last, *TORCHTITAN_USER_ARGS))
+    compiled = llama3_8b(run_result)
+    compiled["compile"] = {"mode": "blocks"}
+    compiled_path = write(tmp_path_factory.mktemp("torchtitan"), compiled, "torchtitan")[0]
+    runs.append(overrides_of(compiled_path.read_text()))
     proc = subprocess.run([python, "-c", TORCHTITAN_CHECK, json.dumps(runs)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path_factory.mktemp("torchtitan-cwd"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     built = [json.loads(line[len("BUILT "):]) for line in proc.stdout.splitlines() if line.startswith("BUILT ")]
     assert len(built) == len(runs), proc.stdout[-3000:]
     builds = {case: (result, path, got) for (case, (result, path)), got in zip(exports.items(), built)}
-    builds["user-args"] = (None, last, built[-1])
+    builds["user-args"] = (None, last, built[-2])
+    builds["compiled"] = (compiled, compiled_path, built[-1])
     return builds
 
 
@@ -743,6 +749,16 @@ def test_torchtitan_parses_the_export_and_builds_the_tuned_model(torchtitan_buil
     assert got["ac"] == ({"full": "FullAC.Config", "none": None, "op": "SelectiveAC.Config"}[ac])
     # Checkpointing on (off in torchtitan's llama3 configs), at torchtitan's own interval and folder.
     assert got["checkpoint"] == [True, 500, "checkpoint"]
+    assert got["compile"][0] is False  # eager as tuned, whatever the registry config says
+    subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+@pytest.mark.slow
+def test_torchtitan_compiles_each_block_when_compiled_blocks_were_tuned(torchtitan_builds):
+    """--compile.enable --compile.components model: torchtitan's apply_compile (each TransformerBlock,
+    fullgraph) with the loss eager, as autotune traced and ran it (tests/test_compile.py has the rest)."""
+    _, path, got = torchtitan_builds["compiled"]
+    assert got["compile"] == [True, ["model"]]
     subprocess.run(["bash", "-n", str(path)], check=True)
 
 

@@ -320,6 +320,13 @@ class AnalyticBackend(TrialBackend):
         gpu = spec.cluster.gpu.name
         host = Figure(memory.host_bytes_per_node, "estimated", costmodel.ESTIMATE_BASIS["host_memory"])
         tokens_per_sec, tps_basis = step.tokens_per_sec, step.basis
+        compile_speedup = None
+        if spec.train.compile != "none":
+            # The published compiled/eager ratio. The closed form's memory stays eager's: what a
+            # compiled block saves is the partitioner's choice, which only the trace sees (docs/COMPILE.md).
+            tokens_per_sec, _, _, compiled_basis = costmodel.compiled_throughput(tokens_per_sec)
+            tps_basis += f"; {compiled_basis}"
+            compile_speedup = dict(ratio=costmodel.COMPILE_SPEEDUP, source="estimated", basis=compiled_basis)
         if memory.offloaded_activation_bytes:
             # The copies to the host and back, on the compute stream (not overlapped), at the host link's rate.
             gbps = costmodel.host_link_gbps(spec.cluster.gpu)
@@ -351,6 +358,6 @@ class AnalyticBackend(TrialBackend):
             host_memory_per_node=host,
             message=message,
             extras=dict(step_time=step.to_dict(), mfu=step.mfu, tensor_peak_bytes=memory.tensor_peak_bytes,
-                        peak_at=memory.peak_at),
+                        peak_at=memory.peak_at, **({"compile_speedup": compile_speedup} if compile_speedup else {})),
             duration_s=time.perf_counter() - started,
         )

@@ -95,6 +95,8 @@ class Tuned:
     activation_offload: bool = False
     """`largest`: parameters whose first dimension is smaller than the shard group sharded on their
     largest evenly divisible dimension (autotune.knobs.shard_dim)."""
+    compile: str = "none"
+    """torch.compile of the decoder blocks: none or blocks (results from before the knob: none)."""
 
     @property
     def stack_precision(self) -> str:
@@ -166,6 +168,7 @@ class Tuned:
                 reshard_group_size=int(values["reshard_group_size"]),
                 shard_placement=str(values["shard_placement"]),
                 activation_offload=bool(values["activation_offload"]),
+                compile=str(values["compile"]),
                 cpu_offload=bool(fsdp["cpu_offload"]),
                 reshard_after_forward=bool(fsdp["reshard_after_forward"]),
                 micro_batch_size=int(result["micro_batch_size"]),
@@ -264,6 +267,12 @@ def map_knobs_not_expressed(tuned: Tuned, mapper: Mapper, *, stack: str, express
                                 "torch.autograd.graph.save_on_cpu(pin_memory=True) (it also copies parameters; "
                                 "torchtune's OffloadActivations skips them, as tuned) or the GPU runs out of memory; "
                                 "the fsdp2 script and Lightning exports apply it")
+    _map_unless_written(mapper, "compile", at_default=tuned.compile == "none",
+                        default="eager, as tuned",
+                        missing=f"torch.compile of each decoder block is not written for {stack}: compile each "
+                                "block yourself (block.compile(fullgraph=True) after checkpointing, before FSDP "
+                                "wraps it), or run eager (slower, and memory differs from the compiled trace: "
+                                "docs/COMPILE.md)")
     if "shard_placement" not in {m.knob for m in mapper.mappings}:
         if tuned.shard_placement == "dim0":
             mapper.mapped("shard_placement", "every parameter sharded on dimension 0 (FSDP's default), as tuned")

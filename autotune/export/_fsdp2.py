@@ -26,8 +26,8 @@ _SOURCES = (
     _knobs.Checkpointing, _knobs.shard_dim, _parallel.ParallelDims,
     _blocks.Blocks, _blocks.find_decoder_blocks, _blocks._config_depth, _blocks._block_class_name,
     _parallel.mixed_precision_policy,
-    _parallel.op_sac_policy, _parallel.apply_ac, _parallel.shard_placement_fn, _parallel.apply_fsdp,
-    _parallel.parallelize,
+    _parallel.op_sac_policy, _parallel.apply_ac, _parallel.apply_compile, _parallel.shard_placement_fn,
+    _parallel.apply_fsdp, _parallel.parallelize,
     _training.trainable_parameters, _training.make_optimizer, _training.token_batches,
     _training.OffloadedActivations, _training.train_step,
 )
@@ -53,6 +53,8 @@ def map_parallelize_knobs(m: Mapper, *, precision_also: str = "") -> None:
                                 "in parallelize()")
     m.mapped("activation_offload", "OffloadedActivations() around each forward (TUNED.activation_offload)",
              "applied on GPUs only: on CPUs the host is the device")
+    m.mapped("compile", "apply_compile in parallelize() (each decoder block's forward torch.compile(fullgraph=True, "
+                        "dynamic=False), inductor, after checkpointing and before fully_shard)")
 
 
 def export_fsdp2(tuned: Tuned) -> Export:
@@ -211,6 +213,7 @@ class TrainConfig:
     reshard_group_size: int = 0
     shard_placement: str = "dim0"
     activation_offload: bool = False
+    compile: str = "none"
 
     @property
     def fsdp_reshard_after_forward(self) -> bool | int:
@@ -245,6 +248,7 @@ _OP = re.compile({_knobs._OP.pattern!r})
 
 SUPPORTED_FAMILIES = {_blocks.SUPPORTED_FAMILIES!r}
 MIN_OFFLOAD_BYTES = {_training.MIN_OFFLOAD_BYTES!r}
+COMPILE_BACKEND = {_parallel.COMPILE_BACKEND!r}
 PARAM_DTYPES = {{{dtypes}}}
 
 
@@ -255,7 +259,8 @@ TUNED = TrainConfig(precision={t.precision!r}, activation_checkpointing=Checkpoi
                     cpu_offload={t.cpu_offload!r}, reshard_after_forward={t.reshard_after_forward!r},
                     micro_batch_size={t.micro_batch_size!r}, optimizer_impl={t.optimizer_impl!r},
                     shard_group_size={t.shard_group_size!r}, reshard_group_size={t.reshard_group_size!r},
-                    shard_placement={t.shard_placement!r}, activation_offload={t.activation_offload!r})
+                    shard_placement={t.shard_placement!r}, activation_offload={t.activation_offload!r},
+                    compile={t.compile!r})
 
 '''
 

@@ -119,6 +119,12 @@ def export_accelerate(t: Tuned) -> Export:
     m.unsupported("optimizer_impl", f"not an accelerate config key: build torch.optim.AdamW(..., "
                   f"{', '.join(f'{k}={v}' for k, v in optimizer_kwargs(t.optimizer_impl).items())}) in your script, "
                   "the implementation traced")
+    if t.compile != "none":
+        m.approximated("compile", "dynamo_config: dynamo_backend INDUCTOR, dynamo_use_fullgraph, "
+                                  "dynamo_use_regional_compilation",
+                       "Accelerate's regional compilation (accelerate.utils.compile_regions) compiles each repeated "
+                       f"{t.wrap} with inductor, as tuned, and also the rest of the model (embeddings, head) "
+                       "separately, which autotune leaves eager: the head's memory and time may differ from the trace")
     config = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "FSDP",
@@ -142,6 +148,8 @@ def export_accelerate(t: Tuned) -> Export:
             "fsdp_state_dict_type": t.state_dict_enum,
             "fsdp_cpu_ram_efficient_loading": True,
         },
+        **({"dynamo_config": {"dynamo_backend": "INDUCTOR", "dynamo_use_fullgraph": True,
+                              "dynamo_use_regional_compilation": True}} if t.compile != "none" else {}),
         # HSDP: Accelerate 1.15 builds a (dp_replicate, dp_shard) mesh for fully_shard from these.
         **({"parallelism_config": {"parallelism_config_dp_replicate_size": replicate,
                                    "parallelism_config_dp_shard_size": shard}} if t.shard_group_size else {}),
@@ -170,6 +178,11 @@ def _trainer_fields(t: Tuned, m: Mapper) -> dict[str, Any]:
                        f"the Trainer has no switch for AdamW's {t.optimizer_impl} path: adamw_torch takes torch's "
                        "default (foreach on CUDA); pass optim_args or a custom optimizer for the per-parameter loop")
     m.mapped("world_size", f"{torchrun_launch(t)} (launch line above)")
+    if t.compile != "none":
+        m.approximated("compile", "torch_compile: true",
+                       "the Trainer compiles the whole model (torch.compile through Accelerate, inductor), not each "
+                       f"{t.wrap} with the rest eager as tuned: graph breaks at FSDP's hooks and the head's memory "
+                       "may differ from the trace (docs/COMPILE.md)")
     return {
         "output_dir": "output",
         "per_device_train_batch_size": t.micro_batch_size,
@@ -192,6 +205,7 @@ def _trainer_fields(t: Tuned, m: Mapper) -> dict[str, Any]:
         **({"activation_checkpointing_kwargs": {"every_n_layers": t.ac_every, "use_reentrant": False}}
            if _model_level_every_k(t) else {}),
         "optim": _HF_OPTIM[t.optimizer_impl],
+        **({"torch_compile": True} if t.compile != "none" else {}),
     }
 
 

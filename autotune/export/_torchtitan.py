@@ -113,6 +113,12 @@ def export_torchtitan(t: Tuned) -> Export:
                        "last_save_model_only default); add --checkpoint.last-save-in-hf for the final one as Hugging "
                        "Face safetensors, or consolidate it, for the full state dict recommended")
     m.mapped("optimizer_impl", f"--optimizer.implementation {t.optimizer_impl}")
+    if t.compile != "none":
+        m.mapped("compile", "--compile.enable --compile.components model",
+                 "torchtitan's apply_compile: each TransformerBlock compiled (fullgraph, inductor) after "
+                 "checkpointing and before FSDP, the loss eager, as tuned")
+    else:
+        m.mapped("compile", "--compile.no-enable (some registry configs, e.g. llama3_405b, enable it)")
     m.warn("torchtitan's loss is chunked cross-entropy (ChunkedLossWrapper): its logits peak is smaller than "
            "the HF loss autotune traced, so the run has more headroom than predicted, not less")
     overrides = [
@@ -127,6 +133,8 @@ def export_torchtitan(t: Tuned) -> Export:
         ("--parallelism.data-parallel-shard-degree", shard),
         ("--parallelism.fsdp-reshard-after-forward", "always" if t.reshard_after_forward else "never"),
         ("--optimizer.implementation", t.optimizer_impl),
+        *((("--compile.enable", None), ("--compile.components", "model")) if t.compile != "none"
+          else (("--compile.no-enable", None),)),
         ("--checkpoint.enable", None),
         ("--checkpoint.interval", CHECKPOINT_INTERVAL),
         ("--checkpoint.folder", CHECKPOINT_FOLDER),

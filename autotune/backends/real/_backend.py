@@ -279,6 +279,8 @@ class RealBackend(TrialBackend):
             optimizer_step_s=max(statistics.fmean(r.get("optimizer_step_s") or [0.0]) for r in ranks),
             warmup_steps=self.warmup_steps, timed_steps=timed_steps, grad_accum_run=run_accum,
             world_size=world)
+        if spec.train.compile != "none":
+            extras["compiled_graphs"] = min(int(r.get("compiled_graphs", 0)) for r in ranks)
         if on_cuda:
             peak = self._cuda_peak(ranks, where, extras)
             if tokens_per_sec is not None:

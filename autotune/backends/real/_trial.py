@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autotune.backends.real._capacity import CapacityTracker, reset_rss_peak, rss_peak_bytes
+from autotune.backends.real._capacity import (CapacityTracker, reset_rss_peak, rss_peak_bytes,
+                                              track_inductor_allocations)
 from autotune.backends.real._faults import Fault, inject_faults
 from autotune.config import TrialSpec
-from autotune.parallel import parallelize
+from autotune.parallel import parallelize, register_rng_rules
 from autotune.training import (OffloadedActivations, build_model, make_optimizer, sync_weights_to_vllm,
                                token_batches, train_step)
 
@@ -68,6 +69,9 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
         release_memory(device)
         cap = cap_device_memory(device, limit_bytes=spec.limit_bytes)
         torch.cuda.reset_peak_memory_stats(device)
+    if not on_cuda and spec.train.compile != "none":
+        track_inductor_allocations()  # before compiling: inductor's buffers count (docs/COMPILE.md)
+        register_rng_rules(CapacityTracker)
     model, notes = materialise(spec, mesh=mesh, device=device, seed=seed)
     offloaded = None
     if spec.train.activation_offload:
@@ -129,6 +133,11 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
         tokens_per_micro_batch=spec.train.micro_batch_size * spec.seq_len,
         tokens_per_step=spec.train.micro_batch_size * spec.seq_len * grad_accum,
         rss_peak_bytes=rss_peak_bytes(), notes=notes, finite=all(math.isfinite(x) for x in losses))
+    if spec.train.compile != "none":
+        # Graphs dynamo compiled in this process so far: 0 would mean the blocks ran eager.
+        from torch._dynamo.utils import counters
+
+        figures["compiled_graphs"] = int(counters["stats"]["unique_graphs"])
     if on_cuda:
         from autotune.runtime_memory import measure_outside_allocator
 

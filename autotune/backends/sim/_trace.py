@@ -102,7 +102,7 @@ from autotune.catalog.blocks import Blocks  # noqa: E402
 from autotune.catalog.models import ModelSpec
 from autotune.config import FineTuning, TrainConfig
 from autotune.costmodel import LARGE_MEMORY_OP_BYTES
-from autotune.parallel import parallelize
+from autotune.parallel import parallelize, register_rng_rules
 from autotune.training import (OffloadedActivations, build_model, make_optimizer, sync_weights_to_vllm,
                                token_batches, train_step)
 
@@ -191,11 +191,28 @@ def _is_step_op(func) -> bool:
     return not returns or any("Tensor" in str(ret.type) for ret in returns)
 
 
+SIM_COMPILE_BACKEND = "aot_eager_decomp_partition"
+"""What the simulator compiles blocks with (`compile=blocks`): dynamo and AOT autograd with
+inductor's decompositions and inductor's partitioner (min-cut rematerialisation: what is saved for
+backward and what is recomputed), then the partitioned forward and backward graphs run op by op on
+fake tensors. Inductor itself cannot run on fake tensors (its kernels read data pointers: a
+segfault); what inductor would add or remove inside a graph (fused temporaries, buffer reuse) is
+the difference docs/COMPILE.md measures."""
+
+
 class _SiteTracker(FSDPMemTracker):
     """FSDPMemTracker that also keeps the memory at every site, and counts reduced gradients.
 
     Sites are anchored on FSDP's own hooks (pre/post forward, pre/post backward of each FSDP
-    unit), which fire reliably; a site is (phase, hook, unit position, ops since the hook)."""
+    unit), which fire reliably; a site is (phase, hook, unit position, ops since the hook).
+
+    Compiled blocks: torch.compile skips frames while a dispatch mode is active unless the mode
+    ignores compile internals; this one does, so dynamo compiles with the tracker switched off and
+    the compiled graphs' ops are seen as they run (they are aten ops: SIM_COMPILE_BACKEND)."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
     def __init__(self, model: nn.Module, optimizer, *, position_of: Callable[[nn.Module], tuple[str, ...]],
                  gloo: bool) -> None:
@@ -467,7 +484,10 @@ class Tracer:
             with _module_to_assigns_data():
                 model = build_model(model_spec, num_layers=depth, precision=train.precision, finetuning=finetuning)
             with _post_forward_meshes_outside_fake_mode():
-                blocks = parallelize(model, mesh, train.with_(cpu_offload=False), allow_offload=False)
+                blocks = parallelize(model, mesh, train.with_(cpu_offload=False), allow_offload=False,
+                                     compile_backend=SIM_COMPILE_BACKEND)
+            if train.compile != "none":
+                register_rng_rules(_SiteTracker)
             optimizer = make_optimizer(model, impl=train.optimizer_impl)
             _warm_up(model, optimizer)
         block_ids = {id(p) for p in blocks.layers.parameters()}
