@@ -42,6 +42,8 @@ parameter on its first dimension (FSDP2's default). `largest`: a multi-dimension
 first dimension is smaller than the shard group (a fused expert weight, [experts, ...], on more ranks
 than experts) on its largest dimension that the group divides evenly, as torchtitan shards experts
 on dimension 1; every other parameter on its first."""
+COMPILE_BACKEND = "inductor"
+"""What real trials and the exports compile blocks with (torch.compile's default)."""
 COMPILE_SEARCH = ("none", "explore", "blocks")
 """torch.compile in the search (--compile, and the search space's compile.mode): `none`, every trial
 eager; `explore`, the graph eager, then its fastest fitting candidates compiled (each predicted

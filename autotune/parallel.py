@@ -21,7 +21,7 @@ from torch import nn
 
 from autotune.catalog.blocks import Blocks, find_decoder_blocks
 from autotune.config import PARAM_DTYPE_NAMES, TrainConfig
-from autotune.knobs import Checkpointing, shard_dim
+from autotune.knobs import COMPILE_BACKEND, Checkpointing, shard_dim
 
 PARAM_DTYPES = {precision: getattr(torch, name) for precision, name in PARAM_DTYPE_NAMES.items()}
 
@@ -128,10 +128,6 @@ def apply_ac(blocks: Blocks, ac: Checkpointing) -> int:
             layers[index] = checkpoint_wrapper(layers[index], checkpoint_impl=CheckpointImpl.NO_REENTRANT, **options)
             wrapped += 1
     return wrapped
-
-
-COMPILE_BACKEND = "inductor"
-"""What real trials and the exports compile blocks with (torch.compile's default)."""
 
 
 def apply_compile(blocks: Blocks, mode: str, *, backend: str = COMPILE_BACKEND) -> int:

@@ -200,7 +200,7 @@ def compile_section(winner: Step, steps: list[Step], *, tolerance: float) -> dic
     configurations within the global batch's tolerance side by side (each figure with its source:
     compiled throughput on GPUs is an estimate from a published ratio, docs/COMPILE.md)."""
     from autotune.batch import within_tolerance
-    from autotune.parallel import COMPILE_BACKEND
+    from autotune.knobs import COMPILE_BACKEND
 
     def fastest(mode: str) -> dict[str, Any] | None:
         fitting = [s for s in steps if s.fits and s.train.compile == mode and s.stage != "confirm"

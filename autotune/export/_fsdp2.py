@@ -248,7 +248,7 @@ _OP = re.compile({_knobs._OP.pattern!r})
 
 SUPPORTED_FAMILIES = {_blocks.SUPPORTED_FAMILIES!r}
 MIN_OFFLOAD_BYTES = {_training.MIN_OFFLOAD_BYTES!r}
-COMPILE_BACKEND = {_parallel.COMPILE_BACKEND!r}
+COMPILE_BACKEND = {_knobs.COMPILE_BACKEND!r}
 PARAM_DTYPES = {{{dtypes}}}
 
 
