@@ -11,6 +11,21 @@ import pytest
 
 os.environ["AUTOTUNE_CACHE"] = "off"
 
+# The modules that hold a worker for minutes (real launches, sweeps, plans), longest first, as
+# measured by --durations on this 2-core VM (docs/BENCHMARKS.md). `make test` runs pytest-xdist
+# with --dist loadfile, which hands whole modules to the two workers in collection order: the long
+# ones go first and the short ones fill in at the end, so neither worker idles while the other
+# finishes a long module (longest-processing-time-first scheduling).
+SLOWEST_FIRST = ("test_costmodel.py", "test_cli.py", "test_model_families.py", "test_export.py", "test_real.py",
+                 "test_plan.py", "test_sim_accuracy_knobs.py", "test_multinode.py", "test_sim_accuracy.py",
+                 "test_sim.py", "test_sweep_postgres.py", "test_compile.py", "test_finetune.py", "test_sweep.py",
+                 "test_cache.py", "test_sweep_slurm.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module keeps its order
+
 
 @pytest.fixture(scope="module")
 def cpu_sim():
