@@ -24,7 +24,16 @@ from autotune.version import __version__
 
 
 def tune(model: str, *, gpus: int, global_tokens: int | str, **options):
-    """Tune one problem and return the result document (autotune/api.py; the `tune` command wraps it)."""
+    """Tune one problem and return the result document (autotune/api.py; the `tune` command wraps it).
+    `seq_len="max"`: the longest sequence length that fits, tuned (autotune/seqlen.py), the search's
+    probes under the document's `sequence_length`."""
+    if str(options.get("seq_len", "")).strip().lower() == "max":
+        from autotune.console import Console
+        from autotune.options import tune_options
+        from autotune.seqlen import tune_at_longest
+
+        checked = tune_options(model=model, gpus=gpus, global_tokens=global_tokens, **{**options, "seq_len": None})
+        return tune_at_longest(checked, Console(quiet=True))
     from autotune.api import tune as _tune
 
     return _tune(model, gpus=gpus, global_tokens=global_tokens, **options)

@@ -299,25 +299,9 @@ def cmd_tune(args: argparse.Namespace, console) -> int:
 
 def _tune_seq_len_max(args: argparse.Namespace, console) -> dict:
     """--seq-len max: bisect the length (each probe a quiet tune), then tune at the answer out loud."""
-    import dataclasses
+    from autotune.seqlen import tune_at_longest
 
-    from autotune.console import Console
-    from autotune.seqlen import find_max_seq_len, global_tokens_at, tune_probe
-    from autotune.units import parse_count
-
-    options = dataclasses.replace(TuneOptions.from_namespace(args), seq_len=None)
-    model, _, _, _ = resolve_problem(options)
-    target = parse_count(options.global_tokens, what="--global-tokens")
-    probe = tune_probe(options, lambda: Console(quiet=True), target=target)
-    sequence = find_max_seq_len(probe, max_positions=model.max_positions, step=args.seq_len_step, log=console.note)
-    console.seq_len_table(sequence)
-    if sequence["max_seq_len"] is None:
-        raise NothingFits(f"no sequence length fits, not even {args.seq_len_step} ({sequence['bound']})")
-    length = sequence["max_seq_len"]
-    tokens = global_tokens_at(target, gpus=options.gpus, seq_len=length)
-    console.note(f"longest sequence length that fits: {length} (bound: {sequence['bound']}); tuning at it with "
-                 f"{tokens:,} global tokens (--global-tokens in whole sequences per GPU)")
-    return run_tune(dataclasses.replace(options, seq_len=length, global_tokens=tokens), console)
+    return tune_at_longest(TuneOptions.from_namespace(args), console)
 
 
 def cmd_plan(args: argparse.Namespace, console) -> int:

@@ -86,3 +86,29 @@ def tune_probe(options, console_factory, *, target: int, backend=None) -> Callab
                 "cpu_offload": document["fsdp"]["cpu_offload"], "run_id": document["run_id"],
                 "result": document}
     return probe
+
+
+def tune_at_longest(options, console, *, log=None) -> dict[str, Any]:
+    """`--seq-len max` for tune (the command and `autotune.tune(..., seq_len="max")`): bisect the
+    length, each probe a quiet tune, then tune at the answer through `console`. Returns that tune's
+    result document with the search's probes under `sequence_length` (the throughput table)."""
+    from autotune.api import resolve_problem, run_tune
+    from autotune.console import Console
+    from autotune.units import parse_count
+
+    options = dataclasses.replace(options, seq_len=None)
+    model, _, _, _ = resolve_problem(options)
+    target = parse_count(options.global_tokens, what="--global-tokens")
+    probe = tune_probe(options, lambda: Console(quiet=True), target=target)
+    sequence = find_max_seq_len(probe, max_positions=model.max_positions, step=options.seq_len_step,
+                                log=log or console.note)
+    console.seq_len_table(sequence)
+    if sequence["max_seq_len"] is None:
+        raise NothingFits(f"no sequence length fits, not even {options.seq_len_step} ({sequence['bound']})")
+    length = sequence["max_seq_len"]
+    tokens = global_tokens_at(target, gpus=options.gpus, seq_len=length)
+    console.note(f"longest sequence length that fits: {length} (bound: {sequence['bound']}); tuning at it with "
+                 f"{tokens:,} global tokens (--global-tokens in whole sequences per GPU)")
+    document = run_tune(dataclasses.replace(options, seq_len=length, global_tokens=tokens), console)
+    probes = [{k: v for k, v in row.items() if k != "result"} for row in sequence["probes"]]
+    return {**document, "sequence_length": {**sequence, "probes": probes}}

@@ -73,3 +73,21 @@ def test_tune_options_are_the_tune_commands_options_with_its_defaults():
     fields = {f.name: f.default for f in dataclasses.fields(TuneOptions)}
     fields["model"] = fields["global_tokens"] = None  # required on both sides
     assert fields == flags
+
+
+def test_seq_len_max_from_the_library_is_checked_by_plain_tunes_either_side(tmp_path):
+    """autotune.tune(..., seq_len="max") returns the tune at the longest length that fits, with the
+    search's probes; plain tunes at that length and one step longer, asked for apart, say the same:
+    the first fits, the second finds nothing."""
+    import autotune
+    from autotune.errors import NothingFits
+
+    problem = dict(gpus=2, global_tokens="64K", backend="analytic", gpu_memory="2200MiB")
+    document = autotune.tune("tiny-llama", seq_len="max", seq_len_step=128, runs_dir=str(tmp_path / "max"), **problem)
+    found = document["sequence_length"]
+    length = document["seq_len"]
+    assert length == found["max_seq_len"] and length % 128 == 0 and length < 1024  # bound by memory here
+    assert any(p["seq_len"] == length and p["fits"] for p in found["probes"])
+    assert autotune.tune("tiny-llama", seq_len=length, runs_dir=str(tmp_path / "at"), **problem)["seq_len"] == length
+    with pytest.raises(NothingFits):
+        autotune.tune("tiny-llama", seq_len=length + 128, runs_dir=str(tmp_path / "above"), **problem)
