@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,12 +20,6 @@ from rich.text import Text
 from autotune.config import TrainConfig
 from autotune.secrets import mask
 from autotune.units import format_bytes, format_count
-
-
-def _figure(figure, fmt) -> str:
-    if figure is None or figure.value is None:
-        return "-"
-    return f"{fmt(figure.value)} [dim]{figure.source}[/dim]"
 
 
 def _basis(source: str, basis: str) -> str:
@@ -235,7 +228,7 @@ class _LiveWork:
                 self._plain(f"{self.description}: running {self.elapsed()}, {self.remaining()}")
 
     def _plain(self, text: str) -> None:
-        print(f"autotune: {mask(text)}", file=sys.stderr, flush=True)
+        self.console.error_line(text)  # one line on stderr, password masked
 
 
 class _ClockColumn(ProgressColumn):

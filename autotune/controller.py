@@ -31,7 +31,7 @@ from autotune.backends.base import TrialBackend, TrialResult
 from autotune.batch import within_tolerance
 from autotune.config import TrainConfig
 from autotune.knobs import Checkpointing
-from autotune.records import Step, TuneOutcome, TuneRequest, config_key, why_nothing_fits
+from autotune.records import Step, TuneOutcome, TuneRequest, config_key, eligible, why_nothing_fits
 
 EXPLORE_MARGIN = 0.03
 """Where throughput is only estimated, an exploration candidate whose closed-form estimate is
@@ -387,8 +387,8 @@ class Controller:
                                   f"{COMPILE_SPEEDUP - 1:+.0%} tokens/s in torchtitan's published Llama 3.1 8B "
                                   "H100 runs (a published ratio, not estimated for this model)")
             return
-        fitting = sorted((s for s in self.steps if s.fits and s.train.compile == "none" and s.stage != "confirm"
-                          and within_tolerance(s.batch, self.request.tolerance)),
+        fitting = sorted((s for s in eligible(self.steps, self.request.tolerance)
+                          if s.train.compile == "none" and s.stage != "confirm"),
                          key=lambda s: s.result.throughput or 0.0, reverse=True)
         tried: set[TrainConfig] = set()
         for step in fitting:
@@ -579,8 +579,7 @@ class Controller:
         return self._sample_value(step)
 
     def _choose(self) -> Step | None:
-        tolerance = self.request.tolerance
-        candidates = [s for s in self.steps if s.fits and within_tolerance(s.batch, tolerance)]
+        candidates = eligible(self.steps, self.request.tolerance)
         if not candidates:
             return None
         # Fastest first; among equals (or without a throughput figure) the smaller peak.

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 
 from autotune.backends.base import TrialResult
-from autotune.batch import DEFAULT_TOLERANCE, GlobalBatch, plan_global_batch
+from autotune.batch import DEFAULT_TOLERANCE, GlobalBatch, plan_global_batch, within_tolerance
 from autotune.catalog.models import ModelSpec
 from autotune import knobs
 from autotune.config import Cluster, FineTuning, TrainConfig, TrialSpec, Workload, memory_limit_bytes
@@ -100,6 +100,11 @@ class Step:
             return None
         measured = self.result.extras.get("device_peak_bytes")
         return (self.predicted.peak_memory.value - measured) / measured if measured else None
+
+
+def eligible(steps: list[Step], tolerance: float) -> list[Step]:
+    """The steps that could win: they fit, with the global batch within `tolerance` of the target."""
+    return [s for s in steps if s.fits and within_tolerance(s.batch, tolerance)]
 
 
 def prediction_summary(steps: list[Step]) -> dict | None:

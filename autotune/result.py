@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from autotune.records import Step, TuneRequest, prediction_summary
+from autotune.records import Step, TuneRequest, eligible, prediction_summary
 from autotune.version import __version__
 from autotune import knobs
 from autotune.config import MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, PARAM_DTYPE_NAMES
@@ -139,14 +139,11 @@ def _range(span) -> list[float] | None:
 def why_winner(winner: Step, steps: list[Step], request: TuneRequest) -> dict[str, Any]:
     """One sentence on why the winner won, against the runner-up (the next fastest configuration
     that fits within the global-batch tolerance)."""
-    from autotune.batch import within_tolerance
-
     def figure(step: Step) -> str:
         tps = step.result.tokens_per_sec
         return f"{tps.value:,.0f} tokens/s ({tps.source})" if tps and tps.value else "no throughput figure"
 
-    others = [s for s in steps if s.fits and within_tolerance(s.batch, request.tolerance)
-              and s.train != winner.train and s.result.throughput]
+    others = [s for s in eligible(steps, request.tolerance) if s.train != winner.train and s.result.throughput]
     runner = max(others, key=lambda s: s.result.throughput, default=None)
     if runner is None:
         sentence = (f"step {winner.step} ({winner.train.label()}) is the only configuration that fits with the "
@@ -199,12 +196,8 @@ def compile_section(winner: Step, steps: list[Step], *, tolerance: float) -> dic
     """torch.compile in best.json: the winner's mode, and the fastest fitting eager and compiled
     configurations within the global batch's tolerance side by side (each figure with its source:
     compiled throughput on GPUs is an estimate from a published ratio, docs/COMPILE.md)."""
-    from autotune.batch import within_tolerance
-    from autotune.knobs import COMPILE_BACKEND
-
     def fastest(mode: str) -> dict[str, Any] | None:
-        fitting = [s for s in steps if s.fits and s.train.compile == mode and s.stage != "confirm"
-                   and within_tolerance(s.batch, tolerance)]
+        fitting = [s for s in eligible(steps, tolerance) if s.train.compile == mode and s.stage != "confirm"]
         if not fitting:
             return None
         best = max(fitting, key=lambda s: s.result.throughput or 0.0)
@@ -216,7 +209,7 @@ def compile_section(winner: Step, steps: list[Step], *, tolerance: float) -> dic
 
     eager, compiled = fastest("none"), fastest("blocks")
     section: dict[str, Any] = {"mode": winner.train.compile,
-                               "backend": COMPILE_BACKEND if winner.train.compile != "none" else None}
+                               "backend": knobs.COMPILE_BACKEND if winner.train.compile != "none" else None}
     if compiled is not None or eager is not None:
         section["eager_vs_compiled"] = {"eager": eager, "compiled": compiled}
         if eager and compiled and eager["tokens_per_sec"] and compiled["tokens_per_sec"]:
