@@ -225,6 +225,11 @@ def release_memory(device: torch.device) -> None:
     device's cached blocks and the pinned host blocks CPU offload staged (empty_cache leaves
     those, so host RSS would grow across trials and count in the next one's figure)."""
     gc.collect()
+    # What survives a trial (imported modules, torch's dispatch and sharding caches) lives as long
+    # as the process: freezing it keeps later collections, this one's and the automatic ones
+    # during the next trial, from walking it again (measured: a launch of 8 tiny trials ~7%
+    # faster). Objects still reachable only through a cycle are all collected above first.
+    gc.freeze()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
