@@ -183,7 +183,7 @@ class SimBackend(TrialBackend):
         train = spec.train.with_(micro_batch_size=micro_batch_size, cpu_offload=False)
         return (spec.model.name, repr(sorted(spec.model.config_dict.items())), depth, spec.cluster.num_gpus,
                 spec.seq_len, train.cache_key(), spec.grad_accum_steps > 1, keep_middle, self.device_kind,
-                spec.workload.weight_sync, spec.finetuning.key())
+                spec.workload.weight_sync, spec.finetuning.key(), spec.step)
 
     def _trace(self, spec: TrialSpec, *, depth: int, micro_batch_size: int, keep_middle: bool) -> StepTrace:
         train = spec.train.with_(micro_batch_size=micro_batch_size, cpu_offload=False)
@@ -196,7 +196,7 @@ class SimBackend(TrialBackend):
                 spec.model, depth=depth, mesh=mesh, world_size=world_size, train=train, seq_len=spec.seq_len,
                 grad_accum_steps=spec.grad_accum_steps, keep_middle=keep_middle,
                 gloo=self.device_kind == "cpu", weight_sync=spec.workload.weight_sync,
-                finetuning=spec.finetuning)
+                finetuning=spec.finetuning, step=spec.step)
         return self._traces[key]
 
     def _derive(self, spec: TrialSpec, key: tuple, train) -> None:
