@@ -136,3 +136,34 @@ def test_the_stack_is_part_of_what_a_trial_is():
     assert dataclasses.replace(spec, stack="accelerate", train=TrainConfig(precision="fp32")).step == "autotune"
     with pytest.raises(UsageError, match="--stack 'deepspeed' is not one of"):
         dataclasses.replace(spec, stack="deepspeed")
+
+
+def test_a_bad_stack_is_one_line_exit_2_from_the_cli_and_the_same_error_from_the_library(capsys):
+    from autotune.cli import main
+    from autotune.errors import UsageError
+    from autotune.options import tune_options
+
+    assert main(["trial", "--model", "tiny-llama", "--gpus", "2", "--backend", "analytic", "--stack", "deepspeed"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--stack" in err[0] and "'deepspeed'" in err[0], err
+    with pytest.raises(UsageError, match="--stack.*'deepspeed'"):
+        tune_options(model="tiny-llama", stack="deepspeed")
+    assert tune_options(model="tiny-llama", stack="trl").stack == "trl"
+
+
+def test_the_trial_command_predicts_the_stacks_step_and_says_which(capsys):
+    """The analytic backend's closed form knows TRL's head: for llama3-8b (128,256-entry vocabulary) far
+    less than autotune's loop's full logits at the same knobs; torchtitan's own model is not traced."""
+    import json
+
+    from autotune.cli import main
+
+    peaks = {}
+    for stack in ("fsdp2", "trl", "torchtitan"):
+        assert main(["trial", "--model", "llama3-8b", "--gpus", "8", "--gpu-type", "h100-80gb", "--backend", "analytic",
+                     "--micro-batch", "2", "--ac", "full", "--stack", stack]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["stack"]["name"] == stack
+        peaks[stack] = out["extras"]["tensor_peak_bytes"]
+    assert peaks["trl"] < peaks["fsdp2"] == peaks["torchtitan"]
+    assert "not traced" in out["stack"]["predicted_for"]
