@@ -36,6 +36,15 @@ _MB_BASE = (2, 3)
 """Micro-batches larger than these are extrapolated from them (see _extrapolate)."""
 
 
+def _linear_in_micro_batch(spec: TrialSpec) -> bool:
+    """Whether memory grows linearly with the micro-batch from _MB_BASE on: TRL's fused LM head
+    holds one tile of at most TRL_TOKEN_TILE tokens, a term that stops growing once a micro-batch
+    has that many, so its step extrapolates only from micro-batches already past it."""
+    from autotune.backends.analytic import TRL_TOKEN_TILE
+
+    return spec.step != "trl" or min(_MB_BASE) * (spec.seq_len - 1) >= TRL_TOKEN_TILE
+
+
 class SimBackend(TrialBackend):
     """Simulated trials. `device_kind="cuda"` predicts a GPU run on `spec.cluster.gpu` (tensor
     peak plus an estimated runtime margin, estimated tokens/s); `"cpu"` predicts the cpu
@@ -239,7 +248,8 @@ class SimBackend(TrialBackend):
         # 2 and 3 once, then every larger one is free. A first look traces the one asked for.
         family = self._trace_key(spec, depth=0, micro_batch_size=1, keep_middle=False)
         mbs = (mb,)
-        if self.extrapolate_micro_batch and mb > max(_MB_BASE) and family in self._families:
+        if (self.extrapolate_micro_batch and mb > max(_MB_BASE) and family in self._families
+                and _linear_in_micro_batch(spec)):
             mbs = _MB_BASE
         self._families.add(family)
         traces = self._shallow_traces(spec, [(d, m) for d in depths for m in mbs])
