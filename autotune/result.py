@@ -190,7 +190,8 @@ def _trial_command(request: TuneRequest, step: Step) -> str:
             + (f" --shard-placement {t.shard_placement}" if t.shard_placement != "dim0" else "")
             + (" --activation-offload" if t.activation_offload else "")
             + (f" --compile {t.compile}" if t.compile != "none" else "")
-            + finetuning_flags(request.finetuning))
+            + finetuning_flags(request.finetuning)
+            + (f" --stack {request.stack}" if request.stack != "fsdp2" else ""))
 
 
 def compile_section(winner: Step, steps: list[Step], *, tolerance: float) -> dict[str, Any]:
