@@ -162,7 +162,7 @@ _CHUNKED_LOGPROB_CHUNK_SIZE): the logits exist one tile at a time, in a buffer o
 whatever the vocabulary."""
 
 
-def loss_backward_bytes(step: str, *, tokens: int, vocab: int, hidden: int, d: int) -> float:
+def loss_backward_bytes(step: str, *, tokens: int, vocab: int, hidden: int, d: int, head_trains: bool = True) -> float:
     """What the loss holds at the start of backward, beyond the blocks' activations.
 
     autotune's and Accelerate's step ('hf'): the fp32 logits' log-softmax and two fp32 gradients
@@ -171,11 +171,11 @@ def loss_backward_bytes(step: str, *, tokens: int, vocab: int, hidden: int, d: i
     as the loss itself holds while it runs), and dropped before backward (docs/STACKS.md).
     TRL SFT's fused head ('trl'): no full logits; its backward holds fp32 gradients of the head
     weight and of the hidden states with their bf16 casts (6 bytes each), one logits tile, and the
-    hidden states it saved."""
+    hidden states it saved (no head-weight gradient where the head is frozen: LoRA)."""
     if step != "trl":
         return 12 * tokens * vocab
     tile = min(tokens, TRL_TOKEN_TILE) * TRL_VOCAB_TILE * d  # allocated at the tile's full width
-    return 6 * vocab * hidden + (6 + d) * tokens * hidden + tile
+    return 6 * vocab * hidden * head_trains + (6 + d) * tokens * hidden + tile
 
 
 def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
@@ -221,7 +221,8 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     saved = [checkpoint_input if train.activation_checkpointing.wraps_block(i) else per_layer
              for i in range(num_layers)]
     final_norm = (4 * shape.hidden + 2 * d * shape.hidden) * tokens
-    logits = loss_backward_bytes(spec.step, tokens=tokens, vocab=shape.vocab, hidden=shape.hidden, d=d)
+    logits = loss_backward_bytes(spec.step, tokens=tokens, vocab=shape.vocab, hidden=shape.hidden, d=d,
+                                 head_trains=not lora)
     # Gradients of the block's input and of two ffn-wide tensors, plus the unsharded gradient
     # of its largest weight in flight (fitted to traces: docs/COSTMODEL.md).
     backward_temps = 2 * d * (shape.hidden + shape.intermediate) * tokens + (
