@@ -59,6 +59,7 @@ def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
     tolerance = DEFAULT_TOLERANCE if options.global_tolerance is None else options.global_tolerance
     workload = resolve_workload(options)
     finetuning = resolve_finetuning(options)
+    stack = resolve_stack(options)
 
     def check_batch(num_gpus: int, seq_len: int) -> None:
         check_target(target_tokens=target, num_gpus=num_gpus, seq_len=seq_len)
@@ -82,7 +83,7 @@ def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
                           tolerance=tolerance,
                           headroom=DEFAULT_HEADROOM if options.headroom is None else options.headroom,
                           space=space, max_trials=options.max_trials, time_budget_s=options.time_budget,
-                          workload=workload, finetuning=finetuning)
+                          workload=workload, finetuning=finetuning, stack=stack)
     store = TrialStore(options.storage or default_storage(runs_dir), options.study or study_name(request, backend_name))
     finished = store.finished()
     run_dir = new_run_dir(request, runs_dir)
@@ -262,6 +263,13 @@ def resolve_workload(options: Options, recorded: dict | None = None):
     if share is None and kind == recorded.get("kind"):
         share = recorded.get("vllm_gpu_memory_utilization")
     return Workload(kind=kind, vllm_gpu_memory_utilization=share)
+
+
+def resolve_stack(options: Options, recorded: str | None = None) -> str:
+    """The stack whose step is predicted: the flag, else a result's, else fsdp2 (autotune's own loop)."""
+    from autotune.config import check_stack
+
+    return check_stack(getattr(options, "stack", None) or recorded or "fsdp2")
 
 
 def resolve_finetuning(options: Options, recorded: dict | None = None):

@@ -20,11 +20,11 @@ from pathlib import Path
 
 from autotune import knobs as knob_registry
 from autotune.api import (check_multi_node, check_out_file, check_wrappable, choose_backend, make_backend,
-                          parse_formats, resolve_finetuning, resolve_problem, resolve_workload, run_tune,
-                          write_formats)
+                          parse_formats, resolve_finetuning, resolve_problem, resolve_stack, resolve_workload,
+                          run_tune, write_formats)
 from autotune.errors import AutotuneError, NothingFits, StorageUnavailable, UsageError
 from autotune.interrupts import raised_where_safe
-from autotune.config import PEFT_METHODS
+from autotune.config import PEFT_METHODS, STACKS
 from autotune.options import (BACKENDS, COMPILE_SEARCH, SEQ_LEN_STEP, WORKLOADS, TuneOptions, duration, fraction, number,
                               positive_int, usage_error)
 
@@ -77,6 +77,11 @@ def _add_problem_options(parser: argparse.ArgumentParser, *, model_required: boo
                                "GPU: training gets what vLLM leaves, and the weight sync to vLLM is part of the peak")
     workload.add_argument("--vllm-gpu-memory-utilization", type=number, default=None,
                           help="grpo: fraction of each GPU's memory vLLM takes, in (0, 1) (default 0.3, TRL's)")
+    workload.add_argument("--stack", choices=tuple(STACKS), default=None,
+                          help="whose training step the memory is predicted for (default fsdp2: autotune's own "
+                               "loop). accelerate, hf-trainer: Accelerate's FSDP2 plugin (autocast, fp32 outputs, "
+                               "its mixed-precision policy); trl: SFTTrainer's fused LM head on it; torchtitan, "
+                               "litgpt, llama-cookbook: their own models are not traced (docs/STACKS.md)")
     tuning = parser.add_argument_group("fine-tuning")
     tuning.add_argument("--peft", choices=PEFT_METHODS, default=None,
                         help="none (default): every parameter trains; lora: peft LoRA adapters on a frozen base "
@@ -380,10 +385,10 @@ def cmd_calibrate(args: argparse.Namespace, console) -> int:
 
 
 def cmd_trial(args: argparse.Namespace, console) -> int:
-    from autotune.config import TrainConfig, TrialSpec, memory_limit_bytes
+    from autotune.config import TrainConfig, TrialSpec, memory_limit_bytes, stack_section
     from autotune.records import DEFAULT_HEADROOM
 
-    recorded = recorded_finetuning = None
+    recorded = recorded_finetuning = recorded_stack = None
     if args.config:
         from autotune.result import load_result
 
@@ -397,11 +402,13 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
         grad_accum = document["grad_accum_steps"]
         recorded = document.get("workload")
         recorded_finetuning = document.get("finetuning")
+        recorded_stack = (document.get("stack") or {}).get("name")
     else:
         train = TrainConfig(**knob_registry.from_args(args))
         grad_accum = args.grad_accum
     workload = resolve_workload(args, recorded)
     finetuning = resolve_finetuning(args, recorded_finetuning)
+    stack = resolve_stack(args, recorded_stack)
     model, cluster, seq_len, gpu_note = resolve_problem(args)
     check_wrappable(model)
     console.note(gpu_note)
@@ -409,7 +416,7 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
     spec = TrialSpec(model=model, cluster=cluster, seq_len=seq_len, train=train, grad_accum_steps=grad_accum,
                      memory_limit_bytes=memory_limit_bytes(cluster.capacity_bytes, headroom=headroom,
                                                            workload=workload),
-                     workload=workload, finetuning=finetuning)
+                     workload=workload, finetuning=finetuning, stack=stack)
     backend_name, why = choose_backend(args.backend, cluster)
     console.note(f"backend: {backend_name} ({why})")
     backend = make_backend(backend_name, args)
@@ -419,7 +426,7 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
         backend.close()
     out = {"backend": backend_name, "model": model.name, "gpus": cluster.num_gpus, "gpu": cluster.gpu.name,
            "seq_len": seq_len, "config": train.to_dict(), "grad_accum_steps": grad_accum,
-           "workload": workload.to_dict(), "finetuning": finetuning.to_dict(),
+           "workload": workload.to_dict(), "finetuning": finetuning.to_dict(), "stack": stack_section(stack, train.precision),
            "memory_limit_bytes": spec.limit_bytes, "fits": result.ok, **result.to_dict()}
     sys.stdout.write(json.dumps(out, indent=2, default=str) + "\n")
     return EXIT_OK

@@ -203,6 +203,70 @@ def memory_limit_bytes(capacity_bytes: int, *, headroom: float, workload: Worklo
     return int((capacity_bytes - workload.vllm_bytes(capacity_bytes)) * (1.0 - headroom))
 
 
+STACKS: dict[str, str] = {
+    "fsdp2": "autotune's own FSDP2 loop (training.train_step)",
+    "accelerate": "Accelerate's FSDP2 plugin: forward under autocast, outputs converted to fp32",
+    "hf-trainer": "transformers' Trainer on Accelerate's FSDP2 plugin: forward under autocast, outputs "
+                  "converted to fp32",
+    "trl": "TRL's SFTTrainer on Accelerate's FSDP2 plugin: its fused LM head (no full logits), forward under "
+           "autocast",
+    "torchtitan": "torchtitan",
+    "litgpt": "LitGPT",
+    "lightning": "Lightning's ModelParallelStrategy (FSDP2)",
+    "llama-cookbook": "llama-cookbook",
+}
+"""The training stacks `--stack` names (default fsdp2): which stack's training step the memory is
+predicted for. Not a searched knob: the stack is part of what a trial is (TrialSpec.stack)."""
+ACCELERATE_STACKS: tuple[str, ...] = ("accelerate", "hf-trainer", "trl")
+"""Stacks that train through Accelerate's FSDP2 plugin, whose step autotune traces (training.stack_forward):
+under bf16/fp16 mixed precision, the plugin's MixedPrecisionPolicy (param, reduce and output dtype all the
+compute dtype: accelerate 1.15, FullyShardedDataParallelPlugin.set_mixed_precision), the forward wrapped in
+autocast and convert_outputs_to_fp32 (Accelerator.prepare_model)."""
+OWN_MODEL_STACKS: tuple[str, ...] = ("torchtitan", "litgpt", "llama-cookbook")
+"""Stacks that train a model or step of their own, which autotune does not trace: their memory is
+predicted for autotune's step on the Hugging Face model, and said so (stack_note)."""
+
+
+def check_stack(stack: Any) -> str:
+    if stack not in STACKS:
+        raise UsageError(f"--stack {stack!r} is not one of {', '.join(STACKS)}")
+    return stack
+
+
+def stack_step(stack: str, precision: str) -> str:
+    """The training step traced and run for `stack` at `precision`: `autotune` (training.train_step's own
+    forward), `hf` (Accelerate's: autocast and fp32 outputs, under mixed precision only; Accelerate with
+    mixed_precision 'no' runs the plain forward) or `trl` (TRL SFT's fused LM head, plus Accelerate's
+    wrapping under mixed precision)."""
+    if stack == "trl":
+        return "trl"
+    if stack in ACCELERATE_STACKS and precision in ("bf16", "fp16"):
+        return "hf"
+    return "autotune"
+
+
+def stack_note(stack: str, precision: str) -> str:
+    """What the memory of `stack` is predicted for, in a sentence (best.json, the console, the report)."""
+    if stack in OWN_MODEL_STACKS:
+        return (f"memory predicted for autotune's step on the Hugging Face model: {STACKS[stack]}'s own model and "
+                "step are not traced")
+    if stack in ACCELERATE_STACKS and stack_step(stack, precision) == "autotune":
+        return (f"memory predicted for the step of {STACKS[stack].split(':')[0]} at {precision} (Accelerate's "
+                "mixed_precision 'no': no autocast, no fp32 outputs)")
+    return f"memory predicted for the step of {STACKS[stack]}"
+
+
+def reduce_dtype_name(precision: str, step: str) -> str:
+    """The dtype gradients are reduced in: the master dtype, or the compute dtype under Accelerate's
+    mixed-precision policy (parallel.mixed_precision_policy)."""
+    return PARAM_DTYPE_NAMES[precision] if step in ("hf", "trl") else MASTER_DTYPE_NAMES[precision]
+
+
+def stack_section(stack: str, precision: str) -> dict[str, Any]:
+    """best.json's `stack`: which stack's step was predicted (schemas/best.schema.json)."""
+    return {"name": stack, "step": stack_step(stack, precision), "predicted_for": stack_note(stack, precision)}
+
+
 DEFAULT_LORA_TARGETS = "all-linear"
 """peft's name for every linear layer but the output head: the attention and MLP projections,
 what TRL's LoRA examples target."""
@@ -284,8 +348,11 @@ class TrialSpec:
     """Usable memory per GPU (`memory_limit_bytes()`); a trial over it is out of memory."""
     workload: Workload = field(default_factory=Workload)
     finetuning: FineTuning = field(default_factory=FineTuning)
+    stack: str = "fsdp2"
+    """Whose training step runs (STACKS): what the simulator traces and a real trial runs."""
 
     def __post_init__(self) -> None:
+        check_stack(self.stack)
         size, gpus, per_node = self.train.shard_group_size, self.cluster.num_gpus, self.cluster.gpus_per_node
         if size == gpus:  # one group of every GPU is plain FSDP: one configuration, one name
             object.__setattr__(self, "train", self.train.with_(shard_group_size=0))
@@ -319,7 +386,12 @@ class TrialSpec:
         return dict(model=self.model.to_dict(), cluster=self.cluster.to_dict(), seq_len=self.seq_len,
                     train=self.train.to_dict(), grad_accum_steps=self.grad_accum_steps,
                     memory_limit_bytes=self.memory_limit_bytes, workload=self.workload.to_dict(),
-                    finetuning=self.finetuning.to_dict())
+                    finetuning=self.finetuning.to_dict(), stack=self.stack)
+
+    @property
+    def step(self) -> str:
+        """The step traced and run (stack_step)."""
+        return stack_step(self.stack, self.train.precision)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrialSpec":
@@ -328,4 +400,4 @@ class TrialSpec:
                    grad_accum_steps=data.get("grad_accum_steps", 1),
                    memory_limit_bytes=data.get("memory_limit_bytes"),
                    workload=Workload.from_dict(data.get("workload")),
-                   finetuning=FineTuning.from_dict(data.get("finetuning")))
+                   finetuning=FineTuning.from_dict(data.get("finetuning")), stack=data.get("stack", "fsdp2"))

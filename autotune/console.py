@@ -289,6 +289,10 @@ class Console:
         self.note(f"backend: {backend_name} ({backend_why})")
         self.note(f"figures: {backend_description}")
         self.note(f"workload: {request.workload.label()}")
+        if request.stack != "fsdp2":
+            from autotune.config import STACKS
+
+            self.note(f"stack: {request.stack}: the step traced and run is {STACKS[request.stack]}")
         if request.finetuning.lora:
             from autotune.training import parameter_counts
 
@@ -383,6 +387,9 @@ class Console:
             f"x {document['gpus']} GPUs x seq {document['seq_len']} = {document['global_tokens']:,} tokens/step "
             f"({document['global_tokens_deviation']:+.2%} vs target)"), first=Text("winner: ", style="bold green")))
         self.out.print(_indented(Text(_peak_line(document))))
+        stack = document.get("stack") or {}
+        if stack.get("name", "fsdp2") != "fsdp2":
+            self.out.print(_indented(Text(f"stack {stack['name']}: {stack['predicted_for']}")))
         if document["tokens_per_sec"]:  # a figure of 0 (no throughput) has no step time
             self.out.print(_indented(Text(_throughput_line(document))))
         offloads = [what for what, on in (("CPU offload", fsdp["cpu_offload"]),

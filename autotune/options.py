@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from autotune.config import PEFT_METHODS
+from autotune.config import PEFT_METHODS, STACKS
 from autotune.knobs import COMPILE_SEARCH
 from autotune.errors import UsageError
 
@@ -91,6 +91,8 @@ class TuneOptions:
     # workload
     workload: str | None = _option(choices=WORKLOADS)
     vllm_gpu_memory_utilization: float | None = _option(check=number)
+    stack: str | None = _option(choices=tuple(STACKS))
+    """Whose training step is predicted (config.STACKS); None: fsdp2, autotune's own loop."""
     # fine-tuning
     peft: str | None = _option(choices=PEFT_METHODS)
     lora_rank: int | None = _option(check=positive_int)

@@ -26,12 +26,17 @@ from autotune.knobs import COMPILE_BACKEND, Checkpointing, shard_dim
 PARAM_DTYPES = {precision: getattr(torch, name) for precision, name in PARAM_DTYPE_NAMES.items()}
 
 
-def mixed_precision_policy(precision: str):
+def mixed_precision_policy(precision: str, *, step: str = "autotune"):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if precision in ("fp32", "bf16-pure"):
         # Everything in the parameters' own dtype: fp32, or bf16 with bf16 reduction (pure bf16).
         return MixedPrecisionPolicy()
+    if step in ("hf", "trl"):
+        # Accelerate's FSDP2 plugin under mixed_precision bf16/fp16 (accelerate 1.15,
+        # FullyShardedDataParallelPlugin.set_mixed_precision): params, reduction and outputs all in it.
+        dtype = PARAM_DTYPES[precision]
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, output_dtype=dtype)
     # Mixed precision reduces gradients in fp32: written explicitly, since the default moved.
     return MixedPrecisionPolicy(param_dtype=PARAM_DTYPES[precision], reduce_dtype=torch.float32)
 
@@ -198,7 +203,8 @@ def shard_placement_fn(mesh, placement: str):
     return place
 
 
-def apply_fsdp(model: nn.Module, blocks: Blocks, mesh, train: TrainConfig, *, allow_offload: bool = True) -> None:
+def apply_fsdp(model: nn.Module, blocks: Blocks, mesh, train: TrainConfig, *, allow_offload: bool = True,
+               step: str = "autotune") -> None:
     """fully_shard each block, then the root. The root is never resharded after forward
     (its parameters are needed again at once in backward), as FSDP2's default does."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
@@ -210,7 +216,7 @@ def apply_fsdp(model: nn.Module, blocks: Blocks, mesh, train: TrainConfig, *, al
         else:
             warnings.warn("cpu_offload requested but not applied here (no accelerator): "
                           "its memory is modelled, not traced", stacklevel=2)
-    mp = mixed_precision_policy(train.precision)
+    mp = mixed_precision_policy(train.precision, step=step)
     place = shard_placement_fn(mesh, train.shard_placement)
     for block in blocks.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload,
@@ -220,15 +226,16 @@ def apply_fsdp(model: nn.Module, blocks: Blocks, mesh, train: TrainConfig, *, al
 
 
 def parallelize(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bool = True,
-                compile_backend: str = COMPILE_BACKEND) -> Blocks:
+                compile_backend: str = COMPILE_BACKEND, step: str = "autotune") -> Blocks:
     """Apply the tuned configuration to a freshly built model, in place.
 
     `allow_offload=False` is for places that cannot pin host memory (no accelerator): the
     simulator then models offload from the trace instead of applying it. `compile_backend`: what
     compiled blocks are compiled with (the simulator's fake tensors cannot run inductor's kernels).
+    `step` (config.stack_step): a stack's own mixed-precision policy where it differs.
     """
     blocks = find_decoder_blocks(model)
     apply_ac(blocks, train.activation_checkpointing)
     apply_compile(blocks, train.compile, backend=compile_backend)
-    apply_fsdp(model, blocks, mesh, train, allow_offload=allow_offload)
+    apply_fsdp(model, blocks, mesh, train, allow_offload=allow_offload, step=step)
     return blocks

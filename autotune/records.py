@@ -32,6 +32,8 @@ class TuneRequest:
     time_budget_s: float | None = None
     workload: Workload = field(default_factory=Workload)
     finetuning: FineTuning = field(default_factory=FineTuning)
+    stack: str = "fsdp2"
+    """Whose training step is predicted (config.STACKS)."""
 
     @property
     def memory_limit_bytes(self) -> int:
@@ -62,7 +64,7 @@ class TuneRequest:
         return TrialSpec(model=self.model, cluster=self.cluster, seq_len=self.seq_len, train=train,
                          grad_accum_steps=self.global_batch(train.micro_batch_size).grad_accum_steps,
                          memory_limit_bytes=self.memory_limit_bytes, workload=self.workload,
-                         finetuning=self.finetuning)
+                         finetuning=self.finetuning, stack=self.stack)
 
 
 @dataclass(kw_only=True)

@@ -14,7 +14,8 @@ from typing import Any
 from autotune.records import Step, TuneRequest, eligible, prediction_summary
 from autotune.version import __version__
 from autotune import knobs
-from autotune.config import MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, PARAM_DTYPE_NAMES
+from autotune.config import (MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, PARAM_DTYPE_NAMES, reduce_dtype_name, stack_section,
+                             stack_step)
 from autotune.runtime_memory import ALLOC_CONF_ENV, alloc_conf
 from autotune.secrets import mask
 
@@ -189,7 +190,8 @@ def _trial_command(request: TuneRequest, step: Step) -> str:
             + (f" --shard-placement {t.shard_placement}" if t.shard_placement != "dim0" else "")
             + (" --activation-offload" if t.activation_offload else "")
             + (f" --compile {t.compile}" if t.compile != "none" else "")
-            + finetuning_flags(request.finetuning))
+            + finetuning_flags(request.finetuning)
+            + (f" --stack {request.stack}" if request.stack != "fsdp2" else ""))
 
 
 def compile_section(winner: Step, steps: list[Step], *, tolerance: float) -> dict[str, Any]:
@@ -250,9 +252,10 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
         "precision": train.precision,
         "workload": workload_section(request, winner),
         "finetuning": finetuning_section(request),
+        "stack": stack_section(request.stack, train.precision),
         "fsdp": {
             "param_dtype": PARAM_DTYPE_NAMES[train.precision],
-            "reduce_dtype": MASTER_DTYPE_NAMES[train.precision],
+            "reduce_dtype": reduce_dtype_name(train.precision, stack_step(request.stack, train.precision)),
             **knobs.fsdp_section(train.knob_values()),
             "wrap": wrap,
             "sharded_grad_scaler": train.precision == "fp16",

@@ -41,6 +41,8 @@ def study_name(request: TuneRequest, backend: str) -> str:
         **({"workload": request.workload.to_dict()} if request.workload.kind != "sft" else {}),
         # Nor a LoRA fine-tune a full one (older full studies keep their names).
         **({"finetuning": request.finetuning.to_dict()} if request.finetuning.lora else {}),
+        # Nor another stack's step autotune's own (older studies keep their names).
+        **({"stack": request.stack} if request.stack != "fsdp2" else {}),
     }, sort_keys=True, default=str)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.model.name)

@@ -18,11 +18,12 @@ from autotune.config import MASTER_DTYPE_NAMES, PARAM_DTYPE_NAMES, FineTuning
 
 
 def build_model(model: ModelSpec, *, num_layers: int | None = None, seed: int = 0, precision: str = "bf16",
-                finetuning: FineTuning | None = None) -> nn.Module:
+                finetuning: FineTuning | None = None, step: str = "autotune") -> nn.Module:
     """The transformers causal LM from its config, on the current default device (use
     `torch.device('meta')` to build without memory), with its parameters in the dtypes `precision`
     trains them in (fp32 master weights, FSDP casting for compute; bf16 throughout for
-    bf16-pure) and, for a LoRA fine-tune, wrapped by peft (`apply_finetuning`)."""
+    bf16-pure) and, for a LoRA fine-tune, wrapped by peft (`apply_finetuning`). `step` 'trl'
+    (config.stack_step) adds TRL's fused LM head, after peft, as SFTTrainer does."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -33,6 +34,8 @@ def build_model(model: ModelSpec, *, num_layers: int | None = None, seed: int = 
     )
     if finetuning is not None and finetuning.lora:
         net = apply_finetuning(net, finetuning, precision=precision)
+    if step == "trl":
+        add_trl_fused_lm_head(net)
     return net
 
 
@@ -167,16 +170,72 @@ class OffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(pack, unpack)
 
 
+TRL_SFT_OUTPUTS = ("log_probs", "entropy", "is_top1")
+"""What SFTTrainer asks of its fused LM head (trl 1.16, SFTTrainer.__init__: the loss, and the entropy
+and mean-token-accuracy metrics)."""
+
+
+def add_trl_fused_lm_head(net: nn.Module) -> None:
+    """TRL's own fused LM head (trl 1.16, trainer/utils.py `add_fused_lm_head`), added as SFTTrainer
+    adds it: to the base model under peft. `model(..., labels=..., fused_lm_head=True)` then returns
+    per-token log-probabilities computed in chunks, never the (batch, seq, vocab) logits."""
+    try:
+        from trl.trainer.utils import add_fused_lm_head
+    except ImportError as exc:  # the stack's own code is what is traced: no copy of ours
+        from autotune.errors import UsageError
+
+        raise UsageError(f"--stack trl traces TRL's own fused LM head: install trl>=1.16 ({exc})") from None
+    add_fused_lm_head(net.get_base_model() if hasattr(net, "get_base_model") else net, outputs=TRL_SFT_OUTPUTS)
+
+
+def prepare_step(model: nn.Module, *, step: str, precision: str, device_type: str) -> None:
+    """What a stack does to the wrapped model before training, after FSDP2 wraps it: for the steps
+    that run through Accelerate ('hf', 'trl') under bf16/fp16 mixed precision, Accelerate's
+    `prepare_model` (accelerate 1.15, Accelerator.prepare_model, `if self.native_amp`): the forward
+    wrapped in `torch.autocast(device_type, dtype)`, then in `convert_outputs_to_fp32` (Accelerate's own
+    function: every bf16/fp16 output, the logits included, copied to fp32). The instance's `forward` is
+    replaced, so FSDP2's hooks (in `__call__`) run outside both, as under Accelerate: the root's
+    post-forward casts the outputs to the plugin's output_dtype after the fp32 copy is made
+    (parallel.mixed_precision_policy). Other steps are left as built."""
+    if step not in ("hf", "trl") or precision not in ("bf16", "fp16"):
+        return
+    from types import MethodType
+
+    try:
+        from accelerate.utils import convert_outputs_to_fp32
+    except ImportError as exc:
+        from autotune.errors import UsageError
+
+        raise UsageError(f"this stack's step is Accelerate's: install accelerate>=1.10 ({exc})") from None
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    model._original_forward = model.forward
+    autocast_forward = torch.autocast(device_type=device_type, dtype=dtype)(model.forward.__func__)
+    model.forward = MethodType(autocast_forward, model)
+    model.forward = MethodType(convert_outputs_to_fp32(model.forward.__func__), model)
+
+
+def micro_batch_loss(model: nn.Module, tokens: torch.Tensor, *, step: str = "autotune") -> torch.Tensor:
+    """One micro-batch's forward and loss, as the stack's loop computes it (config.stack_step):
+    'autotune' and 'hf' (Trainer.compute_loss: the model's own loss, its outputs dropped before
+    backward) take `model(input_ids, labels).loss`; 'trl' is SFTTrainer.compute_loss (trl 1.16) with
+    the fused LM head: minus the sum of the per-token log-probabilities over the label tokens."""
+    if step == "trl":
+        outputs = model(input_ids=tokens, labels=tokens, fused_lm_head=True, use_cache=False)
+        return -outputs.log_probs.sum() / outputs.label_mask.sum().clamp(min=1)
+    return model(input_ids=tokens, labels=tokens).loss
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator[torch.Tensor], *,
                grad_accum_steps: int, scaler=None, defer_grad_sync: bool = False,
                phase_times: list[tuple[float, float]] | None = None, clock=None,
-               saved_activations: OffloadedActivations | None = None) -> torch.Tensor:
+               saved_activations: OffloadedActivations | None = None, step: str = "autotune") -> torch.Tensor:
     """One optimizer step over `grad_accum_steps` micro-batches; returns the mean loss (detached).
 
     Gradients are reduce-scattered after every micro-batch by default: deferring the sync to
     the last micro-batch (`defer_grad_sync`) saves communication but keeps unsharded gradients
     of every block until then, which defeats full sharding's memory savings. `saved_activations`
-    (activation offload) is entered around each forward.
+    (activation offload) is entered around each forward. `step`: whose forward and loss
+    (micro_batch_loss; the model prepared by prepare_step).
     With `phase_times` and `clock` (a synchronising timer), appends (seconds of the micro-batches,
     seconds of the optimizer step): a short trial runs fewer micro-batches than the real job
     and scales the first part only.
@@ -190,7 +249,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iter
             model.set_requires_gradient_sync(is_last)
         tokens = next(batches)
         with saved_activations if saved_activations is not None else contextlib.nullcontext():
-            loss = model(input_ids=tokens, labels=tokens).loss / grad_accum_steps
+            loss = micro_batch_loss(model, tokens, step=step) / grad_accum_steps
         (scaler.scale(loss) if scaler is not None else loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
     backward_done = clock() if timing else 0.0

@@ -542,6 +542,22 @@ def test_knobs_a_stack_cannot_express_are_warned_about(run_result):
         assert any(w.startswith("activation_checkpointing: approximated") and "op-level" in w for w in warnings), fmt
 
 
+def test_an_export_for_another_stacks_step_says_so_in_one_line(run_result):
+    """Tuned for autotune's own loop (the default), the TRL and torchtitan files train another step;
+    Lightning's runs the same parallelize() and loss. Tuned for hf-trainer, Accelerate's file runs
+    that step and the fsdp2 script does not."""
+    def said(result, fmt):
+        return [w for w in export_result(for_format(result, fmt), fmt).warnings if "memory predicted for" in w]
+
+    assert run_result["stack"]["name"] == "fsdp2"
+    assert len(said(run_result, "trl")) == 1 and len(said(run_result, "torchtitan")) == 1
+    assert said(run_result, "fsdp2") == said(run_result, "lightning") == []
+    hf = copy.deepcopy(run_result)
+    hf["stack"] = {"name": "hf-trainer", "step": "hf", "predicted_for": "..."}
+    assert said(hf, "accelerate") == said(hf, "hf-trainer") == []
+    assert "tune with --stack fsdp2" in said(hf, "fsdp2")[0]
+
+
 def test_resharding_to_a_group_is_written_where_the_stack_runs_autotunes_parallelize(run_result):
     """reshard_after_forward=N: the fsdp2 and Lightning exports run autotune's parallelize (which
     passes it to fully_shard); the other stacks have no such option and warn."""

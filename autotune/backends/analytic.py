@@ -29,7 +29,7 @@ from functools import lru_cache
 from autotune import costmodel
 from autotune.runtime_memory import runtime_memory
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
-from autotune.config import MASTER_DTYPE_BYTES, MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, TrialSpec
+from autotune.config import MASTER_DTYPE_BYTES, MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, TrialSpec, reduce_dtype_name
 from autotune.units import format_bytes
 
 SCREEN_MARGIN = 1.25
@@ -156,6 +156,28 @@ class MemoryEstimate:
     """Activation offload: the saved activations one micro-batch moves to the host (each way)."""
 
 
+TRL_TOKEN_TILE, TRL_VOCAB_TILE = 4096, 32768
+"""TRL 1.16's fused LM head tiles (kernels/chunked_logprob.py TOKEN_CHUNK_SIZE; trainer/utils.py
+_CHUNKED_LOGPROB_CHUNK_SIZE): the logits exist one tile at a time, in a buffer of the full tile width
+whatever the vocabulary."""
+
+
+def loss_backward_bytes(step: str, *, tokens: int, vocab: int, hidden: int, d: int, head_trains: bool = True) -> float:
+    """What the loss holds at the start of backward, beyond the blocks' activations.
+
+    autotune's and Accelerate's step ('hf'): the fp32 logits' log-softmax and two fp32 gradients
+    (12 bytes x tokens x vocab). Accelerate's fp32 copy of the outputs never reaches this moment: it
+    is made at the end of forward, next to the bf16 logits and the log-softmax (10 bytes a logit,
+    as the loss itself holds while it runs), and dropped before backward (docs/STACKS.md).
+    TRL SFT's fused head ('trl'): no full logits; its backward holds fp32 gradients of the head
+    weight and of the hidden states with their bf16 casts (6 bytes each), one logits tile, and the
+    hidden states it saved (no head-weight gradient where the head is frozen: LoRA)."""
+    if step != "trl":
+        return 12 * tokens * vocab
+    tile = min(tokens, TRL_TOKEN_TILE) * TRL_VOCAB_TILE * d  # allocated at the tile's full width
+    return 6 * vocab * hidden * head_trains + (6 + d) * tokens * hidden + tile
+
+
 def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     """Closed-form per-rank memory of one FSDP2 training step (see the module docstring)."""
     shape = model_shape(spec.model)
@@ -163,6 +185,8 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     train, world = spec.train, spec.train.shard_group_size or spec.cluster.num_gpus
     d = PARAM_BYTES[train.precision]
     master = master_bytes(train.precision)
+    # Gradients are reduce-scattered in the master dtype, or in the compute dtype under Accelerate's policy.
+    reduce = MASTER_DTYPE_BYTES[reduce_dtype_name(train.precision, spec.step)]
     tokens = train.micro_batch_size * spec.seq_len
     num_layers, block = shape.num_layers, shape.block_params
     total = shape.num_parameters
@@ -197,7 +221,8 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     saved = [checkpoint_input if train.activation_checkpointing.wraps_block(i) else per_layer
              for i in range(num_layers)]
     final_norm = (4 * shape.hidden + 2 * d * shape.hidden) * tokens
-    logits = 12 * tokens * shape.vocab  # fp32 log-softmax output + two fp32 gradients
+    logits = loss_backward_bytes(spec.step, tokens=tokens, vocab=shape.vocab, hidden=shape.hidden, d=d,
+                                 head_trains=not lora)
     # Gradients of the block's input and of two ffn-wide tensors, plus the unsharded gradient
     # of its largest weight in flight (fitted to traces: docs/COSTMODEL.md).
     backward_temps = 2 * d * (shape.hidden + shape.intermediate) * tokens + (
@@ -238,7 +263,7 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
             gradients=max(accumulated_grads, done * block_grad_shard) + head_grad,
             optimizer_state=optimizer,
             activations=sum(on_device[:i]) + saved[i] + recompute + backward_temps,
-            communication_buffers=(prefetch if i > 0 else 0.0) + (block_trained * master if done else 0.0),
+            communication_buffers=(prefetch if i > 0 else 0.0) + (block_trained * reduce if done else 0.0),
             other=inputs + h2d_staging,
         )))
     candidates.append(("optimizer step", dict(

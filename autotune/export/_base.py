@@ -97,6 +97,8 @@ class Tuned:
     largest evenly divisible dimension (autotune.knobs.shard_dim)."""
     compile: str = "none"
     """torch.compile of the decoder blocks: none or blocks (results from before the knob: none)."""
+    stack: str = "fsdp2"
+    """Whose step the memory was predicted for (results from before `--stack`: fsdp2, autotune's loop)."""
 
     @property
     def stack_precision(self) -> str:
@@ -180,6 +182,7 @@ class Tuned:
                 workload=str((result.get("workload") or {}).get("kind", "sft")),
                 vllm_gpu_memory_utilization=(result.get("workload") or {}).get("vllm_gpu_memory_utilization"),
                 finetuning=dict(result.get("finetuning") or {"peft": "none"}),
+                stack=str((result.get("stack") or {}).get("name", "fsdp2")),
             )
         except (KeyError, TypeError) as exc:
             raise UsageError(f"not an autotune result (best.json): missing or malformed field {exc}; "
@@ -305,6 +308,7 @@ def build_export(*, fmt: str, filename: str, target: str, tuned: Tuned, mapper: 
     the allocator setting the prediction assumed pinned where the file can set it. `expresses`:
     which of EXPRESSIBLE the file writes exactly."""
     map_knobs_not_expressed(tuned, mapper, stack=target, expresses=expresses)
+    warn_other_stack(fmt, tuned, mapper)
     body = pin_allocator(filename, tuned=tuned, mapper=mapper, body=body)
     if tuned.workload == "grpo" and fmt != "trl":
         mapper.warn(f"tuned for TRL GRPO with vLLM colocated ({tuned.vllm_gpu_memory_utilization:g} of each GPU "
@@ -323,6 +327,26 @@ def build_export(*, fmt: str, filename: str, target: str, tuned: Tuned, mapper: 
     text = prologue + header(tuned=tuned, target=target, mapper=mapper) + "\n" + body.lstrip("\n")
     return Export(format=fmt, filename=filename, text=text, target=target,
                   mappings=tuple(mapper.mappings), warnings=mapper.warnings)
+
+
+FORMAT_STACKS: dict[str, str] = {"fsdp2": "fsdp2", "lightning": "lightning", "accelerate": "accelerate",
+                                 "hf-trainer": "hf-trainer", "trl": "trl", "torchtitan": "torchtitan",
+                                 "llama-cookbook": "llama-cookbook", "litgpt": "litgpt"}
+"""The stack (config.STACKS) each format trains with; the FSDP1 formats' flat parameters are warned of apart."""
+
+
+def warn_other_stack(fmt: str, tuned: Tuned, mapper: Mapper) -> None:
+    """One line where the file trains another step than the one whose memory was predicted: a
+    stack whose step differs (config.stack_step), or one with a model of its own."""
+    from autotune.config import OWN_MODEL_STACKS, stack_step
+
+    target = FORMAT_STACKS.get(fmt)
+    if target is None or target == tuned.stack:
+        return
+    tuned_step, target_step = stack_step(tuned.stack, tuned.precision), stack_step(target, tuned.precision)
+    if tuned_step != target_step or target in OWN_MODEL_STACKS or tuned.stack in OWN_MODEL_STACKS:
+        mapper.warn(f"memory predicted for {tuned.stack}'s step ({tuned_step}), not {target}'s: its peak differs; "
+                    f"tune with --stack {target} for this file's")
 
 
 def pin_allocator(filename: str, *, tuned: Tuned, mapper: Mapper, body: str) -> str:

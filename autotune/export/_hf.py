@@ -40,6 +40,8 @@ def _map_precision(m: Mapper, t: Tuned, key: str) -> None:
     m.mapped("precision", key)
     if t.precision == "fp32":
         m.mapped("reduce_dtype", f"{key} (fp32 throughout)")
+    elif t.reduce_dtype == t.param_dtype:  # tuned with Accelerate's step (--stack): its own policy
+        m.mapped("reduce_dtype", f"{key} (Accelerate reduces in {t.param_dtype}, as tuned)")
     else:
         m.approximated("reduce_dtype", key,
                        f"Accelerate's {t.precision} mode reduces gradients in {t.param_dtype}, not float32 as "

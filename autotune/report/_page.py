@@ -88,6 +88,8 @@ def _cards(result: dict[str, Any]) -> str:
          f"reshard {'on' if fsdp['reshard_after_forward'] else 'off'}"),
         ("peak memory per GPU", _gib(result.get("peak_memory_bytes")) + _src(result.get("memory_source")),
          result.get("memory_basis", "")),
+        ("stack", escape((result.get("stack") or {}).get("name", "fsdp2")),
+         (result.get("stack") or {}).get("predicted_for", "memory predicted for autotune's own FSDP2 loop")),
         ("throughput (whole job)", ("-" if tps is None else f"{tps:,.0f} tokens/s") + _src(result.get("throughput_source")),
          result.get("throughput_basis", "")),
         ("global batch", f"{result['global_tokens']:,} tokens",

@@ -23,8 +23,8 @@ from autotune.backends.real._capacity import (CapacityTracker, reset_rss_peak, r
 from autotune.backends.real._faults import Fault, inject_faults
 from autotune.config import TrialSpec
 from autotune.parallel import parallelize, register_rng_rules
-from autotune.training import (OffloadedActivations, build_model, make_optimizer, sync_weights_to_vllm,
-                               token_batches, train_step)
+from autotune.training import (OffloadedActivations, build_model, make_optimizer, prepare_step,
+                               sync_weights_to_vllm, token_batches, train_step)
 
 # A short trial accumulates at most this many micro-batches per step: the per-step memory
 # pattern (reduce-scatter after every micro-batch) is the same from the second one on.
@@ -109,7 +109,8 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
                 dist.barrier(device_ids=[device.index] if on_cuda else None)
                 start = time.perf_counter()
             loss = train_step(model, optimizer, batches, grad_accum_steps=grad_accum, scaler=scaler,
-                              phase_times=phases if timed else None, clock=clock, saved_activations=offloaded)
+                              phase_times=phases if timed else None, clock=clock, saved_activations=offloaded,
+                              step=spec.step)
             if timed:
                 _synchronize(device)
                 step_times.append(time.perf_counter() - start)
@@ -121,7 +122,7 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
         extra = 0
         while scaler is not None and not optimizer.state and extra < FP16_EXTRA_STEPS:
             losses.append(float(train_step(model, optimizer, batches, grad_accum_steps=grad_accum, scaler=scaler,
-                                           saved_activations=offloaded)))
+                                           saved_activations=offloaded, step=spec.step)))
             extra += 1
         if scaler is not None and not optimizer.state:
             raise RuntimeError(f"fp16: the grad scaler skipped all {len(losses)} optimizer steps (inf/NaN "
@@ -189,17 +190,19 @@ def materialise(spec: TrialSpec, *, mesh, device: torch.device, seed: int) -> tu
     notes: list[str] = []
     offload = spec.train.cpu_offload and device.type == "cuda"
     with torch.device("meta"):
-        model = build_model(spec.model, seed=seed, precision=spec.train.precision, finetuning=spec.finetuning)
+        model = build_model(spec.model, seed=seed, precision=spec.train.precision, finetuning=spec.finetuning,
+                            step=spec.step)
     if spec.train.cpu_offload and not offload:
         notes.append("cpu_offload requested but not applied: CPUOffloadPolicy needs an accelerator")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the offload warning is in the notes
-        parallelize(model, mesh, spec.train, allow_offload=device.type == "cuda")
+        parallelize(model, mesh, spec.train, allow_offload=device.type == "cuda", step=spec.step)
     # Offloaded shards live on the host (as in torchtitan); FSDP2 moves them for compute.
     model.to_empty(device="cpu" if offload else device)
     init_weights(model, seed=seed)
     if offload:
         _move_buffers(model, device)
+    prepare_step(model, step=spec.step, precision=spec.train.precision, device_type=device.type)
     return model, notes
 
 

@@ -36,6 +36,15 @@ _MB_BASE = (2, 3)
 """Micro-batches larger than these are extrapolated from them (see _extrapolate)."""
 
 
+def _linear_in_micro_batch(spec: TrialSpec) -> bool:
+    """Whether memory grows linearly with the micro-batch from _MB_BASE on: TRL's fused LM head
+    holds one tile of at most TRL_TOKEN_TILE tokens, a term that stops growing once a micro-batch
+    has that many, so its step extrapolates only from micro-batches already past it."""
+    from autotune.backends.analytic import TRL_TOKEN_TILE
+
+    return spec.step != "trl" or min(_MB_BASE) * (spec.seq_len - 1) >= TRL_TOKEN_TILE
+
+
 class SimBackend(TrialBackend):
     """Simulated trials. `device_kind="cuda"` predicts a GPU run on `spec.cluster.gpu` (tensor
     peak plus an estimated runtime margin, estimated tokens/s); `"cpu"` predicts the cpu
@@ -183,7 +192,7 @@ class SimBackend(TrialBackend):
         train = spec.train.with_(micro_batch_size=micro_batch_size, cpu_offload=False)
         return (spec.model.name, repr(sorted(spec.model.config_dict.items())), depth, spec.cluster.num_gpus,
                 spec.seq_len, train.cache_key(), spec.grad_accum_steps > 1, keep_middle, self.device_kind,
-                spec.workload.weight_sync, spec.finetuning.key())
+                spec.workload.weight_sync, spec.finetuning.key(), spec.step)
 
     def _trace(self, spec: TrialSpec, *, depth: int, micro_batch_size: int, keep_middle: bool) -> StepTrace:
         train = spec.train.with_(micro_batch_size=micro_batch_size, cpu_offload=False)
@@ -196,7 +205,7 @@ class SimBackend(TrialBackend):
                 spec.model, depth=depth, mesh=mesh, world_size=world_size, train=train, seq_len=spec.seq_len,
                 grad_accum_steps=spec.grad_accum_steps, keep_middle=keep_middle,
                 gloo=self.device_kind == "cpu", weight_sync=spec.workload.weight_sync,
-                finetuning=spec.finetuning)
+                finetuning=spec.finetuning, step=spec.step)
         return self._traces[key]
 
     def _derive(self, spec: TrialSpec, key: tuple, train) -> None:
@@ -239,7 +248,8 @@ class SimBackend(TrialBackend):
         # 2 and 3 once, then every larger one is free. A first look traces the one asked for.
         family = self._trace_key(spec, depth=0, micro_batch_size=1, keep_middle=False)
         mbs = (mb,)
-        if self.extrapolate_micro_batch and mb > max(_MB_BASE) and family in self._families:
+        if (self.extrapolate_micro_batch and mb > max(_MB_BASE) and family in self._families
+                and _linear_in_micro_batch(spec)):
             mbs = _MB_BASE
         self._families.add(family)
         traces = self._shallow_traces(spec, [(d, m) for d in depths for m in mbs])

@@ -103,7 +103,7 @@ from autotune.catalog.models import ModelSpec
 from autotune.config import FineTuning, TrainConfig
 from autotune.costmodel import LARGE_MEMORY_OP_BYTES
 from autotune.parallel import parallelize, register_rng_rules
-from autotune.training import (OffloadedActivations, build_model, make_optimizer, sync_weights_to_vllm,
+from autotune.training import (OffloadedActivations, build_model, make_optimizer, prepare_step, sync_weights_to_vllm,
                                token_batches, train_step)
 
 __all__ = ["REFTYPE_CATEGORIES", "SYNC_PHASE", "SiteKey", "StepTrace", "Tracer", "period_of"]
@@ -403,14 +403,15 @@ class Tracer:
     def trace(self, model_spec: ModelSpec, *, depth: int, mesh, world_size: int, train: TrainConfig,
               seq_len: int, grad_accum_steps: int, count_flops: bool = True,
               keep_middle: bool = True, gloo: bool = False, weight_sync: bool = False,
-              finetuning: FineTuning | None = None) -> StepTrace:
+              finetuning: FineTuning | None = None, step: str = "autotune") -> StepTrace:
         """Trace one steady-state step of `model_spec` cut to `depth` blocks. `keep_middle=False`
         records only the sites that exist at every depth (for extrapolation); `gloo` adds the
         copy gloo's reduce-scatter makes (a CPU run), which NCCL does not; `weight_sync` adds the
-        sites of TRL's weight sync to vLLM after the step (GRPO, `training.sync_weights_to_vllm`)."""
+        sites of TRL's weight sync to vLLM after the step (GRPO, `training.sync_weights_to_vllm`);
+        `step`: whose forward and loss (config.stack_step), as a real trial runs it."""
         start = time.perf_counter()
         built = self._built(model_spec, depth=depth, mesh=mesh, world_size=world_size, train=train,
-                            finetuning=finetuning or FineTuning())
+                            finetuning=finetuning or FineTuning(), step=step)
         period = period_of(train, model_spec)
         steady_accum = grad_accum_steps > 1
         position_of = _position_namer(built.model, built.blocks, depth=depth, period=period,
@@ -427,9 +428,9 @@ class Tracer:
             # Activation offload on a GPU run (a CPU run cannot apply it): the same hooks a real
             # trial enters, keeping no copy, so the device side is traced exactly.
             offload = OffloadedActivations(to_host=False) if train.activation_offload and not gloo else None
-            with tracker:
+            with tracker, _trl_kernels_as_on_a_gpu(step == "trl" and not gloo):
                 # One micro-batch: later ones repeat it; their gradients are added below.
-                train_step(built.model, optimizer, batches, grad_accum_steps=1, saved_activations=offload)
+                train_step(built.model, optimizer, batches, grad_accum_steps=1, saved_activations=offload, step=step)
                 if sync_now:
                     # After the optimizer step and zero_grad, as GRPOTrainer syncs before its next
                     # generation. The same at every micro-batch: traced once per model, like the
@@ -467,13 +468,13 @@ class Tracer:
                          offloaded=dict(host_bytes=offload.host_bytes, moved_bytes=offload.moved_bytes) if offload else {})
 
     def _built(self, model_spec: ModelSpec, *, depth: int, mesh, world_size: int, train: TrainConfig,
-               finetuning: FineTuning) -> _Built:
+               finetuning: FineTuning, step: str = "autotune") -> _Built:
         # Every knob but the three that do not change the built model: a new knob can never reuse
         # a model built for another value of it. Resharding after forward is switched on the
         # built model (as FSDP2 allows at run time), which saves a build and a warm-up step.
         key = (model_spec.name, repr(sorted(model_spec.config_dict.items())), depth, world_size,
                train.with_(micro_batch_size=1, cpu_offload=False, reshard_after_forward=True).cache_key(),
-               finetuning.key())
+               finetuning.key(), step)
         if key in self._models:
             built = self._models[key]
             _set_reshard_after_forward(built, train.reshard_after_forward)
@@ -482,10 +483,12 @@ class Tracer:
             self._models.pop(next(iter(self._models)))
         with self._fake_mode, _real_mask_decisions():
             with _module_to_assigns_data():
-                model = build_model(model_spec, num_layers=depth, precision=train.precision, finetuning=finetuning)
+                model = build_model(model_spec, num_layers=depth, precision=train.precision, finetuning=finetuning,
+                                    step=step)
             with _post_forward_meshes_outside_fake_mode():
                 blocks = parallelize(model, mesh, train.with_(cpu_offload=False), allow_offload=False,
-                                     compile_backend=SIM_COMPILE_BACKEND)
+                                     compile_backend=SIM_COMPILE_BACKEND, step=step)
+            prepare_step(model, step=step, precision=train.precision, device_type=_CPU.type)
             if train.compile != "none":
                 register_rng_rules(_SiteTracker)
             optimizer = make_optimizer(model, impl=train.optimizer_impl)
@@ -558,6 +561,31 @@ def _warm_up(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
             param.grad = torch.zeros_like(param)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+@contextmanager
+def _trl_kernels_as_on_a_gpu(active: bool):
+    """TRL's fused LM head (trl 1.16, kernels/chunked_logprob.py) folds each logits tile into its
+    statistics with a Triton kernel on GPUs, in place (it allocates nothing), and with torch ops
+    over the whole tile elsewhere (fp32 copies of the tile); its `_addmm_fp32` accumulates in place
+    with cuBLAS's out_dtype on CUDA, and from fp32 copies of both operands elsewhere. Traced on CPU
+    fake tensors for a GPU run, those three run as on the GPU: in place, allocating nothing (fake
+    tensors hold no values to write). A CPU run (gloo) traces TRL's CPU path as it runs."""
+    if not active:
+        yield
+        return
+    from trl.kernels import chunked_logprob as kernels
+
+    saved = kernels._forward_tile, kernels._backward_tile, kernels._addmm_fp32
+
+    def in_place(*args, **kwargs) -> None:
+        return None
+
+    kernels._forward_tile = kernels._backward_tile = kernels._addmm_fp32 = in_place
+    try:
+        yield
+    finally:
+        kernels._forward_tile, kernels._backward_tile, kernels._addmm_fp32 = saved
 
 
 @contextmanager

@@ -1,0 +1,169 @@
+"""`--stack`: the step each stack runs, predicted and checked against real runs (docs/STACKS.md).
+
+Two checks, independent of each other:
+- the simulator's tensor peak for `--stack hf-trainer` and `--stack trl` equals a real 2-rank gloo
+  run of the same step (training.prepare_step + micro_batch_loss under autotune's FSDP2 wrapping),
+  within 1%, in the session's shared launch (tests/shared_runs.py);
+- that step is the stack's own: on one rank without FSDP (Accelerate and TRL refuse FSDP on CPUs),
+  the peak of transformers' `Trainer.training_step` and of TRL's `SFTTrainer.training_step`,
+  measured with torch's MemTracker (the tracker the cpu backend's peak comes from), equals the
+  peak of our step on the same model and batch within 1%.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autotune.catalog.models import resolve_model
+from autotune.config import Cluster, TrainConfig, TrialSpec
+from tests.shared_runs import register
+from tests.test_sim_accuracy import assert_tensor_peaks_agree, predict_cpu_runs
+
+# (stack, micro-batch, checkpointing)
+MATRIX = [("hf-trainer", 2, "none"), ("trl", 2, "none"), ("trl", 3, "full")]
+
+
+def _spec(stack: str, mb: int, ac: str) -> TrialSpec:
+    return TrialSpec(model=resolve_model("tiny-llama"), cluster=Cluster(num_gpus=2), seq_len=256,
+                     train=TrainConfig(micro_batch_size=mb, activation_checkpointing=ac), stack=stack)
+
+
+register("stacks", __name__, lambda folder: [_spec(*row) for row in MATRIX])
+
+
+@pytest.fixture(scope="module")
+def measured_and_predicted(gloo_runs):
+    specs, measured = gloo_runs.run("stacks")
+    return specs, measured, predict_cpu_runs(specs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(MATRIX)), ids=["-".join(map(str, row)) for row in MATRIX])
+def test_a_stacks_step_matches_a_real_gloo_run(measured_and_predicted, index):
+    specs, measured, predicted = measured_and_predicted
+    assert_tensor_peaks_agree(specs[index], measured[index], predicted[index])
+
+
+@pytest.mark.slow
+def test_trls_fused_head_changes_the_measured_peak(measured_and_predicted):
+    """Measured: on CPUs TRL folds each logits tile with torch ops over fp32 copies of the tile (a
+    GPU does it in a Triton kernel, in place), so its CPU step holds more than Accelerate's."""
+    specs, measured, _ = measured_and_predicted
+    peak = {(s.stack, s.train.micro_batch_size): r.extras["tensor_peak_bytes"] for s, r in zip(specs, measured)}
+    assert peak[("trl", 2)] > peak[("hf-trainer", 2)]
+
+
+def _peak_of(step, model) -> int:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        step()
+    return max(snapshot["Total"] for snapshot in tracker.get_tracker_snapshot("peak").values())
+
+
+def _our_step_peak(step: str, tokens) -> int:
+    from autotune.training import build_model, micro_batch_loss, prepare_step
+
+    model = build_model(resolve_model("tiny-llama"), num_layers=1, precision="bf16", step=step)
+    prepare_step(model, step=step, precision="bf16", device_type="cpu")
+    return _peak_of(lambda: micro_batch_loss(model, tokens, step=step).backward(), model)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    from autotune.backends.real._cpu_bf16 import compute_bf16_matmuls_in_fp32
+    from autotune.training import token_batches
+
+    compute_bf16_matmuls_in_fp32()  # as CPU trials run bf16 products; the tensors are the same
+    return next(token_batches(vocab_size=8000, micro_batch_size=2, seq_len=96, device="cpu"))
+
+
+def test_the_hf_step_is_trainers_own_training_step(tokens, tmp_path):
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    from autotune.training import build_model
+
+    model = build_model(resolve_model("tiny-llama"), num_layers=1, precision="bf16")
+    args = TrainingArguments(output_dir=str(tmp_path), bf16=True, use_cpu=True, report_to=[])
+    trainer = Trainer(model=model, args=args)
+    prepared = trainer.accelerator.prepare_model(model)  # autocast + convert_outputs_to_fp32, as in train()
+    assert trainer.accelerator.native_amp
+    trainer.current_gradient_accumulation_steps = 1  # what train() sets before its first step
+    theirs = _peak_of(lambda: trainer.training_step(prepared, {"input_ids": tokens, "labels": tokens}), prepared)
+    ours = _our_step_peak("hf", tokens)
+    assert ours == pytest.approx(theirs, rel=0.01), (ours, theirs)
+
+
+def test_the_trl_step_is_sft_trainers_own_training_step(tokens, tmp_path):
+    pytest.importorskip("trl")
+    import torch
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    from autotune.training import build_model
+
+    vocab = {"<unk>": 0, "<pad>": 1, "<eos>": 2}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                                        pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    model = build_model(resolve_model("tiny-llama"), num_layers=1, precision="bf16")  # SFTTrainer adds its head
+    args = SFTConfig(output_dir=str(tmp_path), bf16=True, use_cpu=True, report_to=[], max_length=None)
+    data = Dataset.from_dict({"input_ids": [list(range(3, 99))] * 2})
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+    prepared = trainer.accelerator.prepare_model(trainer.model)
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = {"input_ids": tokens, "labels": tokens, "attention_mask": torch.ones_like(tokens)}
+    theirs = _peak_of(lambda: trainer.training_step(prepared, inputs), prepared)
+    ours = _our_step_peak("trl", tokens)
+    assert ours == pytest.approx(theirs, rel=0.01), (ours, theirs)
+
+
+def test_the_stack_is_part_of_what_a_trial_is():
+    """Serialised with the spec (trial workers get it) and checked: a bad name is a one-line error."""
+    from autotune.config import TrialSpec as Spec
+    from autotune.errors import UsageError
+
+    spec = _spec("trl", 2, "none")
+    assert Spec.from_dict(spec.to_dict()).stack == "trl"
+    assert Spec.from_dict({k: v for k, v in spec.to_dict().items() if k != "stack"}).stack == "fsdp2"
+    assert dataclasses.replace(spec, stack="accelerate").step == "hf"
+    assert dataclasses.replace(spec, stack="accelerate", train=TrainConfig(precision="fp32")).step == "autotune"
+    with pytest.raises(UsageError, match="--stack 'deepspeed' is not one of"):
+        dataclasses.replace(spec, stack="deepspeed")
+
+
+def test_a_bad_stack_is_one_line_exit_2_from_the_cli_and_the_same_error_from_the_library(capsys):
+    from autotune.cli import main
+    from autotune.errors import UsageError
+    from autotune.options import tune_options
+
+    assert main(["trial", "--model", "tiny-llama", "--gpus", "2", "--backend", "analytic", "--stack", "deepspeed"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--stack" in err[0] and "'deepspeed'" in err[0], err
+    with pytest.raises(UsageError, match="--stack.*'deepspeed'"):
+        tune_options(model="tiny-llama", stack="deepspeed")
+    assert tune_options(model="tiny-llama", stack="trl").stack == "trl"
+
+
+def test_the_trial_command_predicts_the_stacks_step_and_says_which(capsys):
+    """The analytic backend's closed form knows TRL's head: for llama3-8b (128,256-entry vocabulary) far
+    less than autotune's loop's full logits at the same knobs; torchtitan's own model is not traced."""
+    import json
+
+    from autotune.cli import main
+
+    peaks = {}
+    for stack in ("fsdp2", "trl", "torchtitan"):
+        assert main(["trial", "--model", "llama3-8b", "--gpus", "8", "--gpu-type", "h100-80gb", "--backend", "analytic",
+                     "--micro-batch", "2", "--ac", "full", "--stack", stack]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["stack"]["name"] == stack
+        peaks[stack] = out["extras"]["tensor_peak_bytes"]
+    assert peaks["trl"] < peaks["fsdp2"] == peaks["torchtitan"]
+    assert "not traced" in out["stack"]["predicted_for"]
