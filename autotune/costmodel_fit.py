@@ -92,6 +92,11 @@ def excluded_published_runs() -> tuple[PublishedRun, ...]:
                  for row in data.get("excluded_runs", ()))
 
 
+def source_citation(key: str) -> str:
+    """The citation of the source PUBLISHED_RUNS_FILE names `key` (what a row's `source` holds)."""
+    return _published_data()["sources"][key]["citation"]
+
+
 def source_publishers() -> dict[str, str]:
     """Each source's citation -> who published it (several tables of one publisher are separate
     sources: other clusters, stacks or dates)."""
@@ -214,11 +219,32 @@ def _line_minimum(f, lo: float, hi: float) -> float:
 def held_out_by_source(rows) -> dict[str, tuple[dict[str, float], dict[int, float]]]:
     """Leave-one-source-out: for each source (in the rows' order), the constants fitted on the
     other sources' rows and the estimates of its own rows (tokens/s per GPU, by row index)."""
+    return held_out_by(rows, lambda r: r.source)
+
+
+def held_out_by_publisher(rows) -> dict[str, tuple[dict[str, float], dict[int, float]]]:
+    """Leave-one-publisher-out: every table of one publisher (one software stack, often one
+    cluster) held out together; otherwise as held_out_by_source."""
+    publishers = source_publishers()
+    return held_out_by(rows, lambda r: publishers[r.source])
+
+
+def held_out_by(rows, key) -> dict[str, tuple[dict[str, float], dict[int, float]]]:
+    """For each value of `key(row)` (in the rows' order): the constants fitted on the rows with
+    another value, and the estimates of the rows with this one (tokens/s per GPU, by row index)."""
     out = {}
-    for source in dict.fromkeys(r.source for r in rows):
-        fitted = fit([r for r in rows if r.source != source])
-        out[source] = fitted, {i: published_estimate(r, fitted) for i, r in enumerate(rows) if r.source == source}
+    for group in dict.fromkeys(key(r) for r in rows):
+        fitted = fit([r for r in rows if key(r) != group])
+        out[group] = fitted, {i: published_estimate(r, fitted) for i, r in enumerate(rows) if key(r) == group}
     return out
+
+
+def compiled_estimate(run: PublishedRun, fit: dict[str, float]) -> float:
+    """A compiled (not float8) row's estimate as the tool makes it: the eager estimate of the same
+    configuration times costmodel.COMPILE_SPEEDUP, the published ratio (docs/COMPILE.md)."""
+    if run.float8 or run.compile == "none":
+        raise ValueError("compiled_estimate: a compiled row without float8")
+    return published_estimate(run, fit) * costmodel.COMPILE_SPEEDUP
 
 
 def held_out_by_row(rows) -> list[tuple[dict[str, float], float]]:
