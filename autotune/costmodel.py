@@ -37,31 +37,37 @@ GiB = 2**30
 MiB = 2**20
 
 # --- Throughput constants (calibration and sources: docs/COSTMODEL.md) -------------------------
-MATMUL_EFFICIENCY = {"a100-80gb": 0.76, "a100-40gb": 0.76, "h100-80gb": 0.49, "h200-141gb": 0.49}
+MATMUL_EFFICIENCY = {"a100-80gb": 0.77, "a100-40gb": 0.77, "h100-80gb": 0.50, "h200-141gb": 0.50}
 """Fraction of the data-sheet dense peak that an eager FSDP transformer step's FLOPs (recompute
-included) run at on large micro-batches of a model REFERENCE_HIDDEN wide, by GPU. Fitted with
-HALF_EFFICIENCY_TOKENS, HALF_EFFICIENCY_HIDDEN and INTER_NODE_BUS_EFFICIENCY to the 21 published
-torchtitan and PyTorch/IBM FSDP runs in autotune/data/published_runs.json, all rows at once
-(autotune/costmodel_fit.py; benchmarks/bench_costmodel.py --published prints this fit and checks it
-leave-one-out): A100s reach ~3/4 of peak on 70B-wide models, H100s half (eager kernels and flash
-attention lag the 3x faster tensor cores)."""
+included) run at on large micro-batches of a model REFERENCE_HIDDEN wide, by GPU family. Fitted with
+HALF_EFFICIENCY_TOKENS and HALF_EFFICIENCY_HIDDEN (fitted: 0.769 and 0.505) to the 99 published eager FSDP runs in
+autotune/data/published_runs.json (11 sources: torchtitan, PyTorch/IBM fms-fsdp, MosaicML
+llm-foundry, TinyLlama), each source weighed once (autotune/costmodel_fit.py; benchmarks/
+bench_costmodel.py --published prints the fit and checks it leave-one-source-out): the A100 figure
+rests on the A100 80GB and 40GB sources (torchtitan's 64 A100s, fms-fsdp's two 128-A100 tables,
+llm-foundry's A100 tables, TinyLlama), the H100 one on the H100 sources (torchtitan's 8 and 128,
+fms-fsdp's 96, llm-foundry's two): A100s reach ~3/4 of peak on 70B-wide models, H100s half (eager
+kernels and flash attention lag the 3x faster tensor cores). H200 takes the H100's: no eager H200
+source (torchtitan's H200 rows are compiled and float8)."""
 DEFAULT_MATMUL_EFFICIENCY = 0.50
 """For catalog GPUs without a published FSDP figure: unvalidated."""
-HALF_EFFICIENCY_TOKENS = 920
+HALF_EFFICIENCY_TOKENS = 1240
 """Tokens per GPU per micro-batch at which the compute efficiency is half its maximum: per
 micro-batch costs that do not grow with its tokens (small kernels, each FSDP unit's waits) weigh
-on small micro-batches (efficiency = max * t / (t + this)). Fitted with MATMUL_EFFICIENCY (917):
-fms-fsdp's 13B reached 0.48 of peak at micro-batch 1 x 4,096 tokens and 0.59 at 2; torchtitan's
-Llama 2 70B ran as fast at micro-batch 1 with op-level checkpointing as at 2 with full
-checkpointing, which recomputes more (was 256, a guess, before those rows were fitted)."""
-HALF_EFFICIENCY_HIDDEN = 1780
+on small micro-batches (efficiency = max * t / (t + this)). Fitted with MATMUL_EFFICIENCY (1,240):
+the rows that set it are those of one source at several micro-batch sizes: llm-foundry's tables
+(micro-batches of 1 to 64 sequences), fms-fsdp's 13B (0.48 of peak at micro-batch 1 x 4,096
+tokens, 0.59 at 2) and torchtitan's Llama 2 70B (micro-batch 1 with op-level checkpointing as fast
+as 2 with full). Was 920 on the 21 rows before llm-foundry's were added."""
+HALF_EFFICIENCY_HIDDEN = 910
 """Hidden size h at which a step's FLOPs would run at half the efficiency of an infinitely wide
 model: matmul FLOPs grow as h^2 per token, the rest of the work (norms, rotary embeddings,
 activations, residual adds, attention's softmax and its slower kernels) as h, so narrow models
 reach less of the peak (efficiency x h / (h + this), normalised to 1 at REFERENCE_HIDDEN).
-Fitted with MATMUL_EFFICIENCY (1,780): fms-fsdp's March 2024 table reports the fraction of peak
-rising with width on one cluster and one configuration, 0.57 (7B, h 4,096), 0.59 (13B, h 5,120),
-0.64 (34B) and 0.67 (70B, h 8,192) on A100s, 0.37 to 0.45 on H100s."""
+Fitted with MATMUL_EFFICIENCY (909): the rows that set it are the widths one source runs on one
+cluster: llm-foundry's MPT 7B to 70B (h 4,096 to 8,192), fms-fsdp's March 2024 table (7B to 70B)
+and TinyLlama (h 2,048). Was 1,780 on the 21 rows before llm-foundry's were added (fms-fsdp's
+widths alone)."""
 REFERENCE_HIDDEN = 8192
 """The width MATMUL_EFFICIENCY is stated at (Llama 2/3 70B, Code Llama 34B)."""
 INTRA_NODE_BUS_EFFICIENCY = 0.80
@@ -69,12 +75,17 @@ INTRA_NODE_BUS_EFFICIENCY = 0.80
 is ~75-80% of the one-direction data-sheet figure)."""
 INTER_NODE_BUS_EFFICIENCY = 1.9
 """Achieved bandwidth per GPU of the collectives across nodes, as a multiple of the GPU's catalog
-NIC rate (`inter_node_gbps`: one 200/400 Gb/s NIC per GPU). Fitted with MATMUL_EFFICIENCY to the
-published multi-node runs (1.91): they are only reproduced at ~1.9x one NIC's line rate (at 0.9, this
-figure before those rows were added, Llama 2 70B micro-batch 1 on 64 A100s came out at half its
-published 355 tokens/s/GPU). Why a flat ring at one NIC per GPU is too slow is not established
-here (NCCL's rings and trees over all of a node's NICs, or clusters with more than one NIC per
-GPU); a calibrated profile measures the cluster instead (docs/COSTMODEL.md)."""
+NIC rate (`inter_node_gbps`: one 200/400 Gb/s NIC per GPU). Set on 2026-11-23 by the one
+communication-bound published row then (Llama 2 70B micro-batch 1 on 64 A100s: at 0.9 it came out
+at half its published 355 tokens/s/GPU) and **no longer fitted**: the 99 published rows of
+2026-11-25 do not identify it (fitted, it runs to any upper bound, 4 or 8, with the same
+leave-one-source-out errors: every row but two hides its collectives under compute at any factor
+above ~2.3), so it stays a stated assumption, not a fit. A ring over whole nodes can spread its
+cross-node traffic over all of a node's NICs (NCCL runs a channel per NIC), up to ~6.4x one NIC
+here, while HSDP's replica all-reduce has one NIC per GPU: modelling that would make full FSDP
+across nodes nearly as fast as within one and HSDP slower than FSDP on every catalog cluster,
+which no published row checks (docs/COSTMODEL.md, "Fewer free constants"). A calibrated profile
+measures the cluster instead."""
 HOST_OP_US = 24.0
 """Host time per dispatched op of an eager FSDP2 forward + backward on a GPU (Python, dispatcher,
 autograd, FSDP2's hooks, the kernel launch). Small models at small micro-batches are bound by it,
@@ -633,8 +644,8 @@ ESTIMATE_ERROR = {
     "cpu": (0.33, "the worst error of the two 24-configuration CPU grid runs since large memory-bound ops and the "
                   "tracker's depth are costed (33.1%, 23.7%; medians 11.2%, 10.2%), benchmarks/bench_costmodel.py "
                   "--grid --bracket, docs/BENCHMARKS.md"),
-    "cuda": (0.22, "the worst leave-one-out error over the 21 published FSDP runs (22.2%; median 3.8%), "
-                   "benchmarks/bench_costmodel.py --published"),
+    "cuda": (0.22, "the range that holds 92% of 99 published eager FSDP runs held out by source (leave-one-source-"
+                   "out: median 8.6%, worst 24.1%; 11 sources), benchmarks/bench_costmodel.py --published"),
     "cuda-host-bound": (0.34, "the worst error of the host-bound estimates against 25 real H100 trials without "
                               "offload (34.0%; median 12%), benchmarks/bench_costmodel.py --gpu-recorded"),
 }

@@ -10,9 +10,11 @@ prints the fit and both checks:
   a cluster the fit never saw gets;
 - leave-one-row-out: each row held out alone, its siblings of the same source still fitted.
 
-The free constants are the matmul efficiency per GPU family, the inter-node bus efficiency and
-the micro-batch tokens and hidden size of half efficiency. A held-out row whose GPU family no
-fitted row has falls back to the data-sheet default efficiency.
+The free constants are the matmul efficiency per GPU family and the micro-batch tokens and hidden
+size of half efficiency (the inter-node bandwidth was a fifth until 2026-11-25: it is now modelled,
+costmodel.inter_node_ring_gbps). Each source weighs once in the fit (SOURCE_BALANCED). A held-out
+row whose GPU family no fitted row has falls back to the data-sheet default efficiency. Rows with
+torch.compile or Float8 are recorded apart (excluded_published_runs) and never fitted.
 """
 
 from __future__ import annotations
@@ -51,14 +53,68 @@ class PublishedRun:
     reduce_bytes: int = 4
     """Bytes per gradient element reduced: 4 (fp32, FSDP2's and torchtitan's default), 2 where the
     run reduced in bf16 (fms-fsdp's MixedPrecision(reduce_dtype=torch.bfloat16))."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (gradient accumulation)."""
+    reshard_after_forward: bool = True
+    """False where the run kept gathered parameters from forward to backward (FSDP1's SHARD_GRAD_OP)."""
+    compile: str = "none"
+    """torch.compile as the run used it ("none": eager; "blocks": per-block compile)."""
+    float8: bool = False
+    """Float8 linear layers (torchao): not in the eager fit unless the cost model models them."""
+    excluded: str = ""
+    """Why the row is kept out of the eager fit and its checks (compile, float8), or "" for none."""
+    memory_gib: float | None = None
+    """The source's memory figure, where it gives one (GiB); `memory_means` says what it measures."""
+    memory_means: str = ""
+
+
+@functools.cache
+def _published_data() -> dict:
+    return json.loads(PUBLISHED_RUNS_FILE.read_text())
 
 
 @functools.cache
 def published_runs() -> tuple[PublishedRun, ...]:
-    """The rows of PUBLISHED_RUNS_FILE, in its order, each citing its source in full."""
-    data = json.loads(PUBLISHED_RUNS_FILE.read_text())
+    """The rows of PUBLISHED_RUNS_FILE that the eager fit uses ("runs"), in its order, each citing
+    its source in full."""
+    data = _published_data()
     sources = data["sources"]
     return tuple(PublishedRun(**{**row, "source": sources[row["source"]]["citation"]}) for row in data["runs"])
+
+
+@functools.cache
+def excluded_published_runs() -> tuple[PublishedRun, ...]:
+    """The recorded rows kept out of the eager fit ("excluded_runs": compiled or float8 runs, which
+    the step-time model does not cost), each with its reason in `excluded`."""
+    data = _published_data()
+    sources = data["sources"]
+    return tuple(PublishedRun(**{**row, "source": sources[row["source"]]["citation"]})
+                 for row in data.get("excluded_runs", ()))
+
+
+def source_citation(key: str) -> str:
+    """The citation of the source PUBLISHED_RUNS_FILE names `key` (what a row's `source` holds)."""
+    return _published_data()["sources"][key]["citation"]
+
+
+def source_publishers() -> dict[str, str]:
+    """Each source's citation -> who published it (several tables of one publisher are separate
+    sources: other clusters, stacks or dates)."""
+    return {src["citation"]: src.get("publisher", src["citation"]) for src in _published_data()["sources"].values()}
+
+
+def published_model(name: str):
+    """The ModelSpec of a row's model: a catalog name, or a shape PUBLISHED_RUNS_FILE defines under
+    "models" (architectures the catalog does not carry: MPT, TinyLlama), built the same way."""
+    from autotune.catalog.models import ModelSpec, canonical_config, resolve_model
+
+    models = _published_data().get("models", {})
+    if name not in models:
+        return resolve_model(name)
+    entry = models[name]
+    return ModelSpec(name=name, model_type=entry["model_type"],
+                     config_dict=canonical_config(entry["model_type"], dict(entry["config"])),
+                     default_seq_len=entry["default_seq_len"], source=entry["source"])
 
 
 def gpu_family(gpu: str) -> str:
@@ -66,18 +122,24 @@ def gpu_family(gpu: str) -> str:
     return "a100" if gpu.startswith("a100") else "hopper" if gpu.startswith(("h100", "h200")) else gpu
 
 
+def published_spec(run: PublishedRun) -> TrialSpec:
+    """The autotune configuration nearest to `run` (its model, cluster and knobs)."""
+    return _published_work(run)[0]
+
+
 @functools.lru_cache(maxsize=None)
 def _published_work(run: PublishedRun):
     """The run's spec and step work (FLOPs, bytes): they do not depend on the fitted constants."""
     from autotune.backends.analytic import step_work
     from autotune.catalog.gpus import GPUS
-    from autotune.catalog.models import resolve_model
 
-    spec = TrialSpec(model=resolve_model(run.model), seq_len=run.seq_len,
+    spec = TrialSpec(model=published_model(run.model), seq_len=run.seq_len,
                      cluster=Cluster(num_gpus=run.num_gpus, num_nodes=run.num_nodes, gpu=GPUS[run.gpu]),
                      train=TrainConfig(micro_batch_size=run.micro_batch_size,
                                        activation_checkpointing=run.activation_checkpointing,
-                                       shard_group_size=run.shard_group_size))
+                                       shard_group_size=run.shard_group_size,
+                                       reshard_after_forward=run.reshard_after_forward),
+                     grad_accum_steps=run.grad_accum)
     return spec, step_work(spec, reduce_bytes=run.reduce_bytes)
 
 
@@ -87,27 +149,45 @@ def published_estimate(run: PublishedRun, fit: dict[str, float]) -> float:
     step = costmodel.estimate_step_time(
         work, spec.cluster, shard_group_size=run.shard_group_size,
         matmul_top_efficiency=fit.get(gpu_family(run.gpu), costmodel.DEFAULT_MATMUL_EFFICIENCY),
-        inter_node_bus_efficiency=fit["inter"], half_efficiency_tokens=fit["half_tokens"],
+        inter_node_bus_efficiency=fit.get("inter"), half_efficiency_tokens=fit["half_tokens"],
         half_efficiency_hidden=fit["half_hidden"])
     return step.tokens_per_sec / run.num_gpus
 
 
-FIT_BOUNDS = {"inter": (0.5, 4.0), "half_tokens": (0.0, 4096.0), "half_hidden": (0.0, 8192.0)}
+FIT_BOUNDS = {"half_tokens": (0.0, 4096.0), "half_hidden": (0.0, 8192.0)}
 """Ranges the shared constants are fitted in; each GPU family's efficiency in (0.2, 1.0)."""
-FIT_START = {"inter": 1.0, "half_tokens": 512.0, "half_hidden": 1024.0}
+FIT_START = {"half_tokens": 512.0, "half_hidden": 1024.0}
 """A fixed start, not the shipped constants: the fit does not depend on what it checks."""
 
 
+SOURCE_BALANCED = True
+"""Weigh each row by 1 / (rows of its source) in the fit, so every source (one table: a cluster, a
+stack, a date) counts once: llm-foundry's tables list 8 to 16 configurations each, torchtitan's
+H100 tables one, and an unweighted fit would follow whichever stack published the longest table."""
+
+
+def source_weights(rows) -> list[float]:
+    """Each row's weight in the fit: 1 / (rows of its source among `rows`), or 1 with SOURCE_BALANCED off."""
+    if not SOURCE_BALANCED:
+        return [1.0] * len(rows)
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.source] = counts.get(r.source, 0) + 1
+    return [1.0 / counts[r.source] for r in rows]
+
+
 def fit(rows) -> dict[str, float]:
-    """Least squares in log error over `rows`: the efficiency per GPU family, the inter-node bus
-    efficiency and the two half-efficiency points, by coordinate descent (a 13-point scan of each
+    """Least squares in log error over `rows`, each source weighed once (SOURCE_BALANCED): the
+    efficiency per GPU family and the two half-efficiency points, by coordinate descent (a 13-point scan of each
     constant, then golden-section search around the best point; 6 sweeps)."""
     families = sorted({gpu_family(r.gpu) for r in rows})
     bounds = {**{fam: (0.2, 1.0) for fam in families}, **FIT_BOUNDS}
     fitted = {**{fam: 0.6 for fam in families}, **FIT_START}
+    weights = source_weights(rows)
 
     def loss(params):
-        return sum(math.log(published_estimate(r, params) / r.tokens_per_sec_per_gpu) ** 2 for r in rows)
+        return sum(w * math.log(published_estimate(r, params) / r.tokens_per_sec_per_gpu) ** 2
+                   for r, w in zip(rows, weights))
 
     for _ in range(6):
         for name, (lo, hi) in bounds.items():
@@ -139,11 +219,32 @@ def _line_minimum(f, lo: float, hi: float) -> float:
 def held_out_by_source(rows) -> dict[str, tuple[dict[str, float], dict[int, float]]]:
     """Leave-one-source-out: for each source (in the rows' order), the constants fitted on the
     other sources' rows and the estimates of its own rows (tokens/s per GPU, by row index)."""
+    return held_out_by(rows, lambda r: r.source)
+
+
+def held_out_by_publisher(rows) -> dict[str, tuple[dict[str, float], dict[int, float]]]:
+    """Leave-one-publisher-out: every table of one publisher (one software stack, often one
+    cluster) held out together; otherwise as held_out_by_source."""
+    publishers = source_publishers()
+    return held_out_by(rows, lambda r: publishers[r.source])
+
+
+def held_out_by(rows, key) -> dict[str, tuple[dict[str, float], dict[int, float]]]:
+    """For each value of `key(row)` (in the rows' order): the constants fitted on the rows with
+    another value, and the estimates of the rows with this one (tokens/s per GPU, by row index)."""
     out = {}
-    for source in dict.fromkeys(r.source for r in rows):
-        fitted = fit([r for r in rows if r.source != source])
-        out[source] = fitted, {i: published_estimate(r, fitted) for i, r in enumerate(rows) if r.source == source}
+    for group in dict.fromkeys(key(r) for r in rows):
+        fitted = fit([r for r in rows if key(r) != group])
+        out[group] = fitted, {i: published_estimate(r, fitted) for i, r in enumerate(rows) if key(r) == group}
     return out
+
+
+def compiled_estimate(run: PublishedRun, fit: dict[str, float]) -> float:
+    """A compiled (not float8) row's estimate as the tool makes it: the eager estimate of the same
+    configuration times costmodel.COMPILE_SPEEDUP, the published ratio (docs/COMPILE.md)."""
+    if run.float8 or run.compile == "none":
+        raise ValueError("compiled_estimate: a compiled row without float8")
+    return published_estimate(run, fit) * costmodel.COMPILE_SPEEDUP
 
 
 def held_out_by_row(rows) -> list[tuple[dict[str, float], float]]:

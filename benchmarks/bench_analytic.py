@@ -17,7 +17,7 @@ import statistics
 import time
 from dataclasses import replace
 
-from autotune.costmodel_fit import published_runs
+from autotune.costmodel_fit import published_runs, published_spec
 from autotune.backends.analytic import AnalyticBackend, estimate_memory
 from autotune.catalog.gpus import GPUS
 from autotune.catalog.models import resolve_model
@@ -77,9 +77,7 @@ def bench_published(backend: AnalyticBackend) -> None:
     print("| model | GPUs | config | published | estimated | diff | source |")
     print("|---|---|---|---|---|---|---|")
     for run in published_runs():
-        spec = spec_for(run.model, run.num_gpus, run.num_nodes, run.seq_len, gpu=run.gpu,
-                        micro_batch_size=run.micro_batch_size, activation_checkpointing=run.activation_checkpointing,
-                        shard_group_size=run.shard_group_size)
+        spec = published_spec(run)  # shapes the catalog lacks (MPT, TinyLlama) come from the data file
         estimate = backend.evaluate(spec).throughput / run.num_gpus
         diff = estimate / run.tokens_per_sec_per_gpu - 1
         print(f"| {run.model} | {run.num_gpus}x {run.gpu} | mb={run.micro_batch_size} seq={run.seq_len} "

@@ -109,53 +109,58 @@ def test_op_level_recompute_flops_match_the_trace_and_a_count_of_the_recomputed_
 
 def test_published_runs_name_their_sources():
     """The published runs are data (autotune/data/published_runs.json, shipped as package data):
-    every row cites a source table that says when, on what hardware and with what stack."""
+    every row cites a source table that says when, on what hardware and with what stack, where
+    (url) and who published it."""
     import json
 
     from autotune.costmodel_fit import PUBLISHED_RUNS_FILE, published_runs
 
     data = json.loads(PUBLISHED_RUNS_FILE.read_text())
-    assert {row["source"] for row in data["runs"]} == set(data["sources"])
+    assert {row["source"] for row in data["runs"] + data["excluded_runs"]} == set(data["sources"])
     for source in data["sources"].values():
-        assert all(source.get(field) for field in ("citation", "date", "stack", "hardware")), source
+        assert all(source.get(field) for field in ("citation", "date", "stack", "hardware", "url", "publisher")), source
     assert [run.source for run in published_runs()] == \
         [data["sources"][row["source"]]["citation"] for row in data["runs"]]
 
 
 def test_published_runs_leave_one_source_out():
-    """The headline check of the throughput constants: every row of a source (one table: a
-    cluster, a stack, a date) predicted with the constants refitted on the other sources only, so
-    no sibling of the held-out rows shares its efficiency in the fit. Targets as for a single row:
-    median |error| <= 10%, worst <= 25% (2026-11-25: 4.7% and 22.5% over 21 rows, 6 sources)."""
+    """The check of the throughput constants: every row of a source (one table: a cluster, a stack,
+    a date) predicted with the constants refitted on the other sources only, so no sibling of the
+    held-out rows shares its efficiency in the fit. Targets: median |error| <= 10%, worst <= 25%,
+    the printed range (+-ESTIMATE_ERROR["cuda"]) holding the published figure for >= 90% of rows,
+    >= 95% of the same-model same-hardware pairs of one table in the published order (2026-11-25,
+    99 rows, 11 sources from 5 publishers: 8.6%, 24.1%, 92%, 103 of 105). The shipped constants
+    are the fit on all rows. (Leave-one-row-out, weaker since a row's siblings stay in the fit, is
+    `bench_costmodel.py --published --by-row`: one fit per row, too slow for a test.)"""
     from autotune.costmodel_fit import published_runs
 
+    rows = published_runs()
     scores = _bench().run_published_by_source()
-    assert scores["sources"] >= 6 and len(scores["errors"]) == len(published_runs())
-    assert sum(len(errors) for errors in scores["by_source"].values()) == len(published_runs())
+    assert len(rows) >= 40 and scores["sources"] >= 8 and scores["publishers"] >= 4
+    assert len(scores["errors"]) == len(rows)
+    assert sum(len(errors) for errors in scores["by_source"].values()) == len(rows)
     assert scores["median_abs_error"] <= 0.10, scores["by_source"]
-    assert scores["worst_abs_error"] <= 0.25, scores["by_source"]
-
-
-def test_published_runs_leave_one_out():
-    """Each published run predicted with the constants refitted on the others (nothing fitted to
-    the row it predicts); configurations of one model on the same hardware in one table in the
-    published order; the shipped constants are the fit on all rows."""
-    from autotune.costmodel_fit import published_runs
-
-    scores = _bench().run_published()
-    assert len(published_runs()) >= 21
-    assert scores["median_abs_error"] <= 0.10
-    assert scores["worst_abs_error"] <= 0.25, [(r.model, r.num_gpus, e) for r, e in
-                                               zip(published_runs(), scores["errors"]) if abs(e) > 0.25]
-    assert scores["same_model_pairs"] >= 3  # torchtitan's checkpointing pairs on 64 A100s
-    assert scores["order_ok"], scores
-    assert scores["pairs_across_tables"] >= 3  # fms-fsdp's two tables: reported, not a target
+    assert scores["worst_abs_error"] <= 0.25, [(r.model, r.num_gpus, r.gpu, e) for r, e in
+                                               zip(rows, scores["errors"]) if abs(e) > 0.25]
+    assert scores["coverage"] >= 0.90
+    assert scores["same_source_pairs"] >= 50
+    assert scores["pairs_in_order"] >= 0.95 * scores["same_source_pairs"], scores["out_of_order"]
     fit = scores["fit"]
     assert fit["a100"] == pytest.approx(cm.MATMUL_EFFICIENCY["a100-80gb"], abs=0.01)
     assert fit["hopper"] == pytest.approx(cm.MATMUL_EFFICIENCY["h100-80gb"], abs=0.01)
-    assert fit["inter"] == pytest.approx(cm.INTER_NODE_BUS_EFFICIENCY, abs=0.05)
     assert fit["half_tokens"] == pytest.approx(cm.HALF_EFFICIENCY_TOKENS, rel=0.03)
     assert fit["half_hidden"] == pytest.approx(cm.HALF_EFFICIENCY_HIDDEN, rel=0.03)
+
+
+def test_compiled_and_float8_rows_are_recorded_apart_from_the_eager_fit():
+    """Rows with torch.compile or Float8 are kept (source, knobs, figure) but never fitted: the
+    step-time model costs eager steps (docs/COMPILE.md)."""
+    from autotune.costmodel_fit import excluded_published_runs, published_runs
+
+    assert all(r.compile == "none" and not r.float8 and not r.excluded for r in published_runs())
+    excluded = excluded_published_runs()
+    assert excluded and all(r.excluded and (r.compile != "none" or r.float8) for r in excluded)
+    assert {r.gpu for r in excluded} >= {"h100-80gb", "h200-141gb", "a100-80gb"}
 
 
 def test_fsdp_step_work_assembles_volumes_and_offload():
