@@ -4,6 +4,8 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 # The CPU build of torch; users with GPUs install the package into their own CUDA environment.
 TORCH_PIN ?= torch==2.13.0
+# The `float8` extra: installed without its dependencies so it cannot replace the CPU torch above.
+TORCHAO_PIN ?= torchao==0.18.0
 # torchtitan 0.3 in an environment of its own: it pins huggingface_hub < 2 and datasets < 5, below
 # what transformers 5 and TRL need. tests/test_export.py checks the torchtitan export with it.
 TITAN_VENV ?= .venv-torchtitan
@@ -20,6 +22,7 @@ $(BIN)/autotune: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_PIN)
 	$(BIN)/pip install -q -e '.[test,exports,finetune]'
+	$(BIN)/pip install -q --no-deps $(TORCHAO_PIN)
 	@touch $@
 
 # A stamp written only once every install succeeded: a half-built environment is rebuilt.

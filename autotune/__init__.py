@@ -20,7 +20,13 @@ it, with the import layers tests/test_architecture.py checks):
     cli.py        the command line: parses flags into the library's options, prints, exits with a code
 """
 
+import logging as _logging
+
 from autotune.version import __version__
+
+# torchao (the float8 extra) logs a warning for each CUDA kernel library a CPU build of torch cannot
+# load, whenever it is imported (transformers' quantizers import it on every model build): noise.
+_logging.getLogger("torchao").setLevel(_logging.ERROR)
 
 
 def tune(model: str, *, gpus: int, global_tokens: int | str, **options):
