@@ -31,6 +31,7 @@ $(TITAN_VENV)/.installed:
 	$(TITAN_VENV)/bin/pip install -q --upgrade pip
 	$(TITAN_VENV)/bin/pip install -q $(TORCH_PIN)
 	$(TITAN_VENV)/bin/pip install -q $(TITAN_PIN) triton
+	$(TITAN_VENV)/bin/pip install -q --no-deps $(TORCHAO_PIN)
 	@touch $@
 
 $(LITGPT_VENV)/.installed:
