@@ -4,6 +4,12 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 # The CPU build of torch; users with GPUs install the package into their own CUDA environment.
 TORCH_PIN ?= torch==2.13.0
+# The `float8` extra: installed without its dependencies so it cannot replace the CPU torch above,
+# and for the tests beside .venv, not in it: transformers imports torchao on every model build when it
+# is installed (about 1.5 s of CPU in each of the suite's processes); tests/float8_site.py puts it on
+# the path of the float8 tests only.
+TORCHAO_PIN ?= torchao==0.18.0
+FLOAT8_SITE ?= .float8-site
 # torchtitan 0.3 in an environment of its own: it pins huggingface_hub < 2 and datasets < 5, below
 # what transformers 5 and TRL need. tests/test_export.py checks the torchtitan export with it.
 TITAN_VENV ?= .venv-torchtitan
@@ -20,6 +26,10 @@ $(BIN)/autotune: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_PIN)
 	$(BIN)/pip install -q -e '.[test,exports,finetune]'
+	@touch $@
+
+$(FLOAT8_SITE)/.installed: $(BIN)/autotune
+	$(BIN)/pip install -q --no-deps --target $(FLOAT8_SITE) $(TORCHAO_PIN)
 	@touch $@
 
 # A stamp written only once every install succeeded: a half-built environment is rebuilt.
@@ -46,7 +56,7 @@ run: setup
 # The whole test suite (installs what it needs: Chromium for the report test, PostgreSQL and Slurm for the sweep tests).
 # Two pytest-xdist workers, each taking whole test modules (module fixtures are made once): much of
 # the suite is one busy core (tracing, imports) or waiting (timeouts, a database restart, Slurm).
-test: setup $(TITAN_VENV)/.installed $(LITGPT_VENV)/.installed
+test: setup $(FLOAT8_SITE)/.installed $(TITAN_VENV)/.installed $(LITGPT_VENV)/.installed
 	bash tests/setup_browser.sh
 	bash tests/setup_postgres.sh
 	bash tests/setup_slurm.sh
@@ -56,4 +66,4 @@ bench: setup
 	for f in benchmarks/bench_*.py; do $(BIN)/python $$f || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(TITAN_VENV) $(LITGPT_VENV) *.egg-info
+	rm -rf $(VENV) $(FLOAT8_SITE) $(TITAN_VENV) $(LITGPT_VENV) *.egg-info

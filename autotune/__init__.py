@@ -20,7 +20,16 @@ it, with the import layers tests/test_architecture.py checks):
     cli.py        the command line: parses flags into the library's options, prints, exits with a code
 """
 
+import logging as _logging
+
 from autotune.version import __version__
+
+# torchao (the float8 extra) logs a warning for each CUDA kernel library a CPU build of torch cannot
+# load, whenever it is imported (transformers' quantizers import it on every model build), and its
+# enums' pytree registration makes torch warn that this is deprecated: noise to every user, dropped.
+_logging.getLogger("torchao").setLevel(_logging.ERROR)
+_logging.getLogger("torch.utils._pytree").addFilter(
+    lambda record: "register_constant() on Enum subclasses" not in record.getMessage())
 
 
 def tune(model: str, *, gpus: int, global_tokens: int | str, **options):

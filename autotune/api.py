@@ -69,6 +69,11 @@ def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
     space = load_space(options.space)
     if options.compile is not None:  # --compile overrides the search space's compile.mode
         space = dataclasses.replace(space, compile=options.compile)
+    if options.float8 is not None:  # --float8 overrides the search space's float8.mode
+        space = dataclasses.replace(space, float8=options.float8)
+    if space.float8 not in ("none", "explore") and not cluster.gpu.has_float8:
+        raise UsageError(f"--float8 {space.float8}: {cluster.gpu.name} has no float8 tensor cores (H100, H200 and "
+                         "Ada GPUs have them); use --float8 none")
     formats = parse_formats(options.export) if options.export else []
     check_out_file(options.out)
     check_wrappable(model)

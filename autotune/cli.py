@@ -25,7 +25,7 @@ from autotune.api import (check_multi_node, check_out_file, check_wrappable, cho
 from autotune.errors import AutotuneError, NothingFits, StorageUnavailable, UsageError
 from autotune.interrupts import raised_where_safe
 from autotune.config import PEFT_METHODS, STACKS
-from autotune.options import (BACKENDS, COMPILE_SEARCH, SEQ_LEN_STEP, WORKLOADS, TuneOptions, duration, fraction, number,
+from autotune.options import (BACKENDS, COMPILE_SEARCH, FLOAT8_SEARCH, SEQ_LEN_STEP, WORKLOADS, TuneOptions, duration, fraction, number,
                               positive_int, usage_error)
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -145,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="torch.compile of the decoder blocks: none (eager), explore (the graph eager, then its "
                           "best fitting candidates compiled) or blocks (every trial compiled); default: the "
                           "search space's compile.mode (none). docs/COMPILE.md")
+    run.add_argument("--float8", choices=FLOAT8_SEARCH, default=None,
+                     help="float8 training of the blocks' linears (torchao; GPUs with float8 only): none, explore "
+                          "(the graph in high precision, then its best fitting candidates with each recipe), "
+                          "tensorwise or rowwise (every trial); default: the search space's float8.mode (none). "
+                          "docs/COMPILE.md")
     run.add_argument("--json", action="store_true", help="print the result JSON on stdout, nothing else")
     run.add_argument("--verbose", action="store_true",
                      help="print the winner's full bases, ranges, checkpoint advice and close-call commands "

@@ -60,6 +60,8 @@ class TrainConfig:
     experts) shard on their largest evenly divisible dimension (parallel.shard_placement_fn)."""
     compile: str = _D["compile"].default
     """torch.compile of the decoder blocks: none or blocks (parallel.apply_compile)."""
+    float8: str = _D["float8"].default
+    """float8 training of the blocks' linears: none, tensorwise or rowwise (parallel.apply_float8)."""
 
     def __post_init__(self) -> None:
         for knob in knobs.KNOBS:
@@ -353,6 +355,12 @@ class TrialSpec:
 
     def __post_init__(self) -> None:
         check_stack(self.stack)
+        if self.train.float8 != "none" and not self.cluster.gpu.has_float8:
+            raise UsageError(f"--float8 {self.train.float8}: {self.cluster.gpu.name} has no float8 tensor cores (H100, "
+                             "H200 and Ada GPUs have them); use --float8 none")
+        if self.train.float8 != "none" and self.finetuning.lora:
+            raise UsageError(f"--float8 {self.train.float8} with --peft lora: float8 training converts the frozen "
+                             "base linears too (not supported here); use --float8 none")
         size, gpus, per_node = self.train.shard_group_size, self.cluster.num_gpus, self.cluster.gpus_per_node
         if size == gpus:  # one group of every GPU is plain FSDP: one configuration, one name
             object.__setattr__(self, "train", self.train.with_(shard_group_size=0))

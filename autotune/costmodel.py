@@ -188,6 +188,8 @@ class StepTime:
     """The host's time to dispatch the step's ops (0 where they were not counted)."""
     host_bound: bool = False
     """The host's time exceeds the GPU's compute: the step waits on Python, not on the GPU."""
+    gpu_compute_s: float = 0.0
+    """The GPU's time for the step's FLOPs (compute_s is the longer of it and host_s)."""
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -246,10 +248,12 @@ def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_p
                    reshard_after_forward: bool = True, cpu_offload: bool = False,
                    num_microbatches: int = 1, dispatched_ops_per_microbatch: float = 0.0,
                    hidden_size: int = 0, reduce_bytes: int = 4,
-                   trainable: tuple[int, int] | None = None) -> StepWork:
+                   trainable: tuple[int, int] | None = None, float8_block_params: int = 0) -> StepWork:
     """The `StepWork` of a full-sharded FSDP2 step from what a backend counted: FLOPs, sizes;
     gradients reduced in `reduce_bytes` per element (fp32, FSDP2's default here), of the
-    `trainable` (block, root) parameters where some are frozen (LoRA), which alone the optimizer steps."""
+    `trainable` (block, root) parameters where some are frozen (LoRA), which alone the optimizer steps.
+    `float8_block_params`: parameters of each block all-gathered in float8 (tensorwise float8 with
+    FSDP2's float8 all-gather: 1 byte each instead of `param_bytes`)."""
     sizes = dict(block_params=block_params, num_blocks=num_blocks, root_params=root_params,
                  reshard_after_forward=reshard_after_forward, num_microbatches=num_microbatches,
                  trainable=trainable)
@@ -257,13 +261,16 @@ def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_p
     h2d, d2h = offload_bytes(num_gpus=num_gpus, **sizes) if cpu_offload else (0.0, 0.0)
     block_grads, root_grads = trainable if trainable is not None else (block_params, root_params)
     total_params = root_grads + num_blocks * block_grads
+    gathers = 2 if reshard_after_forward else 1
+    float8_saved = float(float8_weight_bytes_saved(float8_block_params, param_bytes) * num_blocks * num_microbatches)
     return StepWork(
         flops_per_gpu=flops_per_gpu, model_flops_per_gpu=model_flops_per_gpu,
         tokens_per_step=tokens_per_gpu_step * num_gpus, num_microbatches=num_microbatches,
-        allgather_bytes_per_gpu=volume.allgather_bytes, reduce_scatter_bytes_per_gpu=volume.reduce_scatter_bytes,
+        allgather_bytes_per_gpu=volume.allgather_bytes - gathers * float8_saved,
+        reduce_scatter_bytes_per_gpu=volume.reduce_scatter_bytes,
         host_to_device_bytes=h2d, device_to_host_bytes=d2h,
         cpu_optimizer_params=-(-total_params // num_gpus) if cpu_offload else 0,
-        backward_allgather_bytes_per_gpu=float(block_params * num_blocks * param_bytes * num_microbatches)
+        backward_allgather_bytes_per_gpu=float(block_params * num_blocks * param_bytes * num_microbatches) - float8_saved
         if reshard_after_forward else 0.0,
         num_fsdp_units=num_blocks + 1, dispatched_ops_per_microbatch=dispatched_ops_per_microbatch,
         hidden_size=hidden_size,
@@ -333,13 +340,14 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
                        matmul_top_efficiency: float | None = None,
                        inter_node_bus_efficiency: float | None = None,
                        host_op_us: float | None = None, half_efficiency_tokens: float | None = None,
-                       half_efficiency_hidden: float | None = None) -> StepTime:
+                       half_efficiency_hidden: float | None = None, describe: bool = True) -> StepTime:
     """Roofline time of one optimizer step on `cluster` (see the module docstring);
     `shard_group_size` > 0: HSDP (see hsdp_comm_seconds); `reshard_group_size` > 0: backward's
     all-gathers run in rings of that many GPUs (on the node's links when they fit in a node).
     `matmul_top_efficiency`, `inter_node_bus_efficiency` and the `half_efficiency_*` replace
     the fitted constants (leave-one-out validation refits them); `host_op_us` the host time per dispatched op
-    (default HOST_OP_US)."""
+    (default HOST_OP_US). `describe=False` leaves `basis` empty: a fit evaluates a million
+    estimates, and writing each one's sentence was half their time."""
     gpu = cluster.gpu
     n = cluster.num_gpus
     tokens_per_microbatch = work.tokens_per_step / (work.num_microbatches * n)
@@ -391,11 +399,11 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
         offload_s=offload_s, cpu_optimizer_s=cpu_optimizer_s,
         tokens_per_sec=work.tokens_per_step / seconds if seconds > 0 else 0.0,
         mfu=model_flops / (seconds * gpu.peak_tflops * 1e12) if seconds > 0 else 0.0,
-        basis=estimate_basis(gpu, efficiency) + (f" on {cluster.num_nodes} nodes" if cluster.num_nodes > 1 else "")
-        + (f"; host-bound: {work.num_microbatches} micro-batch(es) x {work.dispatched_ops_per_microbatch:,.0f} "
-           f"dispatched ops x {host_op_us:g} us = {host_s:.3g} s per step, over the GPU's {gpu_compute_s:.3g} s"
-           if host_s > gpu_compute_s else ""),
-        host_s=host_s, host_bound=host_s > gpu_compute_s,
+        basis=(estimate_basis(gpu, efficiency) + (f" on {cluster.num_nodes} nodes" if cluster.num_nodes > 1 else "")
+               + (f"; host-bound: {work.num_microbatches} micro-batch(es) x {work.dispatched_ops_per_microbatch:,.0f} "
+                  f"dispatched ops x {host_op_us:g} us = {host_s:.3g} s per step, over the GPU's {gpu_compute_s:.3g} s"
+                  if host_s > gpu_compute_s else "")) if describe else "",
+        host_s=host_s, host_bound=host_s > gpu_compute_s, gpu_compute_s=gpu_compute_s,
     )
 
 
@@ -424,6 +432,10 @@ class OpWork:
     softmax over the vocabulary, say): they stream from main memory, not from the caches."""
     dispatched_ops: float = 0.0
     """Every op dispatched, views included."""
+    float8_matmul_flops: float = 0.0
+    float8_matmul_ops: float = 0.0
+    """float8 matmuls (`_scaled_mm`: float8 training's converted linears), costed at the profile's
+    `float8_matmul_tflops` where it has one, else at its matmul rate."""
 
     @classmethod
     def from_trace(cls, op_work: dict[str, float]) -> "OpWork":
@@ -546,6 +558,9 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
         return flops / (rate * 1e12) + count * per_kernel * 1e-6
 
     matmul_s = mb * kernels("matmul", ops.matmul_flops, ops.matmul_ops)
+    if ops.float8_matmul_flops:
+        rate = p.get("float8_matmul_tflops") or p["matmul_tflops"]
+        matmul_s += mb * (ops.float8_matmul_flops / (rate * 1e12) + ops.float8_matmul_ops * p["matmul_op_us"] * fixed * 1e-6)
     attention_s = mb * kernels("attention", ops.attention_flops, ops.attention_ops)
     # Large ops at the large-buffer bandwidth where the profile measured one (calibrate), else all
     # bytes at one bandwidth (shipped and older profiles).
@@ -698,3 +713,64 @@ def compiled_throughput(tokens_per_sec: float, low: float | None = None, high: f
              "not a fit and not validated by autotune")
     return (tokens_per_sec * COMPILE_SPEEDUP, None if low is None else low * min(speedups),
             None if high is None else high * max(speedups), basis)
+
+
+# --- float8 training (issue 28) ---------------------------------------------------------------------
+
+FLOAT8_CAST_BYTES = {"eager": 33.0, "compiled": 5.0}
+"""Bytes one dynamic float8 cast moves per element of the bf16 tensor it casts. Eager: 33, counted
+(torchao 0.18's hp_tensor_to_float8_dynamic, tensorwise and rowwise alike, under a dispatch mode: abs,
+max, to-fp32, mul, clamp and to-float8 each read and write the whole tensor; tests/test_float8.py
+counts it again). Compiled: 5, the least a cast can move (the amax reads 2 bytes, the cast reads 2 and
+writes 1): torch.compile fuses torchao's scaling and casting kernels (torchtitan's float8 notes), taken
+to fuse them fully. The casts are memory-bound, at the GPU's data-sheet HBM bandwidth."""
+BF16_GEMM_FRACTION = 0.633
+"""The fraction of the data-sheet bf16 peak a large bf16 GEMM reaches on an H100: 625.6 of 989
+TFLOP/s, the median of the four `matmul_tflops` `autotune calibrate --backend cuda` measured on H100
+VMs (616.6, 623.0, 628.2, 660.7: benchmarks/results/h100_calibrated_*.json). The converted linears'
+GEMMs are taken to run at this fraction of the float8 peak too (an assumption, not measured here)."""
+FLOAT8_PUBLISHED = (
+    # (label, GPUs, bf16 tokens/s per GPU, float8 tokens/s per GPU): all compiled, FSDP2, Llama 3(.1) 8B,
+    # seq 8192, H100. The validation of float8_step_seconds, never fitted to (docs/COMPILE.md).
+    ("torchtitan Table 1, tensorwise + float8 all-gather", 8, 6_667, 8_532),
+    ("torchtitan Table 3, tensorwise + float8 all-gather", 128, 6_514, 8_380),
+    ("torchao docs, tensorwise + float8 all-gather", 8, 6_150, 7_689.5),
+    ("torchao docs, rowwise", 8, 6_150, 6_768),
+)
+FLOAT8_SOURCES = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md Tables 1 and 3 (Llama 3.1 8B, local batch 2, "
+                  "selective AC, compiled, 8 and 128 H100s); torchao docs/source/workflows/training.md 'e2e training "
+                  "benchmarks' (Llama3-8b, 8 H100s, batch 1, compiled, per-op SAC)")
+
+
+def float8_weight_bytes_saved(float8_block_params: int, param_bytes: int) -> int:
+    """Bytes fewer per gathered block with FSDP2's float8 all-gather (tensorwise): its converted
+    linears' weights travel and are held in float8 (1 byte) instead of the parameter dtype."""
+    return float8_block_params * max(param_bytes - 1, 0)
+
+
+def float8_step_seconds(*, gpu: GPUSpec, float8_flops: float, cast_elements: float, compiled: bool,
+                        efficiency: float | None = None) -> tuple[float, float, str]:
+    """What float8 training changes in one step's compute on `gpu`, from what the trace counted:
+    `float8_flops`, the converted linears' matmul FLOPs (`_scaled_mm`, recompute included), and
+    `cast_elements`, the elements their float8 operands hold (each one dynamic cast's output).
+    Returns (seconds saved by the float8 matmuls, seconds the casts add, basis).
+
+    saved = the converted FLOPs' GEMM time at BF16_GEMM_FRACTION of the bf16 peak x (1 - bf16 peak /
+            float8 peak): the same GEMMs at the same fraction of the float8 peak (capped at what the
+            roofline gave those FLOPs: `efficiency`, its fraction of peak);
+    casts = cast_elements x FLOAT8_CAST_BYTES (eager or compiled) / HBM bandwidth.
+    Estimated from data-sheet rates and one measured GEMM fraction; checked against published runs
+    (FLOAT8_PUBLISHED), not fitted to them."""
+    if not gpu.has_float8:
+        raise ValueError(f"{gpu.name} has no float8 tensor cores")
+    fraction = max(BF16_GEMM_FRACTION, efficiency or 0.0)
+    gemm_s = float8_flops / (gpu.peak_tflops * 1e12 * fraction)
+    saved_s = gemm_s * (1 - gpu.peak_tflops / gpu.float8_tflops)
+    kind = "compiled" if compiled else "eager"
+    casts_s = cast_elements * FLOAT8_CAST_BYTES[kind] / (gpu.hbm_gbps * 1e9)
+    basis = (f"float8: {float8_flops:.3g} converted matmul FLOPs at {gpu.float8_tflops:g} instead of "
+             f"{gpu.peak_tflops:g} TFLOP/s ({gpu.float8_source}; at {fraction:.3f} of peak, autotune calibrate's "
+             f"H100 GEMMs) saves {saved_s:.3g} s, {cast_elements:.3g} cast elements x {FLOAT8_CAST_BYTES[kind]:g} B "
+             f"({kind} casts) at {gpu.hbm_gbps:g} GB/s add {casts_s:.3g} s; checked against published runs "
+             f"({FLOAT8_SOURCES}), not fitted to them")
+    return saved_s, casts_s, basis

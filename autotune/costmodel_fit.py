@@ -103,6 +103,7 @@ def source_publishers() -> dict[str, str]:
     return {src["citation"]: src.get("publisher", src["citation"]) for src in _published_data()["sources"].values()}
 
 
+@functools.lru_cache(maxsize=None)
 def published_model(name: str):
     """The ModelSpec of a row's model: a catalog name, or a shape PUBLISHED_RUNS_FILE defines under
     "models" (architectures the catalog does not carry: MPT, TinyLlama), built the same way."""
@@ -150,7 +151,7 @@ def published_estimate(run: PublishedRun, fit: dict[str, float]) -> float:
         work, spec.cluster, shard_group_size=run.shard_group_size,
         matmul_top_efficiency=fit.get(gpu_family(run.gpu), costmodel.DEFAULT_MATMUL_EFFICIENCY),
         inter_node_bus_efficiency=fit.get("inter"), half_efficiency_tokens=fit["half_tokens"],
-        half_efficiency_hidden=fit["half_hidden"])
+        half_efficiency_hidden=fit["half_hidden"], describe=False)
     return step.tokens_per_sec / run.num_gpus
 
 

@@ -42,6 +42,17 @@ parameter on its first dimension (FSDP2's default). `largest`: a multi-dimension
 first dimension is smaller than the shard group (a fused expert weight, [experts, ...], on more ranks
 than experts) on its largest dimension that the group divides evenly, as torchtitan shards experts
 on dimension 1; every other parameter on its first."""
+FLOAT8_RECIPES: tuple[str, ...] = ("none", "tensorwise", "rowwise")
+"""float8 training of the decoder blocks' linears (torchao's convert_to_float8_training, as torchtitan's
+float8 converter: lm_head and linears with a dimension not divisible by 16 stay high precision).
+`tensorwise`: one dynamic scale per tensor, with FSDP2's float8 all-gather of the weights
+(`enable_fsdp_float8_all_gather`, scales precomputed after each optimizer step); `rowwise`: torchao's
+rowwise recipe (a scale per row, communication in high precision). Needs a GPU with float8 tensor
+cores (catalog `float8_tflops`: H100, H200, Ada); docs/COMPILE.md."""
+FLOAT8_SEARCH = ("none", "explore", "tensorwise", "rowwise")
+"""float8 in the search (--float8, and the search space's float8.mode): `none`; `explore`, the graph
+high precision, then its fastest fitting candidates tried with each recipe (predicted first, as every
+trial; only on a GPU with float8); `tensorwise` / `rowwise`, every trial with that recipe."""
 COMPILE_BACKEND = "inductor"
 """What real trials and the exports compile blocks with (torch.compile's default)."""
 COMPILE_SEARCH = ("none", "explore", "blocks")
@@ -69,6 +80,12 @@ def shapes_moved_by_placement(shapes, shard_size: int) -> list[tuple[int, ...]]:
     `--shard-placement largest` shards off dimension 0 on a shard group of `shard_size` ranks
     (none: it is the default placement)."""
     return [shape for shape in shapes if shard_dim(shape, shard_size, "largest")]
+
+
+def float8_converts(shape: tuple[int, ...]) -> bool:
+    """Whether float8 training converts a block linear whose weight has `shape`: both dimensions
+    divisible by 16, the float8 matmul's requirement (torchtitan's float8 converter skips the others)."""
+    return len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % 16 == 0
 
 
 # --- activation checkpointing: a typed value -------------------------------------------------------
@@ -267,6 +284,8 @@ class SampleContext:
     reshard: tuple[bool, ...] = (True, False)
     compile_modes: tuple[str, ...] = ("none",)
     """torch.compile values the sampler may draw (`blocks` where the search space allows it)."""
+    float8_recipes: tuple[str, ...] = ("none",)
+    """float8 recipes the sampler may draw (beyond none only on a GPU with float8, where the search allows it)."""
     placements: tuple[str, ...] = ("dim0",)
     """Shard placements that change something (`largest` where a parameter's first dimension is
     smaller than the shard group)."""
@@ -398,6 +417,13 @@ KNOBS: tuple[Knob, ...] = (
          label=lambda v: "" if v == "none" else f"compile={v}", short=lambda v: "" if v == "none" else "compiled",
          optuna=lambda v: _categorical_param("compile", COMPILE_MODES)(v) if v != "none" else {},
          alternative="blocks", keyed_at_default=False, domain=lambda ctx: ctx.compile_modes),
+    Knob(name="float8", default="none", flag="--float8", choices=FLOAT8_RECIPES,
+         parse=_choice("float8", FLOAT8_RECIPES), result_path=("float8", "recipe"),
+         help="float8 training of the decoder blocks' linears (torchao): none, tensorwise (with FSDP2's float8 "
+              "all-gather) or rowwise; only on GPUs with float8 (H100, H200, Ada): docs/COMPILE.md",
+         label=lambda v: "" if v == "none" else f"float8={v}", short=lambda v: "" if v == "none" else f"fp8-{v[:3]}",
+         optuna=lambda v: _categorical_param("float8", FLOAT8_RECIPES)(v) if v != "none" else {},
+         alternative="tensorwise", keyed_at_default=False, domain=lambda ctx: ctx.float8_recipes),
 )
 BY_NAME: dict[str, Knob] = {knob.name: knob for knob in KNOBS}
 

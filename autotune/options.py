@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from autotune.config import PEFT_METHODS, STACKS
-from autotune.knobs import COMPILE_SEARCH
+from autotune.knobs import COMPILE_SEARCH, FLOAT8_SEARCH
 from autotune.errors import UsageError
 
 BACKENDS = ("auto", "sim", "analytic", "cpu", "cuda")
@@ -116,6 +116,9 @@ class TuneOptions:
     time_budget: float | None = _option(check=duration)
     compile: str | None = _option(choices=COMPILE_SEARCH)
     """torch.compile in the search: none, explore or blocks; None: the search space's (compile.mode)."""
+    float8: str | None = _option(choices=FLOAT8_SEARCH)
+    """float8 training in the search: none, explore, tensorwise or rowwise; None: the search space's
+    (float8.mode)."""
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> TuneOptions:

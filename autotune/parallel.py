@@ -8,7 +8,8 @@ sharded within a group, the gradients all-reduced across groups). `build_mesh` m
 
 Order matters, as in torchtitan's parallelize_llama: activation checkpointing wraps blocks
 first (fully_shard must see the wrapper so the recompute also all-gathers), then each block is
-compiled (torch.compile knob), then each decoder block is sharded bottom-up, then the root.
+compiled (torch.compile knob), then each decoder block is sharded bottom-up, then the root. float8
+converts the blocks' linears before all of it, as torchtitan's model converters run at build time.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 
 from autotune.catalog.blocks import Blocks, find_decoder_blocks
 from autotune.config import PARAM_DTYPE_NAMES, TrainConfig
-from autotune.knobs import COMPILE_BACKEND, Checkpointing, shard_dim
+from autotune.knobs import COMPILE_BACKEND, Checkpointing, float8_converts, shard_dim
 
 PARAM_DTYPES = {precision: getattr(torch, name) for precision, name in PARAM_DTYPE_NAMES.items()}
 
@@ -163,6 +164,46 @@ def apply_compile(blocks: Blocks, mode: str, *, backend: str = COMPILE_BACKEND) 
     return len(blocks.layers)
 
 
+FLOAT8_SKIPPED = "lm_head"
+"""What float8 never converts: the head stays high precision (torchtitan filters `output` / `lm_head`;
+only the decoder blocks are converted here, so the head is never seen)."""
+
+
+def float8_linear_config(recipe: str):
+    """torchao's Float8LinearConfig for a recipe: `tensorwise` with FSDP2's float8 all-gather of the
+    weights (torchtitan's --float8.enable_fsdp_float8_all_gather), `rowwise` torchao's recipe."""
+    from torchao.float8 import Float8LinearConfig
+
+    if recipe == "tensorwise":
+        return Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    if recipe == "rowwise":
+        return Float8LinearConfig.from_recipe_name("rowwise")
+    raise ValueError(f"unknown float8 recipe {recipe!r}")
+
+
+def apply_float8(blocks: Blocks, recipe: str) -> int:
+    """Swap each decoder block's convertible linears for torchao's Float8Linear (`recipe` none: nothing),
+    before checkpointing, compile and FSDP2, as torchtitan's float8 converter does at build time. The
+    root (embeddings, head) stays high precision. Returns how many linears were converted."""
+    if recipe == "none":
+        return 0
+    from torchao.float8 import convert_to_float8_training
+
+    config = float8_linear_config(recipe)
+    converted = 0
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        nonlocal converted
+        ok = isinstance(module, nn.Linear) and float8_converts(tuple(module.weight.shape)) \
+            and not fqn.endswith(FLOAT8_SKIPPED)
+        converted += ok
+        return ok
+
+    for block in blocks.layers:
+        convert_to_float8_training(block, config=config, module_filter_fn=keep)
+    return converted
+
+
 def register_rng_rules(mode_class: type) -> None:
     """Let a memory-tracking dispatch mode (the simulator's, the CPU trial's) run compiled blocks
     under checkpointing. AOT autograd wraps a random op that checkpointing recomputes (SDPA takes a
@@ -235,6 +276,7 @@ def parallelize(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bo
     `step` (config.stack_step): a stack's own mixed-precision policy where it differs.
     """
     blocks = find_decoder_blocks(model)
+    apply_float8(blocks, train.float8)
     apply_ac(blocks, train.activation_checkpointing)
     apply_compile(blocks, train.compile, backend=compile_backend)
     apply_fsdp(model, blocks, mesh, train, allow_offload=allow_offload, step=step)

@@ -190,33 +190,58 @@ def _trial_command(request: TuneRequest, step: Step) -> str:
             + (f" --shard-placement {t.shard_placement}" if t.shard_placement != "dim0" else "")
             + (" --activation-offload" if t.activation_offload else "")
             + (f" --compile {t.compile}" if t.compile != "none" else "")
+            + (f" --float8 {t.float8}" if t.float8 != "none" else "")
             + finetuning_flags(request.finetuning)
             + (f" --stack {request.stack}" if request.stack != "fsdp2" else ""))
 
 
 def compile_section(winner: Step, steps: list[Step], *, tolerance: float) -> dict[str, Any]:
-    """torch.compile in best.json: the winner's mode, and the fastest fitting eager and compiled
-    configurations within the global batch's tolerance side by side (each figure with its source:
-    compiled throughput on GPUs is an estimate from a published ratio, docs/COMPILE.md)."""
-    def fastest(mode: str) -> dict[str, Any] | None:
-        fitting = [s for s in eligible(steps, tolerance) if s.train.compile == mode and s.stage != "confirm"]
+    """torch.compile and float8 in best.json: the winner's compile mode, and the fastest fitting
+    configuration of each (compile, float8) combination evaluated within the global batch's
+    tolerance side by side: eager, compiled, float8 recipes eager and compiled (each figure with its
+    source: compiled and float8 throughput on GPUs are estimates, docs/COMPILE.md).
+    `eager_vs_compiled` keeps the high-precision pair (as before float8 existed)."""
+    def fastest(compile_mode: str, float8: str) -> dict[str, Any] | None:
+        fitting = [s for s in eligible(steps, tolerance) if s.train.compile == compile_mode
+                   and s.train.float8 == float8 and s.stage != "confirm"]
         if not fitting:
             return None
         best = max(fitting, key=lambda s: s.result.throughput or 0.0)
         tps = best.result.tokens_per_sec
+        bases = [(best.result.extras.get(key) or {}).get("basis") for key in ("compile_speedup", "float8")]
         return dict(step=best.step, configuration=best.train.label(), tokens_per_sec=best.result.throughput,
                     throughput_source=tps.source if tps else None, peak_memory_bytes=best.result.peak_bytes,
                     memory_source=best.result.peak_memory.source if best.result.peak_memory else None,
-                    speedup_basis=(best.result.extras.get("compile_speedup") or {}).get("basis"))
+                    speedup_basis="; ".join(b for b in bases if b) or None)
 
-    eager, compiled = fastest("none"), fastest("blocks")
+    eager, compiled = fastest("none", "none"), fastest("blocks", "none")
     section: dict[str, Any] = {"mode": winner.train.compile,
                                "backend": knobs.COMPILE_BACKEND if winner.train.compile != "none" else None}
     if compiled is not None or eager is not None:
         section["eager_vs_compiled"] = {"eager": eager, "compiled": compiled}
         if eager and compiled and eager["tokens_per_sec"] and compiled["tokens_per_sec"]:
             section["eager_vs_compiled"]["compiled_over_eager"] = compiled["tokens_per_sec"] / eager["tokens_per_sec"]
+    rows = []
+    for compile_mode in knobs.COMPILE_MODES:
+        for float8 in knobs.FLOAT8_RECIPES:
+            row = fastest(compile_mode, float8)
+            if row is not None:
+                if eager and eager["tokens_per_sec"] and row["tokens_per_sec"]:
+                    row["over_eager"] = row["tokens_per_sec"] / eager["tokens_per_sec"]
+                rows.append(dict(compile=compile_mode, float8=float8, **row))
+    if len(rows) > 1:
+        section["side_by_side"] = rows
     return section
+
+
+def float8_section(winner: Step) -> dict[str, Any]:
+    """float8 training in best.json: the winner's recipe (its knob), whether FSDP2 all-gathers the
+    converted weights in float8, and what converts them."""
+    recipe = winner.train.float8
+    return {"recipe": recipe, "fsdp_float8_all_gather": recipe == "tensorwise",
+            "implementation": None if recipe == "none" else
+            "torchao convert_to_float8_training on the decoder blocks' linears (lm_head and dimensions not "
+            "divisible by 16 stay high precision)"}
 
 
 def finetuning_flags(finetuning) -> str:
@@ -268,6 +293,7 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
         },
         "loss": loss_section(request, winner),
         "compile": compile_section(winner, steps, tolerance=request.tolerance),
+        "float8": float8_section(winner),
         "peak_memory_bytes": result.peak_bytes,
         "memory_source": peak.source if peak else "estimated",
         "memory_basis": peak.basis if peak else "",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.knobs import COMPILE_SEARCH, OP_POLICIES, OPTIMIZER_IMPLS, PRECISIONS, SHARD_PLACEMENTS
+from autotune.knobs import COMPILE_SEARCH, FLOAT8_SEARCH, OP_POLICIES, OPTIMIZER_IMPLS, PRECISIONS, SHARD_PLACEMENTS
 from autotune.errors import UsageError
 
 DEFAULT_SPACE = Path(__file__).resolve().parent.parent / "search_spaces" / "default.toml"
@@ -21,6 +21,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "micro_batch": {"max": int, "refine": bool},
     "explore": {"no_reshard": bool, "checkpointed_larger_micro_batch": bool},
     "compile": {"mode": str},
+    "float8": {"mode": str},
 }
 
 
@@ -49,6 +50,8 @@ class SearchSpace:
     explore_checkpointed_larger_micro_batch: bool = True
     compile: str = "none"
     """torch.compile in the search: one of COMPILE_SEARCH (the tune command's --compile overrides it)."""
+    float8: str = "none"
+    """float8 training in the search: one of FLOAT8_SEARCH (the tune command's --float8 overrides it)."""
     source: str = "built-in defaults"
 
     def to_dict(self) -> dict[str, Any]:
@@ -115,6 +118,10 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
     if compile_search not in COMPILE_SEARCH:
         raise UsageError(f"search space {where!r}: compile.mode must be one of {', '.join(COMPILE_SEARCH)}, "
                          f"got {compile_search!r}")
+    float8_search = get("float8", "mode", "none")
+    if float8_search not in FLOAT8_SEARCH:
+        raise UsageError(f"search space {where!r}: float8.mode must be one of {', '.join(FLOAT8_SEARCH)}, "
+                         f"got {float8_search!r}")
     max_mb = get("micro_batch", "max", 64)
     if max_mb < 1:
         raise UsageError(f"search space {where!r}: micro_batch.max must be >= 1, got {max_mb}")
@@ -134,5 +141,6 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
         explore_no_reshard=get("explore", "no_reshard", True),
         explore_checkpointed_larger_micro_batch=get("explore", "checkpointed_larger_micro_batch", True),
         compile=compile_search,
+        float8=float8_search,
         source=where,
     )

@@ -105,13 +105,16 @@ def make_optimizer(model: nn.Module, *, impl: str = "fused", lr: float = 1e-4) -
     (foreach on CUDA, the loop elsewhere) would make the traced step differ from the run.
     docs/SIMULATOR.md has what each costs in memory."""
     params = trainable_parameters(model)  # frozen weights (LoRA's base) get no AdamW state
-    if impl == "fused":
-        return torch.optim.AdamW(params, lr=lr, fused=True)
-    if impl == "foreach":
-        return torch.optim.AdamW(params, lr=lr, foreach=True)
-    if impl == "for-loop":
-        return torch.optim.AdamW(params, lr=lr, foreach=False)
-    raise ValueError(f"unknown AdamW implementation {impl!r}")
+    if impl not in ("fused", "foreach", "for-loop"):
+        raise ValueError(f"unknown AdamW implementation {impl!r}")
+    optimizer = torch.optim.AdamW(params, lr=lr, **({"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}))
+    if any(getattr(getattr(m, "config", None), "enable_fsdp_float8_all_gather", False) for m in model.modules()):
+        # float8 tensorwise with FSDP2's float8 all-gather: the next step's weight scales in one
+        # all-reduce after each optimizer step, as torchtitan does (torchao).
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
+    return optimizer
 
 
 def token_batches(*, vocab_size: int, micro_batch_size: int, seq_len: int, device: torch.device | str,

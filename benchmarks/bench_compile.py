@@ -1,8 +1,11 @@
-"""torch.compile (`--compile blocks`): the simulator's compiled tensor peak against real compiled
-gloo trials, and what compilation costs in time.
+"""torch.compile (`--compile blocks`) and float8 (`--float8`): the simulator's tensor peak against real
+gloo trials, what compilation costs in time, and the float8 GPU estimate against published runs.
 
     python benchmarks/bench_compile.py            # the matrix below, 2 gloo ranks, seq 256
     python benchmarks/bench_compile.py --steps 6  # more steps: when tokens/s is steady
+    python benchmarks/bench_compile.py --float8   # the float8 rows (FLOAT8_MATRIX), real and predicted
+    python benchmarks/bench_compile.py --published  # llama3-8b on 8 H100s (sim, estimated) against the
+                                                    # published float8 runs (costmodel.FLOAT8_PUBLISHED)
 
 Each row runs for real (the cpu backend: torchrun, gloo, inductor's CPU backend compiling each
 block; persistent launch, no warm-up step, so the first step's time includes compilation) and is
@@ -15,14 +18,19 @@ time (measured, slowest rank). docs/COMPILE.md has the figures of the last run.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
+from pathlib import Path
 
 from autotune.backends.real import RealBackend
 from autotune.backends.sim import SimBackend
 from autotune.catalog.models import resolve_model
 from autotune.config import Cluster, TrainConfig, TrialSpec
 
-MATRIX = [  # (model, checkpointing, micro-batch, compile)
+FLOAT8_SITE = Path(__file__).resolve().parent.parent / ".float8-site"
+
+MATRIX = [  # (model, checkpointing, micro-batch, compile[, float8])
     ("tiny-llama", "none", 2, "none"),
     ("tiny-llama", "none", 2, "blocks"),
     ("tiny-llama", "full", 2, "none"),
@@ -34,19 +42,62 @@ MATRIX = [  # (model, checkpointing, micro-batch, compile)
     ("tiny-llama", "op", 2, "none"),
     ("tiny-llama", "op", 2, "blocks"),
 ]
+FLOAT8_MATRIX = [
+    ("tiny-llama", "none", 2, "none", "tensorwise"),
+    ("tiny-llama", "none", 2, "none", "rowwise"),
+    ("tiny-llama", "full", 2, "none", "tensorwise"),
+    ("tiny-llama", "none", 2, "blocks", "tensorwise"),
+    ("tiny-llama", "none", 2, "blocks", "rowwise"),
+]
+PUBLISHED_ROWS = [  # llama3-8b, 8 H100s, seq 8192, op-level checkpointing: (micro-batch, compile, float8)
+    (2, "blocks", "none"), (2, "blocks", "tensorwise"), (2, "none", "none"), (2, "none", "tensorwise"),
+    (1, "blocks", "none"), (1, "blocks", "tensorwise"), (1, "blocks", "rowwise"),
+]
 
 
-def spec(model: str, ac: str, mb: int, compile: str, *, seq_len: int = 256) -> TrialSpec:
+def spec(model: str, ac: str, mb: int, compile: str, float8: str = "none", *, seq_len: int = 256) -> TrialSpec:
     return TrialSpec(model=resolve_model(model), cluster=Cluster(num_gpus=2), seq_len=seq_len,
-                     train=TrainConfig(activation_checkpointing=ac, micro_batch_size=mb, compile=compile))
+                     train=TrainConfig(activation_checkpointing=ac, micro_batch_size=mb, compile=compile,
+                                       float8=float8))
+
+
+def published() -> None:
+    """The simulator's GPU estimates (the roofline, the published compile ratio, the float8 model) for the
+    configurations of the published float8 runs, next to them: a validation, nothing fitted to it."""
+    from autotune import costmodel
+
+    started = time.perf_counter()
+    print("| mb | compile | float8 | estimated tokens/s/GPU | float8 speed-up (estimated) | predicted+estimated GiB |")
+    print("|---:|---|---|---:|---:|---:|")
+    with SimBackend() as sim:
+        for mb, compile, float8 in PUBLISHED_ROWS:
+            result = sim.evaluate(TrialSpec(
+                model=resolve_model("llama3-8b"), cluster=Cluster(num_gpus=8), seq_len=8192,
+                train=TrainConfig(micro_batch_size=mb, activation_checkpointing="op", compile=compile, float8=float8)))
+            speedup = (result.extras.get("float8") or {}).get("speedup")
+            print(f"| {mb} | {compile} | {float8} | {result.throughput / 8:,.0f} | "
+                  f"{f'{speedup:.3f}' if speedup else '-'} | {result.peak_bytes / 2**30:.2f} |", flush=True)
+    print(f"\nsimulator {time.perf_counter() - started:.0f} s. Published (measured, compiled, tokens/s/GPU):")
+    for label, gpus, bf16, float8 in costmodel.FLOAT8_PUBLISHED:
+        print(f"  {label}, {gpus} GPUs: {bf16:,} -> {float8:,}, {float8 / bf16:.3f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="steps per trial, all timed (the first compiles)")
     parser.add_argument("--rows", default="", help="comma-separated row indices (default: all)")
+    parser.add_argument("--float8", action="store_true", help="the float8 matrix instead")
+    parser.add_argument("--published", action="store_true", help="the float8 estimate against published runs")
     args = parser.parse_args()
-    rows = [MATRIX[int(i)] for i in args.rows.split(",")] if args.rows else MATRIX
+    if args.published:
+        return published()
+    if args.float8 and FLOAT8_SITE.is_dir():
+        # `make test` puts torchao beside the venv, not in it (tests/float8_site.py says why): this
+        # process and the trials' ranks import it from there.
+        sys.path.insert(0, str(FLOAT8_SITE))
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(FLOAT8_SITE), os.environ.get("PYTHONPATH", "")) if p)
+    matrix = FLOAT8_MATRIX if args.float8 else MATRIX
+    rows = [matrix[int(i)] for i in args.rows.split(",")] if args.rows else matrix
     specs = [spec(*row) for row in rows]
     started = time.perf_counter()
     with RealBackend(device="cpu", warmup_steps=0, timed_steps=args.steps, timeout_s=1200) as real:
@@ -56,14 +107,15 @@ def main() -> None:
     with SimBackend(device_kind="cpu") as sim:
         predicted = [sim.evaluate(s) for s in specs]
     sim_s = time.perf_counter() - started
-    print(f"| model | ac | mb | compile | measured B | predicted B | predicted - measured | step times s (measured) |")
-    print("|---|---|---|---|---:|---:|---:|---|")
+    print(f"| model | ac | mb | compile | float8 | measured B | predicted B | predicted - measured | "
+          "step times s (measured) |")
+    print("|---|---|---|---|---|---:|---:|---:|---|")
     for row, m, p in zip(rows, measured, predicted):
         mp = m.extras.get("tensor_peak_bytes") if m.status == "ok" else None
         pp = p.extras.get("tensor_peak_bytes") if p.status == "ok" else None
         diff = f"{pp - mp:+,} ({(pp - mp) / mp:+.3%})" if mp and pp else f"{m.status}/{p.status}: {m.message or p.message}"
         times = max(m.extras.get("step_times_s") or [[]], key=sum) if m.status == "ok" else []
-        print(f"| {row[0]} | {row[1]} | {row[2]} | {row[3]} | {mp or 0:,} | {pp or 0:,} | {diff} | "
+        print(f"| {row[0]} | {row[1]} | {row[2]} | {row[3]} | {(row[4:] or ('none',))[0]} | {mp or 0:,} | {pp or 0:,} | {diff} | "
               f"{', '.join(f'{t:.2f}' for t in times)} |")
     print(f"\nreal trials {real_s:.0f} s (one launch), simulator {sim_s:.0f} s")
 

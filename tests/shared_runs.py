@@ -21,6 +21,7 @@ launches (a step of these models takes longer than a launch's start-up over a se
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -42,6 +43,8 @@ class TrialSet:
     """Called once, with a folder of the set's own (for config files a set writes)."""
     timed_steps: int = 1
     """1 for a memory check (the steady-state step); more where step times are compared."""
+    python_path: tuple[str, ...] = ()
+    """Folders the launch's processes import from besides the venv (tests/float8_site.py)."""
 
 
 _SETS: dict[str, TrialSet] = {}
@@ -58,9 +61,10 @@ with RealBackend(device='cpu', persistent=True, warmup_steps={WARMUP_STEPS}, tim
 """
 
 
-def register(name: str, module: str, make_specs: Callable[[Path], list[TrialSpec]], *, timed_steps: int = 1) -> None:
+def register(name: str, module: str, make_specs: Callable[[Path], list[TrialSpec]], *, timed_steps: int = 1,
+             python_path: tuple[str, ...] = ()) -> None:
     """Declare a set of real trials that tests of `module` (its __name__) compare with."""
-    _SETS[name] = TrialSet(name, module, make_specs, timed_steps)
+    _SETS[name] = TrialSet(name, module, make_specs, timed_steps, python_path)
 
 
 class SharedRuns:
@@ -86,8 +90,10 @@ class SharedRuns:
         every = [spec for trial_set in sets for spec in self._specs[trial_set.name]]
         log = self._folder / f"launch-{timed_steps}-timed.stderr.log"
         job = json.dumps(dict(timed_steps=timed_steps, specs=[s.to_dict() for s in every]))
+        extra = [folder for trial_set in sets for folder in trial_set.python_path]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([*extra, os.environ.get("PYTHONPATH", "")])) if extra else None
         with open(log, "w") as stderr:  # a file, not a pipe: nothing to fill while the ranks run
-            done = subprocess.run([sys.executable, "-c", _RUN_FOR_REAL], input=job,
+            done = subprocess.run([sys.executable, "-c", _RUN_FOR_REAL], input=job, env=env,
                                   stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=1800)
         assert done.returncode == 0, log.read_text()[-3000:]
         results = [TrialResult.from_dict(r) for r in json.loads(done.stdout.strip().splitlines()[-1])]

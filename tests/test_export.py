@@ -4,6 +4,7 @@ express is warned about, in the file and in Export.warnings; the fsdp2 script tr
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from autotune.catalog.models import resolve_model
 from autotune.errors import UsageError
 from autotune.export import FORMATS, KNOBS, export_result, write_exports
 from autotune.export._fsdp2 import copied_sources
+from tests import float8_site
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -647,6 +649,8 @@ def test_every_export_pins_the_traced_optimizer(run_result, tmp_path):
 TORCHTITAN_CHECK = r"""
 import json, sys, torch
 from torchtitan.config.manager import ConfigManager
+import torchtitan.components.quantization.float8 as float8
+float8.has_cuda_capability = lambda *_: True  # its converter checks for a float8 GPU (SM89+); this runs on CPUs
 for args in json.loads(sys.argv[1]):  # one exported command line per case
     cfg = ConfigManager().parse_args(args)  # torchtitan's own parser: unknown keys are refused
     with torch.device("meta"):
@@ -663,6 +667,10 @@ for args in json.loads(sys.argv[1]):  # one exported command line per case
         "ac": type(cfg.activation_checkpoint).__qualname__ if cfg.activation_checkpoint is not None else None,
         "checkpoint": [cfg.checkpoint.enable, cfg.checkpoint.interval, cfg.checkpoint.folder],
         "compile": [cfg.compile.enable, list(cfg.compile.components)],
+        "float8_linears": sum(type(m).__name__ == "Float8Linear" for m in model.modules()),
+        "block_linears": sum(type(m).__name__ in ("Linear", "Float8Linear") for n, m in model.named_modules()
+                             if ".layers." in f".{n}"),
+        "head": type(model.lm_head).__name__,
     }), flush=True)
 """
 
@@ -733,14 +741,28 @@ def torchtitan_builds(run_result, tmp_path_factory) -> dict:
     compiled["compile"] = {"mode": "blocks"}
     compiled_path = write(tmp_path_factory.mktemp("torchtitan"), compiled, "torchtitan")[0]
     runs.append(overrides_of(compiled_path.read_text()))
-    proc = subprocess.run([python, "-c", TORCHTITAN_CHECK, json.dumps(runs)],
+    env = dict(os.environ)
+    float8_path = None
+    float8_site.add_to_path()  # torchao beside the test venv (tests/float8_site.py)
+    if importlib.util.find_spec("torchao") is not None:
+        # float8 (rowwise): the script writes its registry module next to itself (run here with the stub
+        # torchrun); torchao from this environment (the same torch 2.13.0) where the torchtitan one lacks it.
+        float8_path = write(tmp_path_factory.mktemp("torchtitan"), dict(llama3_8b(run_result), float8={"recipe": "rowwise"}),
+                            "torchtitan")[0]
+        runs.append(_torchtitan_arguments(float8_path))
+        shim = tmp_path_factory.mktemp("torchao-shim")
+        (shim / "torchao").symlink_to(Path(importlib.util.find_spec("torchao").origin).parent)
+        env["PYTHONPATH"] = os.pathsep.join([str(float8_path.parent), str(shim)])
+    proc = subprocess.run([python, "-c", TORCHTITAN_CHECK, json.dumps(runs)], env=env,
                           capture_output=True, text=True, timeout=600, cwd=tmp_path_factory.mktemp("torchtitan-cwd"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     built = [json.loads(line[len("BUILT "):]) for line in proc.stdout.splitlines() if line.startswith("BUILT ")]
     assert len(built) == len(runs), proc.stdout[-3000:]
     builds = {case: (result, path, got) for (case, (result, path)), got in zip(exports.items(), built)}
-    builds["user-args"] = (None, last, built[-2])
-    builds["compiled"] = (compiled, compiled_path, built[-1])
+    builds["user-args"] = (None, last, built[-2 - (float8_path is not None)])
+    builds["compiled"] = (compiled, compiled_path, built[-1 - (float8_path is not None)])
+    if float8_path is not None:
+        builds["float8"] = (None, float8_path, built[-1])
     return builds
 
 
@@ -776,6 +798,21 @@ def test_torchtitan_compiles_each_block_when_compiled_blocks_were_tuned(torchtit
     fullgraph) with the loss eager, as autotune traced and ran it (tests/test_compile.py has the rest)."""
     _, path, got = torchtitan_builds["compiled"]
     assert got["compile"] == [True, ["model"]]
+    subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+@pytest.mark.slow
+def test_torchtitan_builds_float8_linears_from_the_written_registry_config(torchtitan_builds):
+    """float8: torchtitan 0.3 sets it in a config-registry function, not on its command line; the
+    script writes one (llama3_8b with Float8LinearConverter, rowwise, lm_head filtered) and names it:
+    torchtitan's own ConfigManager imports it and its converter swaps every linear of its blocks (its
+    llama3 has 5 a block: fused wqkv, wo, w1, w2, w3), the head left high precision."""
+    if "float8" not in torchtitan_builds:
+        pytest.skip("torchao (the float8 extra) is not installed")
+    _, path, got = torchtitan_builds["float8"]
+    assert (got["module"], got["flavor"]) == ("llama3", "8B")
+    assert got["float8_linears"] == got["block_linears"] > 0 and got["head"] != "Float8Linear"
+    assert got["compile"][0] is False
     subprocess.run(["bash", "-n", str(path)], check=True)
 
 

@@ -352,6 +352,10 @@ class AnalyticBackend(TrialBackend):
             tokens_per_sec, _, _, compiled_basis = costmodel.compiled_throughput(tokens_per_sec)
             tps_basis += f"; {compiled_basis}"
             compile_speedup = dict(ratio=costmodel.COMPILE_SPEEDUP, source="estimated", basis=compiled_basis)
+        if spec.train.float8 != "none":
+            # The closed form counts neither the converted matmuls nor the casts (the simulator traces them).
+            tps_basis += ("; float8 not costed by the closed form: the high-precision estimate (the simulator "
+                          "traces the float8 matmuls and casts, docs/COMPILE.md)")
         if memory.offloaded_activation_bytes:
             # The copies to the host and back, on the compute stream (not overlapped), at the host link's rate.
             gbps = costmodel.host_link_gbps(spec.cluster.gpu)

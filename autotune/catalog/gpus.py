@@ -26,20 +26,33 @@ class GPUSpec:
     intra_node_gbps: float  # GB/s per GPU, one direction
     inter_node_gbps: float  # GB/s per GPU, one direction
     source: str
+    float8_tflops: float = 0.0
+    """Dense float8 (e4m3/e5m2, fp32 accumulate) tensor-core peak from the data sheet, TFLOP/s; 0: the
+    part has no float8 tensor cores (Ampere and older), and float8 training is refused on it."""
+    float8_source: str = ""
+
+    @property
+    def has_float8(self) -> bool:
+        return self.float8_tflops > 0
 
     def to_dict(self) -> dict:
         return dict(type=self.name, memory_bytes=self.memory_bytes, supports_bf16=self.supports_bf16,
                     peak_tflops=self.peak_tflops, hbm_gbps=self.hbm_gbps,
-                    intra_node_gbps=self.intra_node_gbps, inter_node_gbps=self.inter_node_gbps)
+                    intra_node_gbps=self.intra_node_gbps, inter_node_gbps=self.inter_node_gbps,
+                    float8_tflops=self.float8_tflops)
 
 
 GPUS: dict[str, GPUSpec] = {g.name: g for g in [
     GPUSpec(name="h100-80gb", memory_bytes=81559 * MiB, supports_bf16=True, peak_tflops=989.0,
             hbm_gbps=3350, intra_node_gbps=450, inter_node_gbps=50,
-            source="NVIDIA H100 SXM5 data sheet; NVLink 4 900 GB/s bidirectional; 400 Gb/s NIC"),
+            source="NVIDIA H100 SXM5 data sheet; NVLink 4 900 GB/s bidirectional; 400 Gb/s NIC",
+            float8_tflops=1979.0, float8_source="NVIDIA H100 SXM5 data sheet: FP8 Tensor Core 3,958 TFLOPS with "
+                                                "sparsity, 1,979 dense"),
     GPUSpec(name="h200-141gb", memory_bytes=143771 * MiB, supports_bf16=True, peak_tflops=989.0,
             hbm_gbps=4800, intra_node_gbps=450, inter_node_gbps=50,
-            source="NVIDIA H200 SXM data sheet; NVLink 4; 400 Gb/s NIC"),
+            source="NVIDIA H200 SXM data sheet; NVLink 4; 400 Gb/s NIC",
+            float8_tflops=1979.0, float8_source="NVIDIA H200 SXM data sheet: FP8 Tensor Core 3,958 TFLOPS with "
+                                                "sparsity, 1,979 dense"),
     GPUSpec(name="a100-80gb", memory_bytes=81920 * MiB, supports_bf16=True, peak_tflops=312.0,
             hbm_gbps=2039, intra_node_gbps=300, inter_node_gbps=25,
             source="NVIDIA A100 SXM4 80GB data sheet; NVLink 3 600 GB/s bidirectional; 200 Gb/s NIC"),
@@ -48,10 +61,15 @@ GPUS: dict[str, GPUSpec] = {g.name: g for g in [
             source="NVIDIA A100 SXM4 40GB data sheet; NVLink 3; 200 Gb/s NIC"),
     GPUSpec(name="l40s-48gb", memory_bytes=46068 * MiB, supports_bf16=True, peak_tflops=362.0,
             hbm_gbps=864, intra_node_gbps=32, inter_node_gbps=12.5,
-            source="NVIDIA L40S data sheet; PCIe Gen4 x16; 100 Gb/s NIC"),
+            source="NVIDIA L40S data sheet; PCIe Gen4 x16; 100 Gb/s NIC",
+            float8_tflops=733.0, float8_source="NVIDIA L40S data sheet: FP8 Tensor Core 733 TFLOPS dense (1,466 "
+                                               "with sparsity)"),
     GPUSpec(name="rtx4090-24gb", memory_bytes=24564 * MiB, supports_bf16=True, peak_tflops=165.2,
             hbm_gbps=1008, intra_node_gbps=32, inter_node_gbps=12.5,
-            source="NVIDIA Ada whitepaper (bf16, fp32 accumulate); PCIe Gen4 x16"),
+            source="NVIDIA Ada whitepaper (bf16, fp32 accumulate); PCIe Gen4 x16",
+            float8_tflops=330.3, float8_source="NVIDIA Ada whitepaper, RTX 4090: FP8 tensor 330.3 TFLOPS dense "
+                                               "with fp32 accumulate (660.6 with sparsity), half the fp16-accumulate "
+                                               "rate as for its bf16 figure"),
     GPUSpec(name="a10g-24gb", memory_bytes=23028 * MiB, supports_bf16=True, peak_tflops=70.0,
             hbm_gbps=600, intra_node_gbps=32, inter_node_gbps=3.1,
             source="AWS g5 (A10G) figures; PCIe Gen4; 100 Gb/s per 8-GPU node"),

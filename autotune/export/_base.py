@@ -99,6 +99,8 @@ class Tuned:
     """torch.compile of the decoder blocks: none or blocks (results from before the knob: none)."""
     stack: str = "fsdp2"
     """Whose step the memory was predicted for (results from before `--stack`: fsdp2, autotune's loop)."""
+    float8: str = "none"
+    """float8 training of the blocks' linears: none, tensorwise or rowwise (before the knob: none)."""
 
     @property
     def stack_precision(self) -> str:
@@ -171,6 +173,7 @@ class Tuned:
                 shard_placement=str(values["shard_placement"]),
                 activation_offload=bool(values["activation_offload"]),
                 compile=str(values["compile"]),
+                float8=str(values["float8"]),
                 cpu_offload=bool(fsdp["cpu_offload"]),
                 reshard_after_forward=bool(fsdp["reshard_after_forward"]),
                 micro_batch_size=int(result["micro_batch_size"]),
@@ -276,6 +279,13 @@ def map_knobs_not_expressed(tuned: Tuned, mapper: Mapper, *, stack: str, express
                                 "block yourself (block.compile(fullgraph=True) after checkpointing, before FSDP "
                                 "wraps it), or run eager (slower, and memory differs from the compiled trace: "
                                 "docs/COMPILE.md)")
+    _map_unless_written(mapper, "float8", at_default=tuned.float8 == "none",
+                        default="high-precision linears, as tuned",
+                        missing=f"float8 training ({tuned.float8}) is not written for {stack}: convert the decoder "
+                                "blocks' linears yourself with torchao (convert_to_float8_training, lm_head left out; "
+                                "tensorwise with Float8LinearConfig(enable_fsdp_float8_all_gather=True) and "
+                                "precompute_float8_dynamic_scale_for_fsdp after each optimizer step) before FSDP "
+                                "wraps them, or train in high precision (slower than estimated; docs/COMPILE.md)")
     if "shard_placement" not in {m.knob for m in mapper.mappings}:
         if tuned.shard_placement == "dim0":
             mapper.mapped("shard_placement", "every parameter sharded on dimension 0 (FSDP's default), as tuned")

@@ -23,10 +23,11 @@ TARGET = f"PyTorch FSDP2 (torch.distributed.fsdp.fully_shard), torch {torch.__ve
 
 # Copied verbatim, in dependency order.
 _SOURCES = (
-    _knobs.Checkpointing, _knobs.shard_dim, _parallel.ParallelDims,
+    _knobs.Checkpointing, _knobs.shard_dim, _knobs.float8_converts, _parallel.ParallelDims,
     _blocks.Blocks, _blocks.find_decoder_blocks, _blocks._config_depth, _blocks._block_class_name,
     _parallel.mixed_precision_policy,
-    _parallel.op_sac_policy, _parallel.apply_ac, _parallel.apply_compile, _parallel.shard_placement_fn,
+    _parallel.op_sac_policy, _parallel.apply_ac, _parallel.apply_compile, _parallel.float8_linear_config,
+    _parallel.apply_float8, _parallel.shard_placement_fn,
     _parallel.apply_fsdp, _parallel.parallelize,
     _training.trainable_parameters, _training.make_optimizer, _training.token_batches,
     _training.OffloadedActivations, _training.train_step,
@@ -55,6 +56,10 @@ def map_parallelize_knobs(m: Mapper, *, precision_also: str = "") -> None:
              "applied on GPUs only: on CPUs the host is the device")
     m.mapped("compile", "apply_compile in parallelize() (each decoder block's forward torch.compile(fullgraph=True, "
                         "dynamic=False), inductor, after checkpointing and before fully_shard)")
+    m.mapped("float8", "apply_float8 in parallelize() (torchao's convert_to_float8_training on the blocks' linears, "
+                       "lm_head and dimensions not divisible by 16 left high precision; tensorwise: FSDP2's float8 "
+                       "all-gather, precompute_float8_dynamic_scale_for_fsdp after each optimizer step in "
+                       "make_optimizer)", "needs torchao (pip install --no-deps torchao) and a GPU with float8")
 
 
 def export_fsdp2(tuned: Tuned) -> Export:
@@ -214,6 +219,7 @@ class TrainConfig:
     shard_placement: str = "dim0"
     activation_offload: bool = False
     compile: str = "none"
+    float8: str = "none"
 
     @property
     def fsdp_reshard_after_forward(self) -> bool | int:
@@ -249,6 +255,7 @@ _OP = re.compile({_knobs._OP.pattern!r})
 SUPPORTED_FAMILIES = {_blocks.SUPPORTED_FAMILIES!r}
 MIN_OFFLOAD_BYTES = {_training.MIN_OFFLOAD_BYTES!r}
 COMPILE_BACKEND = {_knobs.COMPILE_BACKEND!r}
+FLOAT8_SKIPPED = {_parallel.FLOAT8_SKIPPED!r}
 PARAM_DTYPES = {{{dtypes}}}
 
 
@@ -260,7 +267,7 @@ TUNED = TrainConfig(precision={t.precision!r}, activation_checkpointing=Checkpoi
                     micro_batch_size={t.micro_batch_size!r}, optimizer_impl={t.optimizer_impl!r},
                     shard_group_size={t.shard_group_size!r}, reshard_group_size={t.reshard_group_size!r},
                     shard_placement={t.shard_placement!r}, activation_offload={t.activation_offload!r},
-                    compile={t.compile!r})
+                    compile={t.compile!r}, float8={t.float8!r})
 
 '''
 

@@ -52,9 +52,47 @@ def registry_config(t: Tuned) -> tuple[str, str]:
         f"({', '.join(c for _, c in _REGISTRY)}); use the fsdp2 export for this model")
 
 
+FLOAT8_MODULE = "autotune_float8"
+"""The config-registry module a float8 export writes next to its script: torchtitan 0.3 sets float8 in
+a registry function (`model_registry(..., converters=[Float8LinearConverter.Config(...)])`), not on the
+command line, and its ConfigManager imports a registry module named by `--module`."""
+
+
+def float8_registry(module: str, config: str, t: Tuned) -> str:
+    """The registry module: torchtitan's own `config` with torchao's float8 linears, rowwise (the only
+    recipes torchtitan 0.3's converter has), lm_head left high precision as its llama3_405b config does."""
+    return f'''"""{config} with float8 linears (torchtitan 0.3's Float8LinearConverter), written by autotune."""
+from torchtitan.components.quantization import Float8LinearConverter
+from torchtitan.models.{module} import model_registry
+from torchtitan.models.{module}.config_registry import {config} as _tuned_base
+
+
+def {config}_float8():
+    config = _tuned_base()
+    config.model_spec = model_registry(config.model_spec.flavor, converters=[
+        Float8LinearConverter.Config(recipe_name="rowwise", filter_fqns=["lm_head"],
+                                     model_compile_enabled={t.compile != "none"}),
+    ])
+    return config
+'''
+
+
 def export_torchtitan(t: Tuned) -> Export:
     module, config = registry_config(t)
     m = Mapper()
+    registry = None
+    if t.float8 != "none":
+        registry = float8_registry(module, config, t)
+        module, config = FLOAT8_MODULE, f"{config}_float8"
+        key = (f"--module {module} --config {config} ({module}.py, written by the script: Float8LinearConverter, "
+               "recipe rowwise, lm_head filtered)")
+        if t.float8 == "rowwise":
+            m.mapped("float8", key, "torchao's rowwise recipe; needs torchao and a GPU with float8 (SM89+)")
+        else:
+            m.approximated("float8", key,
+                           "torchtitan 0.3's float8 converter has rowwise recipes only (no tensorwise, no float8 "
+                           "all-gather): rowwise written, with bf16 all-gathers; torchao's published Llama3-8B runs "
+                           "were 1.25x (tensorwise) and 1.10x (rowwise) over bf16, so expect less than tuned")
     if t.precision == "fp16":
         param = "bfloat16"
         m.approximated("precision", "--training.mixed-precision-param bfloat16",
@@ -150,7 +188,11 @@ def export_torchtitan(t: Tuned) -> Export:
             f"{nodes_note(t, ranks=False)}"
             f"# (global batch {t.global_batch_size} sequences = {t.micro_batch_size} x {t.gpus} GPUs x "
             f"{t.grad_accum_steps} accumulation steps).\n"
-            "set -euo pipefail\n" + " \\\n".join(lines) + "\n")
+            "set -euo pipefail\n"
+            + (f"# float8: torchtitan 0.3 sets it in a config-registry function; this one is written next to the script.\n"
+               f"cat > \"$(dirname \"$0\")/{FLOAT8_MODULE}.py\" <<'PY'\n{registry}PY\n"
+               f"export PYTHONPATH=\"$(cd \"$(dirname \"$0\")\" && pwd)${{PYTHONPATH:+:$PYTHONPATH}}\"\n" if registry else "")
+            + " \\\n".join(lines) + "\n")
     return build_export(fmt="torchtitan", filename="torchtitan.sh", target=TARGET, tuned=t, mapper=m,
                         expresses=("op_level_ac", "hsdp"),
                         prologue="#!/usr/bin/env bash\n", body=body)
@@ -158,7 +200,9 @@ def export_torchtitan(t: Tuned) -> Export:
 
 def overrides_of(text: str) -> list[str]:
     """The torchtitan.train arguments of an exported script (for tests and tools)."""
-    command = " ".join(line.rstrip("\\").strip() for line in text.splitlines()
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if "torchtitan.train" in line)  # after a float8 registry
+    command = " ".join(line.rstrip("\\").strip() for line in lines[start:]
                        if line.strip() and not line.lstrip().startswith(("#", "set ")))
     words = shlex.split(command)
     return [w for w in words[words.index("torchtitan.train") + 1:] if w != "$@"]

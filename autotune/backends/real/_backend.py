@@ -281,6 +281,8 @@ class RealBackend(TrialBackend):
             world_size=world)
         if spec.train.compile != "none":
             extras["compiled_graphs"] = min(int(r.get("compiled_graphs", 0)) for r in ranks)
+        if spec.train.float8 != "none":
+            extras["float8_linears"] = min(int(r.get("float8_linears", 0)) for r in ranks)
         if on_cuda:
             peak = self._cuda_peak(ranks, where, extras)
             if tokens_per_sec is not None:

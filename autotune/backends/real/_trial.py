@@ -139,6 +139,9 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
         from torch._dynamo.utils import counters
 
         figures["compiled_graphs"] = int(counters["stats"]["unique_graphs"])
+    if spec.train.float8 != "none":
+        # Linears torchao swapped for Float8Linear on this rank: 0 would mean a high-precision run.
+        figures["float8_linears"] = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
     if on_cuda:
         from autotune.runtime_memory import measure_outside_allocator
 

@@ -384,6 +384,9 @@ class SimBackend(TrialBackend):
                                                op_work=notes.get("op_work"))
         if spec.train.compile != "none" and throughput is not None and throughput.value and self.device_kind == "cuda":
             throughput = _compiled(throughput, extras)
+        if (spec.train.float8 != "none" and throughput is not None and throughput.value and self.device_kind == "cuda"
+                and "gpu_compute_s" in (extras.get("step_time") or {})):  # the roofline (a profile costs traced ops)
+            throughput = _float8(throughput, spec, notes.get("op_work") or {}, extras)
         if offloaded and throughput is not None and throughput.value:
             throughput = _with_activation_transfers(throughput, spec, offloaded, extras)
         host_figure = None
@@ -470,7 +473,8 @@ class SimBackend(TrialBackend):
             # A compiled block is one call, not its traced graph's ops: the host's dispatch time is
             # left out for compiled blocks (docs/COMPILE.md), the published ratio covers the rest.
             dispatched_ops_per_microbatch=0.0 if spec.train.compile != "none" else (op_work or {}).get("dispatched_ops", 0.0),
-            hidden_size=model_shape(spec.model).hidden, trainable=trainable_split(spec))
+            hidden_size=model_shape(spec.model).hidden, trainable=trainable_split(spec),
+            float8_block_params=trace.float8_gathered_params)
         step = costmodel.estimate_step_time(work, spec.cluster, shard_group_size=spec.train.shard_group_size,
                                             reshard_group_size=spec.train.reshard_group_size)
         extras["step_time"] = step.to_dict()
@@ -493,6 +497,30 @@ def _compiled(throughput: Figure, extras: dict[str, Any]) -> Figure:
         extras["tokens_per_sec_range"] = [low, high]
     extras["compile_speedup"] = dict(ratio=costmodel.COMPILE_SPEEDUP, source="estimated", basis=basis)
     return Figure(value, "estimated", f"{throughput.basis}; {basis}")
+
+
+def _float8(throughput: Figure, spec: TrialSpec, op_work: dict[str, float], extras: dict[str, Any]) -> Figure:
+    """A float8 configuration's tokens/s: its step (after the published compile ratio, where compiled)
+    less what the traced float8 matmuls save, plus their casts (costmodel.float8_step_seconds; the
+    float8 all-gather's smaller bytes are in the step's collectives already). The range moves with it."""
+    accum = spec.grad_accum_steps
+    step_s = spec.train.micro_batch_size * spec.seq_len * accum * spec.cluster.num_gpus / throughput.value
+    roofline = extras["step_time"]
+    scale = step_s / roofline["seconds"]  # the published compile ratio's share (1 when eager)
+    gpu_s, host_s = roofline["gpu_compute_s"] * scale, roofline["host_s"] * scale
+    gpu = spec.cluster.gpu
+    saved_s, casts_s, basis = costmodel.float8_step_seconds(
+        gpu=gpu, float8_flops=op_work.get("float8_matmul_flops", 0.0) * accum,
+        cast_elements=op_work.get("float8_cast_elements", 0.0) * accum, compiled=spec.train.compile != "none",
+        efficiency=extras["flops_per_gpu_per_step"] / (roofline["gpu_compute_s"] * gpu.peak_tflops * 1e12))
+    # The host's dispatch time (eager: the casts' ops are in the traced count) still bounds the step.
+    float8_s = step_s - max(gpu_s, host_s) + max(gpu_s - saved_s + casts_s, host_s)
+    ratio = step_s / float8_s
+    extras["float8"] = dict(recipe=spec.train.float8, high_precision_tokens_per_sec=throughput.value,
+                            saved_s=saved_s, casts_s=casts_s, speedup=ratio, source="estimated", basis=basis)
+    if extras.get("tokens_per_sec_range"):
+        extras["tokens_per_sec_range"] = [v * ratio for v in extras["tokens_per_sec_range"]]
+    return Figure(throughput.value * ratio, "estimated", f"{throughput.basis}; {basis}")
 
 
 def _with_activation_transfers(throughput: Figure, spec: TrialSpec, offloaded: dict[str, int],

@@ -66,10 +66,11 @@ def _grouped_query_safe(formula):
 FLOP_FORMULAS = {op: _grouped_query_safe(formula) if "scaled_dot_product" in str(op) else formula
                  for op, formula in FLOP_FORMULAS.items()}
 
-OP_KINDS = ("matmul", "attention", "memory")
-"""How the step-time model costs an op (autotune/costmodel.py, `OpWork`): matmuls by FLOPs,
-attention kernels by FLOPs, every other op that makes or writes a tensor by the bytes it reads
-and writes. Views, metadata queries and collectives (costed per FSDP unit) are not counted."""
+OP_KINDS = ("matmul", "float8_matmul", "attention", "memory")
+"""How the step-time model costs an op (autotune/costmodel.py, `OpWork`): matmuls by FLOPs (float8
+ones, `_scaled_mm`, apart: they run at the GPU's float8 rate), attention kernels by FLOPs, every
+other op that makes or writes a tensor by the bytes it reads and writes. Views, metadata queries
+and collectives (costed per FSDP unit) are not counted."""
 
 
 @functools.cache
@@ -79,6 +80,8 @@ def _op_kind(func) -> str | None:
         return "attention"
     if packet in (_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm):
         return "matmul"
+    if packet is _aten._scaled_mm:
+        return "float8_matmul"
     if func.namespace not in ("aten", "prims"):  # c10d / _c10d_functional collectives, fsdp ops
         return None
     returns = func._schema.returns
@@ -159,6 +162,8 @@ class StepTrace:
     blocks were kept, else the peak over the ends."""
     block_params: int
     root_params: int
+    float8_gathered_params: int = 0
+    """Parameters of one block FSDP2 all-gathers in float8 (tensorwise float8's all-gather)."""
     pinned_param_bytes: dict[str, int] = field(default_factory=dict)
     """Host bytes a pinned copy of one rank's fp32 shards takes ('block', 'root'): the pinned
     host allocator rounds every allocation up to a power of two."""
@@ -171,12 +176,29 @@ class StepTrace:
     with the micro-batch."""
     op_work: dict[str, float] = field(default_factory=dict)
     """Forward + backward of one micro-batch on one rank, by how the step-time model costs each
-    op (`OP_KINDS`): '<kind>_ops' (count), 'matmul_flops', 'attention_flops', 'memory_bytes'."""
+    op (`OP_KINDS`): '<kind>_ops' (count), 'matmul_flops', 'float8_matmul_flops', 'attention_flops',
+    'memory_bytes', 'float8_cast_elements' (the float8 matmuls' operands: what the casts wrote)."""
     offloaded: dict[str, int] = field(default_factory=dict)
     """Activation offload (GPU runs): 'host_bytes', the most one rank holds in pinned host memory
     at once, and 'moved_bytes', what one micro-batch copies each way (training.OffloadedActivations)."""
     derived_from: tuple[int, ...] = ()
     """The two world sizes this trace was derived from (_world.derive), or () where it was traced."""
+
+
+def _float8_flatten_without_reading_scales() -> None:
+    """torchao 0.18's float8 weight wrapper (`WeightWithDynamicFloat8CastTensor`, FSDP2's float8
+    all-gather) lists its precomputed scale when flattened only `if self._precomputed_scale:`, the
+    scale's truth value: a read of its data, which fake tensors refuse (DataDependentOutputException
+    from FSDPMemTracker, which flattens every parameter once precompute_float8_dynamic_scale_for_fsdp
+    has set the scales). A scale is max-float8 / amax (amax clamped above 0): never zero, so `is not
+    None` lists the same tensors. Replaced for this process; idempotent."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Weight
+
+    def flatten(self):
+        tensors = ["_tensor"] + (["_precomputed_scale"] if self._precomputed_scale is not None else [])
+        return tensors, {"mm_config": self._linear_mm_config, "dtype": self._dtype}
+
+    Weight.__tensor_flatten__ = flatten
 
 
 def _next_pow2(n: int) -> int:
@@ -304,6 +326,10 @@ class _SiteTracker(FSDPMemTracker):
             if self._counts_as_op:  # not the metadata queries fake tensors make
                 self.op_work["dispatched_ops"] = self.op_work.get("dispatched_ops", 0) + 1
             kind = _op_kind(func)
+            if kind == "matmul" and any(type(a).__name__ == "Float8TrainingTensor" for a in args):
+                # Eager float8: the mode sees torchao's tensor subclass's mm, which runs `_scaled_mm`
+                # below the mode (compiled blocks dispatch `_scaled_mm` itself).
+                kind = "float8_matmul"
             if kind is not None:
                 work = self.op_work
                 work[f"{kind}_ops"] = work.get(f"{kind}_ops", 0) + 1
@@ -315,6 +341,8 @@ class _SiteTracker(FSDPMemTracker):
                         work["memory_bytes_large"] = work.get("memory_bytes_large", 0) + moved
                 else:
                     work[f"{kind}_flops"] = work.get(f"{kind}_flops", 0) + op_flops
+                if kind == "float8_matmul":  # each float8 operand is one dynamic cast's output (or a transpose of one)
+                    work["float8_cast_elements"] = work.get("float8_cast_elements", 0) + args[0].numel() + args[1].numel()
         return out
 
     def _update_peak_stats(self, peak_state) -> None:
@@ -359,6 +387,7 @@ class _Built:
     block_params: int
     root_params: int
     pinned: dict[str, int]
+    float8_gathered_params: int = 0
     optimizer_sites: dict[SiteKey, dict[str, int]] | None = None
     sync_sites: dict[SiteKey, dict[str, int]] | None = None
     sync_largest_allocation: int = 0
@@ -461,6 +490,7 @@ class Tracer:
         return StepTrace(depth=depth, sites=sites, flops=flops,
                          tensor_peak_bytes=max(sum(c.values()) for c in sites.values()),
                          block_params=built.block_params, root_params=built.root_params,
+                         float8_gathered_params=built.float8_gathered_params,
                          pinned_param_bytes=dict(built.pinned), duration_s=time.perf_counter() - start,
                          largest_allocation_bytes=int(tracker.largest_allocation),
                          sync_largest_allocation_bytes=built.sync_largest_allocation if weight_sync else 0,
@@ -491,6 +521,8 @@ class Tracer:
             prepare_step(model, step=step, precision=train.precision, device_type=_CPU.type)
             if train.compile != "none":
                 register_rng_rules(_SiteTracker)
+            if train.float8 != "none":
+                _float8_flatten_without_reading_scales()
             optimizer = make_optimizer(model, impl=train.optimizer_impl)
             _warm_up(model, optimizer)
         block_ids = {id(p) for p in blocks.layers.parameters()}
@@ -500,8 +532,11 @@ class Tracer:
             "block": sum(_next_pow2(p.to_local().nbytes) for p in blocks.layers[0].parameters()),
             "root": sum(_next_pow2(p.to_local().nbytes) for p in model.parameters() if id(p) not in block_ids),
         }
+        float8_gathered = sum(m.weight.numel() for m in blocks.layers[0].modules()
+                              if getattr(getattr(m, "config", None), "enable_fsdp_float8_all_gather", False))
         built = _Built(model=model, optimizer=optimizer, blocks=blocks, block_params=block_params,
-                       root_params=root_params, pinned=pinned, reshard_after_forward=train.reshard_after_forward)
+                       root_params=root_params, pinned=pinned, reshard_after_forward=train.reshard_after_forward,
+                       float8_gathered_params=float8_gathered)
         self._models[key] = built
         return built
 
