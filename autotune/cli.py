@@ -24,7 +24,7 @@ from autotune.api import (check_multi_node, check_out_file, check_wrappable, cho
                           run_tune, write_formats)
 from autotune.errors import AutotuneError, NothingFits, StorageUnavailable, UsageError
 from autotune.interrupts import raised_where_safe
-from autotune.config import PEFT_METHODS, STACKS
+from autotune.config import PEFT_METHODS, STACKS, check_float8_library
 from autotune.options import (BACKENDS, COMPILE_SEARCH, FLOAT8_SEARCH, SEQ_LEN_STEP, WORKLOADS, TuneOptions, duration, fraction, number,
                               positive_int, usage_error)
 
@@ -423,6 +423,8 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
                                                            workload=workload),
                      workload=workload, finetuning=finetuning, stack=stack)
     backend_name, why = choose_backend(args.backend, cluster)
+    if train.float8 != "none" and backend_name != "analytic":
+        check_float8_library(f"--float8 {train.float8}")  # traced or run: torchao's float8 linears
     console.note(f"backend: {backend_name} ({why})")
     backend = make_backend(backend_name, args)
     try:

@@ -337,6 +337,16 @@ class FineTuning:
         return cls(**{k: data[k] for k in ("peft", "rank", "alpha", "dropout", "targets") if k in data})
 
 
+
+def check_float8_library(flag: str) -> None:
+    """float8 training runs torchao's float8 linears (parallel.apply_float8): without the `float8` extra
+    installed, say so in one line before anything is traced or launched."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        raise UsageError(f"{flag}: float8 training needs torchao, the float8 extra: pip install 'autotune[float8]' "
+                         "(beside a CUDA torch: pip install --no-deps torchao); or use --float8 none")
+
 @dataclass(frozen=True, kw_only=True)
 class TrialSpec:
     """Everything a backend needs to evaluate one configuration."""

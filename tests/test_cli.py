@@ -612,3 +612,24 @@ def test_the_program_exits_with_main_s_code_after_the_exit_handlers_ran():
     bad = subprocess.run([sys.executable, "-c", script, "--model", "tiny-llama", "--gpus", "0", "--global-tokens", "4M"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "error: argument --gpus" in bad.stderr and "exit handler ran" in bad.stdout
+
+
+def test_float8_without_torchao_is_one_line_before_anything_is_traced():
+    """`--float8` traces and runs torchao's float8 linears: where the float8 extra is not installed
+    (the test venv keeps it out: tests/float8_site.py), a trial or a tune that would trace it stops
+    with one line naming the extra, exit 2; the analytic backend, which does not trace, is not refused."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    has_torchao = subprocess.run([sys.executable, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('torchao') is None)"],
+                                 env=env).returncode == 0
+    if has_torchao:
+        pytest.skip("torchao is installed in this environment: nothing to refuse")
+    problem = ["--model", "micro-llama", "--gpus", "2", "--gpu-type", "h100-80gb", "--float8", "tensorwise"]
+    for argv in (["trial", *problem, "--backend", "sim"], [*problem, "--global-tokens", "4096", "--backend", "sim"]):
+        proc = subprocess.run([sys.executable, "-m", "autotune", *argv], env=env, capture_output=True, text=True,
+                              timeout=300, cwd=ROOT)
+        errors = [line for line in proc.stderr.splitlines() if "error" in line]
+        assert proc.returncode == EXIT_USAGE, proc.stderr
+        assert len(errors) == 1 and "pip install 'autotune[float8]'" in errors[0] and "Traceback" not in proc.stderr
+    analytic = subprocess.run([sys.executable, "-m", "autotune", "trial", *problem, "--backend", "analytic"], env=env,
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert analytic.returncode == EXIT_OK, analytic.stderr
