@@ -392,6 +392,12 @@ def test_calibrated_host_time_per_op_matches_a_real_step_and_the_trace_count(mon
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(calibrate._free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
+    # One thread, as every calibration rank and cpu trial runs (torchrun's OMP_NUM_THREADS=1): with the
+    # pytest worker's default of one per core, the other xdist worker's launches made OpenMP's waiting
+    # threads stall this tiny step 4-13x in one part of the test and not the other (2026-11-25: host
+    # 173 ms against a wall of 39 ms, where alone they are 13 and 15 ms).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         mesh = init_device_mesh("cpu", (1,))
         host = calibrate.bench_host_overhead(model, device=torch.device("cpu"), mesh=mesh, repeats=5)
@@ -406,6 +412,7 @@ def test_calibrated_host_time_per_op_matches_a_real_step_and_the_trace_count(mon
             net(input_ids=ids, labels=ids).loss.backward()
             walls.append(time.perf_counter() - start)
     finally:
+        torch.set_num_threads(threads)
         dist.destroy_process_group()
     spec = TrialSpec(model=model, cluster=Cluster(num_gpus=1), seq_len=8, train=TrainConfig(micro_batch_size=1))
     with SimBackend(device_kind="cpu", extrapolate=False, screen=False) as backend:  # releases its fake group

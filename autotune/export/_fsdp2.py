@@ -30,7 +30,7 @@ _SOURCES = (
     _parallel.apply_float8, _parallel.shard_placement_fn,
     _parallel.apply_fsdp, _parallel.parallelize,
     _training.trainable_parameters, _training.make_optimizer, _training.token_batches,
-    _training.OffloadedActivations, _training.train_step,
+    _training.OffloadedActivations, _training.micro_batch_loss, _training.train_step,
 )
 
 
