@@ -19,7 +19,7 @@ import pytest
 from tests import float8_site
 
 float8_site.add_to_path()  # torchao beside the venv (tests/float8_site.py): this process only
-pytest.importorskip("torchao.float8", reason="the float8 extra (torchao) is not installed: make setup installs it")
+pytest.importorskip("torchao.float8", reason="the float8 extra (torchao) is not installed: make test installs it in .float8-site")
 
 from autotune import costmodel  # noqa: E402
 from autotune.catalog.models import resolve_model  # noqa: E402
