@@ -71,17 +71,15 @@ def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
         space = dataclasses.replace(space, compile=options.compile)
     if options.float8 is not None:  # --float8 overrides the search space's float8.mode
         space = dataclasses.replace(space, float8=options.float8)
-    if space.float8 not in ("none", "explore") and not cluster.gpu.has_float8:
-        raise UsageError(f"--float8 {space.float8}: {cluster.gpu.name} has no float8 tensor cores (H100, H200 and "
-                         "Ada GPUs have them); use --float8 none")
+    from autotune.config import check_float8_gpu, check_float8_library
+
+    check_float8_gpu(space.float8, cluster.gpu)  # before the run folder: nothing half-written
     formats = parse_formats(options.export) if options.export else []
     check_out_file(options.out)
     check_wrappable(model)
     runs_dir = ensure_writable(Path(options.runs_dir))
     backend_name, backend_why = choose_backend(options.backend, cluster)
     if space.float8 != "none" and cluster.gpu.has_float8 and backend_name != "analytic":
-        from autotune.config import check_float8_library
-
         check_float8_library(f"--float8 {space.float8}")  # traced or run: torchao's float8 linears
     if backend_name in ("cpu", "cuda") and cluster.host_memory_bytes is None:
         # Real trials run where the job will run: this machine's memory is the host memory per node.

@@ -338,6 +338,13 @@ class FineTuning:
 
 
 
+def check_float8_gpu(recipe: str, gpu) -> None:
+    """A float8 recipe (not `none` or the search's `explore`) needs a GPU with float8 tensor cores."""
+    if recipe not in ("none", "explore") and not gpu.has_float8:
+        raise UsageError(f"--float8 {recipe}: {gpu.name} has no float8 tensor cores (H100, H200 and Ada GPUs have "
+                         "them); use --float8 none")
+
+
 def check_float8_library(flag: str) -> None:
     """float8 training runs torchao's float8 linears (parallel.apply_float8): without the `float8` extra
     installed, say so in one line before anything is traced or launched."""
@@ -365,9 +372,7 @@ class TrialSpec:
 
     def __post_init__(self) -> None:
         check_stack(self.stack)
-        if self.train.float8 != "none" and not self.cluster.gpu.has_float8:
-            raise UsageError(f"--float8 {self.train.float8}: {self.cluster.gpu.name} has no float8 tensor cores (H100, "
-                             "H200 and Ada GPUs have them); use --float8 none")
+        check_float8_gpu(self.train.float8, self.cluster.gpu)
         if self.train.float8 != "none" and self.finetuning.lora:
             raise UsageError(f"--float8 {self.train.float8} with --peft lora: float8 training converts the frozen "
                              "base linears too (not supported here); use --float8 none")
