@@ -25,7 +25,7 @@ $(BIN)/autotune: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_PIN)
-	$(BIN)/pip install -q -e '.[test,exports,finetune]'
+	$(BIN)/pip install -q -e '.[test,exports,finetune,qlora]'
 	@touch $@
 
 $(FLOAT8_SITE)/.installed: $(BIN)/autotune
@@ -54,13 +54,14 @@ run: setup
 	$(BIN)/autotune --model llama-7b --gpus 8 --global-tokens 4M
 
 # The whole test suite (installs what it needs: Chromium for the report test, PostgreSQL and Slurm for the sweep tests).
-# Two pytest-xdist workers, each taking whole test modules (module fixtures are made once): much of
-# the suite is one busy core (tracing, imports) or waiting (timeouts, a database restart, Slurm).
+# Three pytest-xdist workers on the 2-core VM, each taking whole test modules (module fixtures are made
+# once): much of the suite waits (timeouts, a database restart, Slurm, sweep workers), and a third
+# worker fills those waits: 19:40 (fa0e51d) against 24:45 with two (docs/BENCHMARKS.md, "The test suite's time").
 test: setup $(FLOAT8_SITE)/.installed $(TITAN_VENV)/.installed $(LITGPT_VENV)/.installed
 	bash tests/setup_browser.sh
 	bash tests/setup_postgres.sh
 	bash tests/setup_slurm.sh
-	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q --durations=25 -n 3 --dist loadfile
 
 bench: setup
 	for f in benchmarks/bench_*.py; do $(BIN)/python $$f || exit 1; done

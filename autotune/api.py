@@ -77,6 +77,13 @@ def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
     formats = parse_formats(options.export) if options.export else []
     check_out_file(options.out)
     check_wrappable(model)
+    vllm_share = None
+    if workload.kind == "grpo":  # before the run folder: a share vLLM cannot start in is a usage error
+        chosen = with_vllm_share(TuneRequest(model=model, cluster=cluster, seq_len=seq_len, target_tokens=target,
+                                             tolerance=tolerance, space=space, workload=workload),
+                                 fixed=options.vllm_gpu_memory_utilization is not None,
+                                 completion_given=options.max_completion_length is not None)
+        workload, vllm_share = chosen.workload, chosen.vllm_share
     runs_dir = ensure_writable(Path(options.runs_dir))
     backend_name, backend_why = choose_backend(options.backend, cluster)
     if space.float8 != "none" and cluster.gpu.has_float8 and backend_name != "analytic":
@@ -90,7 +97,7 @@ def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
                           tolerance=tolerance,
                           headroom=DEFAULT_HEADROOM if options.headroom is None else options.headroom,
                           space=space, max_trials=options.max_trials, time_budget_s=options.time_budget,
-                          workload=workload, finetuning=finetuning, stack=stack)
+                          workload=workload, finetuning=finetuning, stack=stack, vllm_share=vllm_share)
     store = TrialStore(options.storage or default_storage(runs_dir), options.study or study_name(request, backend_name))
     finished = store.finished()
     run_dir = new_run_dir(request, runs_dir)
@@ -266,10 +273,29 @@ def resolve_workload(options: Options, recorded: dict | None = None):
 
     recorded = recorded or {}
     kind = options.workload or recorded.get("kind", "sft")
-    share = options.vllm_gpu_memory_utilization
-    if share is None and kind == recorded.get("kind"):
-        share = recorded.get("vllm_gpu_memory_utilization")
-    return Workload(kind=kind, vllm_gpu_memory_utilization=share)
+    def flag_or_recorded(name: str):
+        value = getattr(options, name, None)
+        return recorded.get(name) if value is None and kind == recorded.get("kind") else value
+
+    return Workload(kind=kind, vllm_gpu_memory_utilization=flag_or_recorded("vllm_gpu_memory_utilization"),
+                    max_completion_length=flag_or_recorded("max_completion_length"),
+                    num_generations=flag_or_recorded("num_generations"))
+
+
+def with_vllm_share(request, *, fixed: bool, completion_given: bool):
+    """A GRPO request with vLLM's share checked (fixed: the user's) or chosen (vllm_share.choose_share),
+    and the record of why on the request."""
+    from autotune.vllm_share import check_completion, choose_share, generation_sequences, share_note, vllm_need
+
+    workload, completion = check_completion(request.workload, request.seq_len, given=completion_given)
+    cluster = request.cluster
+    sequences = generation_sequences(target_tokens=request.target_tokens, num_gpus=cluster.num_gpus,
+                                     seq_len=request.seq_len, max_micro_batch=request.max_micro_batch,
+                                     tolerance=request.tolerance)
+    need = vllm_need(request.model, seq_len=request.seq_len, sequences=sequences)
+    workload, record = choose_share(workload, need, cluster.capacity_bytes, fixed=fixed, completion=completion)
+    record["note"] = share_note(workload, record)
+    return dataclasses.replace(request, workload=workload, vllm_share=record)
 
 
 def resolve_stack(options: Options, recorded: str | None = None) -> str:
@@ -281,26 +307,30 @@ def resolve_stack(options: Options, recorded: str | None = None) -> str:
 
 def resolve_finetuning(options: Options, recorded: dict | None = None):
     """What trains, from the flags; `recorded` (a result's) fills what the flags leave out. A LoRA
-    flag without `--peft lora` is refused: it would change nothing."""
+    flag without `--peft lora` or `qlora` is refused: it would change nothing. QLoRA needs
+    bitsandbytes (its 4-bit layers are built, traced and run: training.quantize_base)."""
     from autotune.config import FineTuning
 
     given = {name: getattr(options, f"lora_{name}", None) for name in ("rank", "alpha", "dropout", "targets")}
     peft = getattr(options, "peft", None) or (recorded or {}).get("peft", "none")
-    if peft != "lora":
+    if peft not in ("lora", "qlora"):
         extra = [f"--lora-{name}" for name, value in given.items() if value is not None]
         if extra:
-            raise UsageError(f"{', '.join(extra)} applies to --peft lora only; add --peft lora or drop it")
+            raise UsageError(f"{', '.join(extra)} applies to --peft lora only (and qlora); add --peft lora or drop it")
         return FineTuning()
     import importlib.util
 
     if importlib.util.find_spec("peft") is None:
-        raise UsageError("--peft lora needs the peft library: pip install 'autotune[finetune]' (or pip install peft)")
-    base = dict(recorded or {}) if (recorded or {}).get("peft") == "lora" else {}
+        raise UsageError(f"--peft {peft} needs the peft library: pip install 'autotune[finetune]' (or pip install peft)")
+    if peft == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
+        raise UsageError("--peft qlora needs bitsandbytes (its 4-bit layers are traced and run): "
+                         "pip install 'autotune[qlora]' (or pip install bitsandbytes)")
+    base = dict(recorded or {}) if (recorded or {}).get("peft") == peft else {}
     base.update({name: value for name, value in given.items() if value is not None})
     for name in ("rank", "alpha"):  # whole numbers as integers (peft's and TRL's fields are ints)
         if isinstance(base.get(name), float) and base[name].is_integer():
             base[name] = int(base[name])
-    return FineTuning.from_dict({**base, "peft": "lora"})
+    return FineTuning.from_dict({**base, "peft": peft})
 
 
 def check_wrappable(model) -> None:

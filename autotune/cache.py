@@ -2,7 +2,7 @@
 
 People re-plan often (each model, cluster size, sequence length, nightly matrix cell), and a
 prediction depends only on what it was made from. Entries are keyed by everything that
-determines them: the caller's inputs, the torch and transformers versions, and a fingerprint
+determines them: the caller's inputs, the torch, transformers, peft and bitsandbytes versions, and a fingerprint
 of autotune's own source files (so a changed simulator never reuses an old answer). Values are
 JSON. Writes are atomic (a temporary file renamed into place), so processes sharing the folder
 never read half an entry; an unreadable entry is a miss. A folder that cannot be written
@@ -41,7 +41,7 @@ def fingerprint() -> dict[str, str]:
     """What every entry depends on besides its inputs: library versions (read from package
     metadata, without importing them) and a hash of autotune's source files."""
     versions = {}
-    for name in ("torch", "transformers"):
+    for name in ("torch", "transformers", "peft", "bitsandbytes"):  # peft, bnb: what LoRA and QLoRA trace
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

@@ -76,7 +76,15 @@ def _add_problem_options(parser: argparse.ArgumentParser, *, model_required: boo
                           help="sft (default): the GPUs only train; grpo: TRL GRPO with vLLM colocated on every "
                                "GPU: training gets what vLLM leaves, and the weight sync to vLLM is part of the peak")
     workload.add_argument("--vllm-gpu-memory-utilization", type=number, default=None,
-                          help="grpo: fraction of each GPU's memory vLLM takes, in (0, 1) (default 0.3, TRL's)")
+                          help="grpo: fraction of each GPU's memory vLLM takes, in (0, 1); default: the tune "
+                               "chooses the smallest share in steps of 0.05 that holds vLLM's estimated need (bf16 "
+                               "weights, KV cache for the per-GPU generation batch, overheads), the rest to training")
+    workload.add_argument("--max-completion-length", type=positive_int, default=None,
+                          help="grpo: longest completion vLLM generates (default 512, TRL's); the prompt gets the "
+                               "rest of --seq-len (prompt + completion)")
+    workload.add_argument("--num-generations", type=positive_int, default=None,
+                          help="grpo: completions per prompt, at least 2 (default 8, TRL's, where it divides the "
+                               "tuned global batch)")
     workload.add_argument("--stack", choices=tuple(STACKS), default=None,
                           help="whose training step the memory is predicted for (default fsdp2: autotune's own "
                                "loop). accelerate, hf-trainer: Accelerate's FSDP2 plugin (autocast, fp32 outputs, "
@@ -85,7 +93,8 @@ def _add_problem_options(parser: argparse.ArgumentParser, *, model_required: boo
     tuning = parser.add_argument_group("fine-tuning")
     tuning.add_argument("--peft", choices=PEFT_METHODS, default=None,
                         help="none (default): every parameter trains; lora: peft LoRA adapters on a frozen base "
-                             "(base weights in the compute dtype, sharded, no gradients or optimizer state)")
+                             "(base weights in the compute dtype, sharded, no gradients or optimizer state); "
+                             "qlora: the same on a base quantized to 4-bit NF4 by bitsandbytes (FSDP-QLoRA's layout)")
     tuning.add_argument("--lora-rank", type=positive_int, default=None, help="lora: adapter rank r (default 16)")
     tuning.add_argument("--lora-alpha", type=number, default=None, help="lora: scaling alpha (default 32)")
     tuning.add_argument("--lora-dropout", type=number, default=None, help="lora: adapter dropout (default 0.05)")
@@ -252,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 _VALUE_OPTIONS = ("--global-tokens", "--gpus", "--nodes", "--seq-len", "--micro-batch", "--grad-accum",
                   "--max-trials", "--gpu-memory", "--host-memory", "--headroom", "--global-tolerance",
-                  "--vllm-gpu-memory-utilization")
+                  "--vllm-gpu-memory-utilization", "--max-completion-length", "--num-generations")
 
 
 def _attach_negative_values(argv: list[str]) -> list[str]:
@@ -417,6 +426,15 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
     model, cluster, seq_len, gpu_note = resolve_problem(args)
     check_wrappable(model)
     console.note(gpu_note)
+    if workload.kind == "grpo":  # the share (given, recorded or TRL's) must let vLLM start
+        from autotune.vllm_share import check_completion, choose_share, share_note, vllm_need
+
+        workload, completion = check_completion(workload, seq_len, given=args.max_completion_length is not None)
+        need = vllm_need(model, seq_len=seq_len, sequences=train.micro_batch_size * (grad_accum or 1))
+        fixed_by = ("--vllm-gpu-memory-utilization" if args.vllm_gpu_memory_utilization is not None else
+                    "the result's share" if (recorded or {}).get("vllm_gpu_memory_utilization") else "TRL's default")
+        console.note(share_note(workload, choose_share(workload, need, cluster.capacity_bytes, fixed=True,
+                                                       completion=completion, fixed_by=fixed_by)[1]))
     headroom = DEFAULT_HEADROOM if args.headroom is None else args.headroom
     spec = TrialSpec(model=model, cluster=cluster, seq_len=seq_len, train=train, grad_accum_steps=grad_accum,
                      memory_limit_bytes=memory_limit_bytes(cluster.capacity_bytes, headroom=headroom,

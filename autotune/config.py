@@ -58,6 +58,9 @@ class TrainConfig:
     shard_placement: str = _D["shard_placement"].default
     """dim0, or largest: parameters whose first dimension is smaller than the shard group (fused
     experts) shard on their largest evenly divisible dimension (parallel.shard_placement_fn)."""
+    expert_parallel: int = _D["expert_parallel"].default
+    """Expert-parallel degree: each MoE block's fused experts split over groups of this many GPUs
+    (parallel.apply_ep); 1: none."""
     compile: str = _D["compile"].default
     """torch.compile of the decoder blocks: none or blocks (parallel.apply_compile)."""
     float8: str = _D["float8"].default
@@ -148,7 +151,12 @@ WORKLOADS: tuple[str, ...] = ("sft", "grpo")
 """`sft`: the GPUs only train. `grpo`: TRL's GRPOTrainer with vLLM colocated (`vllm_mode="colocate"`):
 vLLM holds a share of every GPU, and the trained weights are gathered for it after every step."""
 TRL_VLLM_GPU_MEMORY_UTILIZATION = 0.3
-"""GRPOConfig.vllm_gpu_memory_utilization's default (trl 1.16, trl/trainer/grpo_config.py)."""
+"""GRPOConfig.vllm_gpu_memory_utilization's default (trl 1.16, trl/trainer/grpo_config.py): the share
+`autotune trial --workload grpo` assumes when not given; a tune chooses one instead (autotune/vllm_share.py)."""
+TRL_MAX_COMPLETION_LENGTH = 512
+"""GRPOConfig.max_completion_length's default (trl 1.16)."""
+TRL_NUM_GENERATIONS = 8
+"""GRPOConfig.num_generations' default (trl 1.16)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,15 +167,25 @@ class Workload:
     vllm_gpu_memory_utilization: float | None = None
     """grpo: the fraction of each GPU's total memory vLLM takes (vLLM's gpu_memory_utilization is a
     fraction of total memory, and vLLM refuses to start unless that much is free); TRL's default
-    when not given."""
+    when not given (a tune replaces it with the share it chooses: vllm_share.choose_share)."""
+    max_completion_length: int | None = None
+    """grpo: the longest completion vLLM generates (GRPOConfig.max_completion_length; TRL's default
+    when not given). The prompt gets the rest of seq_len, which is vllm_max_model_length: prompt +
+    completion, the sequences GRPO trains on (trl 1.16 has no max_prompt_length)."""
+    num_generations: int | None = None
+    """grpo: completions per prompt (GRPOConfig.num_generations); None: TRL's default where it divides
+    the tuned global batch, else the largest divisor below it (export._hf.grpo_num_generations)."""
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOADS:
             raise UsageError(f"--workload {self.kind!r} is not one of {', '.join(WORKLOADS)}")
         share = self.vllm_gpu_memory_utilization
         if self.kind != "grpo":
-            if share is not None:
-                raise UsageError("--vllm-gpu-memory-utilization applies to --workload grpo only (vLLM colocated)")
+            for flag, value in (("--vllm-gpu-memory-utilization", share),
+                                ("--max-completion-length", self.max_completion_length),
+                                ("--num-generations", self.num_generations)):
+                if value is not None:
+                    raise UsageError(f"{flag} applies to --workload grpo only (vLLM colocated)")
             return
         if share is None:
             object.__setattr__(self, "vllm_gpu_memory_utilization", TRL_VLLM_GPU_MEMORY_UTILIZATION)
@@ -176,6 +194,17 @@ class Workload:
                              f"each GPU's memory vLLM takes (TRL's default {TRL_VLLM_GPU_MEMORY_UTILIZATION})")
         else:
             object.__setattr__(self, "vllm_gpu_memory_utilization", float(share))
+        completion = self.max_completion_length
+        if completion is None:
+            object.__setattr__(self, "max_completion_length", TRL_MAX_COMPLETION_LENGTH)
+        elif isinstance(completion, bool) or not isinstance(completion, int) or completion < 1:
+            raise UsageError(f"--max-completion-length {completion!r} must be a positive number of tokens "
+                             f"(TRL's default {TRL_MAX_COMPLETION_LENGTH})")
+        generations = self.num_generations
+        if generations is not None and (isinstance(generations, bool) or not isinstance(generations, int)
+                                        or generations < 2):
+            raise UsageError(f"--num-generations {generations!r} must be an integer of at least 2: GRPO compares "
+                             f"completions of one prompt (TRL's default {TRL_NUM_GENERATIONS})")
 
     @property
     def weight_sync(self) -> bool:
@@ -196,7 +225,9 @@ class Workload:
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "Workload":
         data = data or {}
-        return cls(kind=data.get("kind", "sft"), vllm_gpu_memory_utilization=data.get("vllm_gpu_memory_utilization"))
+        return cls(kind=data.get("kind", "sft"), vllm_gpu_memory_utilization=data.get("vllm_gpu_memory_utilization"),
+                   max_completion_length=data.get("max_completion_length"),
+                   num_generations=data.get("num_generations"))
 
 
 def memory_limit_bytes(capacity_bytes: int, *, headroom: float, workload: Workload) -> int:
@@ -274,8 +305,14 @@ DEFAULT_LORA_TARGETS = "all-linear"
 what TRL's LoRA examples target."""
 
 
-PEFT_METHODS = ("none", "lora")
-"""What trains: `none`, every parameter; `lora`, peft adapters on a frozen base (FineTuning)."""
+QLORA_QUANTIZATION = dict(quant_type="nf4", blocksize=64, compress_statistics=True)
+"""QLoRA's 4-bit layout: NF4 in blocks of 64 with double quantization of the block scales, the
+BitsAndBytesConfig of HF's FSDP-QLoRA guide (bnb_4bit_quant_type nf4, bnb_4bit_use_double_quant);
+the packed codes are stored in the compute dtype (bnb_4bit_quant_storage) so that FSDP shards them."""
+
+PEFT_METHODS = ("none", "lora", "qlora")
+"""What trains: `none`, every parameter; `lora`, peft adapters on a frozen base; `qlora`, the same
+on a base quantized to 4-bit NF4 by bitsandbytes (FineTuning)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -283,7 +320,9 @@ class FineTuning:
     """What trains. `none`: every parameter (a full fine-tune or pretraining). `lora`: the real
     `peft` library wraps the model before FSDP2 (training.apply_finetuning); the base weights are
     frozen (stored in the compute dtype, as TRL and peft users load them, sharded, with no
-    gradient or optimizer state) and only the adapters train, in the master dtype."""
+    gradient or optimizer state) and only the adapters train, in the master dtype. `qlora`: the
+    same on a base whose linear layers (but the head) bitsandbytes quantized to QLORA_QUANTIZATION
+    (training.quantize_base)."""
 
     peft: str = "none"
     rank: int = 16
@@ -309,7 +348,13 @@ class FineTuning:
 
     @property
     def lora(self) -> bool:
-        return self.peft == "lora"
+        """Adapters on a frozen base: LoRA and QLoRA."""
+        return self.peft in ("lora", "qlora")
+
+    @property
+    def qlora(self) -> bool:
+        """The frozen base in 4-bit NF4 (bitsandbytes; training.quantize_base)."""
+        return self.peft == "qlora"
 
     @property
     def target_modules(self) -> str | list[str]:
@@ -319,8 +364,8 @@ class FineTuning:
     def label(self) -> str:
         if not self.lora:
             return "full (every parameter trains)"
-        return (f"LoRA r={self.rank} alpha={self.alpha:g} dropout={self.dropout:g} on {self.targets} "
-                f"(peft; base weights frozen)")
+        return (f"{'QLoRA' if self.qlora else 'LoRA'} r={self.rank} alpha={self.alpha:g} dropout={self.dropout:g} "
+                f"on {self.targets} (peft; base weights frozen{', 4-bit NF4 (bitsandbytes)' if self.qlora else ''})")
 
     def key(self) -> tuple:
         """What changes the built model: part of every trace's cache key."""
@@ -354,6 +399,28 @@ def check_float8_library(flag: str) -> None:
         raise UsageError(f"{flag}: float8 training needs torchao, the float8 extra: pip install 'autotune[float8]' "
                          "(beside a CUDA torch: pip install --no-deps torchao); or use --float8 none")
 
+def check_expert_parallel(train: TrainConfig, model: ModelSpec, gpus: int) -> None:
+    """UsageError (one line) where --ep cannot apply: a dense model, a degree dividing not both the
+    experts and the GPUs, or a knob expert parallelism is not built with here."""
+    ep = train.expert_parallel
+    if ep == 1:
+        return
+    flag = f"--ep {ep}"
+    if not model.num_experts:
+        raise UsageError(f"{flag}: {model.name} has no fused experts (not a mixture-of-experts model); use --ep 1")
+    if model.num_experts % ep or gpus % ep:
+        raise UsageError(f"{flag}: the expert-parallel degree must divide both the {model.num_experts} experts of "
+                         f"{model.name} and the {gpus} GPUs")
+    if train.shard_group_size:
+        raise UsageError(f"{flag} with --hsdp {train.shard_group_size}: expert parallelism with replicated shard "
+                         "groups is not built here; drop one of them")
+    if train.reshard_group_size:
+        raise UsageError(f"{flag} with --reshard-group {train.reshard_group_size}: not built here; drop one of them")
+    if train.compile != "none":
+        raise UsageError(f"{flag} with --compile {train.compile}: the all-to-all's split sizes are read back to the "
+                         "host (.tolist()), which a fullgraph compile of the block refuses; use --compile none")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrialSpec:
     """Everything a backend needs to evaluate one configuration."""
@@ -374,7 +441,7 @@ class TrialSpec:
         check_stack(self.stack)
         check_float8_gpu(self.train.float8, self.cluster.gpu)
         if self.train.float8 != "none" and self.finetuning.lora:
-            raise UsageError(f"--float8 {self.train.float8} with --peft lora: float8 training converts the frozen "
+            raise UsageError(f"--float8 {self.train.float8} with --peft {self.finetuning.peft}: float8 training converts the frozen "
                              "base linears too (not supported here); use --float8 none")
         size, gpus, per_node = self.train.shard_group_size, self.cluster.num_gpus, self.cluster.gpus_per_node
         if size == gpus:  # one group of every GPU is plain FSDP: one configuration, one name
@@ -389,6 +456,7 @@ class TrialSpec:
         elif group and (group > shard or shard % group):
             raise UsageError(f"--reshard-group {group}: the group must be a factor of the {shard} GPUs parameters "
                              f"are sharded over (e.g. {min(per_node, shard)}, a node's); 0 reshards over all of them")
+        check_expert_parallel(self.train, self.model, gpus)
         if self.train.shard_placement != "dim0":
             if not knobs.shapes_moved_by_placement(self.model.block_param_shapes, shard):  # nothing moves: the default (one name)
                 object.__setattr__(self, "train", self.train.with_(shard_placement="dim0"))

@@ -289,6 +289,8 @@ class Console:
         self.note(f"backend: {backend_name} ({backend_why})")
         self.note(f"figures: {backend_description}")
         self.note(f"workload: {request.workload.label()}")
+        if request.vllm_share:
+            self.note(request.vllm_share["note"])
         if request.stack != "fsdp2":
             from autotune.config import STACKS
 

@@ -30,7 +30,8 @@ from autotune import knobs
 from autotune.backends.analytic import SCREEN_MARGIN
 from autotune.backends.base import TrialBackend, TrialResult
 from autotune.batch import within_tolerance
-from autotune.config import TrainConfig
+from autotune.config import TrainConfig, check_expert_parallel
+from autotune.errors import UsageError
 from autotune.knobs import Checkpointing
 from autotune.records import Step, TuneOutcome, TuneRequest, config_key, eligible, why_nothing_fits
 
@@ -85,7 +86,7 @@ class Controller:
         self.on_step = on_step or (lambda step: None)
         self.on_start = on_start or (lambda stage, train, reason: None)
         self.steps: list[Step] = []
-        self.notes: list[str] = []
+        self.notes: list[str] = [self.request.vllm_share["note"]] if self.request.vllm_share else []
         self._started = time.monotonic()
         self._evaluated = 0
         self._longest_trial_s = 0.0
@@ -372,6 +373,7 @@ class Controller:
                         self._align(largest_here.train)
                     break
         self._explore_hsdp()
+        self._explore_expert_parallel()
         best = self._choose()
         if (best is not None and space.explore_no_reshard and best.train.reshard_after_forward
                 and self._could_win(best.train.with_(reshard_after_forward=False))):
@@ -482,6 +484,45 @@ class Controller:
                     return
             group *= 2
 
+    def _expert_parallel_degrees(self, train: TrainConfig) -> tuple[int, ...]:
+        """Expert-parallel degrees above 1 that apply to `train`: a MoE model, degrees dividing its
+        experts and the GPUs, up to a node's GPUs (the all-to-all stays on the node's links), with
+        knobs expert parallelism is built with here: what config.check_expert_parallel accepts."""
+        model, cluster = self.request.model, self.request.cluster
+        if not self.request.space.expert_parallel or not model.num_experts:
+            return ()
+        degrees = []
+        for degree in (2 ** k for k in range(1, cluster.gpus_per_node.bit_length())):
+            try:
+                check_expert_parallel(train.with_(expert_parallel=degree), model, cluster.num_gpus)
+            except UsageError:
+                continue
+            degrees.append(degree)
+        return tuple(degrees)
+
+    def _explore_expert_parallel(self) -> None:
+        """A MoE model: split each block's experts over 2, 4, ... GPUs of a node (--ep), smallest
+        first. Each GPU then gathers its own experts only (1/ep of them), over the ep-times
+        smaller group holding the same ones, and sends its tokens x top-k rows to the experts'
+        GPUs by all-to-all (balanced routing assumed: docs/KNOBS.md). The fastest that fits is grown."""
+        best = self._choose()
+        if best is None:
+            return
+        fitting = []
+        for degree in self._expert_parallel_degrees(best.train):
+            train = best.train.with_(expert_parallel=degree)
+            if not self._could_win(train):
+                continue
+            step = self.run("explore", train,
+                            f"expert parallelism over {degree} GPUs: each holds {self.request.model.num_experts // degree}"
+                            f" of the {self.request.model.num_experts} experts of every MoE block and gathers only "
+                            "those; tokens reach their experts by all-to-all")
+            if step.fits:
+                fitting.append(step)
+        if fitting:
+            fastest = max(fitting, key=lambda s: s.result.throughput or 0.0)
+            self._align(self._grow(fastest.train, stage="explore", until_saturated=True))
+
     # -- beyond the graph: sampling under --time-budget ----------------------------------------------
     def _sample_domains(self) -> dict[str, tuple]:
         request, space, cluster = self.request, self.request.space, self.request.cluster
@@ -502,6 +543,7 @@ class Controller:
             float8_recipes=(knobs.FLOAT8_RECIPES if space.float8 == "explore" and cluster.gpu.has_float8
                             else (base.float8,)),
             hsdp_groups=tuple(groups),
+            expert_parallel=(1, *self._expert_parallel_degrees(base)) if not groups else (1,),
             reshard_groups=(cluster.gpus_per_node,) if (space.explore_no_reshard and cluster.num_nodes > 1
                                                         and base.shard_placement == "dim0") else ())
         return knobs.sample_domains(ctx)

@@ -167,6 +167,26 @@ class StepWork:
     0 where nothing counted them (the closed form, the published runs): then no host term."""
     hidden_size: int = 0
     """The model's hidden size, for the compute efficiency's width term (0: not known)."""
+    all_to_all_bytes_per_gpu: float = 0.0
+    """Bytes each GPU sends to other GPUs by all-to-all per step (expert parallelism: the routed
+    tokens to their experts and back, `expert_all_to_all_bytes`); on the critical path, not hidden."""
+    all_to_all_inter_node: bool = False
+    """Whether the all-to-all's group spans nodes."""
+
+
+def expert_all_to_all_bytes(*, tokens_per_microbatch: int, experts_per_token: int, hidden_size: int,
+                            activation_bytes: int, moe_layers: int, expert_parallel: int,
+                            checkpointed_moe_layers: int = 0, num_microbatches: int = 1) -> float:
+    """Bytes one GPU sends to the others by all-to-all per step under expert parallelism over
+    `expert_parallel` GPUs (parallel.ExpertDispatch): every MoE layer sends its tokens x top-k rows
+    (hidden wide, in the compute dtype) to the experts' GPUs and gets the outputs back, in forward
+    and, as gradients, in backward (4 exchanges), and a checkpointed block's recompute repeats the
+    forward two. Balanced routing: (ep - 1)/ep of the rows leave the GPU (the simulator's assumption)."""
+    if expert_parallel <= 1 or not moe_layers:
+        return 0.0
+    rows = tokens_per_microbatch * experts_per_token * hidden_size * activation_bytes
+    exchanges = 4 * moe_layers + 2 * checkpointed_moe_layers
+    return float(rows * exchanges * (expert_parallel - 1) / expert_parallel * num_microbatches)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -248,7 +268,8 @@ def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_p
                    reshard_after_forward: bool = True, cpu_offload: bool = False,
                    num_microbatches: int = 1, dispatched_ops_per_microbatch: float = 0.0,
                    hidden_size: int = 0, reduce_bytes: int = 4,
-                   trainable: tuple[int, int] | None = None, float8_block_params: int = 0) -> StepWork:
+                   trainable: tuple[int, int] | None = None, float8_block_params: int = 0,
+                   all_to_all_bytes: float = 0.0, all_to_all_inter_node: bool = False) -> StepWork:
     """The `StepWork` of a full-sharded FSDP2 step from what a backend counted: FLOPs, sizes;
     gradients reduced in `reduce_bytes` per element (fp32, FSDP2's default here), of the
     `trainable` (block, root) parameters where some are frozen (LoRA), which alone the optimizer steps.
@@ -273,7 +294,7 @@ def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_p
         backward_allgather_bytes_per_gpu=float(block_params * num_blocks * param_bytes * num_microbatches) - float8_saved
         if reshard_after_forward else 0.0,
         num_fsdp_units=num_blocks + 1, dispatched_ops_per_microbatch=dispatched_ops_per_microbatch,
-        hidden_size=hidden_size,
+        hidden_size=hidden_size, all_to_all_bytes_per_gpu=all_to_all_bytes, all_to_all_inter_node=all_to_all_inter_node,
     )
 
 
@@ -377,6 +398,9 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
         comm_s += ring_bytes / (_link_gbps(cluster, inter_node=cluster.num_nodes > 1,
                                           inter_node_bus_efficiency=inter_node_bus_efficiency) * 1e9)
     offload_s = (work.host_to_device_bytes + work.device_to_host_bytes) / (host_link_gbps(gpu) * 1e9)
+    # Expert parallelism's all-to-alls: the experts wait on them (no overlap modelled).
+    all_to_all_s = work.all_to_all_bytes_per_gpu / (_link_gbps(
+        cluster, inter_node=work.all_to_all_inter_node, inter_node_bus_efficiency=inter_node_bus_efficiency) * 1e9)
 
     # Collectives and offload copies run on side streams under compute. What cannot hide: the
     # excess over compute, and each micro-batch's first all-gather and last reduce-scatter.
@@ -392,6 +416,9 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
         node_params = work.cpu_optimizer_params * cluster.gpus_per_node
         cpu_optimizer_s = node_params / CPU_ADAM_PARAMS_PER_S_PER_NODE
 
+    comm_s += all_to_all_s
+    exposed_s += all_to_all_s
+    exposed_comm_s += all_to_all_s
     seconds = compute_s + exposed_s + cpu_optimizer_s
     model_flops = work.flops_per_gpu if work.model_flops_per_gpu is None else work.model_flops_per_gpu
     return StepTime(

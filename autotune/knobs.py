@@ -209,6 +209,13 @@ def _group_size(value: Any) -> int:
     return value
 
 
+def _expert_parallel(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"expert-parallel degree must be a positive number of GPUs (1: no expert parallelism), "
+                         f"got {value!r}")
+    return value
+
+
 def _reshard_group(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value == 1:
         raise UsageError(f"reshard group size must be 0 (reshard over the whole shard group, or not at all with "
@@ -289,6 +296,8 @@ class SampleContext:
     placements: tuple[str, ...] = ("dim0",)
     """Shard placements that change something (`largest` where a parameter's first dimension is
     smaller than the shard group)."""
+    expert_parallel: tuple[int, ...] = (1,)
+    """Expert-parallel degrees that apply (an MoE model: degrees dividing both its experts and the GPUs)."""
     hsdp_groups: tuple[int, ...] = ()
     """HSDP group sizes that apply (several nodes): node, 2 nodes, ..."""
     reshard_groups: tuple[int, ...] = ()
@@ -409,6 +418,14 @@ KNOBS: tuple[Knob, ...] = (
          label=lambda v: "" if v == "dim0" else f"shard={v}",
          optuna=_categorical_param("shard_placement", SHARD_PLACEMENTS), alternative="largest",
          keyed_at_default=False, domain=lambda ctx: ctx.placements),
+    Knob(name="expert_parallel", default=1, flag="--ep", parse=_expert_parallel,
+         result_path=("fsdp", "expert_parallel"),
+         help="expert parallelism: the fused experts of each MoE block split over groups of this many GPUs "
+              "(each holds experts/N whole experts, tokens reach them by all-to-all), FSDP sharding each "
+              "expert over the other GPUs/N; every other parameter sharded over every GPU. 1: none "
+              "(docs/KNOBS.md, expert parallelism)",
+         label=lambda v: f"ep={v}" if v > 1 else "", optuna=lambda v: _int_param("expert_parallel", int)(v) if v > 1 else {},
+         alternative=2, keyed_at_default=False, domain=lambda ctx: ctx.expert_parallel),
     Knob(name="compile", default="none", flag="--compile", choices=COMPILE_MODES,
          parse=_choice("compile", COMPILE_MODES), result_path=("compile", "mode"),
          help="torch.compile: none (eager) or blocks (each decoder block compiled, fullgraph=True, before FSDP2 "

@@ -91,6 +91,8 @@ class TuneOptions:
     # workload
     workload: str | None = _option(choices=WORKLOADS)
     vllm_gpu_memory_utilization: float | None = _option(check=number)
+    max_completion_length: int | None = _option(check=positive_int)
+    num_generations: int | None = _option(check=positive_int)
     stack: str | None = _option(choices=tuple(STACKS))
     """Whose training step is predicted (config.STACKS); None: fsdp2, autotune's own loop."""
     # fine-tuning

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from autotune.catalog.blocks import Blocks, find_decoder_blocks
+from autotune.catalog.blocks import Blocks, find_decoder_blocks, fused_experts
 from autotune.config import PARAM_DTYPE_NAMES, TrainConfig
 from autotune.knobs import COMPILE_BACKEND, Checkpointing, float8_converts, shard_dim
 
@@ -46,17 +46,28 @@ def mixed_precision_policy(precision: str, *, step: str = "autotune"):
 class ParallelDims:
     """How the ranks split: `dp_replicate` groups of `dp_shard` ranks. Ranks are numbered node by
     node (torchrun), and a mesh is laid out row-major, so a shard group of up to a node's GPUs
-    stays within a node: its all-gathers and reduce-scatters never leave it."""
+    stays within a node: its all-gathers and reduce-scatters never leave it.
+
+    Expert parallelism (`ep` > 1, torchtitan's layout: the EP degree borrowed from dp_shard) splits
+    the shard group as (dp_shard / ep, ep): ep neighbouring ranks hold different experts (their
+    all-to-alls stay within a node where ep divides it), and the dp_shard / ep ranks that hold the
+    same experts shard them with FSDP. Every other parameter is sharded over all dp_shard ranks."""
 
     dp_replicate: int
     dp_shard: int
+    ep: int = 1
 
     @classmethod
     def of(cls, train: TrainConfig, world_size: int) -> "ParallelDims":
         shard = train.shard_group_size or world_size
         if world_size % shard:
             raise ValueError(f"shard group size {shard} does not divide the world size {world_size}")
-        return cls(dp_replicate=world_size // shard, dp_shard=shard)
+        ep = train.expert_parallel
+        if shard % ep:
+            raise ValueError(f"expert-parallel degree {ep} does not divide the shard group of {shard} ranks")
+        if ep > 1 and shard != world_size:
+            raise ValueError("expert parallelism with HSDP is not built here: use a shard group of every rank")
+        return cls(dp_replicate=world_size // shard, dp_shard=shard, ep=ep)
 
     @property
     def world_size(self) -> int:
@@ -76,10 +87,126 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str):
         """The mesh fully_shard takes: a 2-D one shards over its last dimension and replicates over
-        the first (HSDP)."""
+        the first (HSDP). With expert parallelism, the 1-D dp_shard mesh flattened from the 2-D
+        (dp_shard_mod_ep, ep) one that `expert_meshes` reads back."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        if self.ep > 1:
+            experts = init_device_mesh(device_type, (self.dp_shard // self.ep, self.ep),
+                                       mesh_dim_names=("dp_shard_mod_ep", "ep"))
+            return experts._flatten("dp_shard")
         return init_device_mesh(device_type, self.shape, mesh_dim_names=self.dim_names)
+
+
+def expert_meshes(mesh):
+    """(ep, dp_shard_mod_ep) sub-meshes of a mesh `ParallelDims.build_mesh` made with ep > 1: the
+    ranks holding different experts, and those holding the same experts (FSDP shards them there)."""
+    root = mesh._get_root_mesh()
+    return root["ep"], root["dp_shard_mod_ep"]
+
+
+def balanced_splits(rows: int, ranks: int) -> list[int]:
+    """Rows sent to each of `ranks` peers when routing is balanced: as even as whole rows allow."""
+    return [rows // ranks + (peer < rows % ranks) for peer in range(ranks)]
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with its backward (the reverse exchange of the gradients): what
+    torch.distributed.nn.functional.all_to_all_single did before its deprecation."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, recv_sizes: list[int], send_sizes: list[int], group) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.sizes, ctx.group = (recv_sizes, send_sizes), group
+        out = rows.new_empty(sum(recv_sizes), *rows.shape[1:])
+        dist.all_to_all_single(out, rows.contiguous(), recv_sizes, send_sizes, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        recv_sizes, send_sizes = ctx.sizes
+        return _AllToAll.apply(grad.contiguous(), send_sizes, recv_sizes, ctx.group), None, None, None
+
+
+class ExpertDispatch:
+    """The forward of a fused-experts module under expert parallelism (HF transformers 5.24's
+    AllToAllEP, without its tensor-parallel part): each (token, expert) pair is sent by all-to-all
+    to the rank holding the expert, the experts' own forward runs on the received rows (top-1, local
+    expert ids, unit weights), a second all-to-all brings the outputs back, and the routing weights
+    are applied where the tokens live. The split sizes depend on the router's choices: a real run
+    reads them back to the host (`.tolist()`); under fake tensors (the simulator) their values
+    do not exist, and every rank is assumed to send `balanced_splits` of its rows to each peer and
+    to receive as much (balanced routing: docs/KNOBS.md)."""
+
+    def __init__(self, experts: nn.Module, ep_mesh) -> None:
+        self.local_forward = experts.forward
+        self.local_experts = experts.num_experts
+        self.group, self.ranks = ep_mesh.get_group(), ep_mesh.size()
+
+    def split_sizes(self, rows: int, send_counts: torch.Tensor,
+                    recv_counts: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Rows sent to and received from each peer: read from the counts, or balanced (fake tensors)."""
+        from torch._subclasses.fake_tensor import is_fake
+
+        if is_fake(send_counts):
+            balanced = balanced_splits(rows, self.ranks)
+            return balanced, balanced
+        send, recv = torch.stack([send_counts.sum(dim=1), recv_counts.sum(dim=1)]).tolist()
+        return send, recv
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        tokens, top_k = top_k_index.shape
+        expert_ids = top_k_index.reshape(-1)
+        # Sorted by expert, the rows are grouped by the rank owning it (each owns a contiguous range).
+        order = torch.argsort(expert_ids, stable=True)
+        send = hidden_states[order // top_k]
+        send_counts = torch.zeros(self.ranks * self.local_experts, dtype=torch.long, device=expert_ids.device)
+        send_counts = send_counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids)).view(self.ranks, -1)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send_sizes, recv_sizes = self.split_sizes(expert_ids.numel(), send_counts, recv_counts)
+        received = _AllToAll.apply(send, recv_sizes, send_sizes, self.group)
+        local_ids = torch.arange(self.local_experts, device=expert_ids.device).repeat(self.ranks)
+        local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv_sizes)).unsqueeze(-1)
+        if received.shape[0]:
+            out = self.local_forward(received, local_ids, torch.ones_like(local_ids, dtype=received.dtype))
+        else:  # nothing routed here: one row made from the empty input keeps backward's exchange connected
+            row = received.sum(dim=0, keepdim=True)
+            out = self.local_forward(row, local_ids.new_zeros((1, 1)), row.new_ones((1, 1)))[:0]
+        back = _AllToAll.apply(out, send_sizes, recv_sizes, self.group)
+        unsorted = torch.empty_like(back)
+        unsorted[order] = back
+        weighted = unsorted.view(tokens, top_k, -1) * top_k_weights.unsqueeze(-1).to(unsorted.dtype)
+        return weighted.sum(dim=1).to(hidden_states.dtype)
+
+
+def apply_ep(blocks: Blocks, mesh, degree: int) -> int:
+    """Expert parallelism over `degree` ranks (1: nothing): each block's fused experts keep this
+    rank's contiguous num_experts / degree of them (plain parameters, sliced on dimension 0) and
+    answer through ExpertDispatch. Before FSDP, which then shards the local experts over the
+    ranks holding the same ones (apply_fsdp). Returns how many expert modules were split."""
+    if degree == 1:
+        return 0
+    ep_mesh, _ = expert_meshes(mesh)
+    rank = ep_mesh.get_local_rank()
+    split = 0
+    for block in blocks.layers:
+        for experts in fused_experts(block):
+            if experts.num_experts % degree:
+                raise ValueError(f"expert-parallel degree {degree} does not divide the {experts.num_experts} "
+                                 f"experts of {type(experts).__name__}")
+            local = experts.num_experts // degree
+            for name, param in list(experts.named_parameters(recurse=False)):
+                piece = param.detach()[rank * local:(rank + 1) * local].clone()
+                setattr(experts, name, nn.Parameter(piece, requires_grad=param.requires_grad))
+            experts.num_experts = local
+            experts.forward = ExpertDispatch(experts, ep_mesh)
+            split += 1
+    return split
 
 
 def op_sac_policy(policy: str):
@@ -259,7 +386,19 @@ def apply_fsdp(model: nn.Module, blocks: Blocks, mesh, train: TrainConfig, *, al
                           "its memory is modelled, not traced", stacklevel=2)
     mp = mixed_precision_policy(train.precision, step=step)
     place = shard_placement_fn(mesh, train.shard_placement)
+    experts_mesh = expert_meshes(mesh)[1] if train.expert_parallel > 1 else None
     for block in blocks.layers:
+        if experts_mesh is not None:
+            # Each expert-parallel rank's own experts, sharded over the ranks that hold the same ones
+            # (torchtitan's efsdp); their gradients averaged over every rank, as the others' are: a
+            # sum with the division apart (gloo has no PREMUL_SUM, NCCL's torchtitan uses; one name
+            # for the simulator, real trials and exports).
+            for experts in fused_experts(block):
+                fully_shard(experts, mesh=experts_mesh, mp_policy=mp, offload_policy=offload,
+                            reshard_after_forward=train.fsdp_reshard_after_forward,
+                            shard_placement_fn=shard_placement_fn(experts_mesh, train.shard_placement))
+                experts.set_gradient_divide_factor(float(mesh.size()))
+                experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=train.fsdp_reshard_after_forward, shard_placement_fn=place)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=False,
@@ -276,6 +415,7 @@ def parallelize(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bo
     `step` (config.stack_step): a stack's own mixed-precision policy where it differs.
     """
     blocks = find_decoder_blocks(model)
+    apply_ep(blocks, mesh, train.expert_parallel)
     apply_float8(blocks, train.float8)
     apply_ac(blocks, train.activation_checkpointing)
     apply_compile(blocks, train.compile, backend=compile_backend)

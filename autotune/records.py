@@ -34,6 +34,8 @@ class TuneRequest:
     finetuning: FineTuning = field(default_factory=FineTuning)
     stack: str = "fsdp2"
     """Whose training step is predicted (config.STACKS)."""
+    vllm_share: dict | None = field(default=None, compare=False)
+    """grpo: how vLLM's share was fixed or chosen and its estimated need (vllm_share.choose_share)."""
 
     @property
     def memory_limit_bytes(self) -> int:

@@ -127,6 +127,8 @@ def workload_section(request: TuneRequest, winner: Step) -> dict[str, Any]:
         # The simulator's figures (the winner's own, or the prediction that screened a real trial).
         sync = winner.result.extras.get("weight_sync") or (winner.predicted.extras.get("weight_sync")
                                                            if winner.predicted else None)
+        section.update(max_completion_length=workload.max_completion_length,
+                       num_generations=workload.num_generations, vllm_share=request.vllm_share)
         section.update(vllm_mode="colocate", vllm_memory_bytes=workload.vllm_bytes(capacity),
                        training_memory_bytes=capacity - workload.vllm_bytes(capacity),
                        weight_sync=sync)
@@ -188,6 +190,7 @@ def _trial_command(request: TuneRequest, step: Step) -> str:
             + (f" --hsdp {t.shard_group_size}" if t.shard_group_size else "")
             + (f" --reshard-group {t.reshard_group_size}" if t.reshard_group_size else "")
             + (f" --shard-placement {t.shard_placement}" if t.shard_placement != "dim0" else "")
+            + (f" --ep {t.expert_parallel}" if t.expert_parallel > 1 else "")
             + (" --activation-offload" if t.activation_offload else "")
             + (f" --compile {t.compile}" if t.compile != "none" else "")
             + (f" --float8 {t.float8}" if t.float8 != "none" else "")
@@ -248,7 +251,7 @@ def finetuning_flags(finetuning) -> str:
     """The command-line flags that ask for `finetuning` (empty for a full fine-tune)."""
     if not finetuning.lora:
         return ""
-    return (f" --peft lora --lora-rank {finetuning.rank} --lora-alpha {finetuning.alpha:g} "
+    return (f" --peft {finetuning.peft} --lora-rank {finetuning.rank} --lora-alpha {finetuning.alpha:g} "
             f"--lora-dropout {finetuning.dropout:g} --lora-targets {finetuning.targets}")
 
 

@@ -19,7 +19,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "hsdp": {"enabled": bool},
     "offload": {"enabled": bool, "activations": bool},
     "micro_batch": {"max": int, "refine": bool},
-    "explore": {"no_reshard": bool, "checkpointed_larger_micro_batch": bool},
+    "explore": {"no_reshard": bool, "checkpointed_larger_micro_batch": bool, "expert_parallel": bool},
     "compile": {"mode": str},
     "float8": {"mode": str},
 }
@@ -48,6 +48,8 @@ class SearchSpace:
     refine: bool = True
     explore_no_reshard: bool = True
     explore_checkpointed_larger_micro_batch: bool = True
+    expert_parallel: bool = True
+    """A MoE model: try expert parallelism over 2, 4, ... GPUs of a node after the graph (--ep)."""
     compile: str = "none"
     """torch.compile in the search: one of COMPILE_SEARCH (the tune command's --compile overrides it)."""
     float8: str = "none"
@@ -140,6 +142,7 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
         refine=get("micro_batch", "refine", True),
         explore_no_reshard=get("explore", "no_reshard", True),
         explore_checkpointed_larger_micro_batch=get("explore", "checkpointed_larger_micro_batch", True),
+        expert_parallel=get("explore", "expert_parallel", True),
         compile=compile_search,
         float8=float8_search,
         source=where,

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from autotune.catalog.models import ModelSpec
-from autotune.config import MASTER_DTYPE_NAMES, PARAM_DTYPE_NAMES, FineTuning
+from autotune.config import MASTER_DTYPE_NAMES, PARAM_DTYPE_NAMES, QLORA_QUANTIZATION, FineTuning
 
 
 def build_model(model: ModelSpec, *, num_layers: int | None = None, seed: int = 0, precision: str = "bf16",
@@ -32,6 +32,8 @@ def build_model(model: ModelSpec, *, num_layers: int | None = None, seed: int = 
         dtype=getattr(torch, MASTER_DTYPE_NAMES[precision]),
         trust_remote_code=model.trust_remote_code,
     )
+    if finetuning is not None and finetuning.qlora:
+        quantize_base(net, precision=precision)
     if finetuning is not None and finetuning.lora:
         net = apply_finetuning(net, finetuning, precision=precision)
     if step == "trl":
@@ -57,6 +59,97 @@ def apply_finetuning(net: nn.Module, finetuning: FineTuning, *, precision: str) 
     return net
 
 
+QUANT_STATE_BUFFERS = ("absmax", "code", "offset", "nested_absmax", "nested_code")
+"""A 4-bit linear's quantization statistics, registered as its (unsharded) buffers: each rank holds
+every layer's, as under FSDP-QLoRA, and memory trackers count them."""
+
+
+def quantize_base(net: nn.Module, *, precision: str) -> None:
+    """QLoRA: every linear layer but the output head becomes a bitsandbytes `Linear4bit` whose
+    weight is bnb's own 4-bit quantization of it (QLORA_QUANTIZATION, codes stored in the compute
+    dtype), in place, before peft adds the adapters (what transformers' `load_in_4bit` does at
+    load). Quantized on the current device by bnb's ops: on meta and under fake tensors their
+    shape functions give the layout, so traces and real trials hold the same tensors."""
+    import bitsandbytes as bnb
+
+    storage = getattr(torch, PARAM_DTYPE_NAMES[precision])
+    if "dynamic" not in bnb.functional.name2qmap:  # bnb's cached double-quantization table, built on the host
+        with torch.device("cpu"):
+            bnb.functional.name2qmap["dynamic"] = bnb.functional.create_dynamic_map()
+    head = net.get_output_embeddings()
+    for parent in list(net.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or child is head:
+                continue
+            quantized = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                          compute_dtype=storage, quant_storage=storage,
+                                          quant_type=QLORA_QUANTIZATION["quant_type"],
+                                          compress_statistics=QLORA_QUANTIZATION["compress_statistics"],
+                                          device="meta")
+            packed, state = bnb.functional.quantize_4bit(child.weight.data.to(storage), quant_storage=storage,
+                                                         **QLORA_QUANTIZATION)
+            quantized.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, quant_storage=storage,
+                                                 bnb_quantized=True, module=quantized, **QLORA_QUANTIZATION)
+            quantized.quant_state = state
+            if child.bias is not None:
+                quantized.bias = nn.Parameter(child.bias.data.to(storage), requires_grad=False)
+            _register_quant_state(quantized)
+            setattr(parent, name, quantized)
+
+
+def _register_quant_state(module: nn.Module) -> None:
+    """The quantization statistics as non-persistent buffers (QUANT_STATE_BUFFERS), read back into
+    the module's QuantState before each forward (`to_empty` and `.to` replace buffers)."""
+    state = module.weight.quant_state
+    # The nested code is bnb's one cached table; on a GPU each layer gets its own copy (`.to(device)`).
+    state.state2.code = state.state2.code.clone()
+    for name, tensor in zip(QUANT_STATE_BUFFERS, _quant_state_tensors(state)):
+        module.register_buffer(f"quant_{name}", tensor, persistent=False)
+    module.register_forward_pre_hook(_rebind_quant_state)
+
+
+def _quant_state_tensors(state) -> tuple[torch.Tensor, ...]:
+    """A QuantState's tensors in QUANT_STATE_BUFFERS' order."""
+    return state.absmax, state.code, state.offset, state.state2.absmax, state.state2.code
+
+
+def quant_state_bytes(net: nn.Module) -> int:
+    """The quantization statistics' storage (QLoRA; 0 without 4-bit layers)."""
+    names = {f"quant_{name}" for name in QUANT_STATE_BUFFERS}
+    return sum(b.nbytes for name, b in net.named_buffers() if name.rsplit(".", 1)[-1] in names)
+
+
+def _rebind_quant_state(module: nn.Module, _args) -> None:
+    state = module.quant_state
+    state.absmax, state.code, state.offset = module.quant_absmax, module.quant_code, module.quant_offset
+    state.state2.absmax, state.state2.code = module.quant_nested_absmax, module.quant_nested_code
+
+
+def requantize_base(net: nn.Module, *, seed: int) -> None:
+    """A real trial's 4-bit layers after `to_empty`: each weight quantized by bnb from a freshly
+    initialised one (normal, std 0.02, as HF initialises linears), the local shard of the packed
+    codes copied into FSDP2's shard and the statistics into the buffers. Every rank draws the same
+    weights."""
+    import bitsandbytes as bnb
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for module in net.modules():
+        if not isinstance(module, bnb.nn.Linear4bit):
+            continue
+        local = module.weight.to_local() if isinstance(module.weight, DTensor) else module.weight.data
+        full = torch.empty(module.out_features, module.in_features).normal_(0, 0.02, generator=generator)
+        packed, state = bnb.functional.quantize_4bit(full.to(local.device, module.compute_dtype),
+                                                     quant_storage=local.dtype, **QLORA_QUANTIZATION)
+        if isinstance(module.weight, DTensor):
+            packed = distribute_tensor(packed, module.weight.device_mesh, module.weight.placements,
+                                       src_data_rank=None).to_local()
+        with torch.no_grad():
+            local.copy_(packed)
+            for name, tensor in zip(QUANT_STATE_BUFFERS, _quant_state_tensors(state)):
+                getattr(module, f"quant_{name}").copy_(tensor)
+
+
 @dataclass(frozen=True)
 class ParameterCounts:
     """Parameters of the model as it trains, per decoder block and outside the blocks (the root)."""
@@ -66,6 +159,11 @@ class ParameterCounts:
     root_trainable: int
     root_total: int
     num_layers: int
+    block_frozen_bytes: int = 0
+    """Storage of a block's frozen parameters as FSDP2 shards and gathers them (QLoRA: the packed 4-bit codes)."""
+    root_frozen_bytes: int = 0
+    block_quant_state_bytes: int = 0
+    """QLoRA: a block's quantization statistics (buffers, on every rank unsharded)."""
 
     @property
     def trainable(self) -> int:
@@ -85,14 +183,26 @@ def parameter_counts(model: ModelSpec, finetuning: FineTuning) -> ParameterCount
         for depth in (1, 2):
             with torch.device("meta"):
                 net = build_model(model, num_layers=depth, finetuning=finetuning)
-            counts.append((sum(p.numel() for p in trainable_parameters(net)), sum(p.numel() for p in net.parameters())))
-        (t1, n1), (t2, n2) = counts
+            frozen = [p for p in net.parameters() if not p.requires_grad]
+            counts.append((sum(p.numel() for p in trainable_parameters(net)), sum(map(logical_numel, net.parameters())),
+                           sum(p.nbytes for p in frozen),
+                           quant_state_bytes(net)))
+        (t1, n1, f1, q1), (t2, n2, f2, q2) = counts
         _PARAMETER_COUNTS[key] = ParameterCounts(block_trainable=t2 - t1, block_total=n2 - n1, root_trainable=2 * t1 - t2,
-                                                 root_total=2 * n1 - n2, num_layers=model.num_layers)
+                                                 root_total=2 * n1 - n2, num_layers=model.num_layers,
+                                                 block_frozen_bytes=f2 - f1, root_frozen_bytes=2 * f1 - f2,
+                                                 block_quant_state_bytes=q2 - q1)
     return _PARAMETER_COUNTS[key]
 
 
 _PARAMETER_COUNTS: dict[tuple, ParameterCounts] = {}
+
+
+def logical_numel(param: torch.Tensor) -> int:
+    """A parameter's count of weights: a 4-bit one's (QLoRA) is its quantized shape's, not its
+    packed storage's."""
+    state = getattr(param, "quant_state", None)
+    return int(torch.Size(state.shape).numel()) if state is not None else param.numel()
 
 
 def trainable_parameters(net: nn.Module) -> list[nn.Parameter]:

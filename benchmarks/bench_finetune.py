@@ -1,6 +1,7 @@
-"""Per-GPU memory of full, LoRA and pure-bf16 fine-tuning (issue 27), predicted by the simulator.
+"""Per-GPU memory of full, LoRA, QLoRA and pure-bf16 fine-tuning (issue 27), predicted by the simulator.
 
     python benchmarks/bench_finetune.py [--models llama3.1-8b,llama3.1-70b] [--seq-lens 8192,32768]
+                                        [--modes full,lora,qlora,bf16-pure,lora+bf16-pure]
                                         [--gpus 8] [--json out.json]
 
 Each row is one configuration traced with the real model under fake tensors and a fake process
@@ -12,10 +13,11 @@ AdamW state, activations). Modes:
 * full: bf16 mixed precision, fp32 master weights, every parameter trains;
 * lora: peft LoRA r=16, alpha 32, dropout 0.05 on every linear layer but the head (TRL's examples);
   the frozen base in bf16, the adapters in fp32;
+* qlora: the same LoRA on a base quantized by bitsandbytes to 4-bit NF4 (blocks of 64, double
+  quantization, codes stored in bf16: HF's FSDP-QLoRA BitsAndBytesConfig), traced with bnb's own ops
+  (needs bitsandbytes; docs/FINETUNING.md);
 * bf16-pure: every parameter trains, parameters, gradients and AdamW state in bf16;
 * lora+bf16-pure: the adapters in bf16 too.
-
-QLoRA (4-bit base weights) is not built: see docs/FINETUNING.md.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 GIB = 2**30
-MODES = {"full": ("bf16", "none"), "lora": ("bf16", "lora"), "bf16-pure": ("bf16-pure", "none"),
+MODES = {"full": ("bf16", "none"), "lora": ("bf16", "lora"), "qlora": ("bf16", "qlora"), "bf16-pure": ("bf16-pure", "none"),
          "lora+bf16-pure": ("bf16-pure", "lora")}
 
 
@@ -37,6 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="llama3.1-8b,llama3.1-70b")
     parser.add_argument("--seq-lens", default="8192,32768")
+    parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -57,7 +60,8 @@ def main() -> None:
         for name in args.models.split(","):
             model = resolve_model(name)
             for seq in map(int, args.seq_lens.split(",")):
-                for mode, (precision, peft) in MODES.items():
+                for mode in args.modes.split(","):
+                    precision, peft = MODES[mode]
                     finetuning = FineTuning(peft=peft)
                     spec = TrialSpec(model=model, cluster=Cluster(num_gpus=args.gpus), seq_len=seq,
                                      grad_accum_steps=4, finetuning=finetuning,

@@ -13,7 +13,7 @@ os.environ["AUTOTUNE_CACHE"] = "off"
 
 # The modules that hold a worker for minutes (real launches, sweeps, plans), longest first, as
 # measured by --durations on this 2-core VM (docs/BENCHMARKS.md). `make test` runs pytest-xdist
-# with --dist loadfile, which hands whole modules to the two workers in collection order: the long
+# with --dist loadfile, which hands whole modules to the workers in collection order: the long
 # ones go first and the short ones fill in at the end, so neither worker idles while the other
 # finishes a long module (longest-processing-time-first scheduling).
 SLOWEST_FIRST = ("test_costmodel.py", "test_cli.py", "test_model_families.py", "test_export.py", "test_real.py",
@@ -54,7 +54,7 @@ def gloo_runs(request, tmp_path_factory):
 
     wanted = {item.module.__name__ for item in request.session.items if "gloo_runs" in item.fixturenames}
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        # Under pytest-xdist (make test: `-n 2 --dist loadfile`) a worker runs whole modules, but
+        # Under pytest-xdist (make test: `-n 3 --dist loadfile`) a worker runs whole modules, but
         # which ones is not known here: each module's set is launched when it first asks, so no
         # trial runs on two workers.
         wanted = set()

@@ -7,7 +7,7 @@ each registers the trials it needs (`register`, at import), and the session's `g
 fixture (tests/conftest.py) runs every registered set whose module has a selected test, in one
 launch of the real cpu backend in persistent mode, the first time any of them asks. A module then
 reads its own trials back (`SharedRuns.run(name)`), in its own order. Under pytest-xdist (the
-README's `make test` runs two workers, each taking whole modules) a worker launches only the set of
+README's `make test` runs three workers, each taking whole modules) a worker launches only the set of
 the module that asks: the other sets may be another worker's, and no trial runs twice.
 
 The launch is made by a fresh Python process, not by the test process: the launcher's fork runs

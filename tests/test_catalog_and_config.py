@@ -1,6 +1,7 @@
 """Model and GPU catalogs, configuration parsing, the search-space file."""
 
 import json
+import re
 
 import pytest
 
@@ -31,6 +32,32 @@ def test_every_catalog_entry_builds_and_wraps(name):
     assert model.default_seq_len <= model.max_positions
     if name in PUBLISHED:
         assert model.num_parameters == pytest.approx(PUBLISHED[name], rel=0.01)
+
+
+# Active parameters as their makers publish them: Mistral AI, "Mixtral of experts" (2023-12-11):
+# "46.7B total parameters but only uses 12.9B parameters per token"; Qwen3-30B-A3B's model card:
+# "30.5B in total and 3.3B activated" (both rounded to 0.1 B: within 2% here).
+PUBLISHED_ACTIVE = {"mixtral-8x7b": (46.7e9, 12.9e9), "qwen3-30b-a3b": (30.5e9, 3.3e9)}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_ACTIVE))
+def test_moe_active_parameters_are_the_published_ones(name):
+    """Counted from the meta build's fused experts and the config's routing, against the makers'
+    own figures; MFU counts 6 x the active parameters per token, so a MoE model's MFU stays a
+    fraction of the GPU's peak (the analytic estimate on 64 H100s, where 6 x all parameters read
+    over 100% for mixtral)."""
+    from autotune.backends.analytic import AnalyticBackend
+
+    model = resolve_model(name)
+    total, active = PUBLISHED_ACTIVE[name]
+    assert model.num_parameters == pytest.approx(total, rel=0.02)
+    assert model.active_parameters == pytest.approx(active, rel=0.02)
+    spec = TrialSpec(model=model, cluster=Cluster(num_gpus=64, num_nodes=8, gpu=resolve_gpu("h100-80gb")),
+                     seq_len=4096, train=TrainConfig(micro_batch_size=1, activation_checkpointing=parse_ac("full"),
+                                                     shard_placement="largest"))
+    with AnalyticBackend() as analytic:
+        mfu = analytic.evaluate(spec).extras["mfu"]
+    assert 0 < mfu < 0.7
 
 
 def test_unknown_model_suggests_close_names():
@@ -149,3 +176,19 @@ def test_shard_placement_is_one_name_per_configuration_and_refused_with_a_reshar
     with pytest.raises(UsageError, match="--reshard-group 4 with --shard-placement largest"):
         spec("tiny-mixtral", 8, nodes=2, reshard_group_size=4)
     assert spec("tiny-llama", 8, nodes=2, reshard_group_size=4).train.reshard_group_size == 4
+
+
+def test_expert_parallel_degrees_that_cannot_apply_are_refused_in_one_line():
+    """--ep needs fused experts, a degree dividing them and the GPUs, and none of the knobs it is
+    not built with here (HSDP, a reshard group, compiled blocks)."""
+    mixtral, cluster = resolve_model("tiny-mixtral"), Cluster(num_gpus=4)
+    assert mixtral.num_experts == 2 and resolve_model("tiny-llama").num_experts == 0
+    TrialSpec(model=mixtral, cluster=cluster, seq_len=128, train=TrainConfig(expert_parallel=2))
+    cases = [(mixtral, dict(expert_parallel=4), "must divide both the 2 experts"),
+             (resolve_model("tiny-llama"), dict(expert_parallel=2), "has no fused experts"),
+             (mixtral, dict(expert_parallel=2, shard_group_size=2), "--hsdp 2"),
+             (mixtral, dict(expert_parallel=2, compile="blocks"), ".tolist()")]
+    for model, knobs, said in cases:
+        with pytest.raises(UsageError, match=re.escape(said)) as caught:
+            TrialSpec(model=model, cluster=cluster, seq_len=128, train=TrainConfig(**knobs))
+        assert "\n" not in str(caught.value)

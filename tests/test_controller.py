@@ -395,3 +395,17 @@ def test_experts_fewer_than_the_gpus_are_sharded_on_another_dimension_and_the_ru
     assert {s.train.shard_placement for s in dense.steps} == {"dim0"}
     pinned = dataclasses.replace(request, space=SearchSpace(shard_placement="dim0"))
     assert {s.train.shard_placement for s in Controller(pinned, FormulaBackend()).tune().steps} == {"dim0"}
+
+
+def test_a_moe_model_is_tried_with_expert_parallelism_and_a_dense_one_is_not():
+    """tiny-mixtral has 2 experts: after the graph, the tune tries --ep 2 (the only degree dividing
+    them and the 8 GPUs of a node) on its best configuration, and says what it does; a dense
+    model, or a search space with explore.expert_parallel off, never does."""
+    request = dataclasses.replace(request_for(75), model=resolve_model("tiny-mixtral"))
+    outcome = Controller(request, FormulaBackend()).tune()
+    expert_parallel = [s for s in outcome.steps if s.train.expert_parallel > 1]
+    assert expert_parallel and {s.train.expert_parallel for s in expert_parallel} == {2}
+    assert "expert parallelism over 2 GPUs: each holds 1 of the 2 experts" in expert_parallel[0].reason
+    assert all(s.train.expert_parallel == 1 for s in Controller(request_for(75), FormulaBackend()).tune().steps)
+    off = dataclasses.replace(request, space=SearchSpace(expert_parallel=False))
+    assert all(s.train.expert_parallel == 1 for s in Controller(off, FormulaBackend()).tune().steps)

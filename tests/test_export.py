@@ -54,6 +54,20 @@ def llama3_8b(result: dict) -> dict:
     return changed
 
 
+def qwen3_30b_a3b(result: dict, *, expert_parallel: int) -> dict:
+    """The run's result as if the tuned model had been qwen3-30b-a3b (a MoE model torchtitan has) on 8
+    GPUs with `expert_parallel`."""
+    from autotune.catalog.models import MODELS
+
+    changed = copy.deepcopy(result)
+    entry = MODELS["qwen3-30b-a3b"]
+    changed["model"].update(name="qwen3-30b-a3b", model_type=entry.model_type, num_layers=48, hidden_size=2048,
+                            vocab_size=151936, config=dict(entry.config, model_type=entry.model_type))
+    changed["gpus"] = 8
+    changed["fsdp"]["expert_parallel"] = expert_parallel
+    return changed
+
+
 def for_format(result: dict, fmt: str) -> dict:
     return llama3_8b(result) if fmt == "torchtitan" else result
 
@@ -236,24 +250,57 @@ def test_every_export_of_a_lora_tune_says_how_to_add_the_adapters(run_result):
         assert set(config.target_modules) == {"q_proj", "v_proj"}, fmt
 
 
-def test_trl_trains_the_tuned_lora_through_its_own_parser(run_result, tmp_path):
-    """TRL's own CLI parser reads the exported file into SFTConfig and ModelConfig, and TRL's own
-    get_peft_config turns it into the LoraConfig that was traced; the base loads in bf16."""
+def _trl_parses_a_peft_tune(run_result, tmp_path, peft: str):
+    """A `peft` tune (r=8, alpha 16, dropout 0.1, all-linear) exported in the trl format and read
+    back by TRL's own CLI parser: (the result, SFTConfig, ModelConfig); the export warns of no LoRA."""
     pytest.importorskip("trl", reason="trl is not installed (pip install trl)")
     from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
-    from trl.trainer.utils import get_peft_config
 
     result = variant(run_result, activation_checkpointing="full")
-    result["finetuning"] = {"peft": "lora", "rank": 8, "alpha": 16, "dropout": 0.1, "targets": "all-linear"}
+    result["finetuning"] = {"peft": peft, "rank": 8, "alpha": 16, "dropout": 0.1, "targets": "all-linear"}
     path, exported = write(tmp_path, result, "trl")
     assert not any("LoRA" in w for w in exported.warnings)
     parser = TrlParser((ScriptArguments, SFTConfig, ModelConfig))
     _, sft, model_args = parser.parse_args_and_config(
         ["--config", str(path), "--dataset_name", "DATA", "--model_name_or_path", "MODEL", "--use_cpu", "true"])
+    return result, sft, model_args
+
+
+def test_trl_trains_the_tuned_lora_through_its_own_parser(run_result, tmp_path):
+    """TRL's own CLI parser reads the exported file into SFTConfig and ModelConfig, and TRL's own
+    get_peft_config turns it into the LoraConfig that was traced; the base loads in bf16."""
+    result, sft, model_args = _trl_parses_a_peft_tune(run_result, tmp_path, "lora")
+    from trl.trainer.utils import get_peft_config
+
     config = get_peft_config(model_args)
     assert (config.r, config.lora_alpha, config.lora_dropout) == (8, 16, 0.1)
     assert config.target_modules == "all-linear" and model_args.dtype == "bfloat16"
     assert sft.per_device_train_batch_size == result["micro_batch_size"]
+
+
+def test_a_qlora_tune_exports_the_4bit_base_or_says_how(run_result, tmp_path):
+    """QLoRA: TRL's own parser reads the exported ModelConfig, and TRL's own get_quantization_config
+    builds the BitsAndBytesConfig traced (nf4, double quantization, bf16 compute and storage) beside
+    the LoraConfig; exports that cannot quantize warn with a BitsAndBytesConfig that transformers'
+    own constructor accepts with the same values; LitGPT's finetune_lora, which refuses --quantize
+    on more than one device, warns instead of writing it."""
+    result, _, model_args = _trl_parses_a_peft_tune(run_result, tmp_path, "qlora")
+    import torch
+    from transformers import BitsAndBytesConfig
+    from trl.trainer.utils import get_peft_config, get_quantization_config
+
+    model_args.dtype = getattr(torch, model_args.dtype)  # as TRL's scripts do before get_quantization_config
+    trl_config = get_quantization_config(model_args)
+    assert get_peft_config(model_args).r == 8
+    expected = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+                "bnb_4bit_compute_dtype": torch.bfloat16, "bnb_4bit_quant_storage": torch.bfloat16}
+    assert {k: getattr(trl_config, k) for k in expected} == expected
+    for fmt in ("fsdp2", "accelerate", "hf-trainer", "torchtitan"):
+        warning = next(w for w in export_result(llama3_8b(result), fmt).warnings if "QLoRA" in w)
+        call = warning[warning.index("BitsAndBytesConfig(") + len("BitsAndBytesConfig("):warning.index(") before")]
+        config = eval(f"BitsAndBytesConfig({call})", {"BitsAndBytesConfig": BitsAndBytesConfig, "torch": torch})  # noqa: S307
+        assert {k: getattr(config, k) for k in expected} == expected, fmt
+    assert any("refuses --quantize" in w for w in export_result(result, "litgpt").warnings)
 
 
 def test_pure_bf16_is_exact_where_the_stack_trains_in_bf16(run_result):
@@ -671,6 +718,7 @@ for args in json.loads(sys.argv[1]):  # one exported command line per case
         "block_linears": sum(type(m).__name__ in ("Linear", "Float8Linear") for n, m in model.named_modules()
                              if ".layers." in f".{n}"),
         "head": type(model.lm_head).__name__,
+        "ep": cfg.parallelism.expert_parallel_degree, "cuda_graphs_off": cfg.training.disable_cuda_graphs,
     }), flush=True)
 """
 
@@ -753,16 +801,20 @@ def torchtitan_builds(run_result, tmp_path_factory) -> dict:
         shim = tmp_path_factory.mktemp("torchao-shim")
         (shim / "torchao").symlink_to(Path(importlib.util.find_spec("torchao").origin).parent)
         env["PYTHONPATH"] = os.pathsep.join([str(float8_path.parent), str(shim)])
+    moe = write(tmp_path_factory.mktemp("torchtitan"), qwen3_30b_a3b(run_result, expert_parallel=8), "torchtitan")[0]
+    runs.append(overrides_of(moe.read_text()))
     proc = subprocess.run([python, "-c", TORCHTITAN_CHECK, json.dumps(runs)], env=env,
                           capture_output=True, text=True, timeout=600, cwd=tmp_path_factory.mktemp("torchtitan-cwd"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     built = [json.loads(line[len("BUILT "):]) for line in proc.stdout.splitlines() if line.startswith("BUILT ")]
     assert len(built) == len(runs), proc.stdout[-3000:]
+    moe_got = built.pop()
     builds = {case: (result, path, got) for (case, (result, path)), got in zip(exports.items(), built)}
     builds["user-args"] = (None, last, built[-2 - (float8_path is not None)])
     builds["compiled"] = (compiled, compiled_path, built[-1 - (float8_path is not None)])
     if float8_path is not None:
         builds["float8"] = (None, float8_path, built[-1])
+    builds["moe-ep"] = (None, moe, moe_got)
     return builds
 
 
@@ -789,6 +841,20 @@ def test_torchtitan_parses_the_export_and_builds_the_tuned_model(torchtitan_buil
     # Checkpointing on (off in torchtitan's llama3 configs), at torchtitan's own interval and folder.
     assert got["checkpoint"] == [True, 500, "checkpoint"]
     assert got["compile"][0] is False  # eager as tuned, whatever the registry config says
+    subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+@pytest.mark.slow
+def test_torchtitan_builds_the_tuned_moe_model_with_the_tuned_expert_parallel_degree(torchtitan_builds):
+    """qwen3-30b-a3b tuned with --ep 8: torchtitan 0.3 parses --parallelism.expert-parallel-degree 8 (with
+    CUDA graphs off, which its parser requires of the all-to-all dispatcher) and builds its qwen3 30B-A3B,
+    whose parameter count is transformers' count of the tuned shapes (30.5 B)."""
+    from autotune.catalog.models import resolve_model
+
+    _, path, got = torchtitan_builds["moe-ep"]
+    assert (got["module"], got["flavor"]) == ("qwen3", "30B-A3B")
+    assert got["parameters"] == resolve_model("qwen3-30b-a3b").num_parameters
+    assert got["ep"] == 8 and got["cuda_graphs_off"] is True and got["shard"] == 8
     subprocess.run(["bash", "-n", str(path)], check=True)
 
 
@@ -890,11 +956,13 @@ def test_shard_placement_is_written_where_the_stack_runs_autotunes_parallelize(r
 
 @pytest.mark.slow
 def test_fsdp2_script_trains_experts_sharded_on_their_largest_dimension_on_four_cpu_ranks(run_result, tmp_path):
-    """The exported script with the copied shard_placement_fn, run: tiny-mixtral's 2 experts on 4
-    gloo ranks, sharded off dimension 0; --report reads each expert weight's placement from the
-    live model."""
+    """The exported script with the copied shard_placement_fn and apply_ep, run: tiny-mixtral's 2
+    experts on 4 gloo ranks with expert parallelism over 2 (each rank keeps 1 expert, sharded over
+    the 2 ranks holding it), off dimension 0; --report reads each expert weight's placement and
+    shape from the live model."""
     model = resolve_model("tiny-mixtral")
     result = variant(run_result, shard_placement="largest", activation_checkpointing="none")
+    result["fsdp"]["expert_parallel"] = 2
     result["model"].update(name="tiny-mixtral", model_type="mixtral", config=model.config_dict,
                            num_layers=model.num_layers, parameters=model.num_parameters)
     result["fsdp"]["wrap"] = "MixtralDecoderLayer"
@@ -909,6 +977,8 @@ def test_fsdp2_script_trains_experts_sharded_on_their_largest_dimension_on_four_
     placements = json.loads(report.read_text())["placements"]
     experts = {name: dim for name, dim in placements.items() if name.endswith(("gate_up_proj", "down_proj"))}
     assert experts and all(dim != 0 for dim in experts.values()), placements
+    shapes = json.loads(report.read_text())["shapes"]
+    assert {shapes[name][0] for name in experts} == {1}  # 2 experts over 2 expert-parallel ranks
 
 
 LITGPT_CHECK = r"""

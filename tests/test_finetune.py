@@ -9,6 +9,7 @@ count of the adapters' shapes made from the plain model.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -33,6 +34,11 @@ MATRIX = [
     ("tiny-llama", "none", "bf16-pure", "none"),
     ("tiny-llama", "none", "bf16-pure", "lora"),
 ]
+HAS_BITSANDBYTES = importlib.util.find_spec("bitsandbytes") is not None
+QLORA_ROWS = [("tiny-llama", "none", "bf16", "qlora"), ("tiny-qwen2", "full", "bf16", "qlora")]
+if HAS_BITSANDBYTES:  # QLoRA's 4-bit base runs on bitsandbytes' CPU build (the qlora extra)
+    MATRIX += QLORA_ROWS
+needs_bitsandbytes = pytest.mark.skipif(not HAS_BITSANDBYTES, reason="bitsandbytes is not installed (the qlora extra)")
 
 
 def _spec(model: str, ac: str, precision: str, peft: str) -> TrialSpec:
@@ -43,7 +49,7 @@ def _spec(model: str, ac: str, precision: str, peft: str) -> TrialSpec:
 
 @pytest.fixture(scope="module")
 def measured_and_predicted():
-    """A launch of its own: 2 gloo ranks, 7 trials (seq 128: about a minute and a half on a 2-core VM)."""
+    """A launch of its own: 2 gloo ranks, 7 trials, 9 with QLoRA's (seq 128: about two minutes on a 2-core VM)."""
     return measure_and_predict([_spec(*row) for row in MATRIX])
 
 
@@ -71,6 +77,59 @@ def test_lora_and_pure_bf16_lower_the_measured_peak(measured_and_predicted):
     assert peak[("tiny-llama", "full", "bf16", "lora")] < lora
     assert peak[("tiny-qwen2", "full", "bf16", "lora")] < peak[("tiny-qwen2", "none", "bf16", "lora")]
     assert peak[("tiny-llama", "none", "bf16-pure", "none")] < full
+
+
+@needs_bitsandbytes
+@pytest.mark.slow
+def test_qlora_lowers_the_measured_peak_by_the_4bit_base(measured_and_predicted):
+    """Measured: QLoRA's 4-bit base holds under half a byte per quantized weight (plus statistics)
+    where LoRA's holds 2: the real peak falls by at least 1 byte per quantized weight on a rank,
+    those weights counted from the plain model's linear layers but the head."""
+    _, measured, _ = measured_and_predicted
+    peak = {row: result.extras["tensor_peak_bytes"] for row, result in zip(MATRIX, measured)}
+    with torch.device("meta"):
+        plain = build_model(resolve_model("tiny-llama"))
+    head = plain.get_output_embeddings()
+    quantized = sum(m.weight.numel() for m in plain.modules() if type(m) is torch.nn.Linear and m is not head)
+    lora, qlora = peak[("tiny-llama", "none", "bf16", "lora")], peak[("tiny-llama", "none", "bf16", "qlora")]
+    assert lora - qlora >= quantized / 2
+
+
+@needs_bitsandbytes
+def test_the_4bit_base_is_what_transformers_loads_for_fsdp_qlora(tmp_path):
+    """The layout QLoRA trains on, checked against transformers' own 4-bit loader with the
+    BitsAndBytesConfig of HF's FSDP-QLoRA guide (nf4, double quantization, bf16 storage) on a saved
+    checkpoint of the same model: every quantized linear's packed weight and quantization statistics
+    have the shapes, dtypes and bytes of autotune's meta build; the trainable and total counts are
+    peft's own on the real QLoRA model (peft counts a 4-bit weight by its quantized size)."""
+    import bitsandbytes as bnb
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    spec, qlora = resolve_model("tiny-llama"), FineTuning(peft="qlora", rank=8)
+    AutoModelForCausalLM.from_config(spec.hf_config(num_layers=2), dtype=torch.bfloat16).save_pretrained(tmp_path)
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config, dtype=torch.bfloat16,
+                                                  device_map="cpu")
+
+    def layout(net):
+        out = {}
+        for name, module in net.named_modules():
+            if isinstance(module, bnb.nn.Linear4bit):
+                state = module.weight.quant_state
+                tensors = (module.weight, state.absmax, state.code, state.offset, state.state2.absmax, state.state2.code)
+                out[name.removeprefix("base_model.model.").removesuffix(".base_layer")] = [
+                    (tuple(t.shape), t.dtype, t.nbytes) for t in tensors] + [(tuple(state.shape), state.blocksize,
+                                                                              state.quant_type)]
+        return out
+
+    with torch.device("meta"):
+        ours = build_model(spec, num_layers=2, finetuning=qlora)
+    assert layout(ours) == layout(loaded) and len(layout(ours)) == 14
+    real = build_model(spec, finetuning=qlora)
+    counts = parameter_counts(spec, qlora)
+    assert (counts.trainable, counts.total) == real.get_nb_trainable_parameters()
+    assert counts.trainable == parameter_counts(spec, FineTuning(peft="lora", rank=8)).trainable
 
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])

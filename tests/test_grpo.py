@@ -64,13 +64,13 @@ def test_grpo_limit_is_smaller_by_vllms_share_of_total_memory():
 def test_grpo_tune_records_the_workload_and_the_smaller_limit(tmp_path):
     common = ["--model", "tiny-llama", "--gpus", "2", "--global-tokens", "64K", "--backend", "analytic"]
     sft = _tune(tmp_path / "sft", *common)
-    grpo = _tune(tmp_path / "grpo", *common, "--workload", "grpo")  # TRL's default utilisation
+    grpo = _tune(tmp_path / "grpo", *common, "--workload", "grpo", "--vllm-gpu-memory-utilization", "0.3")
     jsonschema.validate(grpo, SCHEMA)
     capacity = grpo["gpu"]["memory_bytes"]
     assert sft["workload"] == {"kind": "sft", "vllm_gpu_memory_utilization": None}
     assert grpo["workload"]["kind"] == "grpo" and grpo["workload"]["vllm_gpu_memory_utilization"] == 0.3
+    assert grpo["workload"]["vllm_share"]["chosen_by"] == "user"
     assert grpo["workload"]["vllm_memory_bytes"] == int(capacity * 0.3)
-    assert sft["memory_limit_bytes"] - grpo["memory_limit_bytes"] == pytest.approx(capacity * 0.3 * 0.9, abs=2)
     assert grpo["study"] != sft["study"]  # a GRPO problem never resumes the SFT study's trials
 
 
@@ -191,6 +191,7 @@ def test_trl_export_is_a_grpo_config_with_the_tuned_values(grpo_result, tmp_path
     assert args.bf16 == (result["precision"] == "bf16") and args.optim == "adamw_torch_fused"
     assert args.beta == 0.0 and args.vllm_enable_sleep_mode is False  # what the prediction assumed
     assert args.vllm_max_model_length == result["seq_len"]
+    assert args.max_completion_length == result["workload"]["max_completion_length"] < result["seq_len"]
     assert (result["micro_batch_size"] * result["gpus"] * result["grad_accum_steps"]) % args.num_generations == 0
     plugin = args.fsdp_plugin_args
     assert plugin["fsdp_version"] == 2 and plugin["reshard_after_forward"] is False
@@ -256,3 +257,72 @@ def test_grpo_every_k_uses_fsdps_checkpointing_because_trl_drops_every_n_layers(
     sft = copy.deepcopy(result)
     sft["workload"] = {"kind": "sft", "vllm_gpu_memory_utilization": None}
     assert "every_n_layers=2" in {m.knob: m.key for m in export_result(sft, "trl").mappings}["activation_checkpointing"]
+
+
+# -- vLLM's share: its need, estimated, and the share a tune chooses --------------------------------
+def test_kv_bytes_per_token_is_what_the_models_own_cache_holds():
+    """Against transformers' own KV cache: a real forward with use_cache of a GQA model whose head_dim
+    is not hidden/heads (llama3-8b's 8 KV heads of 128 on a narrow hidden size), in bf16 as vLLM keeps it."""
+    from transformers import AutoModelForCausalLM
+
+    from autotune.catalog.models import ModelSpec
+    from autotune.vllm_share import kv_bytes_per_token
+
+    base = resolve_model("micro-llama")
+    config = {**base.config_dict, "hidden_size": 64, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "head_dim": 128, "num_hidden_layers": 3}
+    spec = dataclasses.replace(base, config_dict=config)
+    assert isinstance(spec, ModelSpec)
+    model = AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.bfloat16)
+    tokens = 5
+    with torch.no_grad():
+        cache = model(torch.zeros(1, tokens, dtype=torch.long), use_cache=True).past_key_values
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    assert kv_bytes_per_token(spec) == held // tokens
+    # Llama 3 8B: 128 KiB a token in bf16, the figure vLLM's and NVIDIA's sizing guides publish.
+    assert kv_bytes_per_token(resolve_model("llama3-8b")) == 128 * 1024
+
+
+def test_vllms_weights_are_the_whole_model_in_bf16():
+    need = __import__("autotune.vllm_share", fromlist=["vllm_need"]).vllm_need(
+        resolve_model("tiny-llama"), seq_len=256, sequences=4)
+    assert need.weights_bytes == sum(_full_parameter_bytes("tiny-llama")) // 2  # fp32 bytes / 2
+    assert need.to_dict()["source"] == "estimated"
+
+
+def test_unfixed_share_is_the_smallest_that_holds_the_need_and_the_trl_export_writes_it(tmp_path):
+    from autotune.units import parse_bytes
+
+    result = _tune(tmp_path, "--model", "micro-llama", "--gpus", "2", "--global-tokens", "16Ki", "--backend",
+                   "analytic", "--workload", "grpo", "--gpu-memory", "8GiB", "--seq-len", "512",
+                   "--max-completion-length", "128")
+    jsonschema.validate(result, SCHEMA)
+    workload = result["workload"]
+    share, record = workload["vllm_gpu_memory_utilization"], workload["vllm_share"]
+    capacity, need = parse_bytes("8GiB"), record["need"]
+    assert record["chosen_by"] == "autotune" and need["source"] == "estimated"
+    assert share * capacity >= need["total_bytes"] > (share - 0.05) * capacity  # the smallest on the grid
+    assert record["concurrent_sequences"] == need["sequences"]
+    assert any(n.startswith(f"vLLM's share {share:g} (chosen by autotune") for n in result["notes"])
+    # TRL generates micro-batch x steps_per_generation sequences a GPU at once (its max_num_seqs); read
+    # from TRL's own GRPOConfig parsed from the export: the need held at least that many.
+    exported = export_result(result, "trl")
+    path = tmp_path / exported.filename
+    path.write_text(exported.text)
+    args, _ = _grpo_args(path)
+    assert args.vllm_gpu_memory_utilization == share and args.max_completion_length == 128
+    assert need["sequences"] >= args.per_device_train_batch_size * args.steps_per_generation
+    assert need["tokens_per_sequence"] == args.vllm_max_model_length == 512
+    assert any("generation throughput is not modelled" in w for w in exported.warnings)
+
+
+def test_user_num_generations_is_exported_or_refused(grpo_result):
+    from autotune.export import ExportRefused
+
+    result = copy.deepcopy(grpo_result)
+    batch = result["micro_batch_size"] * result["gpus"] * result["grad_accum_steps"]
+    result["workload"]["num_generations"] = 2
+    assert "num_generations: 2" in export_result(result, "trl").text
+    result["workload"]["num_generations"] = batch + 1
+    with pytest.raises(ExportRefused, match="does not divide"):
+        export_result(result, "trl")

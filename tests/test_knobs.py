@@ -16,7 +16,7 @@ from autotune.config import Cluster, TrainConfig, TrialSpec
 from autotune.knobs import Checkpointing
 
 TINY = ["--model", "tiny-llama", "--gpus", "4", "--global-tokens", "64K"]
-MODEL_FOR = {"shard_placement": "tiny-mixtral"}
+MODEL_FOR = {"shard_placement": "tiny-mixtral", "expert_parallel": "tiny-mixtral"}
 """Knobs whose alternative changes only some models: a model where it does (2 experts on 4 GPUs)."""
 
 

@@ -57,3 +57,24 @@ def test_a_skewed_and_a_spread_router_give_the_same_peak():
     assert min(spread_load) > 0.2 * sum(spread_load)  # both experts busy
     assert sum(skewed_load) == sum(spread_load)  # tokens x top-k rows either way
     assert skewed_peak == spread_peak
+
+
+def test_the_trace_counts_the_experts_matmul_flops():
+    """torch has no FLOP formula for grouped matmuls, which transformers' experts run: the trace adds
+    one. Routing every token to a second expert adds exactly one expert's forward and backward per
+    token and layer, 6 x tokens x its parameters (3 x hidden x intermediate), counted from the config."""
+    import dataclasses
+
+    from autotune.backends.sim import SimBackend
+    from autotune.config import Cluster, TrainConfig, TrialSpec
+
+    top1 = resolve_model("tiny-mixtral")
+    top2 = dataclasses.replace(top1, name="tiny-mixtral-top2", config_dict={**top1.config_dict, "num_experts_per_tok": 2})
+    flops = []
+    with SimBackend(device_kind="cpu") as sim:
+        for model in (top1, top2):
+            spec = TrialSpec(model=model, cluster=Cluster(num_gpus=2), seq_len=128, train=TrainConfig(micro_batch_size=1))
+            flops.append(sim.evaluate(spec).extras["op_work"]["matmul_flops"])
+    config = top1.config_dict
+    tokens, expert = 128, 3 * config["hidden_size"] * config["intermediate_size"]
+    assert flops[1] - flops[0] == 6 * tokens * expert * config["num_hidden_layers"]

@@ -306,6 +306,7 @@ def test_the_helper_starts_where_a_core_is_free_unless_told(monkeypatch, setting
     ("tiny-llama", dict(activation_checkpointing="full", reshard_group_size=2), 1, False),
     ("tiny-qwen2", dict(activation_checkpointing="every:2", reshard_group_size=2), 1, True),
     ("tiny-mixtral", dict(activation_checkpointing="none", shard_placement="largest"), 1, False),
+    ("tiny-mixtral", dict(activation_checkpointing="full", expert_parallel=2), 1, False),
 ])
 def test_the_warm_up_without_a_step_leaves_what_a_real_first_step_leaves(monkeypatch, model, train, replicas, gloo):
     # The tracer brings a new model to the steady state without running a step through it
@@ -318,7 +319,7 @@ def test_the_warm_up_without_a_step_leaves_what_a_real_first_step_leaves(monkeyp
     from autotune.training import token_batches, train_step
 
     spec, config = resolve_model(model), TrainConfig(**train)
-    mesh = fake_mesh(ParallelDims(dp_replicate=replicas, dp_shard=4 // replicas))
+    mesh = fake_mesh(ParallelDims(dp_replicate=replicas, dp_shard=4 // replicas, ep=config.expert_parallel))
 
     def traces():
         tracer = Tracer()

@@ -34,10 +34,9 @@ MATRIX = [
     ("tiny-qwen2", "every:2", 3, False),
     ("tiny-qwen2", "full", 4, True),
     ("tiny-qwen2@6", "none", 4, False),  # after micro-batch 2: extrapolated from micro-batches 2 and 3
-    # The AdamW implementations (the rows above use the default, fused): each traced as it runs.
+    # The other AdamW implementations (the rows above use the default, fused): each traced as it runs.
     ("tiny-llama", "full", 1, True, "foreach"),
     ("tiny-llama", "full", 1, True, "for-loop"),
-    ("tiny-llama", "full", 1, True, "fused"),
 ]
 
 

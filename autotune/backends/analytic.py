@@ -193,16 +193,27 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     # What trains: every parameter, or LoRA's adapters on a frozen base stored in the compute dtype.
     trained, block_trained, frozen = total, block, 0
     lora = spec.finetuning.lora
+    # QLoRA: the frozen base's storage as built (packed 4-bit codes), gathered per block, and its
+    # quantization statistics on every rank; both counted on a meta build by bnb's own quantizer.
+    frozen_bytes = block_gathered = quant_states = dequantized = 0.0
     if lora:
         from autotune.training import parameter_counts
 
         counts = parameter_counts(spec.model, spec.finetuning)
         trained, block_trained, frozen = counts.trainable, counts.block_trainable, counts.total - counts.trainable
         block = counts.block_total
+        if spec.finetuning.qlora:
+            frozen_bytes = counts.root_frozen_bytes + num_layers * counts.block_frozen_bytes
+            block_gathered = counts.block_frozen_bytes + block_trained * d
+            quant_states = num_layers * counts.block_quant_state_bytes
+            # backward dequantizes each 4-bit weight to the compute dtype: the block's largest at once
+            dequantized = d * shape.hidden * shape.intermediate
+    frozen_bytes = frozen_bytes or d * frozen
+    block_gathered = block_gathered or gathered_block_params(spec, block) * d  # expert parallel: 1/ep of the experts
 
     # Model states (sharded): on the host instead when offloading.
     states_on_device = 0 if train.cpu_offload else 1
-    sharded_params = states_on_device * (master * trained + d * frozen) / world
+    sharded_params = states_on_device * (master * trained + frozen_bytes) / world + quant_states
     optimizer = states_on_device * 2 * master * trained / world
     accumulated_grads = states_on_device * master * trained / world if spec.grad_accum_steps > 1 else 0.0
     block_grad_shard = states_on_device * master * block_trained / world
@@ -212,7 +223,6 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     root_gathered = shape.root_params * d  # the root is never resharded after forward
     # LM head (or tied embedding) gradient, unsharded; none when it is frozen (LoRA).
     head_grad = 0 if lora else shape.vocab * shape.hidden * d
-    block_gathered = block * d
     per_layer = activation_bytes_per_token(shape, d) * tokens
     checkpoint_input = shape.hidden * d * tokens
     ac = train.activation_checkpointing
@@ -226,7 +236,7 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     # Gradients of the block's input and of two ffn-wide tensors, plus the unsharded gradient
     # of its largest weight in flight (fitted to traces: docs/COSTMODEL.md).
     backward_temps = 2 * d * (shape.hidden + shape.intermediate) * tokens + (
-        0 if lora else d * shape.hidden * shape.intermediate)
+        dequantized if lora else d * shape.hidden * shape.intermediate)
     inputs = 16 * tokens  # int64 input ids and labels
 
     # Activation offload: what forward saves waits on the host; backward brings back one block's at
@@ -280,7 +290,7 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
 
     per_rank_host = costmodel.HOST_PROCESS_BYTES
     if train.cpu_offload:
-        per_rank_host += (4 * master * trained + d * frozen) / world
+        per_rank_host += (4 * master * trained + frozen_bytes) / world
     per_rank_host += offloaded_host
     return MemoryEstimate(breakdown=breakdown, tensor_peak_bytes=tensor_peak,
                           peak_bytes=sum(breakdown.values()),
@@ -300,6 +310,28 @@ def trainable_split(spec: TrialSpec) -> tuple[int, int] | None:
     return counts.block_trainable, counts.root_trainable
 
 
+def gathered_block_params(spec: TrialSpec, block_params: int) -> int:
+    """Parameters of a block one GPU gathers: all of them, or under expert parallelism its own
+    1/ep of the experts with the rest (the same count the simulator's trace holds per rank)."""
+    experts, ep = spec.model.block_expert_parameters, spec.train.expert_parallel
+    return block_params - experts + experts // ep if ep > 1 else block_params
+
+
+def expert_parallel_work(spec: TrialSpec) -> dict:
+    """fsdp_step_work's all-to-all arguments for `spec` (nothing without expert parallelism)."""
+    ep = spec.train.expert_parallel
+    if ep == 1:
+        return {}
+    model, ac = spec.model, spec.train.activation_checkpointing
+    # MoE blocks checkpointed: every block is MoE in the catalog's MoE models; else in proportion.
+    checkpointed = sum(ac.wraps_block(i) for i in range(model.num_layers)) * model.moe_layers // model.num_layers
+    return dict(all_to_all_bytes=costmodel.expert_all_to_all_bytes(
+        tokens_per_microbatch=spec.train.micro_batch_size * spec.seq_len, experts_per_token=model.experts_per_token,
+        hidden_size=model.hidden_size, activation_bytes=PARAM_DTYPE_BYTES[spec.train.precision],
+        moe_layers=model.moe_layers, expert_parallel=ep, checkpointed_moe_layers=checkpointed,
+        num_microbatches=spec.grad_accum_steps), all_to_all_inter_node=ep > spec.cluster.gpus_per_node)
+
+
 def step_work(spec: TrialSpec, *, reduce_bytes: int = 4) -> costmodel.StepWork:
     """FLOPs, collective and offload bytes of one optimizer step on one GPU, gradients reduced in
     `reduce_bytes` per element (fp32, as autotune's trials reduce)."""
@@ -313,16 +345,19 @@ def step_work(spec: TrialSpec, *, reduce_bytes: int = 4) -> costmodel.StepWork:
     # op-level checkpointing only the matmuls its policy did not save.
     ac = train.activation_checkpointing
     num_checkpointed = sum(ac.wraps_block(i) for i in range(shape.num_layers))
+    # A MoE block recomputes with the experts each token is routed to (catalog: active parameters).
+    active_block = shape.block_params - spec.model.idle_expert_parameters // max(spec.model.moe_layers, 1)
     per_block = (op_checkpoint_recompute_flops_per_token(shape, ac.policy) if ac.mode == "op"
-                 else 2 * shape.block_params + 4 * shape.hidden * spec.seq_len)
+                 else 2 * active_block + 4 * shape.hidden * spec.seq_len)
     recompute = num_checkpointed * per_block
     return costmodel.fsdp_step_work(
         flops_per_gpu=tokens_per_gpu * (model_flops + recompute), model_flops_per_gpu=tokens_per_gpu * model_flops,
-        tokens_per_gpu_step=tokens_per_gpu, num_gpus=spec.cluster.num_gpus, block_params=shape.block_params,
+        tokens_per_gpu_step=tokens_per_gpu, num_gpus=spec.cluster.num_gpus,
+        block_params=gathered_block_params(spec, shape.block_params),
         num_blocks=shape.num_layers, root_params=shape.root_params, param_bytes=PARAM_BYTES[train.precision],
         reshard_after_forward=train.reshard_after_forward, cpu_offload=train.cpu_offload,
         num_microbatches=spec.grad_accum_steps, hidden_size=shape.hidden, reduce_bytes=reduce_bytes,
-        trainable=trainable_split(spec))
+        trainable=trainable_split(spec), **expert_parallel_work(spec))
 
 
 class AnalyticBackend(TrialBackend):

@@ -75,3 +75,18 @@ def _block_class_name(module: nn.Module) -> str:
     subclass fully_shard swaps in: a parallelized model still shows its decoder blocks."""
     module = getattr(module, "_checkpoint_wrapped_module", module)
     return next(c.__name__ for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))
+
+
+def fused_experts(block: nn.Module) -> list[nn.Module]:
+    """A decoder block's fused-expert modules: transformers 5 keeps a MoE block's experts in one
+    module (MixtralExperts, Qwen3MoeExperts, GptOssExperts, ...) whose every weight is one tensor
+    [num_experts, ...] and whose forward takes (hidden_states, top_k_index, top_k_weights). Told
+    by that shape: an integer `num_experts` and its own parameters, a 3-D one among them, each with
+    dimension 0 that long (the router, [num_experts, hidden], has no 3-D weight)."""
+    found = []
+    for module in block.modules():
+        count, own = getattr(module, "num_experts", None), list(module.parameters(recurse=False))
+        if isinstance(count, int) and not isinstance(count, bool) and any(p.dim() == 3 for p in own) \
+                and all(p.dim() >= 2 and p.shape[0] == count for p in own):
+            found.append(module)
+    return found

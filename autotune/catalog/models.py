@@ -416,7 +416,7 @@ class ModelSpec:
         key = cache.key_of("model-summary", dict(model_type=self.model_type, config=self.config_dict,
                                                  remote=self.trust_remote_code, layers=self.num_layers))
         cached = cache.load("model-summary", key)
-        if isinstance(cached, dict) and "block_param_shapes" in cached:  # else written before the field
+        if isinstance(cached, dict) and "moe_layers" in cached:  # else written before the field
             return cached
         summary = self._count_on_meta()
         cache.store("model-summary", key, summary)
@@ -427,7 +427,7 @@ class ModelSpec:
         from transformers import AutoModelForCausalLM
 
         from autotune.errors import UnsupportedModelError
-        from autotune.catalog.blocks import find_decoder_blocks
+        from autotune.catalog.blocks import find_decoder_blocks, fused_experts
 
         period = self.layer_period
         config = self.hf_config(num_layers=period)
@@ -453,6 +453,11 @@ class ModelSpec:
                     hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
                     head_dim=head_dim, vocab_size=vocab,
                     mlp_width=max(mlp_width(block, hidden) for block in blocks.layers),
+                    num_experts=max((m.num_experts for block in blocks.layers for m in fused_experts(block)), default=0),
+                    experts_per_token=_positive_int(_read(text, "num_experts_per_tok")) or 0,
+                    moe_layers=sum(bool(fused_experts(blocks.layers[i % period])) for i in range(self.num_layers)),
+                    block_expert_parameters=max((sum(p.numel() for m in fused_experts(block) for p in m.parameters())
+                                                 for block in blocks.layers), default=0),
                     block_param_shapes=sorted({tuple(p.shape) for block in blocks.layers
                                                for p in block.parameters() if p.dim() >= 2}))
 
@@ -461,6 +466,42 @@ class ModelSpec:
         """The distinct shapes of the decoder blocks' multi-dimensional parameters (a fused expert
         weight's first dimension is the number of experts): where FSDP2 can shard them."""
         return tuple(tuple(shape) for shape in self._meta_summary["block_param_shapes"])
+
+    @property
+    def num_experts(self) -> int:
+        """Experts per MoE block (the most of any block), 0 for a dense model: what expert
+        parallelism splits (blocks.fused_experts)."""
+        return int(self._meta_summary["num_experts"])
+
+    @property
+    def experts_per_token(self) -> int:
+        """Experts each token is routed to (the config's num_experts_per_tok), 0 for a dense model."""
+        return int(self._meta_summary["experts_per_token"])
+
+    @property
+    def moe_layers(self) -> int:
+        """Decoder blocks with fused experts (at full depth)."""
+        return int(self._meta_summary["moe_layers"])
+
+    @property
+    def block_expert_parameters(self) -> int:
+        """Parameters of the fused experts of the largest MoE block (what expert parallelism splits)."""
+        return int(self._meta_summary["block_expert_parameters"])
+
+    @property
+    def idle_expert_parameters(self) -> int:
+        """Expert parameters a token does not compute with: in each MoE block the experts it is not
+        routed to ((num_experts - num_experts_per_tok) of num_experts); 0 for a dense model."""
+        experts, routed = self.num_experts, self.experts_per_token
+        if not experts or not routed:
+            return 0
+        return self.moe_layers * self.block_expert_parameters * (experts - routed) // experts
+
+    @property
+    def active_parameters(self) -> int:
+        """Parameters a token computes with (MoE papers' "active" parameters): all of them in a
+        dense model; the experts it is not routed to left out in a MoE model."""
+        return self.num_parameters - self.idle_expert_parameters
 
     @property
     def root_parameters(self) -> int:
@@ -690,11 +731,13 @@ def _check_buildable(spec: ModelSpec, *, where: str) -> None:
 
 def model_flops_per_token(model: ModelSpec, seq_len: int, *, num_parameters: int | None = None) -> float:
     """Training FLOPs per token without recompute: 6N plus attention (PaLM paper, appendix B:
-    6N + 12 * L * H * Q * T with H*Q the attention width and T the sequence length).
-    `num_parameters` saves the meta build of the model when the caller already knows N."""
+    6N + 12 * L * H * Q * T with H*Q the attention width and T the sequence length), N the active
+    parameters (a MoE token computes with the experts it is routed to only: MFU counted against all
+    of mixtral-8x7b's 46.7 B parameters read 114%). `num_parameters` (all of them) saves the meta
+    build of the model when the caller already knows it."""
     num_layers = model.num_layers
     hidden = model.hidden_size
-    n = model.num_parameters if num_parameters is None else num_parameters
+    n = (model.num_parameters if num_parameters is None else num_parameters) - model.idle_expert_parameters
     return 6 * n + 12 * num_layers * hidden * seq_len
 
 

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from autotune import knobs as knob_registry
 from autotune.knobs import Checkpointing
 from autotune.errors import UsageError
+from autotune.config import QLORA_QUANTIZATION
 from autotune.runtime_memory import ALLOC_CONF_ENV, RECOMMENDED_ALLOC_CONF
 
 Status = Literal["mapped", "approximated", "unsupported"]
@@ -85,6 +86,10 @@ class Tuned:
     workload: str = "sft"
     """'grpo': tuned for TRL GRPO with vLLM colocated (results from before the knob: sft)."""
     vllm_gpu_memory_utilization: float | None = None
+    max_completion_length: int | None = None
+    """grpo: GRPOConfig.max_completion_length tuned for (None: a result from before the knob, TRL's default)."""
+    num_generations: int | None = None
+    """grpo: the user's --num-generations (None: TRL's default where it divides the global batch)."""
     finetuning: dict[str, Any] = field(default_factory=lambda: {"peft": "none"})
     """The result's `finetuning` section (peft method and LoRA settings)."""
     shard_group_size: int = 0
@@ -97,6 +102,8 @@ class Tuned:
     largest evenly divisible dimension (autotune.knobs.shard_dim)."""
     compile: str = "none"
     """torch.compile of the decoder blocks: none or blocks (results from before the knob: none)."""
+    expert_parallel: int = 1
+    """Expert-parallel degree (1: none; results from before the knob: 1)."""
     stack: str = "fsdp2"
     """Whose step the memory was predicted for (results from before `--stack`: fsdp2, autotune's loop)."""
     float8: str = "none"
@@ -174,6 +181,7 @@ class Tuned:
                 activation_offload=bool(values["activation_offload"]),
                 compile=str(values["compile"]),
                 float8=str(values["float8"]),
+                expert_parallel=int(values["expert_parallel"]),
                 cpu_offload=bool(fsdp["cpu_offload"]),
                 reshard_after_forward=bool(fsdp["reshard_after_forward"]),
                 micro_batch_size=int(result["micro_batch_size"]),
@@ -184,6 +192,8 @@ class Tuned:
                 alloc_conf=str((result.get("environment") or {}).get(ALLOC_CONF_ENV) or RECOMMENDED_ALLOC_CONF),
                 workload=str((result.get("workload") or {}).get("kind", "sft")),
                 vllm_gpu_memory_utilization=(result.get("workload") or {}).get("vllm_gpu_memory_utilization"),
+                max_completion_length=(result.get("workload") or {}).get("max_completion_length"),
+                num_generations=(result.get("workload") or {}).get("num_generations"),
                 finetuning=dict(result.get("finetuning") or {"peft": "none"}),
                 stack=str((result.get("stack") or {}).get("name", "fsdp2")),
             )
@@ -227,9 +237,15 @@ class Mapper:
         assert not missing, f"exporter left knobs unaccounted for: {sorted(missing)}"
 
 
-EXPRESSIBLE = ("op_level_ac", "hsdp", "bf16_pure", "lora")
+EXPRESSIBLE = ("op_level_ac", "hsdp", "bf16_pure", "lora", "qlora")
 """Knob values only some stacks can express: an exporter names those it writes in build_export's
 `expresses`; for the rest the mapping is derived here, as approximated or unsupported."""
+
+
+QLORA_BNB_CONFIG = (f"load_in_4bit=True, bnb_4bit_quant_type={QLORA_QUANTIZATION['quant_type']!r}, "
+                    f"bnb_4bit_use_double_quant={QLORA_QUANTIZATION['compress_statistics']}, "
+                    "bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16")
+"""transformers' BitsAndBytesConfig of the layout QLoRA was traced with (training.QLORA_QUANTIZATION)."""
 
 
 def _approximate(mapper: Mapper, knobs: tuple[str, ...], note: str) -> None:
@@ -286,6 +302,11 @@ def map_knobs_not_expressed(tuned: Tuned, mapper: Mapper, *, stack: str, express
                                 "tensorwise with Float8LinearConfig(enable_fsdp_float8_all_gather=True) and "
                                 "precompute_float8_dynamic_scale_for_fsdp after each optimizer step) before FSDP "
                                 "wraps them, or train in high precision (slower than estimated; docs/COMPILE.md)")
+    _map_unless_written(mapper, "expert_parallel", at_default=tuned.expert_parallel == 1,
+                        default="no expert parallelism, as tuned",
+                        missing=f"expert parallelism over {tuned.expert_parallel} GPUs is not written for {stack}: "
+                                "every GPU would gather every expert (more memory and all-gather traffic than "
+                                "tuned); the fsdp2 script, Lightning and torchtitan exports apply it")
     if "shard_placement" not in {m.knob for m in mapper.mappings}:
         if tuned.shard_placement == "dim0":
             mapper.mapped("shard_placement", "every parameter sharded on dimension 0 (FSDP's default), as tuned")
@@ -324,7 +345,12 @@ def build_export(*, fmt: str, filename: str, target: str, tuned: Tuned, mapper: 
         mapper.warn(f"tuned for TRL GRPO with vLLM colocated ({tuned.vllm_gpu_memory_utilization:g} of each GPU "
                     "left to vLLM): this file trains without vLLM or its weight sync; the trl format writes the "
                     "GRPOConfig")
-    if tuned.finetuning.get("peft") == "lora" and "lora" not in expresses:
+    if tuned.finetuning.get("peft") == "qlora" and "qlora" not in expresses:
+        mapper.warn(f"tuned as QLoRA (base weights in 4-bit NF4 by bitsandbytes, {QLORA_BNB_CONFIG}): this file "
+                    "does not quantize the base; load it with transformers' BitsAndBytesConfig("
+                    f"{QLORA_BNB_CONFIG}) before the adapters, or the base takes 2 bytes a weight instead of about "
+                    "0.53 (far more memory than tuned)")
+    if tuned.finetuning.get("peft") in ("lora", "qlora") and "lora" not in expresses:
         f = tuned.finetuning
         targets = f.get("targets", "all-linear")
         targets = repr(targets) if targets == "all-linear" else repr(targets.split(","))

@@ -25,6 +25,8 @@ TARGET = f"PyTorch FSDP2 (torch.distributed.fsdp.fully_shard), torch {torch.__ve
 _SOURCES = (
     _knobs.Checkpointing, _knobs.shard_dim, _knobs.float8_converts, _parallel.ParallelDims,
     _blocks.Blocks, _blocks.find_decoder_blocks, _blocks._config_depth, _blocks._block_class_name,
+    _blocks.fused_experts, _parallel.expert_meshes, _parallel.balanced_splits, _parallel._AllToAll,
+    _parallel.ExpertDispatch, _parallel.apply_ep,
     _parallel.mixed_precision_policy,
     _parallel.op_sac_policy, _parallel.apply_ac, _parallel.apply_compile, _parallel.float8_linear_config,
     _parallel.apply_float8, _parallel.shard_placement_fn,
@@ -52,6 +54,9 @@ def map_parallelize_knobs(m: Mapper, *, precision_also: str = "") -> None:
     m.mapped("reshard_group_size", "fully_shard(reshard_after_forward=N) in parallelize() (TUNED.reshard_group_size)")
     m.mapped("shard_placement", "fully_shard(shard_placement_fn=shard_placement_fn(mesh, TUNED.shard_placement)) "
                                 "in parallelize()")
+    m.mapped("expert_parallel", "apply_ep in parallelize() on ParallelDims.of(TUNED, world)'s (dp_shard/ep, ep) "
+                                "mesh (ExpertDispatch: all-to-all to the experts' ranks; the local experts "
+                                "fully_shard over the ranks holding the same ones)")
     m.mapped("activation_offload", "OffloadedActivations() around each forward (TUNED.activation_offload)",
              "applied on GPUs only: on CPUs the host is the device")
     m.mapped("compile", "apply_compile in parallelize() (each decoder block's forward torch.compile(fullgraph=True, "
@@ -141,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Train with the FSDP2 configuration autotune found.")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps to run")
     parser.add_argument("--save", help="folder to save a checkpoint to after the last step")
-    parser.add_argument("--report", help="write what FSDP2 applied (each parameter's shard dimension) to this JSON file")
+    parser.add_argument("--report", help="write what FSDP2 applied (each parameter's shard dimension and "
+                                         "unsharded shape: an expert-parallel rank's own experts) to this JSON file")
     args = parser.parse_args(argv)
 
     use_cuda = torch.cuda.is_available()
@@ -182,8 +188,9 @@ def main(argv: list[str] | None = None) -> None:
         # Read from the live model: each sharded parameter is a DTensor, its placements the mesh's.
         placements = {{name: next((p.dim for p in reversed(param.placements) if hasattr(p, "dim")), None)
                       for name, param in model.named_parameters()}}
+        shapes = {{name: list(param.shape) for name, param in model.named_parameters()}}  # over the mesh sharding it
         with open(args.report, "w") as fh:
-            json.dump({{"placements": placements}}, fh, indent=1)
+            json.dump({{"placements": placements, "shapes": shapes}}, fh, indent=1)
     if args.save:
         save_checkpoint(model, optimizer, args.save)
         if rank == 0:
@@ -220,6 +227,7 @@ class TrainConfig:
     activation_offload: bool = False
     compile: str = "none"
     float8: str = "none"
+    expert_parallel: int = 1
 
     @property
     def fsdp_reshard_after_forward(self) -> bool | int:
@@ -267,7 +275,7 @@ TUNED = TrainConfig(precision={t.precision!r}, activation_checkpointing=Checkpoi
                     micro_batch_size={t.micro_batch_size!r}, optimizer_impl={t.optimizer_impl!r},
                     shard_group_size={t.shard_group_size!r}, reshard_group_size={t.reshard_group_size!r},
                     shard_placement={t.shard_placement!r}, activation_offload={t.activation_offload!r},
-                    compile={t.compile!r}, float8={t.float8!r})
+                    compile={t.compile!r}, float8={t.float8!r}, expert_parallel={t.expert_parallel!r})
 
 '''
 

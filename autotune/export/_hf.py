@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from autotune.config import QLORA_QUANTIZATION, TRL_MAX_COMPLETION_LENGTH, TRL_NUM_GENERATIONS
 from autotune.export._base import (
     MAIN_ADDR_PLACEHOLDER,
     RDZV_PORT,
@@ -253,11 +254,18 @@ def _lora_fields(t: Tuned) -> dict[str, Any]:
     (accelerate 1.15, utils/fsdp_utils.py: 'FSDP upcast of low precision parameters'): the frozen
     base in bf16 and the adapters in fp32, as traced."""
     f = t.finetuning
-    if f.get("peft") != "lora":
+    if f.get("peft") not in ("lora", "qlora"):
         return {}
     alpha = int(f["alpha"]) if float(f["alpha"]).is_integer() else f["alpha"]
-    return {"use_peft": True, "lora_r": int(f["rank"]), "lora_alpha": alpha, "lora_dropout": f["dropout"],
-            "lora_target_modules": str(f.get("targets", "all-linear")).split(","), "dtype": t.param_dtype}
+    fields = {"use_peft": True, "lora_r": int(f["rank"]), "lora_alpha": alpha, "lora_dropout": f["dropout"],
+              "lora_target_modules": str(f.get("targets", "all-linear")).split(","), "dtype": t.param_dtype}
+    if f["peft"] == "qlora":
+        # QLoRA: ModelConfig's bitsandbytes fields, which TRL's get_quantization_config turns into the
+        # BitsAndBytesConfig traced (compute dtype = `dtype`; packed codes stored in bf16 for FSDP).
+        fields.update(load_in_4bit=True, bnb_4bit_quant_type=QLORA_QUANTIZATION["quant_type"],
+                      use_bnb_nested_quant=QLORA_QUANTIZATION["compress_statistics"],
+                      bnb_4bit_quant_storage=t.param_dtype)
+    return fields
 
 
 def _trl_export(t: Tuned, m: Mapper, fields: dict[str, Any], *, command: str, config: str, note: str,
@@ -268,19 +276,15 @@ def _trl_export(t: Tuned, m: Mapper, fields: dict[str, Any], *, command: str, co
     lora = _lora_fields(t)
     if lora:
         fields = {**fields, **lora}
-        config += " + ModelConfig (LoRA)"
+        config += " + ModelConfig (QLoRA)" if lora.get("load_in_4bit") else " + ModelConfig (LoRA)"
     body = (f"# Use: {accelerate_launch(t)} -m trl.cli {command} "
             f"--config {filename} --model_name_or_path MODEL --dataset_name DATA{launch_args}\n"
             f"{nodes_note(t, ranks=True)}"
             f"# (or `trl {command} --config {filename} ...`). {config} fields; {note}\n"
             + _dump(fields))
-    return build_export(fmt="trl", filename=filename, tuned=t, mapper=m, body=body, expresses=("lora",),
+    return build_export(fmt="trl", filename=filename, tuned=t, mapper=m, body=body, expresses=("lora", "qlora"),
                         target=f"TRL {_version('trl', '1.16')} ({config} YAML{target_note}; transformers "
                                "TrainingArguments fsdp_config version 2)")
-
-
-TRL_NUM_GENERATIONS = 8
-"""GRPOConfig.num_generations' default (trl 1.16)."""
 
 
 def grpo_num_generations(t: Tuned) -> int:
@@ -289,6 +293,11 @@ def grpo_num_generations(t: Tuned) -> int:
     (per_device_train_batch_size x processes x steps_per_generation, which defaults to the
     accumulation steps: the tuned global batch in sequences) to hold whole groups of at least 2."""
     batch = t.global_batch_size
+    if t.num_generations is not None:  # the user's: kept, or refused
+        if batch % t.num_generations:
+            raise ExportRefused(f"--num-generations {t.num_generations} does not divide the tuned global batch of {batch} "
+                                "sequences (GRPOConfig refuses that): tune a --global-tokens whose batch it divides")
+        return t.num_generations
     for groups in range(TRL_NUM_GENERATIONS, 1, -1):
         if batch % groups == 0:
             return groups
@@ -310,10 +319,11 @@ def _export_trl_grpo(t: Tuned) -> Export:
         "vllm_enable_sleep_mode": False,
         "beta": 0.0,
         "num_generations": generations,
+        "max_completion_length": t.max_completion_length or TRL_MAX_COMPLETION_LENGTH,
         # Prompt + completion, the sequences GRPO trains on, stay within the tuned seq_len.
         "vllm_max_model_length": t.seq_len,
     })
-    if generations != TRL_NUM_GENERATIONS:
+    if generations != TRL_NUM_GENERATIONS and t.num_generations is None:
         m.warn(f"num_generations: {generations}, not TRL's default {TRL_NUM_GENERATIONS}, which does not divide the "
                f"tuned global batch of {t.global_batch_size} sequences (GRPOConfig refuses that); for another group "
                "size, tune a --global-tokens whose global batch it divides")
@@ -327,7 +337,9 @@ def _export_trl_grpo(t: Tuned) -> Export:
 
 GRPO_NOT_MODELLED = (
     "vLLM's share (vllm_gpu_memory_utilization: its weights, the KV cache it generates with, CUDA graphs) is "
-    "vLLM's to fill and is not predicted; vLLM refuses to start unless that much of each GPU is free",
+    "estimated, not predicted (best.json workload.vllm_share: the need and why this share); vLLM sizes its KV "
+    "cache to fill the share and refuses to start unless that much of each GPU is free",
+    "generation throughput is not modelled: a smaller share that holds fewer sequences at once generates slower",
     "the traced loss is the causal-LM cross-entropy over every token; GRPO's loss takes per-token "
     "log-probabilities of the completion tokens (GRPOTrainer._get_per_token_logps_and_entropies), so the "
     "logits' memory at the loss differs from what was traced",

@@ -87,7 +87,7 @@ class TunedModule(pl.LightningModule):
         if not getattr(self, "_parallelized", False):
             mesh = self.device_mesh["data_parallel"]
             dims = ParallelDims.of(TUNED, mesh.size())
-            if dims.hsdp:  # HSDP: Lightning's mesh is 1-D over the data-parallel ranks; fully_shard needs 2-D
+            if dims.hsdp or dims.ep > 1:  # Lightning's mesh is 1-D; HSDP needs 2-D, expert parallelism its sub-meshes
                 mesh = dims.build_mesh(mesh.device_type)
             parallelize(self.model, mesh, TUNED, allow_offload=mesh.device_type == "cuda")
             self._parallelized = True

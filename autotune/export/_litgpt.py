@@ -128,6 +128,9 @@ def _map_optimizer(m: Mapper, t: Tuned) -> dict[str, Any]:
 # LitGPT's LoRA switches and the transformers module names each covers (Llama-style names: LitGPT
 # fuses q, k and v into one `attn` Linear with a switch per part, and its MLP switch covers every
 # MLP projection).
+QLORA_QUANTIZE = "bnb.nf4-dq"
+"""finetune_lora's --quantize for QLoRA's layout: bitsandbytes NF4 with double quantization."""
+
 LORA_SWITCHES = {"lora_query": ("q_proj",), "lora_key": ("k_proj",), "lora_value": ("v_proj",),
                  "lora_projection": ("o_proj",), "lora_mlp": ("gate_proj", "up_proj", "down_proj"),
                  "lora_head": ("lm_head",)}
@@ -203,10 +206,17 @@ def _map_lora_command(m: Mapper, t: Tuned) -> str:
 def export_litgpt(t: Tuned) -> Export:
     """pretrain / finetune_full, or finetune_lora for a LoRA tune: the same keys for what they share."""
     m = Mapper()
-    lora = t.finetuning.get("peft") == "lora"
+    lora = t.finetuning.get("peft") in ("lora", "qlora")
+    qlora = t.finetuning.get("peft") == "qlora"
     if lora:
         precision = _map_lora_command(m, t)
         extra = _lora_config(m, t)
+        if qlora and t.gpus == 1:
+            extra["quantize"] = QLORA_QUANTIZE  # bitsandbytes NF4 with double quantization, as traced
+        elif qlora:
+            m.warn(f"tuned as QLoRA on {t.gpus} GPUs: LitGPT's finetune_lora refuses --quantize on more than one "
+                   "device (NotImplementedError in setup), so this file trains LoRA on a bf16 base (2 bytes a base "
+                   f"weight instead of about 0.53: more memory than tuned); on one GPU it takes quantize: {QLORA_QUANTIZE}")
         wrap, sharded = "hard-coded: fully_shard on every Block and every trainable Linear", \
             ", and shards each adapter Linear as its own group"
         usage = f"# Use: litgpt finetune_lora <checkpoint_dir> --config {FILENAME} [--data ...]\n"
@@ -244,4 +254,5 @@ def export_litgpt(t: Tuned) -> Export:
             f"{t.grad_accum_steps} accumulation steps; each command keeps its own defaults for the other keys.\n"
             + yaml.safe_dump(config, sort_keys=False, default_flow_style=False))
     return build_export(fmt="litgpt", filename=FILENAME, target=TARGET_LORA if lora else TARGET, tuned=t, mapper=m,
-                        body=body, expresses=("bf16_pure", "lora") if lora else ("bf16_pure",))
+                        body=body, expresses=("bf16_pure", "lora", *(("qlora",) if qlora and t.gpus == 1 else ()))
+                        if lora else ("bf16_pure",))

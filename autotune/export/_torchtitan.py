@@ -21,34 +21,39 @@ TARGET = "torchtitan 0.3.0 (python -m torchtitan.train --module M --config C, ty
 CHECKPOINT_INTERVAL = 500
 CHECKPOINT_FOLDER = "checkpoint"
 
-# (module, registry config) -> the transformers-config shapes of its model, read from torchtitan
-# 0.3.0's models/llama3/__init__.py and models/qwen3/__init__.py (dim, n_layers, n_heads,
-# n_kv_heads, vocab_size, FFN hidden dim). tests/test_export.py builds each named model with
-# torchtitan itself and compares.
+# (module, registry config) -> the transformers model types it stands for and the config shapes of its
+# model, read from torchtitan 0.3.0's models/llama3/__init__.py and models/qwen3/__init__.py (dim,
+# n_layers, n_heads, n_kv_heads, vocab_size, FFN hidden dim; for MoE models moe_hidden_dim, num_experts,
+# top_k). tests/test_export.py builds each named model with torchtitan itself and compares.
+_DENSE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+          "intermediate_size")
 _REGISTRY = {
-    ("llama3", "llama3_8b"): dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                                  num_key_value_heads=8, vocab_size=128256, intermediate_size=14336),
-    ("llama3", "llama3_70b"): dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
-                                   num_key_value_heads=8, vocab_size=128256, intermediate_size=28672),
-    ("llama3", "llama3_405b"): dict(hidden_size=16384, num_hidden_layers=126, num_attention_heads=128,
-                                    num_key_value_heads=8, vocab_size=128256, intermediate_size=53248),
-    ("qwen3", "qwen3_32b"): dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
-                                 num_key_value_heads=8, vocab_size=151936, intermediate_size=25600),
+    ("llama3", "llama3_8b"): (("llama",), dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                               num_key_value_heads=8, vocab_size=128256, intermediate_size=14336)),
+    ("llama3", "llama3_70b"): (("llama",), dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                                                num_key_value_heads=8, vocab_size=128256, intermediate_size=28672)),
+    ("llama3", "llama3_405b"): (("llama",), dict(hidden_size=16384, num_hidden_layers=126, num_attention_heads=128,
+                                                 num_key_value_heads=8, vocab_size=128256, intermediate_size=53248)),
+    ("qwen3", "qwen3_32b"): (("qwen3",), dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
+                                              num_key_value_heads=8, vocab_size=151936, intermediate_size=25600)),
+    # Every layer MoE (transformers' intermediate_size, a dense MLP's, is unused there: not compared).
+    ("qwen3", "qwen3_30b_a3b"): (("qwen3_moe",), dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                                                      num_key_value_heads=4, vocab_size=151936,
+                                                      moe_intermediate_size=768, num_experts=128,
+                                                      num_experts_per_tok=8)),
 }
-_FAMILIES = {"llama3": ("llama",), "qwen3": ("qwen3",)}
 
 
 def registry_config(t: Tuned) -> tuple[str, str]:
     """(module, config) of the torchtitan model with the tuned model's shapes, or ExportRefused."""
-    shape = {key: t.model_config.get(key) for key in next(iter(_REGISTRY.values()))}
-    if shape.get("num_key_value_heads") is None:
-        shape["num_key_value_heads"] = shape["num_attention_heads"]
-    for (module, config), theirs in _REGISTRY.items():
-        if t.model_type in _FAMILIES[module] and shape == theirs:
-            return module, config
+    config = dict(t.model_config)
+    config.setdefault("num_key_value_heads", config.get("num_attention_heads"))
+    for (module, name), (model_types, theirs) in _REGISTRY.items():
+        if t.model_type in model_types and all(config.get(key) == value for key, value in theirs.items()):
+            return module, name
     raise ExportRefused(
         f"torchtitan 0.3 has no model with the shapes of {t.model_name} ({t.model_type}, hidden "
-        f"{shape['hidden_size']}, {shape['num_hidden_layers']} layers): it trains its own implementations "
+        f"{config.get('hidden_size')}, {config.get('num_hidden_layers')} layers): it trains its own implementations "
         f"({', '.join(c for _, c in _REGISTRY)}); use the fsdp2 export for this model")
 
 
@@ -132,6 +137,14 @@ def export_torchtitan(t: Tuned) -> Export:
                        "torchtitan 0.3 puts the experts of its own MoE blocks on Shard(1) when the FSDP degree "
                        "exceeds the number of experts, every other parameter on dimension 0; the tuned placement "
                        "also moved other parameters smaller than the shard group")
+    if t.expert_parallel > 1:
+        m.mapped("expert_parallel", f"--parallelism.expert-parallel-degree {t.expert_parallel}",
+                 "torchtitan 0.3 borrows the expert-parallel degree from the data-parallel shard degree, as tuned: "
+                 f"each GPU holds 1/{t.expert_parallel} of the experts, FSDP shards them over the other "
+                 f"{t.gpus // t.expert_parallel} GPUs holding the same ones; with --training.disable-cuda-graphs, "
+                 "which torchtitan requires of its all-to-all dispatcher (split sizes read back to the host)")
+    else:
+        m.mapped("expert_parallel", "--parallelism.expert-parallel-degree 1 (torchtitan's default: none)")
     m.mapped("cpu_offload", "--training.enable-cpu-offload / --training.no-enable-cpu-offload")
     m.mapped("reshard_after_forward", "--parallelism.fsdp-reshard-after-forward always|never")
     m.mapped("micro_batch_size", "--training.local-batch-size")
@@ -170,6 +183,10 @@ def export_torchtitan(t: Tuned) -> Export:
         ("--parallelism.data-parallel-replicate-degree", replicate),
         ("--parallelism.data-parallel-shard-degree", shard),
         ("--parallelism.fsdp-reshard-after-forward", "always" if t.reshard_after_forward else "never"),
+        ("--parallelism.expert-parallel-degree", t.expert_parallel),
+        # Its all-to-all token dispatcher reads the split sizes back to the host, as autotune's does:
+        # torchtitan 0.3 refuses it under CUDA graphs (its ConfigManager says so), so they are off.
+        *((("--training.disable-cuda-graphs", None),) if t.expert_parallel > 1 else ()),
         ("--optimizer.implementation", t.optimizer_impl),
         *((("--compile.enable", None), ("--compile.components", "model")) if t.compile != "none"
           else (("--compile.no-enable", None),)),

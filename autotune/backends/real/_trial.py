@@ -23,7 +23,7 @@ from autotune.backends.real._capacity import (CapacityTracker, reset_rss_peak, r
 from autotune.backends.real._faults import Fault, inject_faults
 from autotune.config import TrialSpec
 from autotune.parallel import parallelize, register_rng_rules
-from autotune.training import (OffloadedActivations, build_model, make_optimizer, prepare_step,
+from autotune.training import (OffloadedActivations, build_model, make_optimizer, prepare_step, requantize_base,
                                sync_weights_to_vllm, token_batches, train_step)
 
 # A short trial accumulates at most this many micro-batches per step: the per-step memory
@@ -203,6 +203,8 @@ def materialise(spec: TrialSpec, *, mesh, device: torch.device, seed: int) -> tu
     # Offloaded shards live on the host (as in torchtitan); FSDP2 moves them for compute.
     model.to_empty(device="cpu" if offload else device)
     init_weights(model, seed=seed)
+    if spec.finetuning.qlora:
+        requantize_base(model, seed=seed)
     if offload:
         _move_buffers(model, device)
     prepare_step(model, step=spec.step, precision=spec.train.precision, device_type=device.type)

@@ -11,7 +11,7 @@ import os
 from typing import TYPE_CHECKING
 
 from autotune import cache, costmodel
-from autotune.backends.analytic import SCREEN_MARGIN, model_shape, trainable_split
+from autotune.backends.analytic import SCREEN_MARGIN, expert_parallel_work, model_shape, trainable_split
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
 from autotune.backends.sim._extrapolate import extrapolate, shallow_depths
 from autotune.config import PARAM_DTYPE_BYTES, TrialSpec
@@ -474,7 +474,7 @@ class SimBackend(TrialBackend):
             # left out for compiled blocks (docs/COMPILE.md), the published ratio covers the rest.
             dispatched_ops_per_microbatch=0.0 if spec.train.compile != "none" else (op_work or {}).get("dispatched_ops", 0.0),
             hidden_size=model_shape(spec.model).hidden, trainable=trainable_split(spec),
-            float8_block_params=trace.float8_gathered_params)
+            float8_block_params=trace.float8_gathered_params, **expert_parallel_work(spec))
         step = costmodel.estimate_step_time(work, spec.cluster, shard_group_size=spec.train.shard_group_size,
                                             reshard_group_size=spec.train.reshard_group_size)
         extras["step_time"] = step.to_dict()

@@ -21,13 +21,13 @@ import functools
 import math
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.utils.flop_counter import flop_registry
 
@@ -66,6 +66,21 @@ def _grouped_query_safe(formula):
 FLOP_FORMULAS = {op: _grouped_query_safe(formula) if "scaled_dot_product" in str(op) else formula
                  for op, formula in FLOP_FORMULAS.items()}
 
+
+def _grouped_mm_flops(a, b, *args, passes: int = 1, **kwargs) -> int:
+    """FLOPs of a grouped matmul: every row of `a` meets one group's matrix, 2 x a's elements x the
+    output width, whatever the offsets (2-D x 3-D: tokens x experts' weights; 2-D x 2-D: a weight
+    gradient; 3-D x 3-D: batched). `passes` 2: transformers' fallback backward, the input's and
+    the weight's gradients in one op."""
+    return 2 * passes * a.numel() * b.shape[-1]
+
+
+# torch 2.13 registers no FLOP formula for grouped matmuls, which transformers 5's MoE experts run
+# (`grouped_mm`: aten._grouped_mm in bf16, its own `transformers::grouped_mm_fallback` ops in fp32):
+# without these, every expert matmul was missing from a MoE model's FLOPs (mixtral-8x7b: 6.7e13 of
+# the ~3.5e14 FLOPs of a micro-batch of 4096 tokens) and its estimated throughput too high.
+FLOP_FORMULAS[_aten._grouped_mm] = _grouped_mm_flops
+
 OP_KINDS = ("matmul", "float8_matmul", "attention", "memory")
 """How the step-time model costs an op (autotune/costmodel.py, `OpWork`): matmuls by FLOPs (float8
 ones, `_scaled_mm`, apart: they run at the GPU's float8 rate), attention kernels by FLOPs, every
@@ -78,10 +93,13 @@ def _op_kind(func) -> str | None:
     packet = func._overloadpacket
     if "scaled_dot_product" in str(packet) or "flash_attention" in str(packet):
         return "attention"
-    if packet in (_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm):
+    if packet in (_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten._grouped_mm) or \
+            str(packet).startswith("transformers.grouped_mm_fallback"):
         return "matmul"
     if packet is _aten._scaled_mm:
         return "float8_matmul"
+    if func.namespace == "bitsandbytes":  # QLoRA's 4-bit matmul, and its dequantizations (memory-bound)
+        return "matmul" if func._schema.name.endswith("gemm_4bit") else "memory"
     if func.namespace not in ("aten", "prims"):  # c10d / _c10d_functional collectives, fsdp ops
         return None
     returns = func._schema.returns
@@ -90,6 +108,50 @@ def _op_kind(func) -> str | None:
     if all(ret.alias_info is not None and not ret.alias_info.is_write for ret in returns):
         return None  # a view: moves nothing
     return "memory"
+
+
+def _gemm_4bit_flops(a, b, shape_b, *args, out_val=None, **kwargs) -> int:
+    """bitsandbytes' 4-bit matmul: (tokens x K) @ (K x N) from a weight of quantized shape [N, K]."""
+    return 2 * (a.numel() // a.shape[-1]) * shape_b[0] * shape_b[1]
+
+
+def _gemm_4bit_dequantized_bytes(args) -> int:
+    """What bnb's 4-bit matmul moves dequantizing its weight before the matmul, as its GPU path for
+    more than one row does (dequantize_4bit, then cuBLAS): the packed codes read, the weight written
+    in the activations' dtype and read back by the matmul. Estimated: the kernel is not traced on a GPU."""
+    a, b, shape_b = args[:3]
+    return b.numel() * b.element_size() + 2 * shape_b[0] * shape_b[1] * a.element_size()
+
+
+BNB_GPU_CUSTOM_MAX_ROWS = 1536
+"""bitsandbytes 0.50's CUDA 4-bit matmul (backends/cuda/ops.py, `_gemm_4bit_custom_max_m`): past
+this many input rows it dequantizes the weight and calls F.linear (`_dequant_linear_fallback`)."""
+
+
+def _gemm_4bit_gpu_workspace_bytes(a, b, shape_b, absmax, blocksize, quant_type, bias=None, absmax_8bit=None,
+                                   *args, **kwargs) -> int:
+    """What bnb's CUDA 4-bit matmul allocates inside the op for a training batch (more than
+    BNB_GPU_CUSTOM_MAX_ROWS rows), freed when it returns: the weight dequantized to the input's
+    dtype and, with double quantization, the block scales dequantized to fp32 and offset (two
+    fp32 copies). Inside one op the trace does not see it (nor does a CPU run's tracker, which
+    counts what the op returns): added for GPU traces, read from bnb's CUDA code (not run here)."""
+    if a.numel() // a.shape[-1] <= BNB_GPU_CUSTOM_MAX_ROWS:
+        return 0
+    weights = shape_b[0] * shape_b[1]
+    scales = 2 * 4 * absmax_8bit.numel() if absmax_8bit is not None else 0
+    return weights * a.element_size() + scales
+
+
+@functools.cache
+def _transformers_grouped_mm(func):
+    """The FLOP formula of transformers' own grouped-matmul ops (registered when its MoE code is
+    imported, so looked up by name), or None."""
+    name = str(func._overloadpacket)
+    if name == "transformers.grouped_mm_fallback":
+        return _grouped_mm_flops
+    if name == "transformers.grouped_mm_fallback_backward":
+        return functools.partial(_grouped_mm_flops, passes=2)
+    return None
 
 
 def _tensor_bytes(values) -> int:
@@ -101,7 +163,7 @@ def _tensor_bytes(values) -> int:
             total += _tensor_bytes(value)
     return total
 
-from autotune.catalog.blocks import Blocks  # noqa: E402
+from autotune.catalog.blocks import Blocks, fused_experts  # noqa: E402
 from autotune.catalog.models import ModelSpec
 from autotune.config import FineTuning, TrainConfig
 from autotune.costmodel import LARGE_MEMORY_OP_BYTES
@@ -241,6 +303,7 @@ class _SiteTracker(FSDPMemTracker):
         super().__init__(model, optimizer)
         self._gloo = gloo
         self._transient = 0
+        self._transient_ref = _FSDPRefType.REDUCE_SCATTER
         self.largest_allocation = 0
         self.count_flops = False
         self.flops = 0
@@ -310,14 +373,20 @@ class _SiteTracker(FSDPMemTracker):
         self._counts_as_op = _is_step_op(func)
         if self._gloo and func is _REDUCE_SCATTER:
             # gloo's reduce-scatter works on a full-size copy of its input, freed when it returns.
-            self._transient = args[1].untyped_storage().nbytes()
+            self._transient, self._transient_ref = args[1].untyped_storage().nbytes(), _FSDPRefType.REDUCE_SCATTER
+        elif not self._gloo and func.namespace == "bitsandbytes" and func._schema.name.endswith("gemm_4bit"):
+            # On a GPU, bnb's 4-bit matmul dequantizes the weight into a buffer of its own first.
+            workspace = _gemm_4bit_gpu_workspace_bytes(*args, **(kwargs or {}))
+            if workspace:
+                self._transient, self._transient_ref = workspace, _FSDPRefType.TEMP
         out = super().__torch_dispatch__(func, types, args, kwargs)
         for result in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(result, torch.Tensor):
                 self.largest_allocation = max(self.largest_allocation, result.untyped_storage().nbytes())
         # FLOPs from torch's flop-counter formulas, counted here: FlopCounterMode's module hooks
         # would keep tensors alive under activation checkpointing and change the memory traced.
-        formula = FLOP_FORMULAS.get(func._overloadpacket) if self.count_flops and out is not NotImplemented else None
+        formula = FLOP_FORMULAS.get(func._overloadpacket) or _transformers_grouped_mm(func) \
+            if self.count_flops and out is not NotImplemented else None
         op_flops = 0
         if formula is not None:
             op_flops = formula(*args, **(kwargs or {}), out_val=out)
@@ -341,6 +410,11 @@ class _SiteTracker(FSDPMemTracker):
                         work["memory_bytes_large"] = work.get("memory_bytes_large", 0) + moved
                 else:
                     work[f"{kind}_flops"] = work.get(f"{kind}_flops", 0) + op_flops
+                if func.namespace == "bitsandbytes" and kind == "matmul":
+                    moved = _gemm_4bit_dequantized_bytes(args)
+                    work["memory_bytes"] = work.get("memory_bytes", 0) + moved
+                    if moved >= LARGE_MEMORY_OP_BYTES:
+                        work["memory_bytes_large"] = work.get("memory_bytes_large", 0) + moved
                 if kind == "float8_matmul":  # each float8 operand is one dynamic cast's output (or a transpose of one)
                     work["float8_cast_elements"] = work.get("float8_cast_elements", 0) + args[0].numel() + args[1].numel()
         return out
@@ -357,7 +431,7 @@ class _SiteTracker(FSDPMemTracker):
         if self._transient:
             snap = dict(snap)
             snap[_TOTAL] += self._transient
-            snap[_FSDPRefType.REDUCE_SCATTER] = snap.get(_FSDPRefType.REDUCE_SCATTER, 0) + self._transient
+            snap[self._transient_ref] = snap.get(self._transient_ref, 0) + self._transient
             self._transient = 0
         if snap[_TOTAL] > self._peak_mem.get(_CPU, 0):
             self._peak_mem[_CPU] = snap[_TOTAL]
@@ -445,7 +519,7 @@ class Tracer:
         steady_accum = grad_accum_steps > 1
         position_of = _position_namer(built.model, built.blocks, depth=depth, period=period,
                                       keep_middle=keep_middle)
-        with self._fake_mode, _real_mask_decisions():
+        with self._fake_mode, _real_mask_decisions(), _qlora_context(finetuning, self._fake_mode):
             batches = token_batches(vocab_size=int(model_spec.config_dict["vocab_size"]),
                                     micro_batch_size=train.micro_batch_size, seq_len=seq_len, device="cpu")
             tracker = _SiteTracker(built.model, built.optimizer, position_of=position_of, gloo=gloo)
@@ -511,7 +585,7 @@ class Tracer:
             return built
         if len(self._models) >= self._max_cached_models:
             self._models.pop(next(iter(self._models)))
-        with self._fake_mode, _real_mask_decisions():
+        with self._fake_mode, _real_mask_decisions(), _qlora_context(finetuning, self._fake_mode):
             with _module_to_assigns_data():
                 model = build_model(model_spec, num_layers=depth, precision=train.precision, finetuning=finetuning,
                                     step=step)
@@ -645,6 +719,58 @@ def _post_forward_meshes_outside_fake_mode():
         _fully_shard._get_post_forward_mesh_info = build
 
 
+def _qlora_context(finetuning: FineTuning | None, fake_mode: FakeTensorMode):
+    """`_params4bit_as_plain_parameters` where the model has 4-bit layers (QLoRA) only: importing
+    bitsandbytes costs seconds that no other trace needs."""
+    return _params4bit_as_plain_parameters(fake_mode) if finetuning is not None and finetuning.qlora else nullcontext()
+
+
+@contextmanager
+def _params4bit_as_plain_parameters(fake_mode: FakeTensorMode):
+    """QLoRA under fake tensors: bitsandbytes' `Params4bit` is a tensor subclass made with
+    `Tensor._make_subclass`, which cannot wrap a fake tensor (its mode already owns the Python
+    object). While the simulator builds and traces, a Params4bit of fake data is a plain parameter
+    of the same packed tensor carrying the same attributes (`quant_state` above all), which is what
+    `Linear4bit.forward` and bnb's ops read; a real one wraps the same storage, so the memory is the
+    same. bnb's double-quantization code table (built with `.tolist()`, cached) is built outside the
+    fake mode and stands as a fake tensor of `fake_mode` meanwhile. bnb's ops have shape functions (torch.library fakes): the 4-bit matmul and the
+    dequantization in backward are traced as they run. Nothing to do without bitsandbytes."""
+    try:
+        from bitsandbytes import functional
+        from bitsandbytes.nn import Params4bit
+    except ImportError:
+        yield
+        return
+    with unset_fake_temporarily():  # double quantization's code table: built with .tolist(), so built real
+        real_table = functional.name2qmap.get("dynamic")
+        table = real_table if real_table is not None else functional.create_dynamic_map()
+    functional.name2qmap["dynamic"] = fake_mode.from_tensor(table)
+    FLOP_FORMULAS[torch.ops.bitsandbytes.gemm_4bit] = _gemm_4bit_flops
+    new = Params4bit.__new__
+
+    def plain_when_fake(cls, data=None, requires_grad=False, quant_state=None, blocksize=None,
+                        compress_statistics=True, quant_type="fp4", quant_storage=torch.uint8, module=None,
+                        bnb_quantized=False, **kwargs):
+        if not isinstance(data, FakeTensor):
+            return new(cls, data, requires_grad, quant_state, blocksize, compress_statistics, quant_type,
+                       quant_storage, module, bnb_quantized, **kwargs)
+        param = nn.Parameter(data, requires_grad=requires_grad)
+        param.blocksize, param.compress_statistics, param.quant_type = blocksize or 64, compress_statistics, quant_type
+        param.quant_state, param.quant_storage, param.bnb_quantized, param.module = (quant_state, quant_storage,
+                                                                                     bnb_quantized, module)
+        return param
+
+    Params4bit.__new__ = plain_when_fake
+    try:
+        yield
+    finally:
+        Params4bit.__new__ = new
+        if real_table is None:
+            functional.name2qmap.pop("dynamic")
+        else:
+            functional.name2qmap["dynamic"] = real_table
+
+
 @contextmanager
 def _module_to_assigns_data():
     """Let Module.to move fake parameters, as it moves real ones.
@@ -723,20 +849,24 @@ def _position_namer(model: nn.Module, blocks: Blocks, *, depth: int, period: int
     backward; the last is the first one backward reaches); the blocks between them repeat with
     the period, their memory at a site changing by the same amount per period, so its largest
     values lie at the ends of that run: b1..b(period) and t1..t(period). Blocks further in are
-    not sites (no counterpart at another depth) unless `keep_middle` (a full-depth trace)."""
-    index_of = {id(layer): i for i, layer in enumerate(blocks.layers)}
+    not sites (no counterpart at another depth) unless `keep_middle` (a full-depth trace). Under
+    expert parallelism a block's experts are a unit of their own, named after the block
+    ('b0.experts')."""
+    index_of = {id(layer): (i, "") for i, layer in enumerate(blocks.layers)}
+    index_of.update({id(experts): (i, ".experts") for i, layer in enumerate(blocks.layers)
+                     for experts in fused_experts(layer)})
 
     def position_of(fsdp_mod: nn.Module) -> tuple[str, ...]:
         if fsdp_mod is model:
             return ("root",)
-        index = index_of[id(fsdp_mod)]
+        index, part = index_of[id(fsdp_mod)]
         names = []
         if index <= period:
-            names.append(f"b{index}")
+            names.append(f"b{index}{part}")
         if index >= depth - 1 - period:
-            names.append(f"t{depth - 1 - index}")
+            names.append(f"t{depth - 1 - index}{part}")
         if not names and keep_middle:
-            names.append(f"m{index}")
+            names.append(f"m{index}{part}")
         return tuple(names)
 
     return position_of

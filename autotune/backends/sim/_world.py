@@ -26,7 +26,7 @@ from autotune.backends.sim._trace import StepTrace
 def unpadded(model, train, world_sizes) -> bool:
     """Whether no parameter shard is padded at any of `world_sizes` (shards on dimension 0; HSDP and
     reshard groups are powers of two no larger than W, so they divide what W divides)."""
-    if train.shard_placement != "dim0":
+    if train.shard_placement != "dim0" or train.expert_parallel > 1:  # expert parallelism: not checked, traced afresh
         return False
     dims = {shape[0] for shape in model.block_param_shapes} | {model.hidden_size, model.vocab_size}
     return all(w & (w - 1) == 0 and all(d % w == 0 for d in dims) for w in world_sizes)
