@@ -419,7 +419,7 @@ def test_calibrated_host_time_per_op_matches_a_real_step_and_the_trace_count(mon
     with SimBackend(device_kind="cpu", extrapolate=False, screen=False) as backend:  # releases its fake group
         result = backend.evaluate(spec)
     traced = result.extras["op_work"]["dispatched_ops"]
-    wall = sorted(walls)[len(walls) // 2]
+    wall = min(walls)  # as calibrate takes its host time: load only adds
     print(f"ops: calibrate {host['ops']}, trace {traced:.0f}; host at 0 tokens {host['host_s_at_zero'] * 1e3:.1f} ms, "
           f"wall at 8 tokens {wall * 1e3:.1f} ms")
     assert 0.9 <= host["ops"] / traced <= 1.1, (host["ops"], traced)
