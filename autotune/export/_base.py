@@ -456,11 +456,16 @@ def torchrun_launch(t: Tuned) -> str:
 
 def accelerate_launch(t: Tuned, config: str = "") -> str:
     """`accelerate launch` with the world size (or a config file): on several nodes each node also
-    passes its own --machine_rank (0 on the main node) and the main node's address."""
+    passes its own --machine_rank (0 on the main node) and the main node's address and port; the
+    shell stops with a message where NODE_RANK or MAIN_ADDR is unset (never a rank 0 twice, or a
+    rendezvous on localhost)."""
     line = f"accelerate launch --config_file {config}" if config else \
         f"accelerate launch --num_processes {t.gpus} --num_machines {t.nodes}"
     if t.nodes > 1:
-        line += f' --machine_rank "$NODE_RANK" --main_process_ip "$MAIN_ADDR" --main_process_port {RDZV_PORT}'
+        # (no apostrophe in the messages: bash would read it as a quote inside "${...}")
+        rank = f'"${{NODE_RANK:?set NODE_RANK to 0 on the main node, {_other_ranks(t)}}}"'
+        line += (f' --machine_rank {rank} --main_process_ip "${{MAIN_ADDR:?set MAIN_ADDR to the address of the main '
+                 f'node}}" --main_process_port {RDZV_PORT}')
     return line
 
 
