@@ -414,6 +414,33 @@ def test_trl_config_turns_model_checkpointing_off_when_fsdp_checkpoints(run_resu
     assert args.per_device_train_batch_size == result["micro_batch_size"]
 
 
+def test_trl_packs_as_the_tuned_step_by_sft_trainers_own_rule(run_result, tmp_path):
+    """TRL's SFTTrainer itself decides from the parsed SFTConfig whether its batches are padding-free
+    (bfd packing forces it): yes for a `--stack trl-padding-free` tune, no for `--stack trl` (rows of
+    max_length tokens, the traced batches); the trl file of a padding-free tune trains the step tuned
+    (no other-step warning), and the other formats say theirs differs."""
+    trl = pytest.importorskip("trl", reason="trl is not installed (pip install trl)")
+    from datasets import Dataset
+
+    from tests.test_stacks import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    data = Dataset.from_dict({"input_ids": [list(range(3, 40))] * 2})
+    padding_free = {}
+    for stack in ("trl", "trl-padding-free"):
+        result = variant(run_result, activation_checkpointing="full")
+        result["stack"] = {"name": stack, "step": stack, "predicted_for": "..."}
+        path, exported = write(tmp_path, result, "trl")
+        assert not any("memory predicted for" in w for w in exported.warnings), stack
+        args = _trainer_args(path, trl.SFTConfig)
+        args.output_dir, args.report_to, args.fsdp, args.fsdp_config = str(tmp_path), [], [], None  # one CPU rank
+        trainer = trl.SFTTrainer(model=_tiny_model().to_empty(device="cpu"), args=args, train_dataset=data,
+                                 processing_class=tokenizer)
+        padding_free[stack] = (trainer.padding_free, trainer.data_collator.padding_free)
+    assert padding_free == {"trl": (False, False), "trl-padding-free": (True, True)}
+    assert any("memory predicted for trl-padding-free's step" in w for w in export_result(result, "hf-trainer").warnings)
+
+
 def test_lightning_fsdp1_strategy_and_trainer_take_the_tuned_values(run_result, tmp_path):
     from lightning.pytorch import Trainer
 

@@ -374,9 +374,11 @@ FORMAT_STACKS: dict[str, str] = {"fsdp2": "fsdp2", "lightning": "lightning", "ac
 def warn_other_stack(fmt: str, tuned: Tuned, mapper: Mapper) -> None:
     """One line where the file trains another step than the one whose memory was predicted: a
     stack whose step differs (config.stack_step), or one with a model of its own."""
-    from autotune.config import OWN_MODEL_STACKS, stack_step
+    from autotune.config import OWN_MODEL_STACKS, TRL_STEPS, stack_step
 
     target = FORMAT_STACKS.get(fmt)
+    if target in TRL_STEPS and tuned.stack in TRL_STEPS:
+        target = tuned.stack  # the trl format writes the packing of the TRL step tuned (_hf.trl_packing)
     if target is None or target == tuned.stack:
         return
     tuned_step, target_step = stack_step(tuned.stack, tuned.precision), stack_step(target, tuned.precision)

@@ -258,7 +258,7 @@ def export_trl(t: Tuned) -> Export:
     # _trainer_fields takes precedence over that deprecated alias.
     fields = _trainer_fields(t, m)
     fields["max_length"] = t.seq_len
-    fields["packing"] = True
+    fields.update(trl_packing(t))
     if t.activation_offload:
         # TRL 1.16 ports torchtune's OffloadActivations: the same rule of what moves (not parameters,
         # not under 1 KiB), on a side stream, and it keeps the output head's activations on the GPU.
@@ -269,8 +269,28 @@ def export_trl(t: Tuned) -> Export:
                        "GPU (more memory at the loss than predicted), and overlaps the copies (faster)")
     else:
         m.mapped("activation_offload", "activation_offloading: false (TRL's default)")
-    return _trl_export(t, m, fields, command="sft", config="SFTConfig",
-                       note=f"packing fills sequences of max_length={t.seq_len} tokens as tuned.")
+    if t.stack == "trl-padding-free":
+        note = (f"bfd packing of documents into sequences of max_length={t.seq_len} tokens, each micro-batch "
+                "flattened into one padding-free row, as tuned (--stack trl-padding-free); its memory was "
+                "predicted with SDPA, transformers' attention where attn_implementation is not set, which attends "
+                "through a block-diagonal (tokens x tokens) mask in every block; with flash_attention_2 (TRL's "
+                "advice for padding-free batches) transformers builds no mask (flash-attention itself is not "
+                "traced).")
+    else:
+        note = (f"wrapped packing fills rows of max_length={t.seq_len} tokens, as traced; TRL's default bfd "
+                "packing makes batches padding-free, a step of its own: tune with --stack trl-padding-free "
+                "for it.")
+    return _trl_export(t, m, fields, command="sft", config="SFTConfig", note=note)
+
+
+def trl_packing(t: Tuned) -> dict[str, Any]:
+    """SFTConfig's packing fields for the step tuned (trl 1.16, SFTTrainer.__init__: bfd or bfd_split
+    packing turns the collator padding-free whatever padding_free says). `--stack trl-padding-free`:
+    bfd, padding-free, written out; otherwise 'wrapped', the one strategy that fills rows of
+    max_length tokens without flattening them, the batches every other step traces."""
+    if t.stack == "trl-padding-free":
+        return {"packing": True, "packing_strategy": "bfd", "padding_free": True}
+    return {"packing": True, "packing_strategy": "wrapped", "padding_free": False}
 
 
 def _lora_fields(t: Tuned) -> dict[str, Any]:
