@@ -276,8 +276,8 @@ def check_stack(stack: Any) -> str:
 def stack_step(stack: str, precision: str) -> str:
     """The training step traced and run for `stack` at `precision`: `autotune` (training.train_step's own
     forward), `hf` (Accelerate's: autocast and fp32 outputs, under mixed precision only; Accelerate with
-    mixed_precision 'no' runs the plain forward) or `trl` (TRL SFT's fused LM head, plus Accelerate's
-    wrapping under mixed precision)."""
+    mixed_precision 'no' runs the plain forward) or TRL's (TRL_STEPS: `trl`, SFT's fused LM head plus
+    Accelerate's wrapping under mixed precision, and `trl-padding-free`, the same on a padding-free batch)."""
     if stack in TRL_STEPS:
         return stack
     if stack in ACCELERATE_STACKS and precision in ("bf16", "fp16"):

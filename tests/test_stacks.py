@@ -53,6 +53,8 @@ def test_trls_fused_head_changes_the_measured_peak(measured_and_predicted):
     specs, measured, _ = measured_and_predicted
     peak = {(s.stack, s.train.micro_batch_size): r.extras["tensor_peak_bytes"] for s, r in zip(specs, measured)}
     assert peak[("trl", 2)] > peak[("hf-trainer", 2)]
+    # Padding-free rows of the same tokens: SDPA's block-diagonal mask (measured 241,291,086 B vs 238,828,794 B).
+    assert peak[("trl-padding-free", 2)] > peak[("trl", 2)]
 
 
 def _peak_of(step, model) -> int:
@@ -155,7 +157,7 @@ def test_the_padding_free_step_is_sft_trainers_own_on_its_collators_batch(sft_tr
     the same rows (two documents each) equals training.padding_free_batch's, and the peak of TRL's own
     training_step on it equals our step's: measured 94,043,320 B vs 94,041,780 B (ours also counts the
     labels it builds, 1,536 B), against 93,617,764 B for the rows as they are (the trl step): SDPA's
-    block-diagonal mask in every block."""
+    block-diagonal mask in every block (the shared launch's runs show the same difference on 2 ranks)."""
     import torch
 
     from autotune.training import padding_free_batch
@@ -174,8 +176,6 @@ def test_the_padding_free_step_is_sft_trainers_own_on_its_collators_batch(sft_tr
     theirs = _trl_peak(sft_trainer, batch)
     ours = _our_step_peak("trl-padding-free", tokens)
     assert ours == pytest.approx(theirs, rel=0.01), (ours, theirs)
-    rows = _trl_peak(sft_trainer, {"input_ids": tokens, "labels": tokens, "attention_mask": torch.ones_like(tokens)})
-    assert theirs > rows  # the mask the padded rows do not need
 
 
 def test_the_stack_is_part_of_what_a_trial_is():

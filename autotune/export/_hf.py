@@ -241,12 +241,14 @@ def _trainer_fields(t: Tuned, m: Mapper) -> dict[str, Any]:
 def export_hf_trainer(t: Tuned) -> Export:
     m = Mapper()
     fields = _trainer_fields(t, m)
-    body = (f"# Use: {hsdp_launch_env(t)}{torchrun_launch(t)} train.py hf_trainer_args.yaml\n{nodes_note(t, ranks=False)}"
+    body = (f"# Use: {hsdp_launch_env(t)}{torchrun_launch(t)} train.py hf_trainer_args.yaml\n"
+            f"{nodes_note(t, ranks=False)}"
             "# where train.py does: (args,) = HfArgumentParser(TrainingArguments).parse_yaml_file(sys.argv[1])\n"
             f"# Tokenize into sequences of {t.seq_len} tokens (the tuned seq_len).\n"
             + _dump(fields))
     return build_export(fmt="hf-trainer", filename="hf_trainer_args.yaml", tuned=t, mapper=m, body=body,
-                        expresses=("hsdp",), target=f"transformers {_version('transformers', '5.23')} (TrainingArguments, fsdp_config "
+                        expresses=("hsdp",),
+                        target=f"transformers {_version('transformers', '5.23')} (TrainingArguments, fsdp_config "
                                "version 2)")
 
 
