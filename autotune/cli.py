@@ -88,7 +88,8 @@ def _add_problem_options(parser: argparse.ArgumentParser, *, model_required: boo
     workload.add_argument("--stack", choices=tuple(STACKS), default=None,
                           help="whose training step the memory is predicted for (default fsdp2: autotune's own "
                                "loop). accelerate, hf-trainer: Accelerate's FSDP2 plugin (autocast, fp32 outputs, "
-                               "its mixed-precision policy); trl: SFTTrainer's fused LM head on it; torchtitan, "
+                               "its mixed-precision policy); trl: SFTTrainer's fused LM head on it; trl-padding-free: "
+                               "the same on padding-free batches (TRL's default bfd packing); torchtitan, "
                                "litgpt, llama-cookbook: their own models are not traced (docs/STACKS.md)")
     tuning = parser.add_argument_group("fine-tuning")
     tuning.add_argument("--peft", choices=PEFT_METHODS, default=None,

@@ -243,6 +243,9 @@ STACKS: dict[str, str] = {
                   "converted to fp32",
     "trl": "TRL's SFTTrainer on Accelerate's FSDP2 plugin: its fused LM head (no full logits), forward under "
            "autocast",
+    "trl-padding-free": "TRL's SFTTrainer with padding-free batches (packing: true, bfd): each micro-batch "
+                        "flattened into one row with position_ids, attention through the block-diagonal mask "
+                        "transformers builds from them (SDPA); its fused LM head, forward under autocast",
     "torchtitan": "torchtitan",
     "litgpt": "LitGPT",
     "lightning": "Lightning's ModelParallelStrategy (FSDP2)",
@@ -250,11 +253,15 @@ STACKS: dict[str, str] = {
 }
 """The training stacks `--stack` names (default fsdp2): which stack's training step the memory is
 predicted for. Not a searched knob: the stack is part of what a trial is (TrialSpec.stack)."""
-ACCELERATE_STACKS: tuple[str, ...] = ("accelerate", "hf-trainer", "trl")
+ACCELERATE_STACKS: tuple[str, ...] = ("accelerate", "hf-trainer", "trl", "trl-padding-free")
 """Stacks that train through Accelerate's FSDP2 plugin, whose step autotune traces (training.stack_forward):
 under bf16/fp16 mixed precision, the plugin's MixedPrecisionPolicy (param, reduce and output dtype all the
 compute dtype: accelerate 1.15, FullyShardedDataParallelPlugin.set_mixed_precision), the forward wrapped in
 autocast and convert_outputs_to_fp32 (Accelerator.prepare_model)."""
+TRL_STEPS: tuple[str, ...] = ("trl", "trl-padding-free")
+"""TRL SFT's steps (each its own stack and step name): the fused LM head on batches of `micro_batch`
+rows of `seq_len` tokens ('trl', TRL's packing_strategy 'wrapped'), or those rows flattened into one
+padding-free row ('trl-padding-free', TRL's default 'bfd' packing: training.padding_free_batch)."""
 OWN_MODEL_STACKS: tuple[str, ...] = ("torchtitan", "litgpt", "llama-cookbook")
 """Stacks that train a model or step of their own, which autotune does not trace: their memory is
 predicted for autotune's step on the Hugging Face model, and said so (stack_note)."""
@@ -269,10 +276,10 @@ def check_stack(stack: Any) -> str:
 def stack_step(stack: str, precision: str) -> str:
     """The training step traced and run for `stack` at `precision`: `autotune` (training.train_step's own
     forward), `hf` (Accelerate's: autocast and fp32 outputs, under mixed precision only; Accelerate with
-    mixed_precision 'no' runs the plain forward) or `trl` (TRL SFT's fused LM head, plus Accelerate's
-    wrapping under mixed precision)."""
-    if stack == "trl":
-        return "trl"
+    mixed_precision 'no' runs the plain forward) or TRL's (TRL_STEPS: `trl`, SFT's fused LM head plus
+    Accelerate's wrapping under mixed precision, and `trl-padding-free`, the same on a padding-free batch)."""
+    if stack in TRL_STEPS:
+        return stack
     if stack in ACCELERATE_STACKS and precision in ("bf16", "fp16"):
         return "hf"
     return "autotune"
@@ -292,7 +299,7 @@ def stack_note(stack: str, precision: str) -> str:
 def reduce_dtype_name(precision: str, step: str) -> str:
     """The dtype gradients are reduced in: the master dtype, or the compute dtype under Accelerate's
     mixed-precision policy (parallel.mixed_precision_policy)."""
-    return PARAM_DTYPE_NAMES[precision] if step in ("hf", "trl") else MASTER_DTYPE_NAMES[precision]
+    return PARAM_DTYPE_NAMES[precision] if step in ("hf", *TRL_STEPS) else MASTER_DTYPE_NAMES[precision]
 
 
 def stack_section(stack: str, precision: str) -> dict[str, Any]:

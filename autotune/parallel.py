@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from autotune.catalog.blocks import Blocks, find_decoder_blocks, fused_experts
-from autotune.config import PARAM_DTYPE_NAMES, TrainConfig
+from autotune.config import PARAM_DTYPE_NAMES, TRL_STEPS, TrainConfig
 from autotune.knobs import COMPILE_BACKEND, Checkpointing, float8_converts, shard_dim
 
 PARAM_DTYPES = {precision: getattr(torch, name) for precision, name in PARAM_DTYPE_NAMES.items()}
@@ -33,7 +33,7 @@ def mixed_precision_policy(precision: str, *, step: str = "autotune"):
     if precision in ("fp32", "bf16-pure"):
         # Everything in the parameters' own dtype: fp32, or bf16 with bf16 reduction (pure bf16).
         return MixedPrecisionPolicy()
-    if step in ("hf", "trl"):
+    if step in ("hf", *TRL_STEPS):
         # Accelerate's FSDP2 plugin under mixed_precision bf16/fp16 (accelerate 1.15,
         # FullyShardedDataParallelPlugin.set_mixed_precision): params, reduction and outputs all in it.
         dtype = PARAM_DTYPES[precision]

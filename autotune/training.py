@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from autotune.catalog.models import ModelSpec
-from autotune.config import MASTER_DTYPE_NAMES, PARAM_DTYPE_NAMES, QLORA_QUANTIZATION, FineTuning
+from autotune.config import MASTER_DTYPE_NAMES, PARAM_DTYPE_NAMES, QLORA_QUANTIZATION, TRL_STEPS, FineTuning
 
 
 def build_model(model: ModelSpec, *, num_layers: int | None = None, seed: int = 0, precision: str = "bf16",
@@ -22,8 +22,8 @@ def build_model(model: ModelSpec, *, num_layers: int | None = None, seed: int = 
     """The transformers causal LM from its config, on the current default device (use
     `torch.device('meta')` to build without memory), with its parameters in the dtypes `precision`
     trains them in (fp32 master weights, FSDP casting for compute; bf16 throughout for
-    bf16-pure) and, for a LoRA fine-tune, wrapped by peft (`apply_finetuning`). `step` 'trl'
-    (config.stack_step) adds TRL's fused LM head, after peft, as SFTTrainer does."""
+    bf16-pure) and, for a LoRA fine-tune, wrapped by peft (`apply_finetuning`). TRL's steps
+    (config.TRL_STEPS) add TRL's fused LM head, after peft, as SFTTrainer does."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -36,7 +36,7 @@ def build_model(model: ModelSpec, *, num_layers: int | None = None, seed: int = 
         quantize_base(net, precision=precision)
     if finetuning is not None and finetuning.lora:
         net = apply_finetuning(net, finetuning, precision=precision)
-    if step == "trl":
+    if step in TRL_STEPS:
         add_trl_fused_lm_head(net)
     return net
 
@@ -310,7 +310,7 @@ def prepare_step(model: nn.Module, *, step: str, precision: str, device_type: st
     replaced, so FSDP2's hooks (in `__call__`) run outside both, as under Accelerate: the root's
     post-forward casts the outputs to the plugin's output_dtype after the fp32 copy is made
     (parallel.mixed_precision_policy). Other steps are left as built."""
-    if step not in ("hf", "trl") or precision not in ("bf16", "fp16"):
+    if step not in ("hf", *TRL_STEPS) or precision not in ("bf16", "fp16"):
         return
     from types import MethodType
 
@@ -327,13 +327,42 @@ def prepare_step(model: nn.Module, *, step: str, precision: str, device_type: st
     model.forward = MethodType(convert_outputs_to_fp32(model.forward.__func__), model)
 
 
+def padding_free_batch(tokens: torch.Tensor) -> dict[str, torch.Tensor | int]:
+    """A micro-batch of `tokens` as TRL 1.16's padding-free collator gives it to the model
+    (trl/trainer/sft_trainer.py, DataCollatorForLanguageModeling with padding_free=True, which
+    SFTTrainer uses whenever packing is 'bfd'), each row packed with two documents (bfd packs several
+    short ones into a row of max_length; the memory is the same for any number above one, and one alone
+    builds no mask: docs/STACKS.md): the rows concatenated into one row, position_ids restarting at 0
+    for each document (int64), the label of each document's first token -100, the documents'
+    cumulative lengths (int32) and longest length for varlen kernels, and each token's document index
+    (int32). No attention mask: transformers derives the block-diagonal one from position_ids
+    (tests/test_stacks.py compares this with the collator's own output). Tensor operations with
+    shapes known in advance only, so that fake tensors trace it."""
+    rows, seq = tokens.shape
+    first = seq - seq // 2  # the two documents' lengths: first and seq - first
+    labels = tokens.clone()
+    labels[:, 0] = labels[:, first] = -100
+    index = torch.arange(rows * seq, device=tokens.device)
+    in_row = index % seq
+    second = in_row >= first
+    starts = (torch.arange(rows, dtype=torch.int32, device=tokens.device) * seq).unsqueeze(1)
+    cu_seq_lens = torch.cat([torch.cat([starts, starts + first], dim=1).flatten(),
+                             torch.tensor([rows * seq], dtype=torch.int32, device=tokens.device)])
+    return {"input_ids": tokens.reshape(1, rows * seq), "labels": labels.reshape(1, rows * seq),
+            "position_ids": torch.where(second, in_row - first, in_row).unsqueeze(0),
+            "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": first, "max_length_k": first,
+            "seq_idx": (2 * (index // seq) + second).to(torch.int32).unsqueeze(0)}
+
+
 def micro_batch_loss(model: nn.Module, tokens: torch.Tensor, *, step: str = "autotune") -> torch.Tensor:
     """One micro-batch's forward and loss, as the stack's loop computes it (config.stack_step):
     'autotune' and 'hf' (Trainer.compute_loss: the model's own loss, its outputs dropped before
-    backward) take `model(input_ids, labels).loss`; 'trl' is SFTTrainer.compute_loss (trl 1.16) with
-    the fused LM head: minus the sum of the per-token log-probabilities over the label tokens."""
-    if step == "trl":
-        outputs = model(input_ids=tokens, labels=tokens, fused_lm_head=True, use_cache=False)
+    backward) take `model(input_ids, labels).loss`; TRL's steps are SFTTrainer.compute_loss (trl 1.16)
+    with the fused LM head: minus the sum of the per-token log-probabilities over the label tokens,
+    of the rows as they are ('trl') or flattened into one padding-free row ('trl-padding-free')."""
+    if step in TRL_STEPS:
+        batch = padding_free_batch(tokens) if step == "trl-padding-free" else {"input_ids": tokens, "labels": tokens}
+        outputs = model(**batch, fused_lm_head=True, use_cache=False)
         return -outputs.log_probs.sum() / outputs.label_mask.sum().clamp(min=1)
     return model(input_ids=tokens, labels=tokens).loss
 

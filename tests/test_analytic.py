@@ -175,7 +175,7 @@ def test_closed_form_is_within_tolerance_of_a_fake_tensor_trace():
 
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_closed_form_knows_each_stacks_loss_as_the_trace_does(ac):
-    """Accelerate's step (hf-trainer) and TRL SFT's fused LM head, traced by the simulator for a
+    """Accelerate's step (hf-trainer) and TRL SFT's fused LM head (on rows, and padding-free), traced by the simulator for a
     GPU run: the closed form is within its tolerance of each trace, and both agree that TRL's head
     holds less than the full logits while Accelerate's fp32 copy of the outputs adds nothing at
     the peak (docs/STACKS.md)."""
@@ -186,12 +186,15 @@ def test_closed_form_knows_each_stacks_loss_as_the_trace_does(ac):
     base = make_spec("tiny-llama", gpus=2, seq=256, micro_batch_size=4, activation_checkpointing=ac)
     traced, estimated = {}, {}
     with SimBackend(device_kind="cuda") as sim:
-        for stack in ("fsdp2", "hf-trainer", "trl"):
+        for stack in ("fsdp2", "hf-trainer", "trl", "trl-padding-free"):
             spec = dataclasses.replace(base, stack=stack)
             traced[stack] = sim.evaluate(spec).extras["tensor_peak_bytes"]
             estimated[stack] = estimate_memory(spec).tensor_peak_bytes
             assert estimated[stack] == pytest.approx(traced[stack], rel=TRACE_TOLERANCE), stack
     assert traced["trl"] < traced["fsdp2"] and estimated["trl"] < estimated["fsdp2"]
+    # Padding-free under SDPA: the block-diagonal mask of 4 x 256 tokens (2 bytes a pair in each block
+    # that keeps its activations, 1 once per forward).
+    assert traced["trl-padding-free"] > traced["trl"] and estimated["trl-padding-free"] > estimated["trl"]
     assert traced["hf-trainer"] == pytest.approx(traced["fsdp2"], abs=16)
     assert estimated["hf-trainer"] == estimated["fsdp2"]
 

@@ -187,7 +187,93 @@ def test_accelerate_hsdp_and_multi_node_launch_through_accelerate(run_result, tm
     args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "x.py"]))
     prepare_multi_gpu_env(args)
     assert args.rdzv_endpoint == "MAIN_NODE_ADDRESS:29500" and args.node_rank == 0
-    assert '--machine_rank "$NODE_RANK" --main_process_ip "$MAIN_ADDR"' in exported.text
+    node = _launched(tmp_path, exported.text, "accelerate", NODE_RANK="1", MAIN_ADDR="10.0.0.1")
+    assert node["argv"][node["argv"].index("--machine_rank") + 1] == "1"
+    assert node["argv"][node["argv"].index("--main_process_ip") + 1] == "10.0.0.1"
+
+
+def _launched(tmp_path: Path, text: str, launcher: str, **env: str) -> dict:
+    """Run an export's `# Use:` line with bash, `launcher` on PATH a stub that prints its arguments
+    and the launch environment (Accelerate's and its parallelism settings) as JSON; with
+    `env` as the node's environment (NODE_RANK, MAIN_ADDR). A failed line returns its stderr."""
+    (line,) = [line[len("# Use: "):] for line in text.splitlines() if line.startswith("# Use: ")]
+    stub = tmp_path / "bin"
+    stub.mkdir(exist_ok=True)
+    (stub / launcher).write_text(f"#!{sys.executable}\nimport json, os, sys\nprint(json.dumps({{'argv': sys.argv[1:], "
+                                 "'env': {k: v for k, v in os.environ.items() if k.startswith(('ACCELERATE_', "
+                                 "'PARALLELISM_CONFIG_'))}}))\n")
+    (stub / launcher).chmod(0o755)
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("NODE_RANK", "MAIN_ADDR") and not k.startswith(("ACCELERATE_", "PARALLELISM_CONFIG_"))}
+    proc = subprocess.run(["bash", "-c", line], capture_output=True, text=True,
+                          env=dict(clean, PATH=f"{stub}{os.pathsep}{os.environ['PATH']}", **env))
+    return json.loads(proc.stdout) if proc.returncode == 0 else {"error": proc.stderr}
+
+
+def test_trainer_and_trl_take_hsdp_from_their_launch_lines(run_result, tmp_path, monkeypatch):
+    """HSDP 2 x 8 on 2 nodes for the Trainer and TRL: neither config file can carry a ParallelismConfig
+    (HfArgumentParser leaves the dict unconverted, and the Trainer would hand it to Accelerator as is), so
+    the launch line sets the environment accelerate launch derives from a config's parallelism_config.
+    The Trainer leaves Accelerator's parallelism_config unset (its own args), and accelerate's launcher
+    (TRL's line) or torchrun (the Trainer's) passes the environment on, from which Accelerate's own
+    ParallelismConfig builds the 2-D FSDP mesh. Each node's rank and the main node's address reach
+    accelerate launch's own parser; unset, bash stops with a message."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils.launch import prepare_multi_gpu_env
+    from transformers import TrainingArguments
+    from transformers import trainer as trainer_module
+
+    trl = pytest.importorskip("trl", reason="trl is not installed (pip install trl)")
+    result = variant(run_result, shard_group_size=8, activation_checkpointing="full")
+    result.update(gpus=16, nodes=2)
+    for key in [k for k in os.environ if k.startswith(("PARALLELISM_CONFIG_", "ACCELERATE_"))]:
+        monkeypatch.delenv(key)
+
+    def mesh_from(env: dict) -> ParallelismConfig:
+        with monkeypatch.context() as patched:
+            for key, value in env.items():
+                patched.setenv(key, value)
+            assert os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"  # Accelerator() reads it then
+            return ParallelismConfig()
+
+    # The Trainer: torchrun passes its environment to every rank.
+    path, exported = write(tmp_path, result, "hf-trainer")
+    assert not any(w.startswith("shard_group_size") for w in exported.warnings)
+    args = _trainer_args(path, TrainingArguments)
+    assert args.parallelism_config is None
+    seen = {}
+
+    class Recorder:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+            raise RuntimeError("recorded")
+
+    monkeypatch.setattr(trainer_module, "Accelerator", Recorder)
+    with pytest.raises(RuntimeError, match="recorded"):
+        trainer_module.Trainer(model=_tiny_model(), args=args)
+    assert "kwargs_handlers" in seen and seen.get("parallelism_config") is None  # left to the environment
+    mesh = mesh_from(_launched(tmp_path, exported.text, "torchrun", MAIN_ADDR="10.0.0.1")["env"])
+    assert (mesh.dp_replicate_size, mesh.dp_shard_size) == (2, 8) and mesh.fsdp_dim_names == ["dp_replicate", "dp_shard_cp"]
+
+    # TRL: through accelerate launch's own parser and environment, on node 1.
+    path, exported = write(tmp_path, result, "trl")
+    assert not any(w.startswith("shard_group_size") for w in exported.warnings)
+    assert _trainer_args(path, trl.SFTConfig).parallelism_config is None
+    node = _launched(tmp_path, exported.text, "accelerate", NODE_RANK="1", MAIN_ADDR="10.0.0.1")
+    assert node["argv"][0] == "launch"
+    with monkeypatch.context() as patched:
+        for key, value in node["env"].items():
+            patched.setenv(key, value)
+        launch_args, _, _ = _validate_launch_command(launch_command_parser().parse_args(node["argv"][1:]))
+        env = prepare_multi_gpu_env(launch_args)
+    assert (launch_args.nnodes, launch_args.nproc_per_node, launch_args.node_rank) == ("2", "8", 1)
+    assert launch_args.rdzv_endpoint == "10.0.0.1:29500"
+    mesh = mesh_from({k: v for k, v in env.items() if k.startswith(("PARALLELISM_CONFIG_", "ACCELERATE_"))})
+    assert (mesh.dp_replicate_size, mesh.dp_shard_size) == (2, 8) and mesh.total_size == result["gpus"]
+    # A node launched without its rank or the main node's address stops before accelerate runs.
+    assert "NODE_RANK" in _launched(tmp_path, exported.text, "accelerate", MAIN_ADDR="10.0.0.1")["error"]
+    assert "MAIN_ADDR" in _launched(tmp_path, exported.text, "accelerate", NODE_RANK="0")["error"]
 
 
 def _trainer_args(path: Path, config_class):
@@ -326,6 +412,33 @@ def test_trl_config_turns_model_checkpointing_off_when_fsdp_checkpoints(run_resu
     assert args.fsdp_plugin_args["activation_checkpointing"] is True
     assert args.max_length == result["seq_len"] and args.packing
     assert args.per_device_train_batch_size == result["micro_batch_size"]
+
+
+def test_trl_packs_as_the_tuned_step_by_sft_trainers_own_rule(run_result, tmp_path):
+    """TRL's SFTTrainer itself decides from the parsed SFTConfig whether its batches are padding-free
+    (bfd packing forces it): yes for a `--stack trl-padding-free` tune, no for `--stack trl` (rows of
+    max_length tokens, the traced batches); the trl file of a padding-free tune trains the step tuned
+    (no other-step warning), and the other formats say theirs differs."""
+    trl = pytest.importorskip("trl", reason="trl is not installed (pip install trl)")
+    from datasets import Dataset
+
+    from tests.test_stacks import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    data = Dataset.from_dict({"input_ids": [list(range(3, 40))] * 2})
+    padding_free = {}
+    for stack in ("trl", "trl-padding-free"):
+        result = variant(run_result, activation_checkpointing="full")
+        result["stack"] = {"name": stack, "step": stack, "predicted_for": "..."}
+        path, exported = write(tmp_path, result, "trl")
+        assert not any("memory predicted for" in w for w in exported.warnings), stack
+        args = _trainer_args(path, trl.SFTConfig)
+        args.output_dir, args.report_to, args.fsdp, args.fsdp_config = str(tmp_path), [], [], None  # one CPU rank
+        trainer = trl.SFTTrainer(model=_tiny_model().to_empty(device="cpu"), args=args, train_dataset=data,
+                                 processing_class=tokenizer)
+        padding_free[stack] = (trainer.padding_free, trainer.data_collator.padding_free)
+    assert padding_free == {"trl": (False, False), "trl-padding-free": (True, True)}
+    assert any("memory predicted for trl-padding-free's step" in w for w in export_result(result, "hf-trainer").warnings)
 
 
 def test_lightning_fsdp1_strategy_and_trainer_take_the_tuned_values(run_result, tmp_path):
@@ -582,11 +695,13 @@ def test_knobs_a_stack_cannot_express_are_warned_about(run_result):
     for fmt in ("fsdp2", "torchtitan"):
         assert not any(w.startswith(("shard_group_size", "activation_checkpointing"))
                        for w in export_result(result, fmt).warnings), fmt
-    for fmt in ("accelerate", "lightning"):  # HSDP: Accelerate's parallelism_config, Lightning's 2-D mesh
+    # HSDP: Accelerate's parallelism_config (the YAML, or the Trainer's and TRL's launch environment),
+    # Lightning's 2-D mesh
+    for fmt in ("accelerate", "hf-trainer", "trl", "lightning"):
         assert not any(w.startswith("shard_group_size") for w in export_result(result, fmt).warnings), fmt
     for fmt in ("accelerate", "hf-trainer", "llama-cookbook"):
         warnings = export_result(result, fmt).warnings
-        if fmt != "accelerate":
+        if fmt == "llama-cookbook":
             assert any(w.startswith("shard_group_size: unsupported") for w in warnings), fmt
         assert any(w.startswith("activation_checkpointing: approximated") and "op-level" in w for w in warnings), fmt
 

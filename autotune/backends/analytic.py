@@ -29,7 +29,8 @@ from functools import lru_cache
 from autotune import costmodel
 from autotune.runtime_memory import runtime_memory
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
-from autotune.config import MASTER_DTYPE_BYTES, MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, TrialSpec, reduce_dtype_name
+from autotune.config import (MASTER_DTYPE_BYTES, MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, TRL_STEPS, TrialSpec,
+                             reduce_dtype_name)
 from autotune.units import format_bytes
 
 SCREEN_MARGIN = 1.25
@@ -172,10 +173,27 @@ def loss_backward_bytes(step: str, *, tokens: int, vocab: int, hidden: int, d: i
     TRL SFT's fused head ('trl'): no full logits; its backward holds fp32 gradients of the head
     weight and of the hidden states with their bf16 casts (6 bytes each), one logits tile, and the
     hidden states it saved (no head-weight gradient where the head is frozen: LoRA)."""
-    if step != "trl":
+    if step not in TRL_STEPS:
         return 12 * tokens * vocab
     tile = min(tokens, TRL_TOKEN_TILE) * TRL_VOCAB_TILE * d  # allocated at the tile's full width
     return 6 * vocab * hidden * head_trains + (6 + d) * tokens * hidden + tile
+
+
+def attention_span(spec: TrialSpec) -> int:
+    """The keys each query's attention runs over, as SDPA computes it: the sequence, or a padding-free
+    micro-batch's every token ('trl-padding-free': one row under a block-diagonal mask, which SDPA
+    computes densely; the trace counts the same FLOPs)."""
+    return spec.train.micro_batch_size * spec.seq_len if spec.step == "trl-padding-free" else spec.seq_len
+
+
+def packed_mask_bytes(step: str, *, tokens: int, d: int) -> tuple[float, float]:
+    """A padding-free micro-batch of `tokens` under SDPA ('trl-padding-free'): (the bool block-diagonal
+    mask transformers builds once per forward from position_ids, tokens squared bytes; the mask in the
+    compute dtype that SDPA converts it to in every attention call, saved for backward by each block
+    that keeps its activations). (0, 0) for batches of rows of one sequence each (is_causal, no mask)."""
+    if step != "trl-padding-free":
+        return 0.0, 0.0
+    return float(tokens * tokens), float(d * tokens * tokens)
 
 
 def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
@@ -223,7 +241,8 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     root_gathered = shape.root_params * d  # the root is never resharded after forward
     # LM head (or tied embedding) gradient, unsharded; none when it is frozen (LoRA).
     head_grad = 0 if lora else shape.vocab * shape.hidden * d
-    per_layer = activation_bytes_per_token(shape, d) * tokens
+    shared_mask, layer_mask = packed_mask_bytes(spec.step, tokens=tokens, d=d)
+    per_layer = activation_bytes_per_token(shape, d) * tokens + layer_mask
     checkpoint_input = shape.hidden * d * tokens
     ac = train.activation_checkpointing
     if ac.mode == "op":  # every block keeps its input and the op outputs its policy saves
@@ -237,7 +256,7 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     # of its largest weight in flight (fitted to traces: docs/COSTMODEL.md).
     backward_temps = 2 * d * (shape.hidden + shape.intermediate) * tokens + (
         dequantized if lora else d * shape.hidden * shape.intermediate)
-    inputs = 16 * tokens  # int64 input ids and labels
+    inputs = 16 * tokens + shared_mask  # int64 input ids and labels (and a padding-free batch's mask)
 
     # Activation offload: what forward saves waits on the host; backward brings back one block's at
     # a time (and the loss's). The held bytes are the saved activations of every block and the norm.
@@ -341,6 +360,8 @@ def step_work(spec: TrialSpec, *, reduce_bytes: int = 4) -> costmodel.StepWork:
     train = spec.train
     tokens_per_gpu = train.micro_batch_size * spec.seq_len * spec.grad_accum_steps
     model_flops = model_flops_per_token(spec.model, spec.seq_len, num_parameters=shape.num_parameters)
+    span = attention_span(spec)  # the attention computed: over the sequence, or a padding-free row
+    executed = model_flops_per_token(spec.model, span, num_parameters=shape.num_parameters)
     # A checkpointed block runs its forward again: 2 FLOPs per parameter plus attention's 4*h*s;
     # op-level checkpointing only the matmuls its policy did not save.
     ac = train.activation_checkpointing
@@ -348,10 +369,10 @@ def step_work(spec: TrialSpec, *, reduce_bytes: int = 4) -> costmodel.StepWork:
     # A MoE block recomputes with the experts each token is routed to (catalog: active parameters).
     active_block = shape.block_params - spec.model.idle_expert_parameters // max(spec.model.moe_layers, 1)
     per_block = (op_checkpoint_recompute_flops_per_token(shape, ac.policy) if ac.mode == "op"
-                 else 2 * active_block + 4 * shape.hidden * spec.seq_len)
+                 else 2 * active_block + 4 * shape.hidden * span)
     recompute = num_checkpointed * per_block
     return costmodel.fsdp_step_work(
-        flops_per_gpu=tokens_per_gpu * (model_flops + recompute), model_flops_per_gpu=tokens_per_gpu * model_flops,
+        flops_per_gpu=tokens_per_gpu * (executed + recompute), model_flops_per_gpu=tokens_per_gpu * model_flops,
         tokens_per_gpu_step=tokens_per_gpu, num_gpus=spec.cluster.num_gpus,
         block_params=gathered_block_params(spec, shape.block_params),
         num_blocks=shape.num_layers, root_params=shape.root_params, param_bytes=PARAM_BYTES[train.precision],

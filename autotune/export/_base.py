@@ -374,9 +374,11 @@ FORMAT_STACKS: dict[str, str] = {"fsdp2": "fsdp2", "lightning": "lightning", "ac
 def warn_other_stack(fmt: str, tuned: Tuned, mapper: Mapper) -> None:
     """One line where the file trains another step than the one whose memory was predicted: a
     stack whose step differs (config.stack_step), or one with a model of its own."""
-    from autotune.config import OWN_MODEL_STACKS, stack_step
+    from autotune.config import OWN_MODEL_STACKS, TRL_STEPS, stack_step
 
     target = FORMAT_STACKS.get(fmt)
+    if target in TRL_STEPS and tuned.stack in TRL_STEPS:
+        target = tuned.stack  # the trl format writes the packing of the TRL step tuned (_hf.trl_packing)
     if target is None or target == tuned.stack:
         return
     tuned_step, target_step = stack_step(tuned.stack, tuned.precision), stack_step(target, tuned.precision)
@@ -456,11 +458,16 @@ def torchrun_launch(t: Tuned) -> str:
 
 def accelerate_launch(t: Tuned, config: str = "") -> str:
     """`accelerate launch` with the world size (or a config file): on several nodes each node also
-    passes its own --machine_rank (0 on the main node) and the main node's address."""
+    passes its own --machine_rank (0 on the main node) and the main node's address and port; the
+    shell stops with a message where NODE_RANK or MAIN_ADDR is unset (never a rank 0 twice, or a
+    rendezvous on localhost)."""
     line = f"accelerate launch --config_file {config}" if config else \
         f"accelerate launch --num_processes {t.gpus} --num_machines {t.nodes}"
     if t.nodes > 1:
-        line += f' --machine_rank "$NODE_RANK" --main_process_ip "$MAIN_ADDR" --main_process_port {RDZV_PORT}'
+        # (no apostrophe in the messages: bash would read it as a quote inside "${...}")
+        rank = f'"${{NODE_RANK:?set NODE_RANK to 0 on the main node, {_other_ranks(t)}}}"'
+        line += (f' --machine_rank {rank} --main_process_ip "${{MAIN_ADDR:?set MAIN_ADDR to the address of the main '
+                 f'node}}" --main_process_port {RDZV_PORT}')
     return line
 
 

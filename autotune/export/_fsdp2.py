@@ -32,7 +32,7 @@ _SOURCES = (
     _parallel.apply_float8, _parallel.shard_placement_fn,
     _parallel.apply_fsdp, _parallel.parallelize,
     _training.trainable_parameters, _training.make_optimizer, _training.token_batches,
-    _training.OffloadedActivations, _training.micro_batch_loss, _training.train_step,
+    _training.OffloadedActivations, _training.padding_free_batch, _training.micro_batch_loss, _training.train_step,
 )
 
 
@@ -262,6 +262,7 @@ _OP = re.compile({_knobs._OP.pattern!r})
 
 SUPPORTED_FAMILIES = {_blocks.SUPPORTED_FAMILIES!r}
 MIN_OFFLOAD_BYTES = {_training.MIN_OFFLOAD_BYTES!r}
+TRL_STEPS = {_training.TRL_STEPS!r}
 COMPILE_BACKEND = {_knobs.COMPILE_BACKEND!r}
 FLOAT8_SKIPPED = {_parallel.FLOAT8_SKIPPED!r}
 PARAM_DTYPES = {{{dtypes}}}

@@ -101,6 +101,31 @@ def _map_fsdp_knobs(m: Mapper, t: Tuned, prefix: str) -> None:
     m.mapped("state_dict_type", f"{prefix}state_dict_type")
 
 
+HSDP_ENV = ("ACCELERATE_USE_PARALLELISM_CONFIG", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
+            "PARALLELISM_CONFIG_DP_SHARD_SIZE")
+"""What `accelerate launch` sets from a config's parallelism_config (accelerate 1.15,
+utils/launch.prepare_extend_env_parallelism_config), and what Accelerator() reads when it is given no
+ParallelismConfig: the Trainer (and so TRL) gives it none unless TrainingArguments.parallelism_config is
+set, which a YAML or the command line cannot do (HfArgumentParser leaves the dict unconverted)."""
+
+
+def hsdp_launch_env(t: Tuned) -> str:
+    """The environment in front of a Trainer / TRL launch line that makes Accelerate build the tuned
+    (dp_replicate, dp_shard) mesh for fully_shard ('' without HSDP)."""
+    if not t.shard_group_size:
+        return ""
+    replicate, shard = t.hsdp_degrees
+    return " ".join(f"{key}={value}" for key, value in zip(HSDP_ENV, ("true", replicate, shard))) + " "
+
+
+def _map_hsdp_env(m: Mapper, t: Tuned) -> None:
+    if t.shard_group_size:
+        replicate, shard = t.hsdp_degrees
+        m.mapped("shard_group_size", f"launch line: {HSDP_ENV[1]}={replicate} x {HSDP_ENV[2]}={shard} (Accelerate's "
+                                     "ParallelismConfig, read by the Accelerator the Trainer builds: replicate across "
+                                     "groups, shard within)")
+
+
 def _dump(data: dict[str, Any]) -> str:
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
@@ -181,6 +206,7 @@ def _trainer_fields(t: Tuned, m: Mapper) -> dict[str, Any]:
                        f"the Trainer has no switch for AdamW's {t.optimizer_impl} path: adamw_torch takes torch's "
                        "default (foreach on CUDA); pass optim_args or a custom optimizer for the per-parameter loop")
     m.mapped("world_size", f"{torchrun_launch(t)} (launch line above)")
+    _map_hsdp_env(m, t)
     if t.compile != "none":
         m.approximated("compile", "torch_compile: true",
                        "the Trainer compiles the whole model (torch.compile through Accelerate, inductor), not each "
@@ -215,11 +241,13 @@ def _trainer_fields(t: Tuned, m: Mapper) -> dict[str, Any]:
 def export_hf_trainer(t: Tuned) -> Export:
     m = Mapper()
     fields = _trainer_fields(t, m)
-    body = (f"# Use: {torchrun_launch(t)} train.py hf_trainer_args.yaml\n{nodes_note(t, ranks=False)}"
+    body = (f"# Use: {hsdp_launch_env(t)}{torchrun_launch(t)} train.py hf_trainer_args.yaml\n"
+            f"{nodes_note(t, ranks=False)}"
             "# where train.py does: (args,) = HfArgumentParser(TrainingArguments).parse_yaml_file(sys.argv[1])\n"
             f"# Tokenize into sequences of {t.seq_len} tokens (the tuned seq_len).\n"
             + _dump(fields))
     return build_export(fmt="hf-trainer", filename="hf_trainer_args.yaml", tuned=t, mapper=m, body=body,
+                        expresses=("hsdp",),
                         target=f"transformers {_version('transformers', '5.23')} (TrainingArguments, fsdp_config "
                                "version 2)")
 
@@ -232,7 +260,7 @@ def export_trl(t: Tuned) -> Export:
     # _trainer_fields takes precedence over that deprecated alias.
     fields = _trainer_fields(t, m)
     fields["max_length"] = t.seq_len
-    fields["packing"] = True
+    fields.update(trl_packing(t))
     if t.activation_offload:
         # TRL 1.16 ports torchtune's OffloadActivations: the same rule of what moves (not parameters,
         # not under 1 KiB), on a side stream, and it keeps the output head's activations on the GPU.
@@ -243,8 +271,28 @@ def export_trl(t: Tuned) -> Export:
                        "GPU (more memory at the loss than predicted), and overlaps the copies (faster)")
     else:
         m.mapped("activation_offload", "activation_offloading: false (TRL's default)")
-    return _trl_export(t, m, fields, command="sft", config="SFTConfig",
-                       note=f"packing fills sequences of max_length={t.seq_len} tokens as tuned.")
+    if t.stack == "trl-padding-free":
+        note = (f"bfd packing of documents into sequences of max_length={t.seq_len} tokens, each micro-batch "
+                "flattened into one padding-free row, as tuned (--stack trl-padding-free); its memory was "
+                "predicted with SDPA, transformers' attention where attn_implementation is not set, which attends "
+                "through a block-diagonal (tokens x tokens) mask in every block; with flash_attention_2 (TRL's "
+                "advice for padding-free batches) transformers builds no mask (flash-attention itself is not "
+                "traced).")
+    else:
+        note = (f"wrapped packing fills rows of max_length={t.seq_len} tokens, as traced; TRL's default bfd "
+                "packing makes batches padding-free, a step of its own: tune with --stack trl-padding-free "
+                "for it.")
+    return _trl_export(t, m, fields, command="sft", config="SFTConfig", note=note)
+
+
+def trl_packing(t: Tuned) -> dict[str, Any]:
+    """SFTConfig's packing fields for the step tuned (trl 1.16, SFTTrainer.__init__: bfd or bfd_split
+    packing turns the collator padding-free whatever padding_free says). `--stack trl-padding-free`:
+    bfd, padding-free, written out; otherwise 'wrapped', the one strategy that fills rows of
+    max_length tokens without flattening them, the batches every other step traces."""
+    if t.stack == "trl-padding-free":
+        return {"packing": True, "packing_strategy": "bfd", "padding_free": True}
+    return {"packing": True, "packing_strategy": "wrapped", "padding_free": False}
 
 
 def _lora_fields(t: Tuned) -> dict[str, Any]:
@@ -277,12 +325,13 @@ def _trl_export(t: Tuned, m: Mapper, fields: dict[str, Any], *, command: str, co
     if lora:
         fields = {**fields, **lora}
         config += " + ModelConfig (QLoRA)" if lora.get("load_in_4bit") else " + ModelConfig (LoRA)"
-    body = (f"# Use: {accelerate_launch(t)} -m trl.cli {command} "
+    body = (f"# Use: {hsdp_launch_env(t)}{accelerate_launch(t)} -m trl.cli {command} "
             f"--config {filename} --model_name_or_path MODEL --dataset_name DATA{launch_args}\n"
             f"{nodes_note(t, ranks=True)}"
             f"# (or `trl {command} --config {filename} ...`). {config} fields; {note}\n"
             + _dump(fields))
-    return build_export(fmt="trl", filename=filename, tuned=t, mapper=m, body=body, expresses=("lora", "qlora"),
+    return build_export(fmt="trl", filename=filename, tuned=t, mapper=m, body=body,
+                        expresses=("lora", "qlora", "hsdp"),
                         target=f"TRL {_version('trl', '1.16')} ({config} YAML{target_note}; transformers "
                                "TrainingArguments fsdp_config version 2)")
 

@@ -39,9 +39,12 @@ _MB_BASE = (2, 3)
 def _linear_in_micro_batch(spec: TrialSpec) -> bool:
     """Whether memory grows linearly with the micro-batch from _MB_BASE on: TRL's fused LM head
     holds one tile of at most TRL_TOKEN_TILE tokens, a term that stops growing once a micro-batch
-    has that many, so its step extrapolates only from micro-batches already past it."""
+    has that many, so its step extrapolates only from micro-batches already past it; a padding-free
+    micro-batch is one row whose attention mask is (micro-batch x seq_len) squared: never linear."""
     from autotune.backends.analytic import TRL_TOKEN_TILE
 
+    if spec.step == "trl-padding-free":
+        return False
     return spec.step != "trl" or min(_MB_BASE) * (spec.seq_len - 1) >= TRL_TOKEN_TILE
 
 

@@ -165,7 +165,7 @@ def _tensor_bytes(values) -> int:
 
 from autotune.catalog.blocks import Blocks, fused_experts  # noqa: E402
 from autotune.catalog.models import ModelSpec
-from autotune.config import FineTuning, TrainConfig
+from autotune.config import TRL_STEPS, FineTuning, TrainConfig
 from autotune.costmodel import LARGE_MEMORY_OP_BYTES
 from autotune.parallel import parallelize, register_rng_rules
 from autotune.training import (OffloadedActivations, build_model, make_optimizer, prepare_step, sync_weights_to_vllm,
@@ -519,7 +519,8 @@ class Tracer:
         steady_accum = grad_accum_steps > 1
         position_of = _position_namer(built.model, built.blocks, depth=depth, period=period,
                                       keep_middle=keep_middle)
-        with self._fake_mode, _real_mask_decisions(), _qlora_context(finetuning, self._fake_mode):
+        packed = step == "trl-padding-free"
+        with self._fake_mode, _real_mask_decisions(packed=packed), _qlora_context(finetuning, self._fake_mode):
             batches = token_batches(vocab_size=int(model_spec.config_dict["vocab_size"]),
                                     micro_batch_size=train.micro_batch_size, seq_len=seq_len, device="cpu")
             tracker = _SiteTracker(built.model, built.optimizer, position_of=position_of, gloo=gloo)
@@ -531,7 +532,7 @@ class Tracer:
             # Activation offload on a GPU run (a CPU run cannot apply it): the same hooks a real
             # trial enters, keeping no copy, so the device side is traced exactly.
             offload = OffloadedActivations(to_host=False) if train.activation_offload and not gloo else None
-            with tracker, _trl_kernels_as_on_a_gpu(step == "trl" and not gloo):
+            with tracker, _trl_kernels_as_on_a_gpu(step in TRL_STEPS and not gloo):
                 # One micro-batch: later ones repeat it; their gradients are added below.
                 train_step(built.model, optimizer, batches, grad_accum_steps=1, saved_activations=offload, step=step)
                 if sync_now:
@@ -808,13 +809,16 @@ def _module_to_assigns_data():
 
 
 @contextmanager
-def _real_mask_decisions():
+def _real_mask_decisions(*, packed: bool = False):
     """Let transformers skip the causal mask as it does in a real run.
 
     transformers cannot read a fake tensor's values, so under fake tensors it assumes packed
     sequences and padding and materialises the causal mask (SDPA then takes its masked path)
     where a real run finds neither and uses SDPA's `is_causal`. Our training batches hold one
-    unpadded sequence per row, starting at position 0: the trace tells transformers so.
+    unpadded sequence per row, starting at position 0: the trace tells transformers so. `packed`:
+    the batch is one padding-free row of several documents (training.padding_free_batch), whose
+    position_ids restart: transformers finds packed sequences in a real run, and builds the
+    block-diagonal mask, as it assumes under fake tensors.
     """
     try:
         from transformers import masking_utils
@@ -824,7 +828,9 @@ def _real_mask_decisions():
     find_packed, ignore_mask = masking_utils.find_packed_sequence_indices, masking_utils._ignore_causal_mask_sdpa
 
     def not_packed(position_ids, *args, **kwargs):
-        return None if isinstance(position_ids, FakeTensor) else find_packed(position_ids, *args, **kwargs)
+        if isinstance(position_ids, FakeTensor) and not packed:
+            return None
+        return find_packed(position_ids, *args, **kwargs)
 
     def as_in_a_real_run(padding_mask, q_length, kv_length, q_offset, kv_offset, *args, **kwargs):
         if isinstance(padding_mask, FakeTensor):
