@@ -379,15 +379,22 @@ def bench_host_overhead(model, *, device, mesh, token_counts=HOST_TOKEN_COUNTS, 
             host, wall = host_seconds(ids)
             samples[t].append(host)
             walls[t].append(wall)
-    # The least of the repeats, not the median: other processes' load only ever adds time, and on a
-    # shared 2-core machine it added enough to invert the two token counts (CI, 2026-11-26: 25.5 ms
-    # at 8 tokens, 17.7 ms at 32). A noisy pair cannot make the slope negative either.
-    (t1, t2) = token_counts[0], token_counts[-1]
-    h1, h2 = min(samples[t1]), min(samples[t2])
-    slope = max((h2 - h1) / (t2 - t1), 0.0) if t2 != t1 else 0.0
-    at_zero = max(h1 - slope * t1, 0.0)
-    return dict(ops=ops[t1], ops_by_tokens=ops, host_s_by_tokens={t: min(v) for t, v in samples.items()},
-                wall_s_by_tokens={t: min(v) for t, v in walls.items()}, host_s_at_zero=at_zero,
+    # Medians, as every other calibrated time (the collectives' fits subtracted from this one on a
+    # CPU are medians too: a least time here against median collectives went to 0 under load).
+    # The least times are kept beside them: load only ever adds time, so they are what a check
+    # against another timing of the same step compares (CI, 2026-11-26: medians of 25.5 ms at 8
+    # tokens and 17.7 ms at 32 under load, an inverted pair). A noisy pair never makes the slope
+    # negative.
+    def at_zero(stat) -> float:
+        (t1, t2) = token_counts[0], token_counts[-1]
+        h1, h2 = stat(samples[t1]), stat(samples[t2])
+        slope = max((h2 - h1) / (t2 - t1), 0.0) if t2 != t1 else 0.0
+        return max(h1 - slope * t1, 0.0)
+
+    return dict(ops=ops[token_counts[0]], ops_by_tokens=ops,
+                host_s_by_tokens={t: statistics.median(v) for t, v in samples.items()},
+                wall_s_by_tokens={t: statistics.median(v) for t, v in walls.items()},
+                host_s_at_zero=at_zero(statistics.median), least_host_s_at_zero=at_zero(min),
                 repeats=repeats, blocks=2)
 
 

@@ -419,11 +419,12 @@ def test_calibrated_host_time_per_op_matches_a_real_step_and_the_trace_count(mon
     with SimBackend(device_kind="cpu", extrapolate=False, screen=False) as backend:  # releases its fake group
         result = backend.evaluate(spec)
     traced = result.extras["op_work"]["dispatched_ops"]
-    wall = min(walls)  # as calibrate takes its host time: load only adds
-    print(f"ops: calibrate {host['ops']}, trace {traced:.0f}; host at 0 tokens {host['host_s_at_zero'] * 1e3:.1f} ms, "
+    wall = min(walls)  # the least, as least_host_s_at_zero is: load only adds
+    print(f"ops: calibrate {host['ops']}, trace {traced:.0f}; host at 0 tokens {host['least_host_s_at_zero'] * 1e3:.1f} ms, "
           f"wall at 8 tokens {wall * 1e3:.1f} ms")
     assert 0.9 <= host["ops"] / traced <= 1.1, (host["ops"], traced)
-    assert 0.3 * wall <= host["host_s_at_zero"] <= 1.5 * wall, (host, wall)
+    # Least times on both sides: the machine's load (other xdist workers' launches) only adds time.
+    assert 0.3 * wall <= host["least_host_s_at_zero"] <= 1.5 * wall, (host, wall)
 
 
 def test_profiles_written_before_host_time_still_load_and_estimate(tmp_path):
