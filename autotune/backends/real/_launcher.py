@@ -138,6 +138,12 @@ def start_torchrun(options: LaunchOptions, folder: Path, *, marker: str) -> subp
                               AGENT_FAILURES_ENV: str(folder / f"agent_failures.{node}.json")})
     # Trials run with the allocator setting the prediction assumes and the exports pin.
     env[ALLOC_CONF_ENV] = alloc_conf(os.environ)
+    if options.device == "cpu":
+        # Compiled CPU trials: each rank compiles inductor's kernels on its own thread. The ranks
+        # already fill the cores (one thread each), and a compile-worker pool per rank only adds
+        # processes: 2 ranks compiling micro-llama's blocks cold took 72-94 s with one thread, 114-123 s
+        # with the default pool (2-core VM, alternated, load 4-6). A value set by the user is kept.
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     command = torchrun_command(options, folder=folder, node=node, rdzv_id=f"autotune-{marker}")
     # Launch from the main thread: preexec_fn runs Python in the forked child, which there drops
     # the other threads' objects (a gloo group's destructor then waits forever on its threads).
