@@ -412,8 +412,13 @@ def parallelize(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bo
     `allow_offload=False` is for places that cannot pin host memory (no accelerator): the
     simulator then models offload from the trace instead of applying it. `compile_backend`: what
     compiled blocks are compiled with (the simulator's fake tensors cannot run inductor's kernels).
-    `step` (config.stack_step): a stack's own mixed-precision policy where it differs.
+    `step` (config.stack_step): a stack's own mixed-precision policy where it differs; 'torchtitan':
+    torchtitan's own parallelize_llama pieces on its own model (titan.parallelize_titan).
     """
+    if step == "torchtitan":
+        from autotune.titan import parallelize_titan
+
+        return parallelize_titan(model, mesh, train, allow_offload=allow_offload)
     blocks = find_decoder_blocks(model)
     apply_ep(blocks, mesh, train.expert_parallel)
     apply_float8(blocks, train.float8)
