@@ -186,6 +186,7 @@ def _torchtitan_bench():
     return module
 
 
+@pytest.mark.slow  # real gloo ranks (forked, not torchrun): 15 s of CPU, 55 s wall at load 14 on the 2-core VM
 def test_torchtitans_own_step_matches_a_real_gloo_run_of_it(tmp_path, monkeypatch):
     """--stack torchtitan traces torchtitan 0.3's own llama3 model, FSDP units and chunked loss (autotune/titan.py):
     its predicted tensor peak against a real 2-rank gloo run of the same step in torchtitan's own environment
