@@ -22,7 +22,7 @@ cannot run on fake tensors, and on CPUs its C++ template allocates buffers a dis
 never sees; so the blocks use torchtitan's own `ScaledDotProductAttention` module (causal), whose
 flash kernel returns and saves what FlexAttention's kernel does (output and log-sum-exp; q, k, v
 saved). FlexAttention's BlockMask (int32 block indices, B x S/128 x S/128 of them) is not counted:
-0.5 MiB for 2 x 8,192 tokens (`flex_block_mask_bytes`).
+133,120 B for 2 x 8,192 tokens (`flex_block_mask_bytes`).
 
 Knobs torchtitan 0.3 cannot express are traced as torchtitan runs them, the way the torchtitan
 export writes them (export/_torchtitan.py): every-K checkpointing as FullAC on every block, op-level

@@ -200,3 +200,19 @@ def test_torchtitans_own_step_matches_a_real_gloo_run_of_it(tmp_path, monkeypatc
     assert row["step"] == "torchtitan"  # both sides ran torchtitan's step, not autotune's on the HF model
     measured, predicted = row["measured_bytes"], row["predicted_bytes"]
     assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+
+
+def test_the_uncounted_flex_block_mask_is_as_small_as_said():
+    """What the torchtitan step does not trace (its attention runs through SDPA): FlexAttention's BlockMask,
+    sized by torch's own create_block_mask (causal, one head, as torchtitan builds it) against
+    titan.flex_block_mask_bytes, which docs/STACKS.md quotes."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from autotune.titan import flex_block_mask_bytes
+
+    for batch, seq in ((2, 8192), (1, 1024)):
+        mask = create_block_mask(lambda b, h, q, kv: q >= kv, B=batch, H=None, Q_LEN=seq, KV_LEN=seq, device="cpu")
+        made = sum(t.numel() * t.element_size() for t in mask.as_tuple() if isinstance(t, torch.Tensor))
+        assert made == flex_block_mask_bytes(batch, seq)
+    assert flex_block_mask_bytes(2, 8192) == 133_120
