@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
+from autotune.parallel import keep_leaf_inputs_collectable
+
 _TOTAL = "Total"
 
 # MemTracker's reference types -> autotune.backends.base.MEMORY_CATEGORIES.
@@ -54,6 +56,7 @@ class CapacityTracker(MemTracker):
         super().__init__()
         self.capacity_bytes = capacity_bytes
         self.rank = rank
+        keep_leaf_inputs_collectable(self._mod_tracker)
 
     def _pre_fw_hook(self, module, inputs) -> None:
         # torchtitan's chunked loss calls its head once per chunk with each chunk's backward in between,

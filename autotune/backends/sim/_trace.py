@@ -167,7 +167,7 @@ from autotune.catalog.blocks import Blocks, fused_experts  # noqa: E402
 from autotune.catalog.models import ModelSpec
 from autotune.config import FineTuning, TrainConfig
 from autotune.costmodel import LARGE_MEMORY_OP_BYTES
-from autotune.parallel import parallelize, register_rng_rules
+from autotune.parallel import keep_leaf_inputs_collectable, parallelize, register_rng_rules
 from autotune.training import (OffloadedActivations, build_model, make_optimizer, prepare_step, sync_weights_to_vllm,
                                token_batches, train_step)
 
@@ -301,6 +301,7 @@ class _SiteTracker(FSDPMemTracker):
     def __init__(self, model: nn.Module, optimizer, *, position_of: Callable[[nn.Module], tuple[str, ...]],
                  gloo: bool) -> None:
         super().__init__(model, optimizer)
+        keep_leaf_inputs_collectable(self._mod_tracker)
         self._gloo = gloo
         self._transient = 0
         self._transient_ref = _FSDPRefType.REDUCE_SCATTER
