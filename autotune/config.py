@@ -259,7 +259,7 @@ OWN_MODEL_STACKS: tuple[str, ...] = ("torchtitan", "litgpt", "llama-cookbook")
 """Stacks that train a model or step of their own: their memory is predicted for autotune's step on the
 Hugging Face model, and said so (stack_note), except torchtitan's for the families it has where
 torchtitan is importable (TORCHTITAN_FAMILIES)."""
-TORCHTITAN_FAMILIES: dict[str, str] = {"llama": "llama3"}
+TORCHTITAN_FAMILIES: dict[str, str] = {"llama": "llama3", "qwen3": "qwen3"}
 """transformers model types whose torchtitan 0.3 model autotune builds, traces and runs (autotune/titan.py),
 and the torchtitan module that has it."""
 TORCHTITAN_PRECISIONS: tuple[str, ...] = ("bf16", "fp32")

@@ -5,7 +5,7 @@ and a real trial runs where torchtitan 0.3 is importable and the model is a fami
 Each piece is torchtitan's own code, called as its trainer calls it (torchtitan 0.3.0,
 trainer.py, models/llama3/parallelize.py `parallelize_llama`, components/loss.py):
 - the model: `Llama3Model` built from torchtitan's own layer builder (`_build_llama3_layers`: fused
-  wqkv, depth-scaled inits) with the Hugging Face config's shapes (hidden size, layers, heads, KV
+  wqkv, depth-scaled inits), or `Qwen3Model` (`_build_qwen3_layers`) for dense qwen3, with the Hugging Face config's shapes (hidden size, layers, heads, KV
   heads, vocabulary, FFN width, RoPE theta, norm eps), fp32 master weights, the RoPE cache sized to
   the sequence (its trainer's `update_from_config` does the same);
 - the parallelisation: `parallelize_llama`'s two steps without tensor/context parallelism (none is
@@ -40,7 +40,7 @@ from torch import nn
 
 from autotune.catalog.blocks import Blocks
 from autotune.catalog.models import ModelSpec
-from autotune.config import MASTER_DTYPE_NAMES, PARAM_DTYPE_NAMES, TrainConfig
+from autotune.config import MASTER_DTYPE_NAMES, PARAM_DTYPE_NAMES, TORCHTITAN_FAMILIES, TrainConfig
 from autotune.errors import UsageError
 from autotune.knobs import Checkpointing
 
@@ -94,8 +94,13 @@ class TitanBlocks(Blocks):
 
 def build_titan_model(model: ModelSpec, *, num_layers: int | None = None, precision: str = "bf16",
                       seq_len: int | None = None) -> nn.Module:
-    """torchtitan's Llama3Model with the shapes of `model`'s Hugging Face config, on the current
-    default device, parameters in the master dtype (fp32 under mixed precision, as torchtitan keeps them)."""
+    """torchtitan's model of the family (config.TORCHTITAN_FAMILIES: Llama3Model, or Qwen3Model for dense
+    qwen3) with the shapes of `model`'s Hugging Face config, on the current default device, parameters in
+    fp32 (torchtitan's master weights)."""
+    if MASTER_DTYPE_NAMES[precision] != "float32":
+        raise TitanUnsupported(f"--stack torchtitan keeps float32 master weights: precision {precision} is not built")
+    if TORCHTITAN_FAMILIES.get(model.model_type) == "qwen3":
+        return _build_qwen3(model, num_layers=num_layers, seq_len=seq_len)
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init
@@ -124,11 +129,35 @@ def build_titan_model(model: ModelSpec, *, num_layers: int | None = None, precis
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_output_linear_init(dim)),
         enable_weight_tying=bool(c.get("tie_word_embeddings", False)),
         layers=layers)
-    if MASTER_DTYPE_NAMES[precision] != "float32":
-        raise TitanUnsupported(f"--stack torchtitan keeps float32 master weights: precision {precision} is not built")
     # Built in the default dtype, float32, as torchtitan builds it (a Module.to(dtype) would also turn
     # the complex RoPE cache real).
     return config.build()
+
+
+def _build_qwen3(model: ModelSpec, *, num_layers: int | None, seq_len: int | None) -> nn.Module:
+    """torchtitan's dense Qwen3Model from its own layer builder (qk-norm, cos/sin RoPE; its norms' eps is
+    its constant 1e-6, Qwen3's)."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.qwen3 import _EMBEDDING_INIT, _LINEAR_INIT, _build_qwen3_layers, _qwen3_norm
+    from torchtitan.models.qwen3.model import Qwen3Model
+
+    c = model.config_dict
+    dim, heads, vocab = int(c["hidden_size"]), int(c["num_attention_heads"]), int(c["vocab_size"])
+    head_dim = int(c.get("head_dim") or dim // heads)
+    layers = _build_qwen3_layers(
+        n_layers=num_layers or int(c["num_hidden_layers"]), dim=dim, n_heads=heads,
+        n_kv_heads=int(c.get("num_key_value_heads") or heads), head_dim=head_dim,
+        hidden_dim=int(c["intermediate_size"]), attn_backend="flex",
+        rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=int(seq_len or c.get("max_position_embeddings", 2048)),
+                               theta=float(c.get("rope_theta", 1000000.0))))
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return Qwen3Model.Config(
+        vocab_size=vocab, dim=dim, norm=_qwen3_norm(dim),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT),
+        enable_weight_tying=bool(c.get("tie_word_embeddings", False)), layers=layers).build()
 
 
 def is_titan_model(net: nn.Module) -> bool:

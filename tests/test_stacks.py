@@ -216,3 +216,44 @@ def test_the_uncounted_flex_block_mask_is_as_small_as_said():
         made = sum(t.numel() * t.element_size() for t in mask.as_tuple() if isinstance(t, torch.Tensor))
         assert made == flex_block_mask_bytes(batch, seq)
     assert flex_block_mask_bytes(2, 8192) == 133_120
+
+
+TITAN_BUILD = r"""
+import json, sys, torch
+from autotune.catalog.models import resolve_model
+from autotune.titan import build_titan_model
+from torchtitan.models.llama3 import model_registry as llama3
+from torchtitan.models.qwen3 import model_registry as qwen3
+theirs = {"llama3-8b": llama3("8B"), "qwen3-8b": qwen3("8B")}
+for name in json.loads(sys.argv[1]):
+    with torch.device("meta"):
+        ours = build_titan_model(resolve_model(name), seq_len=8192)
+        own = theirs[name].model.build()
+    count = lambda m: sum(p.numel() for p in m.parameters())
+    print("BUILT " + json.dumps({"name": name, "ours": count(ours), "theirs": count(own), "class": type(ours).__name__,
+                                 "own_class": type(own).__name__, "blocks": len(ours.layers)}), flush=True)
+"""
+
+
+def test_torchtitans_model_is_built_with_the_tuned_models_shapes():
+    """titan.build_titan_model, run in torchtitan's own environment: for llama3-8b and qwen3-8b (dense), the
+    same class and parameter count as torchtitan 0.3's own registry flavor (8B) and as transformers' count of
+    the Hugging Face model (catalog num_parameters, computed here from transformers)."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from tests.test_export import _torchtitan_python
+
+    names = ["llama3-8b", "qwen3-8b"]
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([_torchtitan_python(), "-c", TITAN_BUILD, json.dumps(names)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=str(root)), cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    built = {row["name"]: row for row in (json.loads(line[6:]) for line in proc.stdout.splitlines()
+                                          if line.startswith("BUILT "))}
+    for name in names:
+        row = built[name]
+        assert row["class"] == row["own_class"] and row["blocks"] == resolve_model(name).num_layers
+        assert row["ours"] == row["theirs"] == resolve_model(name).num_parameters, row
