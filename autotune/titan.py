@@ -5,9 +5,10 @@ and a real trial runs where torchtitan 0.3 is importable and the model is a fami
 Each piece is torchtitan's own code, called as its trainer calls it (torchtitan 0.3.0,
 trainer.py, models/llama3/parallelize.py `parallelize_llama`, components/loss.py):
 - the model: `Llama3Model` built from torchtitan's own layer builder (`_build_llama3_layers`: fused
-  wqkv, depth-scaled inits), or `Qwen3Model` (`_build_qwen3_layers`) for dense qwen3, with the Hugging Face config's shapes (hidden size, layers, heads, KV
-  heads, vocabulary, FFN width, RoPE theta, norm eps), fp32 master weights, the RoPE cache sized to
-  the sequence (its trainer's `update_from_config` does the same);
+  wqkv, depth-scaled inits), or `Qwen3Model` (`_build_qwen3_layers`) for dense qwen3, with the
+  Hugging Face config's shapes (hidden size, layers, heads, KV heads, vocabulary, FFN width, RoPE
+  theta, norm eps), fp32 master weights, the RoPE cache sized to the sequence (its trainer's
+  `update_from_config` does the same);
 - the parallelisation: `parallelize_llama`'s two steps without tensor/context parallelism (none is
   tuned): torchtitan's activation-checkpointing policy (`FullAC`, `SelectiveAC`) applied to every
   block, then `apply_fsdp_to_decoder` (its FSDP2 units: the embeddings, each block, norm + head
@@ -116,7 +117,8 @@ def build_titan_model(model: ModelSpec, *, num_layers: int | None = None, precis
         rope=ComplexRoPE.Config(dim=int(c.get("head_dim") or dim // heads),
                                 max_seq_len=int(seq_len or c.get("max_position_embeddings", 2048)),
                                 theta=float(c.get("rope_theta", 10000.0)),
-                                scaling="llama" if (c.get("rope_scaling") or {}).get("rope_type") == "llama3" else "none"),
+                                scaling="llama" if (c.get("rope_scaling") or {}).get("rope_type") == "llama3"
+                                else "none"),
         attn_backend="flex", fuse_qkv=True)
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()

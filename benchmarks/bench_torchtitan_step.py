@@ -116,7 +116,8 @@ def predict(cases) -> None:
             spec = _spec(mb, ac)
             result = sim.evaluate(spec)
             assert result.status == "ok", result.message
-            print(json.dumps({"mb": mb, "ac": ac, "step": spec.step, "predicted_bytes": result.extras["tensor_peak_bytes"],
+            print(json.dumps({"mb": mb, "ac": ac, "step": spec.step,
+                              "predicted_bytes": result.extras["tensor_peak_bytes"],
                               "peak_site": result.extras.get("peak_site")}), flush=True)
 
 
