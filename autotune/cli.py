@@ -452,7 +452,8 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
         backend.close()
     out = {"backend": backend_name, "model": model.name, "gpus": cluster.num_gpus, "gpu": cluster.gpu.name,
            "seq_len": seq_len, "config": train.to_dict(), "grad_accum_steps": grad_accum,
-           "workload": workload.to_dict(), "finetuning": finetuning.to_dict(), "stack": stack_section(stack, train.precision),
+           "workload": workload.to_dict(), "finetuning": finetuning.to_dict(),
+           "stack": stack_section(stack, train.precision, model.model_type),
            "memory_limit_bytes": spec.limit_bytes, "fits": result.ok, **result.to_dict()}
     sys.stdout.write(json.dumps(out, indent=2, default=str) + "\n")
     return EXIT_OK

@@ -263,8 +263,20 @@ TRL_STEPS: tuple[str, ...] = ("trl", "trl-padding-free")
 rows of `seq_len` tokens ('trl', TRL's packing_strategy 'wrapped'), or those rows flattened into one
 padding-free row ('trl-padding-free', TRL's default 'bfd' packing: training.padding_free_batch)."""
 OWN_MODEL_STACKS: tuple[str, ...] = ("torchtitan", "litgpt", "llama-cookbook")
-"""Stacks that train a model or step of their own, which autotune does not trace: their memory is
-predicted for autotune's step on the Hugging Face model, and said so (stack_note)."""
+"""Stacks that train a model or step of their own: their memory is predicted for autotune's step on the
+Hugging Face model, and said so (stack_note), except torchtitan's for the families it has where
+torchtitan is importable (TORCHTITAN_FAMILIES)."""
+TORCHTITAN_FAMILIES: dict[str, str] = {"llama": "llama3", "qwen3": "qwen3"}
+"""transformers model types whose torchtitan 0.3 model autotune builds, traces and runs (autotune/titan.py),
+and the torchtitan module that has it."""
+TORCHTITAN_PRECISIONS: tuple[str, ...] = ("bf16", "fp32")
+"""torchtitan's parameter dtypes (--training.mixed-precision-param): bfloat16 under fp32 masters, or float32."""
+
+
+def torchtitan_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchtitan") is not None
 
 
 def check_stack(stack: Any) -> str:
@@ -273,11 +285,16 @@ def check_stack(stack: Any) -> str:
     return stack
 
 
-def stack_step(stack: str, precision: str) -> str:
+def stack_step(stack: str, precision: str, model_type: str | None = None) -> str:
     """The training step traced and run for `stack` at `precision`: `autotune` (training.train_step's own
     forward), `hf` (Accelerate's: autocast and fp32 outputs, under mixed precision only; Accelerate with
-    mixed_precision 'no' runs the plain forward) or TRL's (TRL_STEPS: `trl`, SFT's fused LM head plus
-    Accelerate's wrapping under mixed precision, and `trl-padding-free`, the same on a padding-free batch)."""
+    mixed_precision 'no' runs the plain forward), TRL's (TRL_STEPS: `trl`, SFT's fused LM head plus
+    Accelerate's wrapping under mixed precision, and `trl-padding-free`, the same on a padding-free batch)
+    or `torchtitan` (torchtitan's own model, FSDP units and chunked loss: autotune/titan.py; for a model of
+    TORCHTITAN_FAMILIES at TORCHTITAN_PRECISIONS, torchtitan importable)."""
+    if stack == "torchtitan" and model_type in TORCHTITAN_FAMILIES and precision in TORCHTITAN_PRECISIONS \
+            and torchtitan_importable():
+        return "torchtitan"
     if stack in TRL_STEPS:
         return stack
     if stack in ACCELERATE_STACKS and precision in ("bf16", "fp16"):
@@ -285,11 +302,19 @@ def stack_step(stack: str, precision: str) -> str:
     return "autotune"
 
 
-def stack_note(stack: str, precision: str) -> str:
+def stack_note(stack: str, precision: str, model_type: str | None = None) -> str:
     """What the memory of `stack` is predicted for, in a sentence (best.json, the console, the report)."""
+    if stack_step(stack, precision, model_type) == "torchtitan":
+        return (f"memory predicted for torchtitan's own step: its {TORCHTITAN_FAMILIES[model_type]} model, FSDP units, "
+                "checkpointing policy and chunked loss (attention: its SDPA module for FlexAttention)")
     if stack in OWN_MODEL_STACKS:
+        why = ""
+        if stack == "torchtitan":
+            why = (" (torchtitan is not importable here)" if not torchtitan_importable() else
+                   f" (torchtitan's model is built for {', '.join(TORCHTITAN_FAMILIES)} at "
+                   f"{'/'.join(TORCHTITAN_PRECISIONS)} only)")
         return (f"memory predicted for autotune's step on the Hugging Face model: {STACKS[stack]}'s own model and "
-                "step are not traced")
+                f"step are not traced{why}")
     if stack in ACCELERATE_STACKS and stack_step(stack, precision) == "autotune":
         return (f"memory predicted for the step of {STACKS[stack].split(':')[0]} at {precision} (Accelerate's "
                 "mixed_precision 'no': no autocast, no fp32 outputs)")
@@ -302,9 +327,10 @@ def reduce_dtype_name(precision: str, step: str) -> str:
     return PARAM_DTYPE_NAMES[precision] if step in ("hf", *TRL_STEPS) else MASTER_DTYPE_NAMES[precision]
 
 
-def stack_section(stack: str, precision: str) -> dict[str, Any]:
+def stack_section(stack: str, precision: str, model_type: str | None = None) -> dict[str, Any]:
     """best.json's `stack`: which stack's step was predicted (schemas/best.schema.json)."""
-    return {"name": stack, "step": stack_step(stack, precision), "predicted_for": stack_note(stack, precision)}
+    return {"name": stack, "step": stack_step(stack, precision, model_type),
+            "predicted_for": stack_note(stack, precision, model_type)}
 
 
 DEFAULT_LORA_TARGETS = "all-linear"
@@ -489,7 +515,7 @@ class TrialSpec:
     @property
     def step(self) -> str:
         """The step traced and run (stack_step)."""
-        return stack_step(self.stack, self.train.precision)
+        return stack_step(self.stack, self.train.precision, self.model.model_type)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrialSpec":

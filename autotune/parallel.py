@@ -357,6 +357,23 @@ def register_rng_rules(mode_class: type) -> None:
             torch.set_rng_state(current)
 
 
+def keep_leaf_inputs_collectable(mod_tracker) -> None:
+    """torch 2.13's ModTracker (inside MemTracker and FSDPMemTracker) registers a multi-grad hook on every
+    module input that requires a gradient; on a leaf the hook holds the leaf's AccumulateGrad node, which
+    holds the leaf: a cycle through C++ that Python's collector cannot break, so the leaf outlives its step
+    while tracked. torchtitan's chunked loss feeds its head such leaves (each chunk of the hidden states,
+    detached): measured, 8 more kept alive per step under the tracker, none without one. Leaf inputs are left
+    out of that hook (the module then leaves the tracker's parents at the end of backward instead). Call
+    before entering the tracker."""
+    hook = mod_tracker._fw_pre_hook
+
+    def pre_hook(module: nn.Module, inputs):
+        return hook(module, tuple(a for a in inputs
+                                  if not (isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad)))
+
+    mod_tracker._fw_pre_hook = pre_hook
+
+
 def shard_placement_fn(mesh, placement: str):
     """fully_shard's shard_placement_fn for a placement (None: FSDP2's default, dim 0)."""
     if placement == "dim0":
@@ -412,8 +429,13 @@ def parallelize(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bo
     `allow_offload=False` is for places that cannot pin host memory (no accelerator): the
     simulator then models offload from the trace instead of applying it. `compile_backend`: what
     compiled blocks are compiled with (the simulator's fake tensors cannot run inductor's kernels).
-    `step` (config.stack_step): a stack's own mixed-precision policy where it differs.
+    `step` (config.stack_step): a stack's own mixed-precision policy where it differs; 'torchtitan':
+    torchtitan's own parallelize_llama pieces on its own model (titan.parallelize_titan).
     """
+    if step == "torchtitan":
+        from autotune.titan import parallelize_titan
+
+        return parallelize_titan(model, mesh, train, allow_offload=allow_offload)
     blocks = find_decoder_blocks(model)
     apply_ep(blocks, mesh, train.expert_parallel)
     apply_float8(blocks, train.float8)

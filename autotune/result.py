@@ -280,10 +280,11 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
         "precision": train.precision,
         "workload": workload_section(request, winner),
         "finetuning": finetuning_section(request),
-        "stack": stack_section(request.stack, train.precision),
+        "stack": stack_section(request.stack, train.precision, request.model.model_type),
         "fsdp": {
             "param_dtype": PARAM_DTYPE_NAMES[train.precision],
-            "reduce_dtype": reduce_dtype_name(train.precision, stack_step(request.stack, train.precision)),
+            "reduce_dtype": reduce_dtype_name(train.precision, stack_step(request.stack, train.precision,
+                                                                                 request.model.model_type)),
             **knobs.fsdp_section(train.knob_values()),
             "wrap": wrap,
             "sharded_grad_scaler": train.precision == "fp16",

@@ -18,12 +18,18 @@ from autotune.config import MASTER_DTYPE_NAMES, PARAM_DTYPE_NAMES, QLORA_QUANTIZ
 
 
 def build_model(model: ModelSpec, *, num_layers: int | None = None, seed: int = 0, precision: str = "bf16",
-                finetuning: FineTuning | None = None, step: str = "autotune") -> nn.Module:
+                finetuning: FineTuning | None = None, step: str = "autotune", seq_len: int | None = None) -> nn.Module:
     """The transformers causal LM from its config, on the current default device (use
     `torch.device('meta')` to build without memory), with its parameters in the dtypes `precision`
     trains them in (fp32 master weights, FSDP casting for compute; bf16 throughout for
     bf16-pure) and, for a LoRA fine-tune, wrapped by peft (`apply_finetuning`). TRL's steps
-    (config.TRL_STEPS) add TRL's fused LM head, after peft, as SFTTrainer does."""
+    (config.TRL_STEPS) add TRL's fused LM head, after peft, as SFTTrainer does; 'torchtitan' builds
+    torchtitan's own model instead (titan.build_titan_model; its RoPE cache sized to `seq_len`)."""
+    if step == "torchtitan":
+        from autotune.titan import build_titan_model
+
+        torch.manual_seed(seed)
+        return build_titan_model(model, num_layers=num_layers, precision=precision, seq_len=seq_len)
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -309,7 +315,13 @@ def prepare_step(model: nn.Module, *, step: str, precision: str, device_type: st
     function: every bf16/fp16 output, the logits included, copied to fp32). The instance's `forward` is
     replaced, so FSDP2's hooks (in `__call__`) run outside both, as under Accelerate: the root's
     post-forward casts the outputs to the plugin's output_dtype after the fp32 copy is made
-    (parallel.mixed_precision_policy). Other steps are left as built."""
+    (parallel.mixed_precision_policy). 'torchtitan': its trainer's chunked loss set up
+    (titan.prepare_titan_step). Other steps are left as built."""
+    if step == "torchtitan":
+        from autotune.titan import prepare_titan_step
+
+        prepare_titan_step(model)
+        return
     if step not in ("hf", *TRL_STEPS) or precision not in ("bf16", "fp16"):
         return
     from types import MethodType
@@ -359,7 +371,13 @@ def micro_batch_loss(model: nn.Module, tokens: torch.Tensor, *, step: str = "aut
     'autotune' and 'hf' (Trainer.compute_loss: the model's own loss, its outputs dropped before
     backward) take `model(input_ids, labels).loss`; TRL's steps are SFTTrainer.compute_loss (trl 1.16)
     with the fused LM head: minus the sum of the per-token log-probabilities over the label tokens,
-    of the rows as they are ('trl') or flattened into one padding-free row ('trl-padding-free')."""
+    of the rows as they are ('trl') or flattened into one padding-free row ('trl-padding-free');
+    'torchtitan' is torchtitan's trainer's forward and chunked loss (titan.titan_loss: the head's
+    backward runs chunk by chunk inside it, the decoder's when the returned loss is backpropagated)."""
+    if step == "torchtitan":
+        from autotune.titan import titan_loss
+
+        return titan_loss(model, tokens)
     if step in TRL_STEPS:
         batch = padding_free_batch(tokens) if step == "trl-padding-free" else {"input_ids": tokens, "labels": tokens}
         outputs = model(**batch, fused_lm_head=True, use_cache=False)

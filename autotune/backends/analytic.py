@@ -172,7 +172,15 @@ def loss_backward_bytes(step: str, *, tokens: int, vocab: int, hidden: int, d: i
     as the loss itself holds while it runs), and dropped before backward (docs/STACKS.md).
     TRL SFT's fused head ('trl'): no full logits; its backward holds fp32 gradients of the head
     weight and of the hidden states with their bf16 casts (6 bytes each), one logits tile, and the
-    hidden states it saved (no head-weight gradient where the head is frozen: LoRA)."""
+    hidden states it saved (no head-weight gradient where the head is frozen: LoRA).
+    torchtitan's chunked loss ('torchtitan', autotune/titan.py): the head's last chunk, when its gradient
+    is reduce-scattered: one chunk's logits as autotune's loss holds them (12 bytes a logit), the head's
+    gradient accumulated in fp32 and its fp32 reduce-scatter input, and the fp32 gradient of the hidden
+    states the loss accumulates (an estimate of the traced moment, not fitted)."""
+    if step == "torchtitan":
+        from autotune.titan import NUM_LOSS_CHUNKS
+
+        return 12 * tokens / NUM_LOSS_CHUNKS * vocab + 8 * vocab * hidden + 4 * tokens * hidden
     if step not in TRL_STEPS:
         return 12 * tokens * vocab
     tile = min(tokens, TRL_TOKEN_TILE) * TRL_VOCAB_TILE * d  # allocated at the tile's full width

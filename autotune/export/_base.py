@@ -381,7 +381,8 @@ def warn_other_stack(fmt: str, tuned: Tuned, mapper: Mapper) -> None:
         target = tuned.stack  # the trl format writes the packing of the TRL step tuned (_hf.trl_packing)
     if target is None or target == tuned.stack:
         return
-    tuned_step, target_step = stack_step(tuned.stack, tuned.precision), stack_step(target, tuned.precision)
+    tuned_step = stack_step(tuned.stack, tuned.precision, tuned.model_type)
+    target_step = stack_step(target, tuned.precision, tuned.model_type)
     if tuned_step != target_step or target in OWN_MODEL_STACKS or tuned.stack in OWN_MODEL_STACKS:
         mapper.warn(f"memory predicted for {tuned.stack}'s step ({tuned_step}), not {target}'s: its peak differs; "
                     f"tune with --stack {target} for this file's")

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import shlex
 
+from autotune.titan import titan_ac
+
+from autotune.config import stack_step
 from autotune.export._base import Export, ExportRefused, Mapper, Tuned, build_export, nodes_note, torchrun_launch
 
 TARGET = "torchtitan 0.3.0 (python -m torchtitan.train --module M --config C, tyro overrides)"
@@ -107,22 +110,18 @@ def export_torchtitan(t: Tuned) -> Export:
         param = t.param_dtype
         m.mapped("precision", "--training.mixed-precision-param")
     m.mapped("reduce_dtype", "--training.mixed-precision-reduce float32")
+    # The subcommand --stack torchtitan traces too (titan.titan_ac): 0.3's SelectiveAC is the op-level policy.
+    ac = f"activation-checkpoint:{titan_ac(t.checkpointing)}"
     if t.op_level_ac:
-        ac = "activation-checkpoint:selective"  # 0.3's SelectiveAC is the op-level policy (0.2: mode selective, op)
         if t.checkpointing.policy == "alt-mm":
             m.mapped("activation_checkpointing", ac, "torchtitan's op SAC: every other matmul output saved, as tuned")
         else:
             m.approximated("activation_checkpointing", ac,
                            f"torchtitan's op SAC saves every other matmul output; {t.activation_checkpointing} "
                            "(every matmul) was tuned: less memory, more recompute than tuned")
-    elif t.ac_every is None:
-        ac = "activation-checkpoint:none"
-        m.mapped("activation_checkpointing", ac)
-    elif t.ac_every == 1:
-        ac = "activation-checkpoint:full"
+    elif t.ac_every is None or t.ac_every == 1:
         m.mapped("activation_checkpointing", ac)
     else:
-        ac = "activation-checkpoint:full"
         m.approximated("activation_checkpointing", ac,
                        f"torchtitan 0.3 has no every-K-blocks checkpointing (its selective mode is per-op): all "
                        f"{t.num_layers} blocks are checkpointed instead of {t.checkpointed_blocks} (less memory, "
@@ -170,8 +169,10 @@ def export_torchtitan(t: Tuned) -> Export:
                  "checkpointing and before FSDP, the loss eager, as tuned")
     else:
         m.mapped("compile", "--compile.no-enable (some registry configs, e.g. llama3_405b, enable it)")
-    m.warn("torchtitan's loss is chunked cross-entropy (ChunkedLossWrapper): its logits peak is smaller than "
-           "the HF loss autotune traced, so the run has more headroom than predicted, not less")
+    if stack_step(t.stack, t.precision, t.model_type) != "torchtitan":
+        m.warn("torchtitan's loss is chunked cross-entropy (ChunkedLossWrapper): its logits peak is smaller than "
+               "the HF loss autotune traced, so the run has more headroom than predicted, not less; "
+               "tune with --stack torchtitan (torchtitan importable) to predict its own step")
     overrides = [
         ("--module", module), ("--config", config),
         ("--training.local-batch-size", t.micro_batch_size),

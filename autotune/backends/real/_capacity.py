@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
+from autotune.parallel import keep_leaf_inputs_collectable
+
 _TOTAL = "Total"
 
 # MemTracker's reference types -> autotune.backends.base.MEMORY_CATEGORIES.
@@ -54,6 +56,16 @@ class CapacityTracker(MemTracker):
         super().__init__()
         self.capacity_bytes = capacity_bytes
         self.rank = rank
+        keep_leaf_inputs_collectable(self._mod_tracker)
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        # torchtitan's chunked loss calls its head once per chunk with each chunk's backward in between,
+        # which leaves torch's module tracker outside every module: MemTracker would take the head's next
+        # call for the next iteration. Trials reset the stats before each micro-batch's forward anyway.
+        if not self._mod_tracker.is_bw and set(self._mod_tracker.parents) - {
+                self._mod_tracker.get_known_fqn(module)} == {"Global"}:
+            self.memory_tracking.pop(module, None)
+        super()._pre_fw_hook(module, inputs)
 
     # Every increase of tracked memory (a new storage, a resize) goes through _update_snap.
     def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:

@@ -34,8 +34,14 @@ MAX_TRIAL_GRAD_ACCUM = 2
 @torch.no_grad()
 def init_weights(model: nn.Module, *, seed: int) -> None:
     """Initialise the materialised (sharded) weights in place with the model's own HF init,
-    which also recomputes RoPE buffers such as `inv_freq` that `to_empty` left as garbage."""
+    which also recomputes RoPE buffers such as `inv_freq` that `to_empty` left as garbage; torchtitan's
+    model with its own `init_states` (parameters and the RoPE cache), as its trainer does after `to_empty`."""
     torch.manual_seed(seed)
+    if hasattr(model, "init_states"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            model.init_states(buffer_device=next(model.parameters()).device)
+        return
     init_module = getattr(model, "_init_weights", None)
     with warnings.catch_warnings():
         # DTensor warns that its random ops are incomplete on CPU meshes: each rank then fills
@@ -194,7 +200,7 @@ def materialise(spec: TrialSpec, *, mesh, device: torch.device, seed: int) -> tu
     offload = spec.train.cpu_offload and device.type == "cuda"
     with torch.device("meta"):
         model = build_model(spec.model, seed=seed, precision=spec.train.precision, finetuning=spec.finetuning,
-                            step=spec.step)
+                            step=spec.step, seq_len=spec.seq_len)
     if spec.train.cpu_offload and not offload:
         notes.append("cpu_offload requested but not applied: CPUOffloadPolicy needs an accelerator")
     with warnings.catch_warnings():

@@ -147,7 +147,8 @@ class SimBackend(TrialBackend):
 
     def _cache_inputs(self, spec: TrialSpec) -> dict[str, Any]:
         """Everything a prediction depends on besides versions and code (cache.fingerprint)."""
-        return dict(spec=spec.to_dict(), device_kind=self.device_kind, extrapolate=self.extrapolate,
+        # The step too: the same spec traces another step where torchtitan became importable (config.stack_step).
+        return dict(spec=spec.to_dict(), step=spec.step, device_kind=self.device_kind, extrapolate=self.extrapolate,
                     extrapolate_micro_batch=self.extrapolate_micro_batch, screen=self.screen,
                     derive_world_sizes=self.derive_world_sizes,
                     environment={name: os.environ.get(name) for name in RUNTIME_ENV},

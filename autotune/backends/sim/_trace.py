@@ -167,7 +167,7 @@ from autotune.catalog.blocks import Blocks, fused_experts  # noqa: E402
 from autotune.catalog.models import ModelSpec
 from autotune.config import TRL_STEPS, FineTuning, TrainConfig
 from autotune.costmodel import LARGE_MEMORY_OP_BYTES
-from autotune.parallel import parallelize, register_rng_rules
+from autotune.parallel import keep_leaf_inputs_collectable, parallelize, register_rng_rules
 from autotune.training import (OffloadedActivations, build_model, make_optimizer, prepare_step, sync_weights_to_vllm,
                                token_batches, train_step)
 
@@ -301,6 +301,7 @@ class _SiteTracker(FSDPMemTracker):
     def __init__(self, model: nn.Module, optimizer, *, position_of: Callable[[nn.Module], tuple[str, ...]],
                  gloo: bool) -> None:
         super().__init__(model, optimizer)
+        keep_leaf_inputs_collectable(self._mod_tracker)
         self._gloo = gloo
         self._transient = 0
         self._transient_ref = _FSDPRefType.REDUCE_SCATTER
@@ -343,7 +344,17 @@ class _SiteTracker(FSDPMemTracker):
         return anchored
 
     def _fsdp_state_pre_forward(self, fsdp_mod, orig):
-        return self._anchored("pre_fw", fsdp_mod, super()._fsdp_state_pre_forward(fsdp_mod, orig))
+        inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+
+        def called_again(*args: Any, **kwargs: Any):
+            # torchtitan's chunked loss calls its head once per chunk with each chunk's backward in
+            # between, which leaves torch's module tracker outside every module: a unit called again
+            # in forward is not the next iteration (only the root's second forward is).
+            if fsdp_mod is not self._root_mod and not self._mod_tracker.is_bw:
+                self.memory_tracking.pop(fsdp_mod, None)
+            return inner(*args, **kwargs)
+
+        return self._anchored("pre_fw", fsdp_mod, called_again)
 
     def _fsdp_state_post_forward(self, fsdp_mod, orig):
         return self._anchored("post_fw", fsdp_mod, super()._fsdp_state_post_forward(fsdp_mod, orig))
@@ -352,7 +363,7 @@ class _SiteTracker(FSDPMemTracker):
         return self._anchored("pre_bw", fsdp_mod, super()._fsdp_param_group_pre_backward(fsdp_mod, orig))
 
     def _fsdp_param_group_post_backward(self, fsdp_mod, orig):
-        inner = self._anchored("post_bw", fsdp_mod, super()._fsdp_param_group_post_backward(fsdp_mod, orig))
+        inner = self._anchored("post_bw", fsdp_mod, self._post_backward_freeing_gradients(fsdp_mod, orig))
 
         def counted(*args: Any, **kwargs: Any) -> None:
             inner(*args, **kwargs)
@@ -366,6 +377,39 @@ class _SiteTracker(FSDPMemTracker):
             self.reduced_grad_bytes += sum(storages.values())
 
         return counted
+
+    def _post_backward_freeing_gradients(self, fsdp_mod, orig):
+        """FSDPMemTracker's wrapper of a group's post-backward (torch 2.13) without its one side effect: its
+        loop variable kept the group's last unsharded gradient alive while FSDP's post-backward ran, which a
+        run frees there (copied into the reduce-scatter input, or accumulated in fp32 and dropped). Where that
+        moment is the peak, the trace counted a gradient too many (torchtitan's chunked loss: its head's
+        post-backward between chunks; measured 4,096,000 B, tiny-llama's bf16 head gradient). The memory
+        tracker's per-module snapshots are not kept (nothing here reads them)."""
+        from torch.distributed._tools.fsdp2_mem_tracker import _FSDPState
+
+        def inner(*args: Any, **kwargs: Any) -> None:
+            self._track_group_grads(fsdp_mod, sharded=False)
+            self._fsdp_state = _FSDPState.POST_BW
+            orig(*args, **kwargs)
+            self._track_group_grads(fsdp_mod, sharded=True)
+
+        return inner
+
+    def _track_group_grads(self, fsdp_mod, *, sharded: bool) -> None:
+        group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+        for fsdp_param in group.fsdp_params if group else ():
+            grad = fsdp_param.sharded_param.grad if sharded else fsdp_param._unsharded_param.grad
+            if grad is None:
+                continue
+            if sharded:
+                self._update_and_maybe_create_winfos(grad, _FSDPRefType.SHARDED_GRAD)
+                continue
+            try:
+                self._update_and_maybe_create_winfos(grad, _FSDPRefType.UNSHARDED_GRAD, update_existing=True)
+            except KeyError:
+                # Seen once: torchtitan's head traced a second time on a cached model (another micro-batch)
+                # hands its gradient to FSDP without the tracker having seen it made; counted from here.
+                self._update_and_maybe_create_winfos(grad, _FSDPRefType.UNSHARDED_GRAD)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # Metadata queries (prim.device, sym_size, ...) come and go with fake tensors' caches;
@@ -514,7 +558,7 @@ class Tracer:
         `step`: whose forward and loss (config.stack_step), as a real trial runs it."""
         start = time.perf_counter()
         built = self._built(model_spec, depth=depth, mesh=mesh, world_size=world_size, train=train,
-                            finetuning=finetuning or FineTuning(), step=step)
+                            finetuning=finetuning or FineTuning(), step=step, seq_len=seq_len)
         period = period_of(train, model_spec)
         steady_accum = grad_accum_steps > 1
         position_of = _position_namer(built.model, built.blocks, depth=depth, period=period,
@@ -573,13 +617,13 @@ class Tracer:
                          offloaded=dict(host_bytes=offload.host_bytes, moved_bytes=offload.moved_bytes) if offload else {})
 
     def _built(self, model_spec: ModelSpec, *, depth: int, mesh, world_size: int, train: TrainConfig,
-               finetuning: FineTuning, step: str = "autotune") -> _Built:
+               finetuning: FineTuning, step: str = "autotune", seq_len: int | None = None) -> _Built:
         # Every knob but the three that do not change the built model: a new knob can never reuse
         # a model built for another value of it. Resharding after forward is switched on the
         # built model (as FSDP2 allows at run time), which saves a build and a warm-up step.
         key = (model_spec.name, repr(sorted(model_spec.config_dict.items())), depth, world_size,
                train.with_(micro_batch_size=1, cpu_offload=False, reshard_after_forward=True).cache_key(),
-               finetuning.key(), step)
+               finetuning.key(), step, seq_len if step == "torchtitan" else None)  # its RoPE cache: seq_len rows
         if key in self._models:
             built = self._models[key]
             _set_reshard_after_forward(built, train.reshard_after_forward)
@@ -589,7 +633,7 @@ class Tracer:
         with self._fake_mode, _real_mask_decisions(), _qlora_context(finetuning, self._fake_mode):
             with _module_to_assigns_data():
                 model = build_model(model_spec, num_layers=depth, precision=train.precision, finetuning=finetuning,
-                                    step=step)
+                                    step=step, seq_len=seq_len)
             with _post_forward_meshes_outside_fake_mode():
                 blocks = parallelize(model, mesh, train.with_(cpu_offload=False), allow_offload=False,
                                      compile_backend=SIM_COMPILE_BACKEND, step=step)
@@ -861,10 +905,16 @@ def _position_namer(model: nn.Module, blocks: Blocks, *, depth: int, period: int
     index_of = {id(layer): (i, "") for i, layer in enumerate(blocks.layers)}
     index_of.update({id(experts): (i, ".experts") for i, layer in enumerate(blocks.layers)
                      for experts in fused_experts(layer)})
+    # Units outside the blocks (torchtitan's: the embeddings, norm + head) exist at every depth: by name.
+    outside = {id(module): f"root.{name}" for name, module in model.named_modules()
+               if name and id(module) not in index_of and hasattr(module, "_get_fsdp_state")
+               and not any(id(m) in index_of for m in _ancestors(model, name))}
 
     def position_of(fsdp_mod: nn.Module) -> tuple[str, ...]:
         if fsdp_mod is model:
             return ("root",)
+        if id(fsdp_mod) in outside:
+            return (outside[id(fsdp_mod)],)
         index, part = index_of[id(fsdp_mod)]
         names = []
         if index <= period:
@@ -876,3 +926,12 @@ def _position_namer(model: nn.Module, blocks: Blocks, *, depth: int, period: int
         return tuple(names)
 
     return position_of
+
+
+def _ancestors(model: nn.Module, name: str) -> list[nn.Module]:
+    """The modules on the path from `model` down to the submodule `name` (excluded)."""
+    parts, found, module = name.split("."), [], model
+    for part in parts[:-1]:
+        module = getattr(module, part)
+        found.append(module)
+    return found
