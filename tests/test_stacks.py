@@ -192,6 +192,33 @@ def test_the_stack_is_part_of_what_a_trial_is():
         dataclasses.replace(spec, stack="deepspeed")
 
 
+def test_a_torchtitan_study_does_not_resume_one_run_without_torchtitans_step(monkeypatch):
+    """Whether torchtitan is importable decides the step a `--stack torchtitan` trial ran (its own, or
+    autotune's on the Hugging Face model): studies of the two never share trials. The step is looked
+    up as the tune looks it up (config.stack_step), once with torchtitan's packages hidden."""
+    import importlib.machinery
+    import importlib.util
+
+    from autotune import config
+    from autotune.records import TuneRequest
+    from autotune.store import study_name
+
+    request = TuneRequest(model=resolve_model("tiny-llama"), cluster=Cluster(num_gpus=2), seq_len=256,
+                          target_tokens=4096, stack="torchtitan")
+    find_spec = importlib.util.find_spec
+    steps, names = [], []
+    for importable in (True, False):  # as where torchtitan is installed, and where it is not
+        spec = importlib.machinery.ModuleSpec("torchtitan", None) if importable else None
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a, spec=spec: spec if name == "torchtitan" else find_spec(name, *a))
+        steps.append(config.stack_step("torchtitan", "bf16", "llama"))
+        names.append(study_name(request, "sim"))
+    assert steps == ["torchtitan", "autotune"]
+    assert names[0] != names[1]
+    plain = study_name(dataclasses.replace(request, stack="fsdp2"), "sim")
+    assert plain not in names
+
+
 def test_a_bad_stack_is_one_line_exit_2_from_the_cli_and_the_same_error_from_the_library(capsys):
     from autotune.cli import main
     from autotune.errors import UsageError
