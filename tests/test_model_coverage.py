@@ -182,3 +182,17 @@ def test_inits_that_copy_whole_tensors_initialise_each_fsdp2_shard_as_transforme
             assert torch.equal(param.to_local(), want[: (want.shape[0] + 1) // 2]), key
             checked += 1
     assert checked == 2  # one per block
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "qwen3_5_text"])
+def test_shrunk_configs_run_a_forward_and_backward_in_plain_transformers(family):
+    """The shrinker's tiny config is one plain transformers can train: DeepSeek-V2's default leaves
+    `num_experts_per_tok` None (topk's k), and Qwen3.5's 32 linear-attention value heads equal its
+    default depth, which must not follow the depth down below its 16 key heads."""
+    config = shrunk_config(family, num_layers=4)
+    torch.manual_seed(0)
+    net = AutoModelForCausalLM.from_config(config).train()
+    tokens = torch.randint(0, config.vocab_size, (1, 16))
+    loss = net(input_ids=tokens, labels=tokens, use_cache=False).loss
+    loss.backward()
+    assert torch.isfinite(loss)
