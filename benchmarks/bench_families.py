@@ -212,6 +212,7 @@ def main() -> int:
 
     from autotune.backends.base import TrialResult
     from autotune.backends.sim import SimBackend
+    from autotune.backends.sim._extrapolate import shallow_depths
 
     hf_logging.set_verbosity_error()
     families = args.families.split(",") if args.families else list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
@@ -241,7 +242,9 @@ def main() -> int:
                     except Exception as exc:  # noqa: BLE001
                         row.status, row.reason = "failed", one_line(f"sim {ac}: {type(exc).__name__}: {exc}")
                         continue
-                    whole = row.period == row.layers  # a layer pattern that does not repeat
+                    # A layer pattern that does not repeat, or not twice within this depth (lfm3: a
+                    # period of 5 in 6 layers): the simulator traces the whole depth.
+                    whole = row.period == row.layers or shallow_depths(row.layers, row.period) is None
                     if result.status != "ok" or not (result.extras.get("extrapolated") or whole):
                         if not row.status:
                             why = result.message if result.status != "ok" else "not extrapolated in depth"

@@ -146,3 +146,53 @@ def test_encoders_and_encoder_decoders_are_refused_in_one_line(tmp_path, capsys,
         resolve_model(path)
     code, err = _trial(path, capsys)
     assert code == EXIT_USAGE and err.count("\n") == 1 and reason in err, err
+
+
+@pytest.mark.parametrize("family, name", [("mamba", "A_log"), ("rwkv", "time_decay")])
+def test_inits_that_copy_whole_tensors_initialise_each_fsdp2_shard_as_transformers_does(tmp_path, family, name):
+    """State-space and RWKV inits copy a whole tensor computed on the spot into a parameter
+    (`init.copy_(A_log, torch.log(A))`), which DTensor refuses beside an FSDP2 shard: every real
+    trial of mamba, mamba2, bamba, falcon_h1, qwen3_next, rwkv, ... failed before its first step.
+    Against transformers' own init of the same config, unsharded: the first rank of two (a fake
+    process group, real tensors) holds the first half of that parameter, value for value."""
+    from autotune.backends.real._trial import init_weights
+    from autotune.backends.sim._fakepg import fake_mesh, release_fake_group
+    from autotune.config import TrainConfig
+    from autotune.parallel import ParallelDims, parallelize
+    from autotune.training import build_model
+
+    shrunk_config(family, num_layers=2).save_pretrained(tmp_path / family)
+    model = resolve_model(str(tmp_path / family))
+    plain = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / family))  # transformers' init
+    expected = dict(plain.named_parameters())
+    mesh = fake_mesh(ParallelDims(dp_replicate=1, dp_shard=2))
+    try:
+        with torch.device("meta"):
+            net = build_model(model)
+        parallelize(net, mesh, TrainConfig(micro_batch_size=1))
+        net.to_empty(device="cpu")
+        init_weights(net, seed=0)
+    finally:
+        release_fake_group()
+    checked = 0
+    for key, param in net.named_parameters():
+        if key.endswith(name):
+            want = expected[key]
+            assert param.shape == want.shape
+            assert torch.equal(param.to_local(), want[: (want.shape[0] + 1) // 2]), key
+            checked += 1
+    assert checked == 2  # one per block
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "qwen3_5_text"])
+def test_shrunk_configs_run_a_forward_and_backward_in_plain_transformers(family):
+    """The shrinker's tiny config is one plain transformers can train: DeepSeek-V2's default leaves
+    `num_experts_per_tok` None (topk's k), and Qwen3.5's 32 linear-attention value heads equal its
+    default depth, which must not follow the depth down below its 16 key heads."""
+    config = shrunk_config(family, num_layers=4)
+    torch.manual_seed(0)
+    net = AutoModelForCausalLM.from_config(config).train()
+    tokens = torch.randint(0, config.vocab_size, (1, 16))
+    loss = net(input_ids=tokens, labels=tokens, use_cache=False).loss
+    loss.backward()
+    assert torch.isfinite(loss)

@@ -49,17 +49,21 @@ FAMILIES = {
     "gptj": ("GPTJConfig", dict(num_hidden_layers=6, n_inner=128, rotary_dim=8)),
     "gpt_bigcode": ("GPTBigCodeConfig", dict(num_hidden_layers=6, n_inner=128)),
     "mpt": ("MptConfig", dict(num_hidden_layers=6)),
+    # A state-space model (issue 25): no attention, a selective scan; its init copies whole tensors
+    # into FSDP2's shards (A_log), which real trials once failed on.
+    "mamba": ("MambaConfig", dict(num_hidden_layers=5)),
 }
 # Run for real in the suite: one family per way the prediction could go wrong (every:2 checkpointing;
 # alternating sliding and full attention with soft-capping; dense and MoE layers mixed; experts with
 # attention sinks; GPT-2's Conv1D and n_* names; OPT's ffn_dim and offset positions; BLOOM's ALiBi
-# with no position table; Falcon's ffn_hidden_size). The others are llama-like variants of these: the
+# with no position table; Falcon's ffn_hidden_size; Mamba's selective scan, no attention). The others are llama-like variants of these: the
 # whole matrix (every family transformers builds, docs/MODEL_COVERAGE.md) is
 # benchmarks/bench_families.py, and the simulator-only tests below still cover every family here.
-REAL_FAMILIES = ("llama", "gemma2", "qwen3_moe", "gpt_oss", "gpt2", "opt", "bloom", "falcon")
+REAL_FAMILIES = ("llama", "gemma2", "qwen3_moe", "gpt_oss", "gpt2", "opt", "bloom", "falcon", "mamba")
 # Families without a field of that name: the _TINY fields they do not have are left out.
-_NO_MLP_OR_KV_FIELD = {"gpt2", "opt", "bloom", "falcon", "gptj", "gpt_bigcode", "mpt"}
-_NO_POSITIONS_FIELD = {"bloom", "mpt"}
+_NO_MLP_OR_KV_FIELD = {"gpt2", "opt", "bloom", "falcon", "gptj", "gpt_bigcode", "mpt", "mamba"}
+_NO_POSITIONS_FIELD = {"bloom", "mpt", "mamba"}
+_NO_HEADS_FIELD = {"mamba"}
 
 
 def _config_class(name: str):
@@ -80,6 +84,8 @@ def _write_config(family: str, folder) -> str:
         tiny.pop("num_key_value_heads")
     if family in _NO_POSITIONS_FIELD:
         tiny.pop("max_position_embeddings")
+    if family in _NO_HEADS_FIELD:
+        tiny.pop("num_attention_heads")
     config = config_class(**tiny, **fields)
     path = folder / family
     config.save_pretrained(path)

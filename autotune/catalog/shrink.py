@@ -8,7 +8,9 @@ token, a vocabulary of 512 with every token id inside it, 256 positions, sliding
 and the requested depth. Fields are set through their canonical names (transformers maps them
 through the config class's `attribute_map`), and any other integer field whose default equals
 the default hidden size, MLP width or depth is set to the tiny one, so that a family's own
-spelling of a derived size follows. Sub-configs (MPT's `attn_config`, DBRX's `ffn_config`) are
+spelling of a derived size follows (a head count equal to the default depth is not a depth:
+Qwen3.5's 32 value heads). Where a routed family leaves experts per token to its checkpoints
+(None: DeepSeek-V2), it is set as for any other. Sub-configs (MPT's `attn_config`, DBRX's `ffn_config`) are
 shrunk alike. `shrunk_config` builds the config (`save_pretrained` writes it as a user's
 config.json would be written).
 
@@ -91,7 +93,7 @@ def _shrink_dict(data: dict[str, Any], *, hidden: Any, mlp: Any, depth: Any, num
             out[key] = HIDDEN
         elif mlp and value == mlp:
             out[key] = MLP_WIDTH
-        elif top and depth and value == depth:
+        elif top and depth and value == depth and "heads" not in key:  # a head count that equals the depth is not it
             out[key] = num_layers
         elif key in MLP_NAMES or key.endswith(MLP_SUFFIXES):
             out[key] = MLP_WIDTH
@@ -187,8 +189,11 @@ def shrink_config(model_type: str, *, num_layers: int = 4) -> dict[str, Any]:
     for name in EXPERT_COUNTS:
         if _is_int(stored.get(name)) and stored[name] > 1:
             explicit[name] = EXPERTS
+    routed = any(_is_int(stored.get(name)) and stored[name] > 1 for name in EXPERT_COUNTS)
     for name in EXPERTS_PER_TOKEN_NAMES:
-        if _is_int(stored.get(name)) and stored[name] > 1:
+        # None where the family leaves it to the checkpoint (DeepSeek-V2's default config cannot run a
+        # forward: topk's k is None); every released config of a routed family sets it.
+        if (_is_int(stored.get(name)) and stored[name] > 1) or (name in stored and stored[name] is None and routed):
             explicit[name] = EXPERTS_PER_TOKEN
     shrunk = {**data, **explicit}
     if explicit.get("num_key_value_heads") not in (None, HEADS):

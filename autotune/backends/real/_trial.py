@@ -35,7 +35,14 @@ MAX_TRIAL_GRAD_ACCUM = 2
 def init_weights(model: nn.Module, *, seed: int) -> None:
     """Initialise the materialised (sharded) weights in place with the model's own HF init,
     which also recomputes RoPE buffers such as `inv_freq` that `to_empty` left as garbage; torchtitan's
-    model with its own `init_states` (parameters and the RoPE cache), as its trainer does after `to_empty`."""
+    model with its own `init_states` (parameters and the RoPE cache), as its trainer does after `to_empty`.
+
+    Each module's init runs on its DTensor shards. Where DTensor cannot run it there (the
+    state-space mixers' `init.copy_(A_log, torch.log(A))` of a whole tensor computed on the spot:
+    "aten.copy_.default got mixed torch.Tensor and DTensor", in mamba, mamba2, falcon_mamba,
+    bamba, falcon_h1, granitemoehybrid, qwen3_next, qwen3_5_moe_text and lara_mini; rwkv's
+    orthogonal init, which has no sharding rule), it runs on whole host copies instead and each
+    rank keeps its own shard (`_init_on_whole_copies`)."""
     torch.manual_seed(seed)
     if hasattr(model, "init_states"):
         with warnings.catch_warnings():
@@ -49,9 +56,41 @@ def init_weights(model: nn.Module, *, seed: int) -> None:
         warnings.simplefilter("ignore", UserWarning)
         for module in model.modules():
             if init_module is not None:
-                init_module(module)
+                try:
+                    init_module(module)
+                except (RuntimeError, NotImplementedError):  # DTensor refused an op of this init
+                    _init_on_whole_copies(module, init_module)
             elif hasattr(module, "reset_parameters"):
                 module.reset_parameters()
+
+
+def _init_on_whole_copies(module: nn.Module, init_module) -> None:
+    """Run `init_module(module)` with each sharded parameter of `module` swapped for a whole
+    host tensor holding this rank's shard at its place, then copy the shard's part back (what the
+    init did not write comes back unchanged). Every rank runs the same init from the same seed,
+    so every rank's whole tensor is the same, as when each loads its shard of one checkpoint.
+    Host memory: a rank's device only ever holds its shards."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    swapped = []
+    for owner in module.modules():
+        for name, param in list(owner._parameters.items()):
+            if not isinstance(param, DTensor):
+                continue
+            local = param.to_local()
+            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            where = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+            whole = torch.zeros(param.shape, dtype=param.dtype, device="cpu")
+            whole[where] = local.cpu()
+            owner._parameters[name] = nn.Parameter(whole, requires_grad=param.requires_grad)
+            swapped.append((owner, name, param, local, where))
+    try:
+        init_module(module)
+    finally:
+        for owner, name, param, local, where in swapped:
+            local.copy_(owner._parameters[name].detach()[where])
+            owner._parameters[name] = param
 
 
 def make_grad_scaler(precision: str, device: torch.device):
