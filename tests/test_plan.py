@@ -308,37 +308,57 @@ def _fields(trace) -> dict:
             "params": (trace.block_params, trace.root_params), "depth": trace.depth}
 
 
-DERIVED = [("full", 1, {}, (8, 16, 32)), ("none", 2, {}, (8, 16, 32)),
-           ("full", 1, {"shard_group_size": 8}, (16, 32, 64)), ("full", 1, {"reshard_group_size": 8}, (16, 32, 64))]
+# llama3-70b's shape scaled down 32 times (hidden and sequence 256, vocabulary 4,096, untied
+# embeddings): as in llama3-70b, the root's pre-backward site, reached twice, peaks at its first
+# occurrence at 4 and 8 GPUs and at its second from 16 GPUs on.
+SCALED_70B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256,
+              "intermediate_size": 896, "num_attention_heads": 8, "num_key_value_heads": 1, "num_hidden_layers": 8,
+              "vocab_size": 4096, "max_position_embeddings": 256, "tie_word_embeddings": False}
+
+DERIVED = [("full", 1, {}, (8, 16, 32), None), ("none", 2, {}, (8, 16, 32), None),
+           ("full", 1, {"shard_group_size": 8}, (16, 32, 64), None),
+           ("full", 1, {"reshard_group_size": 8}, (16, 32, 64), None),
+           ("full", 1, {}, (4, 8, 16), SCALED_70B)]
 
 
-@pytest.mark.parametrize("ac, micro, knobs, worlds", DERIVED, ids=["full", "none-mb2", "hsdp8", "reshard8"])
-def test_a_trace_derived_from_two_world_sizes_equals_a_fresh_trace(ac, micro, knobs, worlds):
+@pytest.mark.parametrize("ac, micro, knobs, worlds, config_json", DERIVED,
+                         ids=["full", "none-mb2", "hsdp8", "reshard8", "peak-moves"])
+def test_a_trace_derived_from_two_world_sizes_equals_a_fresh_trace(ac, micro, knobs, worlds, config_json, tmp_path):
     """What plan reuses across GPU counts: the trace at the third world size derived from those at
     the first two is the fresh trace there, site by site and category by category (and FLOPs, op
-    work, pinned bytes), for plain FSDP, HSDP within a node and resharding to a node."""
+    work, pinned bytes), for plain FSDP, HSDP within a node and resharding to a node; and where a
+    site reached twice peaks at another occurrence at the third world size than at the first two
+    (the largest of two affine functions is not affine: derived per occurrence)."""
     from autotune.backends.sim._backend import SimBackend
     from autotune.config import TrainConfig
 
+    model = "llama3.2-1b"
+    if config_json:
+        model = str(tmp_path / "config.json")
+        Path(model).write_text(json.dumps(config_json))
     config = TrainConfig(activation_checkpointing=ac, micro_batch_size=micro, **knobs)
     first, second, third = worlds
     deriving = SimBackend(derive_world_sizes=True)
     try:
-        for gpus in (first, second):
-            assert not deriving._trace(_trace_spec(gpus, config), depth=3, micro_batch_size=config.micro_batch_size,
-                                       keep_middle=False).derived_from
-        derived = deriving._trace(_trace_spec(third, config), depth=3, micro_batch_size=config.micro_batch_size,
-                                  keep_middle=False)
+        bases = [deriving._trace(_trace_spec(gpus, config, model), depth=3, micro_batch_size=config.micro_batch_size,
+                                 keep_middle=False) for gpus in (first, second)]
+        assert not any(base.derived_from for base in bases)
+        derived = deriving._trace(_trace_spec(third, config, model), depth=3,
+                                  micro_batch_size=config.micro_batch_size, keep_middle=False)
     finally:
         deriving.close()
     assert derived.derived_from == (first, second)
     fresh_backend = SimBackend()
     try:
-        fresh = fresh_backend._trace(_trace_spec(third, config), depth=3, micro_batch_size=config.micro_batch_size,
-                                     keep_middle=False)
+        fresh = fresh_backend._trace(_trace_spec(third, config, model), depth=3,
+                                     micro_batch_size=config.micro_batch_size, keep_middle=False)
     finally:
         fresh_backend.close()
     assert not fresh.derived_from
+    if config_json:  # the case this one is for: the peaking occurrence of a repeated site moves
+        def peaking(trace):
+            return {key: max(range(len(seen)), key=lambda i: seen[i][0]) for key, seen in trace.repeats.items()}
+        assert peaking(bases[0]) == peaking(bases[1]) != peaking(fresh)
     large = "memory_bytes_large"  # not affine in 1/W (a size threshold): left out unless W leaves it alone
     derived_fields, fresh_fields = _fields(derived), _fields(fresh)
     if large not in derived.op_work:

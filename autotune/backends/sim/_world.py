@@ -5,7 +5,14 @@ category's bytes are a W-independent part (activations, the gathered unit, the l
 a reshard group, what is sharded over the group) plus a part proportional to 1/W (the shards of
 parameters, gradients and optimizer state over all W ranks, and what is copied in and out of
 them): affine in 1/W.
-Two traces at W1 and W2 then give the trace at any other unpadded W exactly. Anything the two
+Two traces at W1 and W2 then give the trace at any other unpadded W exactly, with one care: a site
+the step reaches more than once (the root's pre-backward) records its largest occurrence, and the
+largest of several affine functions is not affine (llama3-70b's root peaks with the logits alive at
+W=8, without them at W=16): the traces keep every occurrence of such a site (StepTrace.repeats),
+each is derived, and the largest is taken, as the trace takes it. The largest single allocation
+(the logits, or a shard at small W) is the largest of non-increasing functions of W: where it is
+the same at W1 and W2 it is the same at any larger W, not at a smaller one, so nothing is derived
+below both. Anything the two
 traces do not agree on (sites, FLOPs, op counts, the largest allocation, parameter counts), a
 value that would not come out a whole byte, or a non-power-of-two W (the pinned-memory sizes are
 powers of two), and this returns None: the caller traces afresh. One figure is not affine: the
@@ -46,9 +53,10 @@ def derive(first: StepTrace, w1: int, second: StepTrace, w2: int, w: int) -> Ste
             or set(first.op_work) != set(second.op_work) or set(first.pinned_param_bytes) != set(second.pinned_param_bytes)
             or first.offloaded != second.offloaded):  # offloaded activations do not depend on W
         return None
-    sites = {}
-    for key, cats in first.sites.items():
-        other = second.sites[key]
+    if w < min(w1, w2) or {k: len(v) for k, v in first.repeats.items()} != {k: len(v) for k, v in second.repeats.items()}:
+        return None
+
+    def categories(cats: dict[str, int], other: dict[str, int]) -> dict[str, int] | None:
         derived = {}
         for ref in set(cats) | set(other):
             value = _at(Fraction(cats.get(ref, 0)), w1, Fraction(other.get(ref, 0)), w2, w)
@@ -56,7 +64,27 @@ def derive(first: StepTrace, w1: int, second: StepTrace, w2: int, w: int) -> Ste
                 return None
             if value or ref in cats:
                 derived[ref] = int(value)
-        sites[key] = derived
+        return derived
+
+    sites, repeats = {}, {}
+    for key, cats in first.sites.items():
+        if key in first.repeats:
+            continue
+        sites[key] = categories(cats, second.sites[key])
+        if sites[key] is None:
+            return None
+    for key, occurrences in first.repeats.items():
+        # A site reached more than once: each occurrence is affine in 1/W, their largest is not;
+        # the trace keeps the first occurrence with the largest value (_SiteTracker), so does this.
+        derived = []
+        for (value, cats), (other_value, other) in zip(occurrences, second.repeats[key]):
+            value = _at(Fraction(value), w1, Fraction(other_value), w2, w)
+            cats = categories(cats, other)
+            if cats is None or value.denominator != 1:
+                return None
+            derived.append((int(value), cats))
+        repeats[key] = tuple(derived)
+        sites[key] = max(derived, key=lambda occurrence: occurrence[0])[1]  # max() keeps the first of equals
     op_work = {}
     for name, value in first.op_work.items():
         if name.endswith("_ops") and value != second.op_work[name]:
@@ -78,6 +106,6 @@ def derive(first: StepTrace, w1: int, second: StepTrace, w2: int, w: int) -> Ste
             pinned[name] = nbytes * w1 // w
         else:
             return None
-    return dataclasses.replace(first, sites=sites, op_work=op_work, pinned_param_bytes=pinned, duration_s=0.0,
+    return dataclasses.replace(first, sites=sites, repeats=repeats, op_work=op_work, pinned_param_bytes=pinned, duration_s=0.0,
                                tensor_peak_bytes=max(sum(c.values()) for c in sites.values()),
                                derived_from=(w1, w2))
