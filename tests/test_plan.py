@@ -277,6 +277,22 @@ def test_parallel_processes_give_the_same_plan(tmp_path):
         assert a["tokens_per_sec"] == b["tokens_per_sec"] and a["binds"] == b["binds"]
 
 
+def test_parallel_processes_derive_as_one_process_does(shared_plan, tmp_path):
+    """--jobs 2 on the sim backend (a process per GPU count, 8 and 16 first, then 32 deriving from
+    the traces they left in the folder the processes share) plans what --jobs 1 planned: every
+    option's whole result but the run's identity, its basis included (32 GPUs: derived)."""
+    plan, _, _ = shared_plan
+    parallel = _plan(tmp_path, "--model", "llama3.2-1b", "--train-tokens", "100G", "--gpus", "8..32",
+                     "--gpu-type", "a100-80gb,h100-80gb", "--global-tokens", "4Mi", "--price", "h100-80gb=2.49",
+                     "--jobs", "2")
+    assert [o["id"] for o in parallel["options"]] == [o["id"] for o in plan["options"]]
+    for one, two in zip(plan["options"], parallel["options"]):
+        assert _answer(one["result"]) == _answer(two["result"])
+        for figure in ("tokens_per_sec", "time_to_train_s", "gpu_hours", "cost", "scaling_efficiency", "binds"):
+            assert one[figure] == two[figure]
+    assert any("derived exactly" in o["result"]["memory_basis"] for o in parallel["options"] if o["gpus"] == 32)
+
+
 def test_export_from_a_plan_needs_a_known_option(shared_plan, tmp_path, capsys):
     _, _, tmp = shared_plan
     (path,) = (tmp / "runs").glob("plan-*/plan.json")
@@ -316,7 +332,7 @@ SCALED_70B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hid
               "vocab_size": 4096, "max_position_embeddings": 256, "tie_word_embeddings": False}
 
 DERIVED = [("full", 1, {}, (8, 16, 32), None), ("none", 2, {}, (8, 16, 32), None),
-           ("full", 1, {"shard_group_size": 8}, (16, 32, 64), None),
+           ("full", 1, {"shard_group_size": 8}, (16, 64), None),
            ("full", 1, {"reshard_group_size": 8}, (16, 32, 64), None),
            ("full", 1, {}, (4, 8, 16), SCALED_70B)]
 
@@ -324,11 +340,12 @@ DERIVED = [("full", 1, {}, (8, 16, 32), None), ("none", 2, {}, (8, 16, 32), None
 @pytest.mark.parametrize("ac, micro, knobs, worlds, config_json", DERIVED,
                          ids=["full", "none-mb2", "hsdp8", "reshard8", "peak-moves"])
 def test_a_trace_derived_from_two_world_sizes_equals_a_fresh_trace(ac, micro, knobs, worlds, config_json, tmp_path):
-    """What plan reuses across GPU counts: the trace at the third world size derived from those at
-    the first two is the fresh trace there, site by site and category by category (and FLOPs, op
-    work, pinned bytes), for plain FSDP, HSDP within a node and resharding to a node; and where a
-    site reached twice peaks at another occurrence at the third world size than at the first two
-    (the largest of two affine functions is not affine: derived per occurrence)."""
+    """What plan reuses across GPU counts: the trace at the last world size derived from those at
+    the others is the fresh trace there, site by site and category by category (and FLOPs, op
+    work, pinned bytes): for plain FSDP and resharding to a node from two world sizes; for HSDP
+    within a node from one (nothing is sharded over all ranks); and where a site reached twice
+    peaks at another occurrence at the third world size than at the first two (the largest of two
+    affine functions is not affine: derived per occurrence)."""
     from autotune.backends.sim._backend import SimBackend
     from autotune.config import TrainConfig
 
@@ -337,17 +354,17 @@ def test_a_trace_derived_from_two_world_sizes_equals_a_fresh_trace(ac, micro, kn
         model = str(tmp_path / "config.json")
         Path(model).write_text(json.dumps(config_json))
     config = TrainConfig(activation_checkpointing=ac, micro_batch_size=micro, **knobs)
-    first, second, third = worlds
+    *traced, third = worlds
     deriving = SimBackend(derive_world_sizes=True)
     try:
         bases = [deriving._trace(_trace_spec(gpus, config, model), depth=3, micro_batch_size=config.micro_batch_size,
-                                 keep_middle=False) for gpus in (first, second)]
+                                 keep_middle=False) for gpus in traced]
         assert not any(base.derived_from for base in bases)
         derived = deriving._trace(_trace_spec(third, config, model), depth=3,
                                   micro_batch_size=config.micro_batch_size, keep_middle=False)
     finally:
         deriving.close()
-    assert derived.derived_from == (first, second)
+    assert derived.derived_from == tuple(traced)
     fresh_backend = SimBackend()
     try:
         fresh = fresh_backend._trace(_trace_spec(third, config, model), depth=3,

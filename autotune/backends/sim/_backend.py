@@ -78,6 +78,9 @@ class SimBackend(TrialBackend):
         self.derive_world_sizes = derive_world_sizes
         """Derive a trace from the same configuration's traces at two other world sizes where that is
         exact (_world), instead of tracing it: `autotune plan`, which asks for many GPU counts."""
+        self.shared_traces: str | None = None
+        """A folder where this backend leaves every trace it makes and finds those other processes
+        made (`autotune plan --jobs`: a process per GPU count, deriving from each other's traces)."""
         self._helper = None
         self._tracer_instance = None
         self._traces: dict[tuple, StepTrace] = {}
@@ -201,30 +204,51 @@ class SimBackend(TrialBackend):
         self._derive(spec, key, train)
         if key not in self._traces:
             mesh = self._mesh(spec)
-            self._traces[key] = self._tracer.trace(
+            self._keep(key, self._tracer.trace(
                 spec.model, depth=depth, mesh=mesh, world_size=world_size, train=train, seq_len=spec.seq_len,
                 grad_accum_steps=spec.grad_accum_steps, keep_middle=keep_middle,
                 gloo=self.device_kind == "cpu", weight_sync=spec.workload.weight_sync,
-                finetuning=spec.finetuning, step=spec.step)
+                finetuning=spec.finetuning, step=spec.step))
         return self._traces[key]
+
+    def _keep(self, key: tuple, trace: StepTrace) -> None:
+        """A trace made here (or by the helper): kept, and left in `shared_traces` for other processes."""
+        self._traces[key] = trace
+        if self.shared_traces and not trace.derived_from:
+            from autotune.backends.sim._world import share
+
+            share(self.shared_traces, key, _WORLD_INDEX, trace)
 
     def _derive(self, spec: TrialSpec, key: tuple, train) -> None:
         """With derive_world_sizes: the trace of `key` from the same configuration's traces at two other
         world sizes, where that is exact (_world); else nothing (it is traced)."""
         if key in self._traces or not self.derive_world_sizes:
             return
+        if self.shared_traces:  # what other processes traced of this configuration, at any world size
+            from autotune.backends.sim._world import shared
+
+            for other, trace in shared(self.shared_traces, key, _WORLD_INDEX):
+                self._traces.setdefault(other, trace)
+            if key in self._traces:
+                return
         derived = self._derived(spec, key, train)
         if derived is not None:
             self._traces[key] = derived
 
     def _derived(self, spec: TrialSpec, key: tuple, train) -> StepTrace | None:
-        from autotune.backends.sim._world import derive, unpadded
+        from autotune.backends.sim._world import derive, replicated, unpadded
 
         world = _WORLD_INDEX
         traced = sorted((other[world], trace) for other, trace in self._traces.items()
                         if not trace.derived_from and other[:world] + other[world + 1:] == key[:world] + key[world + 1:])
         # The per-operation cost model (a hardware profile) reads a figure a derivation leaves out (_world).
-        if len(traced) < 2 or self.device_kind != "cuda" or spec.workload.weight_sync or self._profile is not None:
+        if not traced or self.device_kind != "cuda" or spec.workload.weight_sync or self._profile is not None:
+            return None
+        for w1, first in reversed(traced):  # HSDP: one trace gives the others
+            same = replicated(first, w1, key[world], train)
+            if same is not None:
+                return same
+        if len(traced) < 2:
             return None
         (w1, first), (w2, second) = traced[-2:]
         if not unpadded(spec.model, train, (w1, w2, key[world])):
@@ -282,7 +306,7 @@ class SimBackend(TrialBackend):
                 if (d, m) not in remote:
                     trace(d, m)
             for (d, m), traced in zip(remote, helper.results()):
-                self._traces[self._trace_key(spec, depth=d, micro_batch_size=m, keep_middle=False)] = traced
+                self._keep(self._trace_key(spec, depth=d, micro_batch_size=m, keep_middle=False), traced)
         except BaseException:
             self._stop_helper()  # a request half done (or interrupted) leaves nothing to resume
             raise
@@ -349,7 +373,10 @@ class SimBackend(TrialBackend):
         breakdown["runtime_overhead"] = overhead
 
         basis = f"tensor peak traced exactly with fake tensors at world size {world_size}"
-        if trace.derived_from:
+        if len(trace.derived_from) == 1:
+            basis = (f"tensor peak derived exactly for world size {world_size} from a fake-tensor trace at world size "
+                     f"{trace.derived_from[0]} (HSDP: nothing sharded over all ranks, the same step at both)")
+        elif trace.derived_from:
             basis = (f"tensor peak derived exactly for world size {world_size} from fake-tensor traces at world "
                      f"sizes {trace.derived_from[0]} and {trace.derived_from[1]} (no shard padded: every site's "
                      "bytes affine in 1/world size)")

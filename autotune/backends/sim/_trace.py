@@ -244,7 +244,8 @@ class StepTrace:
     """Activation offload (GPU runs): 'host_bytes', the most one rank holds in pinned host memory
     at once, and 'moved_bytes', what one micro-batch copies each way (training.OffloadedActivations)."""
     derived_from: tuple[int, ...] = ()
-    """The two world sizes this trace was derived from (_world.derive), or () where it was traced."""
+    """The two world sizes this trace was derived from (_world.derive), the one it is the same as
+    (_world.replicated, HSDP), or () where it was traced."""
     repeats: dict[SiteKey, tuple[tuple[int, dict[str, int]], ...]] = field(default_factory=dict)
     """Sites the step reaches more than once: each occurrence's (value compared, categories as in
     `sites`), in order; `sites` holds the first with the largest value. Kept so that a trace at

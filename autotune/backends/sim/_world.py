@@ -25,7 +25,12 @@ derived trace, field by field, with a fresh one.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
+import pickle
+import tempfile
 from fractions import Fraction
+from pathlib import Path
 
 from autotune.backends.sim._trace import StepTrace
 
@@ -44,6 +49,14 @@ def _at(x1: Fraction, w1: int, x2: Fraction, w2: int, w: int) -> Fraction:
     return x1 + (x2 - x1) * (Fraction(1, w) - Fraction(1, w1)) / (Fraction(1, w2) - Fraction(1, w1))
 
 
+def _bytes_at(x1: int, w1: int, x2: int, w2: int, w: int) -> int | None:
+    """_at for byte counts, in integers (a trace has thousands of them): the whole number of bytes,
+    or None where the line does not meet a whole byte at 1/w."""
+    # x1 + (x2 - x1) * (1/w - 1/w1) / (1/w2 - 1/w1), the fraction's terms multiplied by w * w1 * w2
+    quotient, remainder = divmod((x2 - x1) * (w1 - w) * w2, w * (w1 - w2))
+    return None if remainder else x1 + quotient
+
+
 def derive(first: StepTrace, w1: int, second: StepTrace, w2: int, w: int) -> StepTrace | None:
     """The trace at world size `w` from traces at `w1` and `w2` (see the module doc), or None."""
     if (set(first.sites) != set(second.sites) or first.flops != second.flops
@@ -58,12 +71,12 @@ def derive(first: StepTrace, w1: int, second: StepTrace, w2: int, w: int) -> Ste
 
     def categories(cats: dict[str, int], other: dict[str, int]) -> dict[str, int] | None:
         derived = {}
-        for ref in set(cats) | set(other):
-            value = _at(Fraction(cats.get(ref, 0)), w1, Fraction(other.get(ref, 0)), w2, w)
-            if value.denominator != 1 or value < 0:
+        for ref in cats.keys() | other.keys():
+            value = _bytes_at(cats.get(ref, 0), w1, other.get(ref, 0), w2, w)
+            if value is None or value < 0:
                 return None
             if value or ref in cats:
-                derived[ref] = int(value)
+                derived[ref] = value
         return derived
 
     sites, repeats = {}, {}
@@ -78,11 +91,11 @@ def derive(first: StepTrace, w1: int, second: StepTrace, w2: int, w: int) -> Ste
         # the trace keeps the first occurrence with the largest value (_SiteTracker), so does this.
         derived = []
         for (value, cats), (other_value, other) in zip(occurrences, second.repeats[key]):
-            value = _at(Fraction(value), w1, Fraction(other_value), w2, w)
+            value = _bytes_at(value, w1, other_value, w2, w)
             cats = categories(cats, other)
-            if cats is None or value.denominator != 1:
+            if cats is None or value is None:
                 return None
-            derived.append((int(value), cats))
+            derived.append((value, cats))
         repeats[key] = tuple(derived)
         sites[key] = max(derived, key=lambda occurrence: occurrence[0])[1]  # max() keeps the first of equals
     op_work = {}
@@ -109,3 +122,43 @@ def derive(first: StepTrace, w1: int, second: StepTrace, w2: int, w: int) -> Ste
     return dataclasses.replace(first, sites=sites, repeats=repeats, op_work=op_work, pinned_param_bytes=pinned, duration_s=0.0,
                                tensor_peak_bytes=max(sum(c.values()) for c in sites.values()),
                                derived_from=(w1, w2))
+
+
+def replicated(trace: StepTrace, w1: int, w: int, train) -> StepTrace | None:
+    """The trace at world size `w` from one at `w1` where both replicate (HSDP: shard groups of
+    `train.shard_group_size` ranks, fewer than the world): nothing is sharded over all ranks, so
+    each rank holds, gathers and frees the same tensors and runs the same ops at every such world
+    size (the gradients' all-reduce over the replicas is in place, and FSDP2 averages through the
+    collective at any replica count). Else None. tests/test_plan.py compares one with a fresh trace."""
+    from autotune.parallel import ParallelDims
+
+    if (train.expert_parallel > 1 or trace.derived_from or trace.sync_largest_allocation_bytes
+            or not all(ParallelDims.of(train, world).hsdp for world in (w1, w))):
+        return None
+    return dataclasses.replace(trace, duration_s=0.0, derived_from=(w1,))
+
+
+def _family(folder: str, key: tuple, world: int) -> Path:
+    """The folder of `key`'s configuration at every world size (the key without its world size)."""
+    return Path(folder) / hashlib.sha256(repr(key[:world] + key[world + 1:]).encode()).hexdigest()[:32]
+
+
+def share(folder: str, key: tuple, world: int, trace: StepTrace) -> None:
+    """Leave a trace where other processes of the same plan find it (`shared`): written to a
+    temporary file and renamed into place, so a reader never sees half of one."""
+    family = _family(folder, key, world)
+    family.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("wb", dir=family, prefix=".tmp-", delete=False) as handle:
+        pickle.dump((key, trace), handle)
+    os.replace(handle.name, family / f"{key[world]}.pkl")
+
+
+def shared(folder: str, key: tuple, world: int) -> list[tuple[tuple, StepTrace]]:
+    """The traces of `key`'s configuration other processes left in `folder` (`share`), any world size."""
+    found = []
+    for path in sorted(_family(folder, key, world).glob("*.pkl")):
+        with open(path, "rb") as handle:
+            other, trace = pickle.load(handle)  # written by this plan's own processes (share)
+        if other[:world] + other[world + 1:] == key[:world] + key[world + 1:]:
+            found.append((other, trace))
+    return found
