@@ -304,7 +304,7 @@ def test_export_from_a_plan_needs_a_known_option(shared_plan, tmp_path, capsys):
         assert message in err and err.count("\n") == 1, err
 
 
-def _trace_spec(gpus: int, train, model: str = "llama3.2-1b"):
+def _trace_spec(gpus: int, train, model: str = "llama3.2-1b", target_tokens: int = 4 * 2**20):
     from autotune.api import resolve_problem
     from autotune.options import TuneOptions
     from autotune.records import TuneRequest
@@ -312,7 +312,7 @@ def _trace_spec(gpus: int, train, model: str = "llama3.2-1b"):
 
     options = TuneOptions(model=model, gpus=gpus, nodes=max(1, gpus // 8), global_tokens="4Mi", gpu_type="h100-80gb")
     model_spec, cluster, seq_len, _ = resolve_problem(options)
-    request = TuneRequest(model=model_spec, cluster=cluster, seq_len=seq_len, target_tokens=4 * 2**20,
+    request = TuneRequest(model=model_spec, cluster=cluster, seq_len=seq_len, target_tokens=target_tokens,
                           space=load_space(None))
     return request.spec(train)
 
@@ -381,3 +381,36 @@ def test_a_trace_derived_from_two_world_sizes_equals_a_fresh_trace(ac, micro, kn
     if large not in derived.op_work:
         fresh_fields["op_work"] = {k: v for k, v in fresh.op_work.items() if k != large}
     assert derived_fields == fresh_fields
+
+
+def test_a_trace_for_the_other_accumulation_equals_a_fresh_trace():
+    """The tracer traces one micro-batch with or without gradient accumulation; a step that
+    accumulates holds, at each site, the gradients earlier micro-batches reduced. Traces with
+    accumulation at 8 and 16 GPUs give the trace without it at 16 GPUs (converted) and at 32
+    (converted and derived): each is the fresh trace of a step without accumulation."""
+    from autotune.backends.sim._backend import SimBackend
+    from autotune.config import TrainConfig
+
+    config = TrainConfig(activation_checkpointing="full", micro_batch_size=1)
+
+    def trace(backend, gpus, **target):
+        spec = _trace_spec(gpus, config, **target)
+        return spec, backend._trace(spec, depth=3, micro_batch_size=1, keep_middle=False)
+
+    deriving = SimBackend(derive_world_sizes=True)
+    try:
+        assert all(trace(deriving, gpus)[0].grad_accum_steps > 1 for gpus in (8, 16))
+        unaccumulated = {gpus: trace(deriving, gpus, target_tokens=gpus * 8192) for gpus in (16, 32)}  # a sequence per GPU
+    finally:
+        deriving.close()
+    for gpus, (spec, converted) in unaccumulated.items():
+        assert spec.grad_accum_steps == 1 and converted.derived_from == (() if gpus == 16 else (8, 16))
+        fresh_backend = SimBackend()
+        try:
+            fresh = fresh_backend._trace(spec, depth=3, micro_batch_size=1, keep_middle=False)
+        finally:
+            fresh_backend.close()
+        derived_fields, fresh_fields = _fields(converted), _fields(fresh)
+        if "memory_bytes_large" not in converted.op_work:
+            fresh_fields["op_work"] = {k: v for k, v in fresh.op_work.items() if k != "memory_bytes_large"}
+        assert derived_fields == fresh_fields

@@ -32,6 +32,8 @@ RUNTIME_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "NCCL_BUFFSIZE", "NCCL_MAX_NCHANNELS",
 GiB = 2**30
 _WORLD_INDEX = 3
 """Where the world size is in a trace key (_trace_key): traces differing only there share a derivation."""
+_ACCUM_INDEX = 6
+"""Where 'accumulates gradients' is in a trace key: the same traced step either way (_world.accumulated)."""
 _MB_BASE = (2, 3)
 """Micro-batches larger than these are extrapolated from them (see _extrapolate)."""
 
@@ -221,7 +223,8 @@ class SimBackend(TrialBackend):
 
     def _derive(self, spec: TrialSpec, key: tuple, train) -> None:
         """With derive_world_sizes: the trace of `key` from the same configuration's traces at two other
-        world sizes, where that is exact (_world); else nothing (it is traced)."""
+        world sizes (at one with HSDP), or at the same world size for the other gradient accumulation,
+        where that is exact (_world); else nothing (it is traced)."""
         if key in self._traces or not self.derive_world_sizes:
             return
         if self.shared_traces:  # what other processes traced of this configuration, at any world size
@@ -236,16 +239,27 @@ class SimBackend(TrialBackend):
             self._traces[key] = derived
 
     def _derived(self, spec: TrialSpec, key: tuple, train) -> StepTrace | None:
-        from autotune.backends.sim._world import derive, replicated, unpadded
+        from autotune.backends.sim._world import accumulated, derive, replicated, unpadded
 
-        world = _WORLD_INDEX
-        traced = sorted((other[world], trace) for other, trace in self._traces.items()
-                        if not trace.derived_from and other[:world] + other[world + 1:] == key[:world] + key[world + 1:])
+        world, accumulating = _WORLD_INDEX, key[_ACCUM_INDEX]
+
+        def family(other: tuple) -> tuple:  # the configuration, whatever the world size and accumulation
+            return tuple(part for i, part in enumerate(other) if i not in (world, _ACCUM_INDEX))
+
+        # Traces of the same configuration at other world sizes, with or without accumulation (the
+        # same traced step: _world.accumulated), one per world size, this accumulation first.
+        found: dict[int, StepTrace] = {}
+        for other, trace in sorted(self._traces.items(), key=lambda item: item[0][_ACCUM_INDEX] != accumulating):
+            if not trace.derived_from and family(other) == family(key):
+                found.setdefault(other[world], trace)
         # The per-operation cost model (a hardware profile) reads a figure a derivation leaves out (_world).
-        if not traced or self.device_kind != "cuda" or spec.workload.weight_sync or self._profile is not None:
+        if not found or self.device_kind != "cuda" or spec.workload.weight_sync or self._profile is not None:
             return None
+        if key[world] in found:  # the same step, traced for the other accumulation
+            return accumulated(found[key[world]], accumulating)
+        traced = sorted(found.items())
         for w1, first in reversed(traced):  # HSDP: one trace gives the others
-            same = replicated(first, w1, key[world], train)
+            same = replicated(accumulated(first, accumulating), w1, key[world], train)
             if same is not None:
                 return same
         if len(traced) < 2:
@@ -253,7 +267,7 @@ class SimBackend(TrialBackend):
         (w1, first), (w2, second) = traced[-2:]
         if not unpadded(spec.model, train, (w1, w2, key[world])):
             return None
-        return derive(first, w1, second, w2, key[world])
+        return derive(accumulated(first, accumulating), w1, accumulated(second, accumulating), w2, key[world])
 
     def _sites(self, spec: TrialSpec) -> tuple[dict, StepTrace, dict[str, Any]]:
         """Sites of the full model at the spec's micro-batch, a trace for shapes, and notes."""

@@ -246,10 +246,18 @@ class StepTrace:
     derived_from: tuple[int, ...] = ()
     """The two world sizes this trace was derived from (_world.derive), the one it is the same as
     (_world.replicated, HSDP), or () where it was traced."""
-    repeats: dict[SiteKey, tuple[tuple[int, dict[str, int]], ...]] = field(default_factory=dict)
+    repeats: dict[SiteKey, tuple[tuple[int, dict[str, int], int], ...]] = field(default_factory=dict)
     """Sites the step reaches more than once: each occurrence's (value compared, categories as in
-    `sites`), in order; `sites` holds the first with the largest value. Kept so that a trace at
-    another world size (_world) can pick the occurrence that peaks there, as a trace would."""
+    `sites`, pending gradient bytes as in `pending_grad`), in order; `sites` holds the first with
+    the largest value. Kept so that a trace at another world size (_world) can pick the occurrence
+    that peaks there, as a trace would."""
+    accumulating: bool = False
+    """Traced for a step with gradient accumulation: every training site holds, besides what the
+    traced micro-batch holds, the gradients reduced by earlier micro-batches (`pending_grad`)."""
+    pending_grad: dict[SiteKey, int] = field(default_factory=dict)
+    """Per training site, the gradient bytes a step with accumulation holds there beyond the traced
+    micro-batch's (what the reduce-scatters of earlier micro-batches left): added to the site's
+    SHARDED_GRAD when `accumulating` (_world.accumulated converts one way or the other)."""
 
 
 def _float8_flatten_without_reading_scales() -> None:
@@ -566,10 +574,13 @@ class Tracer:
                 cats[PENDING_GRAD] = cats.get(PENDING_GRAD, 0) + total_grad - reduced
             return cats
 
+        pending = {}
         for key, (_, cats, reduced) in tracker.sites.items():
             if key[0] != SYNC_PHASE:
                 sites[key] = recorded(cats, reduced)
-        repeats = {key: tuple((value, recorded(cats, reduced)) for value, cats, reduced in occurrences)
+                pending[key] = total_grad - reduced
+        repeats = {key: tuple((value, recorded(cats, reduced), total_grad - reduced)
+                              for value, cats, reduced in occurrences)
                    for key, occurrences in tracker.repeats.items() if key[0] != SYNC_PHASE}
         if built.optimizer_sites is None:
             built.optimizer_sites = tracker.optimizer_sites()
@@ -586,7 +597,7 @@ class Tracer:
                          sync_largest_allocation_bytes=built.sync_largest_allocation if weight_sync else 0,
                          op_work=dict(tracker.op_work),
                          offloaded=dict(host_bytes=offload.host_bytes, moved_bytes=offload.moved_bytes) if offload else {},
-                         repeats=repeats)
+                         repeats=repeats, accumulating=steady_accum, pending_grad=pending)
 
     def _built(self, model_spec: ModelSpec, *, depth: int, mesh, world_size: int, train: TrainConfig,
                finetuning: FineTuning, step: str = "autotune") -> _Built:

@@ -90,14 +90,21 @@ def derive(first: StepTrace, w1: int, second: StepTrace, w2: int, w: int) -> Ste
         # A site reached more than once: each occurrence is affine in 1/W, their largest is not;
         # the trace keeps the first occurrence with the largest value (_SiteTracker), so does this.
         derived = []
-        for (value, cats), (other_value, other) in zip(occurrences, second.repeats[key]):
-            value = _bytes_at(value, w1, other_value, w2, w)
+        for (value, cats, pending), (other_value, other, other_pending) in zip(occurrences, second.repeats[key]):
+            value, pending = _bytes_at(value, w1, other_value, w2, w), _bytes_at(pending, w1, other_pending, w2, w)
             cats = categories(cats, other)
-            if cats is None or value is None:
+            if cats is None or value is None or pending is None:
                 return None
-            derived.append((value, cats))
+            derived.append((value, cats, pending))
         repeats[key] = tuple(derived)
         sites[key] = max(derived, key=lambda occurrence: occurrence[0])[1]  # max() keeps the first of equals
+    if first.accumulating != second.accumulating or set(first.pending_grad) != set(second.pending_grad):
+        return None
+    pending_grad = {}
+    for key, nbytes in first.pending_grad.items():
+        pending_grad[key] = _bytes_at(nbytes, w1, second.pending_grad[key], w2, w)
+        if pending_grad[key] is None:
+            return None
     op_work = {}
     for name, value in first.op_work.items():
         if name.endswith("_ops") and value != second.op_work[name]:
@@ -119,7 +126,7 @@ def derive(first: StepTrace, w1: int, second: StepTrace, w2: int, w: int) -> Ste
             pinned[name] = nbytes * w1 // w
         else:
             return None
-    return dataclasses.replace(first, sites=sites, repeats=repeats, op_work=op_work, pinned_param_bytes=pinned, duration_s=0.0,
+    return dataclasses.replace(first, sites=sites, repeats=repeats, pending_grad=pending_grad, op_work=op_work, pinned_param_bytes=pinned, duration_s=0.0,
                                tensor_peak_bytes=max(sum(c.values()) for c in sites.values()),
                                derived_from=(w1, w2))
 
@@ -162,3 +169,26 @@ def shared(folder: str, key: tuple, world: int) -> list[tuple[tuple, StepTrace]]
         if other[:world] + other[world + 1:] == key[:world] + key[world + 1:]:
             found.append((other, trace))
     return found
+
+
+def accumulated(trace: StepTrace, accumulating: bool) -> StepTrace:
+    """The trace of the same step with gradient accumulation (`accumulating`) or without: the tracer
+    traces one micro-batch either way and, for a step that accumulates, adds at each training site
+    the gradients earlier micro-batches left (StepTrace.pending_grad), which is all that differs."""
+    from autotune.backends.sim._trace import PENDING_GRAD
+
+    if trace.accumulating == accumulating:
+        return trace
+    sign = 1 if accumulating else -1
+
+    def moved(cats: dict[str, int], pending: int) -> dict[str, int]:
+        return {**cats, PENDING_GRAD: cats.get(PENDING_GRAD, 0) + sign * pending}
+
+    sites = {key: moved(cats, trace.pending_grad[key]) if key in trace.pending_grad else cats
+             for key, cats in trace.sites.items()}
+    repeats = {key: tuple((value, moved(cats, pending), pending) for value, cats, pending in occurrences)
+               for key, occurrences in trace.repeats.items()}
+    for key, occurrences in repeats.items():
+        sites[key] = max(occurrences, key=lambda occurrence: occurrence[0])[1]
+    return dataclasses.replace(trace, sites=sites, repeats=repeats, accumulating=accumulating, duration_s=0.0,
+                               tensor_peak_bytes=max(sum(c.values()) for c in sites.values()))
