@@ -20,6 +20,10 @@ bytes of memory ops over LARGE_MEMORY_OP_BYTES (an op's shard crosses the thresh
 it is left out of a derived trace, which the roofline estimate does not read (the per-operation
 cost model does: with a hardware profile nothing is derived). tests/test_plan.py compares a
 derived trace, field by field, with a fresh one.
+
+Also here: `replicated` (HSDP: the same trace at every world size, from one), `accumulated` (the
+trace for the other gradient accumulation, at the same world size), and `share`/`shared` (traces
+left in a folder for the other processes of `autotune plan --jobs`).
 """
 
 from __future__ import annotations
