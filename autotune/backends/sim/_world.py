@@ -70,7 +70,8 @@ def derive(first: StepTrace, w1: int, second: StepTrace, w2: int, w: int) -> Ste
             or set(first.op_work) != set(second.op_work) or set(first.pinned_param_bytes) != set(second.pinned_param_bytes)
             or first.offloaded != second.offloaded):  # offloaded activations do not depend on W
         return None
-    if w < min(w1, w2) or {k: len(v) for k, v in first.repeats.items()} != {k: len(v) for k, v in second.repeats.items()}:
+    occurrences_of = {key: len(seen) for key, seen in first.repeats.items()}
+    if w < min(w1, w2) or occurrences_of != {key: len(seen) for key, seen in second.repeats.items()}:
         return None
 
     def categories(cats: dict[str, int], other: dict[str, int]) -> dict[str, int] | None:
@@ -130,7 +131,8 @@ def derive(first: StepTrace, w1: int, second: StepTrace, w2: int, w: int) -> Ste
             pinned[name] = nbytes * w1 // w
         else:
             return None
-    return dataclasses.replace(first, sites=sites, repeats=repeats, pending_grad=pending_grad, op_work=op_work, pinned_param_bytes=pinned, duration_s=0.0,
+    return dataclasses.replace(first, sites=sites, repeats=repeats, pending_grad=pending_grad, op_work=op_work,
+                               pinned_param_bytes=pinned, duration_s=0.0,
                                tensor_peak_bytes=max(sum(c.values()) for c in sites.values()),
                                derived_from=(w1, w2))
 
