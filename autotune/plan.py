@@ -10,14 +10,17 @@ and the configuration, never on the GPU type (the sim backend's trace key has no
 GPU enters only in the memory limit, the runtime terms and the step-time estimate computed from
 the trace). So the options of one GPU count run one after another on one backend and reuse its
 traces exactly. Across GPU counts the same backend derives a configuration's trace from its
-traces at two other world sizes where that is exact (backends/sim/_world.py). With --jobs > 1
-each GPU count runs in its own process instead, sharing only across GPU types.
+traces at two other world sizes where that is exact (from one where HSDP shards nothing over all
+ranks: backends/sim/_world.py). With --jobs > 1 each GPU count runs in its own process; the
+processes leave their traces in a folder they share and derive from each other's, the two
+smallest GPU counts running first.
 tests/test_plan.py checks shared and derived rows against fresh `autotune tune` runs.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 import dataclasses
 from concurrent.futures import ProcessPoolExecutor
@@ -169,25 +172,28 @@ def batch_refusal(options: PlanOptions, gpus: int, seq_len: int) -> str | None:
     return None
 
 
-def plan_backend(options: PlanOptions, gpus: int, seq_len: int):
-    """One backend for options that share traces; on sim it derives traces across world sizes (_world)."""
+def plan_backend(options: PlanOptions, gpus: int, seq_len: int, *, shared_traces: str | None = None):
+    """One backend for options that share traces; on sim it derives traces across world sizes (_world),
+    from its own traces and, with `shared_traces` (a folder), from other processes' (--jobs)."""
     from autotune.api import make_backend
 
     backend = make_backend(options.backend, options.tune_options(options.gpu_types[0], gpus, seq_len=seq_len))
     if hasattr(backend, "derive_world_sizes"):
         backend.derive_world_sizes = True
+        backend.shared_traces = shared_traces
     return backend
 
 
 def _run_group(options: PlanOptions, gpus: int, gpu_types: tuple[str, ...], seq_len: int,
-               shared=None) -> list[dict[str, Any]]:
+               shared=None, shared_traces: str | None = None) -> list[dict[str, Any]]:
     """The options of one GPU count, on one backend (their traces are the same: see the module doc);
-    `shared`: a backend of the whole plan's (then not closed here)."""
+    `shared`: a backend of the whole plan's (then not closed here); `shared_traces`: the folder where
+    the plan's processes leave and find traces."""
     from autotune.api import run_tune
 
     rows: list[dict[str, Any]] = []
     refused = batch_refusal(options, gpus, seq_len)
-    backend = shared or (None if refused else plan_backend(options, gpus, seq_len))
+    backend = shared or (None if refused else plan_backend(options, gpus, seq_len, shared_traces=shared_traces))
     try:
         for gpu_type in gpu_types:
             row: dict[str, Any] = {"gpu_type": gpu_type, "gpus": gpus, "nodes": nodes_for(gpus, options.gpus_per_node),
@@ -253,12 +259,18 @@ def run_options(options: PlanOptions, seq_len: int, log, *, progress=None) -> li
         finally:
             backend.close()
     else:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            futures = {gpus: pool.submit(_run_group, options, gpus, options.gpu_types, seq_len) for gpus in groups}
-            for gpus, future in futures.items():
-                rows += future.result()
-                log(f"{gpus} GPUs: done ({', '.join(_short(r) for r in rows[-len(options.gpu_types):])})")
-                tell(len(rows) // len(options.gpu_types))
+        # The two smallest GPU counts first, then the others, which derive from their traces (left in a
+        # folder all the processes share) as one process would; what a later count traces first is
+        # left there too, for the counts still to come or running beside it.
+        with tempfile.TemporaryDirectory(prefix="autotune-plan-traces-") as shared_traces, \
+                ProcessPoolExecutor(max_workers=jobs) as pool:
+            for wave in (groups[:2], groups[2:]):
+                futures = {gpus: pool.submit(_run_group, options, gpus, options.gpu_types, seq_len,
+                                             shared_traces=shared_traces) for gpus in wave}
+                for gpus, future in futures.items():
+                    rows += future.result()
+                    log(f"{gpus} GPUs: done ({', '.join(_short(r) for r in rows[-len(options.gpu_types):])})")
+                    tell(len(rows) // len(options.gpu_types))
     return rows
 
 

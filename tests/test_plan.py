@@ -277,6 +277,22 @@ def test_parallel_processes_give_the_same_plan(tmp_path):
         assert a["tokens_per_sec"] == b["tokens_per_sec"] and a["binds"] == b["binds"]
 
 
+def test_parallel_processes_derive_as_one_process_does(shared_plan, tmp_path):
+    """--jobs 2 on the sim backend (a process per GPU count, 8 and 16 first, then 32 deriving from
+    the traces they left in the folder the processes share) plans what --jobs 1 planned: every
+    option's whole result but the run's identity, its basis included (32 GPUs: derived)."""
+    plan, _, _ = shared_plan
+    parallel = _plan(tmp_path, "--model", "llama3.2-1b", "--train-tokens", "100G", "--gpus", "8..32",
+                     "--gpu-type", "a100-80gb,h100-80gb", "--global-tokens", "4Mi", "--price", "h100-80gb=2.49",
+                     "--jobs", "2")
+    assert [o["id"] for o in parallel["options"]] == [o["id"] for o in plan["options"]]
+    for one, two in zip(plan["options"], parallel["options"]):
+        assert _answer(one["result"]) == _answer(two["result"])
+        for figure in ("tokens_per_sec", "time_to_train_s", "gpu_hours", "cost", "scaling_efficiency", "binds"):
+            assert one[figure] == two[figure]
+    assert any("derived exactly" in o["result"]["memory_basis"] for o in parallel["options"] if o["gpus"] == 32)
+
+
 def test_export_from_a_plan_needs_a_known_option(shared_plan, tmp_path, capsys):
     _, _, tmp = shared_plan
     (path,) = (tmp / "runs").glob("plan-*/plan.json")
@@ -288,7 +304,7 @@ def test_export_from_a_plan_needs_a_known_option(shared_plan, tmp_path, capsys):
         assert message in err and err.count("\n") == 1, err
 
 
-def _trace_spec(gpus: int, train, model: str = "llama3.2-1b"):
+def _trace_spec(gpus: int, train, model: str = "llama3.2-1b", target_tokens: int = 4 * 2**20):
     from autotune.api import resolve_problem
     from autotune.options import TuneOptions
     from autotune.records import TuneRequest
@@ -296,7 +312,7 @@ def _trace_spec(gpus: int, train, model: str = "llama3.2-1b"):
 
     options = TuneOptions(model=model, gpus=gpus, nodes=max(1, gpus // 8), global_tokens="4Mi", gpu_type="h100-80gb")
     model_spec, cluster, seq_len, _ = resolve_problem(options)
-    request = TuneRequest(model=model_spec, cluster=cluster, seq_len=seq_len, target_tokens=4 * 2**20,
+    request = TuneRequest(model=model_spec, cluster=cluster, seq_len=seq_len, target_tokens=target_tokens,
                           space=load_space(None))
     return request.spec(train)
 
@@ -308,39 +324,93 @@ def _fields(trace) -> dict:
             "params": (trace.block_params, trace.root_params), "depth": trace.depth}
 
 
-DERIVED = [("full", 1, {}, (8, 16, 32)), ("none", 2, {}, (8, 16, 32)),
-           ("full", 1, {"shard_group_size": 8}, (16, 32, 64)), ("full", 1, {"reshard_group_size": 8}, (16, 32, 64))]
+# llama3-70b's shape scaled down 32 times (hidden and sequence 256, vocabulary 4,096, untied
+# embeddings): as in llama3-70b, the root's pre-backward site, reached twice, peaks at its first
+# occurrence at 4 and 8 GPUs and at its second from 16 GPUs on.
+SCALED_70B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256,
+              "intermediate_size": 896, "num_attention_heads": 8, "num_key_value_heads": 1, "num_hidden_layers": 8,
+              "vocab_size": 4096, "max_position_embeddings": 256, "tie_word_embeddings": False}
+
+DERIVED = [("full", 1, {}, (8, 16, 32), None), ("none", 2, {}, (8, 16, 32), None),
+           ("full", 1, {"shard_group_size": 8}, (16, 64), None),
+           ("full", 1, {"reshard_group_size": 8}, (16, 32, 64), None),
+           ("full", 1, {}, (4, 8, 16), SCALED_70B)]
 
 
-@pytest.mark.parametrize("ac, micro, knobs, worlds", DERIVED, ids=["full", "none-mb2", "hsdp8", "reshard8"])
-def test_a_trace_derived_from_two_world_sizes_equals_a_fresh_trace(ac, micro, knobs, worlds):
-    """What plan reuses across GPU counts: the trace at the third world size derived from those at
-    the first two is the fresh trace there, site by site and category by category (and FLOPs, op
-    work, pinned bytes), for plain FSDP, HSDP within a node and resharding to a node."""
+@pytest.mark.parametrize("ac, micro, knobs, worlds, config_json", DERIVED,
+                         ids=["full", "none-mb2", "hsdp8", "reshard8", "peak-moves"])
+def test_a_trace_derived_from_two_world_sizes_equals_a_fresh_trace(ac, micro, knobs, worlds, config_json, tmp_path):
+    """What plan reuses across GPU counts: the trace at the last world size derived from those at
+    the others is the fresh trace there, site by site and category by category (and FLOPs, op
+    work, pinned bytes): for plain FSDP and resharding to a node from two world sizes; for HSDP
+    within a node from one (nothing is sharded over all ranks); and where a site reached twice
+    peaks at another occurrence at the third world size than at the first two (the largest of two
+    affine functions is not affine: derived per occurrence)."""
     from autotune.backends.sim._backend import SimBackend
     from autotune.config import TrainConfig
 
+    model = "llama3.2-1b"
+    if config_json:
+        model = str(tmp_path / "config.json")
+        Path(model).write_text(json.dumps(config_json))
     config = TrainConfig(activation_checkpointing=ac, micro_batch_size=micro, **knobs)
-    first, second, third = worlds
+    *traced, third = worlds
     deriving = SimBackend(derive_world_sizes=True)
     try:
-        for gpus in (first, second):
-            assert not deriving._trace(_trace_spec(gpus, config), depth=3, micro_batch_size=config.micro_batch_size,
-                                       keep_middle=False).derived_from
-        derived = deriving._trace(_trace_spec(third, config), depth=3, micro_batch_size=config.micro_batch_size,
-                                  keep_middle=False)
+        bases = [deriving._trace(_trace_spec(gpus, config, model), depth=3, micro_batch_size=config.micro_batch_size,
+                                 keep_middle=False) for gpus in traced]
+        assert not any(base.derived_from for base in bases)
+        derived = deriving._trace(_trace_spec(third, config, model), depth=3,
+                                  micro_batch_size=config.micro_batch_size, keep_middle=False)
     finally:
         deriving.close()
-    assert derived.derived_from == (first, second)
+    assert derived.derived_from == tuple(traced)
     fresh_backend = SimBackend()
     try:
-        fresh = fresh_backend._trace(_trace_spec(third, config), depth=3, micro_batch_size=config.micro_batch_size,
-                                     keep_middle=False)
+        fresh = fresh_backend._trace(_trace_spec(third, config, model), depth=3,
+                                     micro_batch_size=config.micro_batch_size, keep_middle=False)
     finally:
         fresh_backend.close()
     assert not fresh.derived_from
+    if config_json:  # the case this one is for: the peaking occurrence of a repeated site moves
+        def peaking(trace):
+            return {key: max(range(len(seen)), key=lambda i: seen[i][0]) for key, seen in trace.repeats.items()}
+        assert peaking(bases[0]) == peaking(bases[1]) != peaking(fresh)
     large = "memory_bytes_large"  # not affine in 1/W (a size threshold): left out unless W leaves it alone
     derived_fields, fresh_fields = _fields(derived), _fields(fresh)
     if large not in derived.op_work:
         fresh_fields["op_work"] = {k: v for k, v in fresh.op_work.items() if k != large}
     assert derived_fields == fresh_fields
+
+
+def test_a_trace_for_the_other_accumulation_equals_a_fresh_trace():
+    """The tracer traces one micro-batch with or without gradient accumulation; a step that
+    accumulates holds, at each site, the gradients earlier micro-batches reduced. Traces with
+    accumulation at 8 and 16 GPUs give the trace without it at 16 GPUs (converted) and at 32
+    (converted and derived): each is the fresh trace of a step without accumulation."""
+    from autotune.backends.sim._backend import SimBackend
+    from autotune.config import TrainConfig
+
+    config = TrainConfig(activation_checkpointing="full", micro_batch_size=1)
+
+    def trace(backend, gpus, **target):
+        spec = _trace_spec(gpus, config, **target)
+        return spec, backend._trace(spec, depth=3, micro_batch_size=1, keep_middle=False)
+
+    deriving = SimBackend(derive_world_sizes=True)
+    try:
+        assert all(trace(deriving, gpus)[0].grad_accum_steps > 1 for gpus in (8, 16))
+        unaccumulated = {gpus: trace(deriving, gpus, target_tokens=gpus * 8192) for gpus in (16, 32)}  # a sequence per GPU
+    finally:
+        deriving.close()
+    for gpus, (spec, converted) in unaccumulated.items():
+        assert spec.grad_accum_steps == 1 and converted.derived_from == (() if gpus == 16 else (8, 16))
+        fresh_backend = SimBackend()
+        try:
+            fresh = fresh_backend._trace(spec, depth=3, micro_batch_size=1, keep_middle=False)
+        finally:
+            fresh_backend.close()
+        derived_fields, fresh_fields = _fields(converted), _fields(fresh)
+        if "memory_bytes_large" not in converted.op_work:
+            fresh_fields["op_work"] = {k: v for k, v in fresh.op_work.items() if k != "memory_bytes_large"}
+        assert derived_fields == fresh_fields

@@ -32,6 +32,8 @@ RUNTIME_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "NCCL_BUFFSIZE", "NCCL_MAX_NCHANNELS",
 GiB = 2**30
 _WORLD_INDEX = 3
 """Where the world size is in a trace key (_trace_key): traces differing only there share a derivation."""
+_ACCUM_INDEX = 6
+"""Where 'accumulates gradients' is in a trace key: the same traced step either way (_world.accumulated)."""
 _MB_BASE = (2, 3)
 """Micro-batches larger than these are extrapolated from them (see _extrapolate)."""
 
@@ -81,6 +83,9 @@ class SimBackend(TrialBackend):
         self.derive_world_sizes = derive_world_sizes
         """Derive a trace from the same configuration's traces at two other world sizes where that is
         exact (_world), instead of tracing it: `autotune plan`, which asks for many GPU counts."""
+        self.shared_traces: str | None = None
+        """A folder where this backend leaves every trace it makes and finds those other processes
+        made (`autotune plan --jobs`: a process per GPU count, deriving from each other's traces)."""
         self._helper = None
         self._tracer_instance = None
         self._traces: dict[tuple, StepTrace] = {}
@@ -205,35 +210,68 @@ class SimBackend(TrialBackend):
         self._derive(spec, key, train)
         if key not in self._traces:
             mesh = self._mesh(spec)
-            self._traces[key] = self._tracer.trace(
+            self._keep(key, self._tracer.trace(
                 spec.model, depth=depth, mesh=mesh, world_size=world_size, train=train, seq_len=spec.seq_len,
                 grad_accum_steps=spec.grad_accum_steps, keep_middle=keep_middle,
                 gloo=self.device_kind == "cpu", weight_sync=spec.workload.weight_sync,
-                finetuning=spec.finetuning, step=spec.step)
+                finetuning=spec.finetuning, step=spec.step))
         return self._traces[key]
+
+    def _keep(self, key: tuple, trace: StepTrace) -> None:
+        """A trace made here (or by the helper): kept, and left in `shared_traces` for other processes."""
+        self._traces[key] = trace
+        if self.shared_traces and not trace.derived_from:
+            from autotune.backends.sim._world import share
+
+            share(self.shared_traces, key, _WORLD_INDEX, trace)
 
     def _derive(self, spec: TrialSpec, key: tuple, train) -> None:
         """With derive_world_sizes: the trace of `key` from the same configuration's traces at two other
-        world sizes, where that is exact (_world); else nothing (it is traced)."""
+        world sizes (at one with HSDP), or at the same world size for the other gradient accumulation,
+        where that is exact (_world); else nothing (it is traced)."""
         if key in self._traces or not self.derive_world_sizes:
             return
+        if self.shared_traces:  # what other processes traced of this configuration, at any world size
+            from autotune.backends.sim._world import shared
+
+            for other, trace in shared(self.shared_traces, key, _WORLD_INDEX):
+                self._traces.setdefault(other, trace)
+            if key in self._traces:
+                return
         derived = self._derived(spec, key, train)
         if derived is not None:
             self._traces[key] = derived
 
     def _derived(self, spec: TrialSpec, key: tuple, train) -> StepTrace | None:
-        from autotune.backends.sim._world import derive, unpadded
+        from autotune.backends.sim._world import accumulated, derive, replicated, unpadded
 
-        world = _WORLD_INDEX
-        traced = sorted((other[world], trace) for other, trace in self._traces.items()
-                        if not trace.derived_from and other[:world] + other[world + 1:] == key[:world] + key[world + 1:])
+        world, accumulating = _WORLD_INDEX, key[_ACCUM_INDEX]
+
+        def family(other: tuple) -> tuple:  # the configuration, whatever the world size and accumulation
+            return tuple(part for i, part in enumerate(other) if i not in (world, _ACCUM_INDEX))
+
+        # Traces of the same configuration at other world sizes, with or without accumulation (the
+        # same traced step: _world.accumulated), one per world size, this accumulation first.
+        found: dict[int, StepTrace] = {}
+        for other, trace in sorted(self._traces.items(), key=lambda item: item[0][_ACCUM_INDEX] != accumulating):
+            if not trace.derived_from and family(other) == family(key):
+                found.setdefault(other[world], trace)
         # The per-operation cost model (a hardware profile) reads a figure a derivation leaves out (_world).
-        if len(traced) < 2 or self.device_kind != "cuda" or spec.workload.weight_sync or self._profile is not None:
+        if not found or self.device_kind != "cuda" or spec.workload.weight_sync or self._profile is not None:
+            return None
+        if key[world] in found:  # the same step, traced for the other accumulation
+            return accumulated(found[key[world]], accumulating)
+        traced = sorted(found.items())
+        for w1, first in reversed(traced):  # HSDP: one trace gives the others
+            same = replicated(accumulated(first, accumulating), w1, key[world], train)
+            if same is not None:
+                return same
+        if len(traced) < 2:
             return None
         (w1, first), (w2, second) = traced[-2:]
         if not unpadded(spec.model, train, (w1, w2, key[world])):
             return None
-        return derive(first, w1, second, w2, key[world])
+        return derive(accumulated(first, accumulating), w1, accumulated(second, accumulating), w2, key[world])
 
     def _sites(self, spec: TrialSpec) -> tuple[dict, StepTrace, dict[str, Any]]:
         """Sites of the full model at the spec's micro-batch, a trace for shapes, and notes."""
@@ -286,7 +324,7 @@ class SimBackend(TrialBackend):
                 if (d, m) not in remote:
                     trace(d, m)
             for (d, m), traced in zip(remote, helper.results()):
-                self._traces[self._trace_key(spec, depth=d, micro_batch_size=m, keep_middle=False)] = traced
+                self._keep(self._trace_key(spec, depth=d, micro_batch_size=m, keep_middle=False), traced)
         except BaseException:
             self._stop_helper()  # a request half done (or interrupted) leaves nothing to resume
             raise
@@ -353,7 +391,10 @@ class SimBackend(TrialBackend):
         breakdown["runtime_overhead"] = overhead
 
         basis = f"tensor peak traced exactly with fake tensors at world size {world_size}"
-        if trace.derived_from:
+        if len(trace.derived_from) == 1:
+            basis = (f"tensor peak derived exactly for world size {world_size} from a fake-tensor trace at world size "
+                     f"{trace.derived_from[0]} (HSDP: nothing sharded over all ranks, the same step at both)")
+        elif trace.derived_from:
             basis = (f"tensor peak derived exactly for world size {world_size} from fake-tensor traces at world "
                      f"sizes {trace.derived_from[0]} and {trace.derived_from[1]} (no shard padded: every site's "
                      "bytes affine in 1/world size)")

@@ -244,7 +244,20 @@ class StepTrace:
     """Activation offload (GPU runs): 'host_bytes', the most one rank holds in pinned host memory
     at once, and 'moved_bytes', what one micro-batch copies each way (training.OffloadedActivations)."""
     derived_from: tuple[int, ...] = ()
-    """The two world sizes this trace was derived from (_world.derive), or () where it was traced."""
+    """The two world sizes this trace was derived from (_world.derive), the one it is the same as
+    (_world.replicated, HSDP), or () where it was traced."""
+    repeats: dict[SiteKey, tuple[tuple[int, dict[str, int], int], ...]] = field(default_factory=dict)
+    """Sites the step reaches more than once: each occurrence's (value compared, categories as in
+    `sites`, pending gradient bytes as in `pending_grad`), in order; `sites` holds the first with
+    the largest value. Kept so that a trace at another world size (_world) can pick the occurrence
+    that peaks there, as a trace would."""
+    accumulating: bool = False
+    """Traced for a step with gradient accumulation: every training site holds, besides what the
+    traced micro-batch holds, the gradients reduced by earlier micro-batches (`pending_grad`)."""
+    pending_grad: dict[SiteKey, int] = field(default_factory=dict)
+    """Per training site, the gradient bytes a step with accumulation holds there beyond the traced
+    micro-batch's (what the reduce-scatters of earlier micro-batches left): added to the site's
+    SHARDED_GRAD when `accumulating` (_world.accumulated converts one way or the other)."""
 
 
 def _float8_flatten_without_reading_scales() -> None:
@@ -312,6 +325,9 @@ class _SiteTracker(FSDPMemTracker):
         self._optimizer_ops: list[dict[str, int]] = []
         self._position_of = position_of
         self.sites: dict[SiteKey, tuple[int, dict, int]] = {}
+        self.repeats: dict[SiteKey, list[tuple[int, dict, int]]] = {}
+        """Every occurrence (value, categories, reduced) of a site the step reaches more than once
+        (the root's pre-backward, ...): which occurrence peaks may change with the world size."""
         self.reduced_grad_bytes = 0
         self._anchors: tuple[tuple[str, str], ...] = (("start", "-"),)
         self._ordinal = 0
@@ -492,6 +508,9 @@ class _SiteTracker(FSDPMemTracker):
         for anchor in self._anchors:  # a block near both ends is a site of each
             site = (phase, *anchor, self._ordinal)
             best = self.sites.get(site)
+            if best is not None:
+                cats = cats or {ref.name: int(n) for ref, n in snap.items() if ref != _TOTAL}
+                self.repeats.setdefault(site, [best]).append((value, cats, reduced))
             if best is None or value > best[0]:
                 cats = cats or {ref.name: int(n) for ref, n in snap.items() if ref != _TOTAL}
                 self.sites[site] = (value, cats, reduced)
@@ -612,13 +631,21 @@ class Tracer:
         if sync_now:
             built.sync_sites = {key: _as_gathered(cats) for key, (_, cats, _) in tracker.sites.items()
                                 if key[0] == SYNC_PHASE}
-        for key, (_, cats, reduced) in tracker.sites.items():
-            if key[0] == SYNC_PHASE:
-                continue
+
+        def recorded(cats: dict[str, int], reduced: int) -> dict[str, int]:
             cats = dict(cats)
             if steady_accum:
                 cats[PENDING_GRAD] = cats.get(PENDING_GRAD, 0) + total_grad - reduced
-            sites[key] = cats
+            return cats
+
+        pending = {}
+        for key, (_, cats, reduced) in tracker.sites.items():
+            if key[0] != SYNC_PHASE:
+                sites[key] = recorded(cats, reduced)
+                pending[key] = total_grad - reduced
+        repeats = {key: tuple((value, recorded(cats, reduced), total_grad - reduced)
+                              for value, cats, reduced in occurrences)
+                   for key, occurrences in tracker.repeats.items() if key[0] != SYNC_PHASE}
         if built.optimizer_sites is None:
             built.optimizer_sites = tracker.optimizer_sites()
         sites.update(built.optimizer_sites)
@@ -633,7 +660,8 @@ class Tracer:
                          largest_allocation_bytes=int(tracker.largest_allocation),
                          sync_largest_allocation_bytes=built.sync_largest_allocation if weight_sync else 0,
                          op_work=dict(tracker.op_work),
-                         offloaded=dict(host_bytes=offload.host_bytes, moved_bytes=offload.moved_bytes) if offload else {})
+                         offloaded=dict(host_bytes=offload.host_bytes, moved_bytes=offload.moved_bytes) if offload else {},
+                         repeats=repeats, accumulating=steady_accum, pending_grad=pending)
 
     def _built(self, model_spec: ModelSpec, *, depth: int, mesh, world_size: int, train: TrainConfig,
                finetuning: FineTuning, step: str = "autotune", seq_len: int | None = None) -> _Built:
