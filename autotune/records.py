@@ -141,6 +141,9 @@ def why_nothing_fits(last: Step, request: TuneRequest) -> str:
     from autotune.units import format_bytes
 
     message = last.result.message or ""
+    if last.result.status == "error":  # not a memory limit: more GPUs would not help
+        return (f"no configuration could be evaluated: the last trial ({last.train.label()}) failed: {message}; "
+                "every trial is in the run folder")
     if last.train.cpu_offload and "host memory" in message:
         return (f"no configuration fits: CPU offload fits the GPUs but not the host ({message}); add GPUs or "
                 "nodes (less host memory per node), or pass the nodes' real --host-memory if it is larger")

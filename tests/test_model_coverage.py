@@ -196,3 +196,25 @@ def test_shrunk_configs_run_a_forward_and_backward_in_plain_transformers(family)
     loss = net(input_ids=tokens, labels=tokens, use_cache=False).loss
     loss.backward()
     assert torch.isfinite(loss)
+
+
+def test_a_model_that_reads_tensor_values_says_so_instead_of_asking_for_more_gpus(tmp_path, capsys):
+    """jetmoe's router reads a tensor's value in forward: transformers itself cannot run it on fake
+    tensors (checked here without autotune), and it trains in plain transformers. The tune's trials
+    are errors that say why and what to do; its last line is not a memory limit's "add GPUs"."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    config = shrunk_config("jetmoe", num_layers=2)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (1, 16))
+    net = AutoModelForCausalLM.from_config(config)
+    net(input_ids=tokens, labels=tokens, use_cache=False).loss.backward()  # real tensors: fine
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, pytest.raises(DataDependentOutputException):
+        AutoModelForCausalLM.from_config(config)(input_ids=mode.from_tensor(tokens), use_cache=False)
+    path = _write(tmp_path, config)
+    code = main(["--model", path, "--gpus", "2", "--seq-len", "64", "--global-tokens", "1024", "--backend", "sim",
+                 "--max-trials", "1", "--runs-dir", str(tmp_path / "runs")])
+    printed = " ".join(capsys.readouterr().err.split())
+    assert code != 0 and "no configuration could be evaluated" in printed, printed
+    assert "reads a tensor's value in forward" in printed and "--backend cpu or cuda" in printed
+    assert "add GPUs" not in printed

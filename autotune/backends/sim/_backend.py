@@ -50,6 +50,17 @@ def _linear_in_micro_batch(spec: TrialSpec) -> bool:
     return spec.step != "trl" or min(_MB_BASE) * (spec.seq_len - 1) >= TRL_TOKEN_TILE
 
 
+def _why_untraceable(exc: Exception) -> str:
+    """What a failure of a kind fake tensors can never get past means for the user (models that read a
+    tensor's value in forward: jetmoe's and modernbert-decoder's routing, docs/MODEL_COVERAGE.md)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    if isinstance(exc, DataDependentOutputException):
+        return (" (the model reads a tensor's value in forward, e.g. .item() or a data-dependent shape, which "
+                "the simulator's fake tensors cannot give: tune it with real trials, --backend cpu or cuda)")
+    return ""
+
+
 class SimBackend(TrialBackend):
     """Simulated trials. `device_kind="cuda"` predicts a GPU run on `spec.cluster.gpu` (tensor
     peak plus an estimated runtime margin, estimated tokens/s); `"cpu"` predicts the cpu
@@ -144,7 +155,8 @@ class SimBackend(TrialBackend):
         except AutotuneError:
             raise  # the user's to fix (unsupported model, a real process group in the way)
         except Exception as exc:  # an estimate that failed is an error trial, never a fit
-            result = TrialResult(status="error", message=f"simulation failed: {type(exc).__name__}: {exc}")
+            result = TrialResult(status="error", message=f"simulation failed: {type(exc).__name__}: {exc}"
+                                                         f"{_why_untraceable(exc)}")
         result.duration_s = time.perf_counter() - start
         if result.status in ("ok", "oom"):
             cache.store("sim-result", key, result.to_dict())
