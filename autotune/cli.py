@@ -90,7 +90,8 @@ def _add_problem_options(parser: argparse.ArgumentParser, *, model_required: boo
                                "loop). accelerate, hf-trainer: Accelerate's FSDP2 plugin (autocast, fp32 outputs, "
                                "its mixed-precision policy); trl: SFTTrainer's fused LM head on it; trl-padding-free: "
                                "the same on padding-free batches (TRL's default bfd packing); torchtitan, "
-                               "litgpt, llama-cookbook: their own models are not traced (docs/STACKS.md)")
+                               "litgpt: their own model and step where the package is importable (llama; "
+                               "torchtitan also qwen3); llama-cookbook: not traced (docs/STACKS.md)")
     tuning = parser.add_argument_group("fine-tuning")
     tuning.add_argument("--peft", choices=PEFT_METHODS, default=None,
                         help="none (default): every parameter trains; lora: peft LoRA adapters on a frozen base "

@@ -7,6 +7,7 @@ the study and the result JSON carry the same fields.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
@@ -264,19 +265,54 @@ rows of `seq_len` tokens ('trl', TRL's packing_strategy 'wrapped'), or those row
 padding-free row ('trl-padding-free', TRL's default 'bfd' packing: training.padding_free_batch)."""
 OWN_MODEL_STACKS: tuple[str, ...] = ("torchtitan", "litgpt", "llama-cookbook")
 """Stacks that train a model or step of their own: their memory is predicted for autotune's step on the
-Hugging Face model, and said so (stack_note), except torchtitan's for the families it has where
-torchtitan is importable (TORCHTITAN_FAMILIES)."""
+Hugging Face model, and said so (stack_note), except torchtitan's and LitGPT's own for the families each
+has where its package is importable (OWN_STEPS)."""
 TORCHTITAN_FAMILIES: dict[str, str] = {"llama": "llama3", "qwen3": "qwen3"}
 """transformers model types whose torchtitan 0.3 model autotune builds, traces and runs (autotune/titan.py),
 and the torchtitan module that has it."""
 TORCHTITAN_PRECISIONS: tuple[str, ...] = ("bf16", "fp32")
 """torchtitan's parameter dtypes (--training.mixed-precision-param): bfloat16 under fp32 masters, or float32."""
+LITGPT_FAMILIES: dict[str, str] = {"llama": "LLaMAMLP"}
+"""transformers model types whose LitGPT 0.5 `GPT` autotune builds, traces and runs (autotune/litgpt_step.py),
+and the MLP class LitGPT's config names for it."""
+LITGPT_PRECISIONS: dict[str, str] = {"bf16": "bf16-mixed", "bf16-pure": "bf16-true", "fp32": "32-true"}
+"""Fabric's precision string for each tuned precision LitGPT's step is built at (export/_litgpt.py writes the same)."""
+
+
+@dataclass(frozen=True)
+class OwnStep:
+    """A stack whose own model and step autotune builds, traces and runs: the package that has them, the
+    transformers model types and precisions it is built for."""
+
+    package: str
+    families: Mapping[str, str]
+    precisions: Collection[str]
+
+    def importable(self) -> bool:
+        import importlib.util
+
+        return importlib.util.find_spec(self.package) is not None
+
+    def applies(self, precision: str, model_type: str | None) -> bool:
+        return model_type in self.families and precision in self.precisions and self.importable()
+
+    def why_not(self, stack: str) -> str:
+        """Why the stack's own step is not traced, where it is not (its package missing, or the model or precision)."""
+        if not self.importable():
+            return f" ({self.package} is not importable here)"
+        return (f" ({STACKS[stack]}'s model is built for {', '.join(self.families)} at "
+                f"{'/'.join(self.precisions)} only)")
+
+
+OWN_STEPS: dict[str, OwnStep] = {
+    "torchtitan": OwnStep("torchtitan", TORCHTITAN_FAMILIES, TORCHTITAN_PRECISIONS),
+    "litgpt": OwnStep("litgpt", LITGPT_FAMILIES, tuple(LITGPT_PRECISIONS)),
+}
+"""The stacks whose step is their own where it applies (stack_step returns the stack's name as the step)."""
 
 
 def torchtitan_importable() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("torchtitan") is not None
+    return OWN_STEPS["torchtitan"].importable()
 
 
 def check_stack(stack: Any) -> str:
@@ -290,11 +326,11 @@ def stack_step(stack: str, precision: str, model_type: str | None = None) -> str
     forward), `hf` (Accelerate's: autocast and fp32 outputs, under mixed precision only; Accelerate with
     mixed_precision 'no' runs the plain forward), TRL's (TRL_STEPS: `trl`, SFT's fused LM head plus
     Accelerate's wrapping under mixed precision, and `trl-padding-free`, the same on a padding-free batch)
-    or `torchtitan` (torchtitan's own model, FSDP units and chunked loss: autotune/titan.py; for a model of
-    TORCHTITAN_FAMILIES at TORCHTITAN_PRECISIONS, torchtitan importable)."""
-    if stack == "torchtitan" and model_type in TORCHTITAN_FAMILIES and precision in TORCHTITAN_PRECISIONS \
-            and torchtitan_importable():
-        return "torchtitan"
+    `torchtitan` (torchtitan's own model, FSDP units and chunked loss: autotune/titan.py) or `litgpt` (LitGPT's
+    GPT, Block units, Fabric's precision and chunked loss: autotune/litgpt_step.py), each for the model types
+    and precisions of OWN_STEPS where its package is importable."""
+    if stack in OWN_STEPS and OWN_STEPS[stack].applies(precision, model_type):
+        return stack
     if stack in TRL_STEPS:
         return stack
     if stack in ACCELERATE_STACKS and precision in ("bf16", "fp16"):
@@ -307,12 +343,11 @@ def stack_note(stack: str, precision: str, model_type: str | None = None) -> str
     if stack_step(stack, precision, model_type) == "torchtitan":
         return (f"memory predicted for torchtitan's own step: its {TORCHTITAN_FAMILIES[model_type]} model, FSDP units, "
                 "checkpointing policy and chunked loss (attention: its SDPA module for FlexAttention)")
+    if stack_step(stack, precision, model_type) == "litgpt":
+        return (f"memory predicted for LitGPT's own step: its GPT model, a FSDP2 unit per Block (FSDP1's under "
+                f"Fabric), precision {LITGPT_PRECISIONS[precision]} and chunked_cross_entropy")
     if stack in OWN_MODEL_STACKS:
-        why = ""
-        if stack == "torchtitan":
-            why = (" (torchtitan is not importable here)" if not torchtitan_importable() else
-                   f" (torchtitan's model is built for {', '.join(TORCHTITAN_FAMILIES)} at "
-                   f"{'/'.join(TORCHTITAN_PRECISIONS)} only)")
+        why = OWN_STEPS[stack].why_not(stack) if stack in OWN_STEPS else ""
         return (f"memory predicted for autotune's step on the Hugging Face model: {STACKS[stack]}'s own model and "
                 f"step are not traced{why}")
     if stack in ACCELERATE_STACKS and stack_step(stack, precision) == "autotune":
@@ -324,7 +359,7 @@ def stack_note(stack: str, precision: str, model_type: str | None = None) -> str
 def reduce_dtype_name(precision: str, step: str) -> str:
     """The dtype gradients are reduced in: the master dtype, or the compute dtype under Accelerate's
     mixed-precision policy (parallel.mixed_precision_policy)."""
-    return PARAM_DTYPE_NAMES[precision] if step in ("hf", *TRL_STEPS) else MASTER_DTYPE_NAMES[precision]
+    return PARAM_DTYPE_NAMES[precision] if step in ("hf", "litgpt", *TRL_STEPS) else MASTER_DTYPE_NAMES[precision]
 
 
 def stack_section(stack: str, precision: str, model_type: str | None = None) -> dict[str, Any]:

@@ -33,6 +33,9 @@ def mixed_precision_policy(precision: str, *, step: str = "autotune"):
     if precision in ("fp32", "bf16-pure"):
         # Everything in the parameters' own dtype: fp32, or bf16 with bf16 reduction (pure bf16).
         return MixedPrecisionPolicy()
+    if step == "litgpt":
+        # Lightning Fabric's FSDPPrecision('bf16-mixed'): param, reduce (and buffer) dtype bf16.
+        return MixedPrecisionPolicy(param_dtype=PARAM_DTYPES[precision], reduce_dtype=PARAM_DTYPES[precision])
     if step in ("hf", *TRL_STEPS):
         # Accelerate's FSDP2 plugin under mixed_precision bf16/fp16 (accelerate 1.15,
         # FullyShardedDataParallelPlugin.set_mixed_precision): params, reduction and outputs all in it.
@@ -430,13 +433,20 @@ def parallelize(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bo
     simulator then models offload from the trace instead of applying it. `compile_backend`: what
     compiled blocks are compiled with (the simulator's fake tensors cannot run inductor's kernels).
     `step` (config.stack_step): a stack's own mixed-precision policy where it differs; 'torchtitan':
-    torchtitan's own parallelize_llama pieces on its own model (titan.parallelize_titan).
+    torchtitan's own parallelize_llama pieces on its own model (titan.parallelize_titan); 'litgpt': LitGPT's
+    GPT, its Blocks the units (litgpt_step.litgpt_blocks) and Fabric's bf16-mixed policy.
     """
     if step == "torchtitan":
         from autotune.titan import parallelize_titan
 
         return parallelize_titan(model, mesh, train, allow_offload=allow_offload)
-    blocks = find_decoder_blocks(model)
+    if step == "litgpt":
+        from autotune.litgpt_step import check_litgpt_train, litgpt_blocks
+
+        check_litgpt_train(train)
+        blocks = litgpt_blocks(model)
+    else:
+        blocks = find_decoder_blocks(model)
     apply_ep(blocks, mesh, train.expert_parallel)
     apply_float8(blocks, train.float8)
     apply_ac(blocks, train.activation_checkpointing)

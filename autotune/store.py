@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune import knobs
-from autotune.config import torchtitan_importable
+from autotune.config import OWN_STEPS
 from autotune.records import Step, TuneRequest, config_key
 from autotune.errors import StorageUnavailable, UsageError
 
@@ -44,9 +44,9 @@ def study_name(request: TuneRequest, backend: str) -> str:
         **({"finetuning": request.finetuning.to_dict()} if request.finetuning.lora else {}),
         # Nor another stack's step autotune's own (older studies keep their names).
         **({"stack": request.stack} if request.stack != "fsdp2" else {}),
-        # Nor a torchtitan study whose trials ran torchtitan's own step one whose trials could not
-        # (torchtitan not importable where it ran: autotune's step; config.stack_step).
-        **({"torchtitan_step": torchtitan_importable()} if request.stack == "torchtitan" else {}),
+        # Nor a torchtitan (LitGPT) study whose trials ran its own step one whose trials could not
+        # (its package not importable where it ran: autotune's step; config.stack_step).
+        **({f"{request.stack}_step": OWN_STEPS[request.stack].importable()} if request.stack in OWN_STEPS else {}),
     }, sort_keys=True, default=str)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.model.name)

@@ -66,12 +66,13 @@ def titan_ac(ac: Checkpointing) -> str:
     return "full"
 
 
-def check_titan_train(train: TrainConfig) -> None:
-    """Knobs the torchtitan step is not built with here: one line each (a trial's error)."""
+def check_titan_train(train: TrainConfig, stack: str = "torchtitan") -> None:
+    """Knobs a stack's own step (torchtitan's, LitGPT's: config.OWN_STEPS) is not built with here: one line
+    each (a trial's error)."""
     for name, value, default in (("compile", train.compile, "none"), ("float8", train.float8, "none"),
                                  ("expert_parallel", train.expert_parallel, 1)):
         if value != default:
-            raise TitanUnsupported(f"--stack torchtitan: {name}={value} is not traced on torchtitan's model here "
+            raise TitanUnsupported(f"--stack {stack}: {name}={value} is not traced on {stack}'s model here "
                                    f"(only with {name}={default})")
 
 

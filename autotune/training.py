@@ -15,6 +15,7 @@ from torch import nn
 
 from autotune.catalog.models import ModelSpec
 from autotune.config import MASTER_DTYPE_NAMES, PARAM_DTYPE_NAMES, QLORA_QUANTIZATION, TRL_STEPS, FineTuning
+from autotune.errors import UsageError
 
 
 def build_model(model: ModelSpec, *, num_layers: int | None = None, seed: int = 0, precision: str = "bf16",
@@ -30,6 +31,13 @@ def build_model(model: ModelSpec, *, num_layers: int | None = None, seed: int = 
 
         torch.manual_seed(seed)
         return build_titan_model(model, num_layers=num_layers, precision=precision, seq_len=seq_len)
+    if step == "litgpt":
+        from autotune.litgpt_step import build_litgpt_model
+
+        if finetuning is not None and finetuning.lora:
+            raise UsageError("--stack litgpt: LoRA (finetune_lora) is not built on LitGPT's model here")
+        torch.manual_seed(seed)
+        return build_litgpt_model(model, num_layers=num_layers, precision=precision, seq_len=seq_len)
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -322,6 +330,11 @@ def prepare_step(model: nn.Module, *, step: str, precision: str, device_type: st
 
         prepare_titan_step(model)
         return
+    if step == "litgpt":
+        from autotune.litgpt_step import prepare_litgpt_step
+
+        prepare_litgpt_step(model, precision=precision, device_type=device_type)
+        return
     if step not in ("hf", *TRL_STEPS) or precision not in ("bf16", "fp16"):
         return
     from types import MethodType
@@ -378,6 +391,10 @@ def micro_batch_loss(model: nn.Module, tokens: torch.Tensor, *, step: str = "aut
         from autotune.titan import titan_loss
 
         return titan_loss(model, tokens)
+    if step == "litgpt":
+        from autotune.litgpt_step import litgpt_loss
+
+        return litgpt_loss(model, tokens)
     if step in TRL_STEPS:
         batch = padding_free_batch(tokens) if step == "trl-padding-free" else {"input_ids": tokens, "labels": tokens}
         outputs = model(**batch, fused_lm_head=True, use_cache=False)

@@ -192,10 +192,11 @@ def test_the_stack_is_part_of_what_a_trial_is():
         dataclasses.replace(spec, stack="deepspeed")
 
 
-def test_a_torchtitan_study_does_not_resume_one_run_without_torchtitans_step(monkeypatch):
-    """Whether torchtitan is importable decides the step a `--stack torchtitan` trial ran (its own, or
-    autotune's on the Hugging Face model): studies of the two never share trials. The step is looked
-    up as the tune looks it up (config.stack_step), once with torchtitan's packages hidden."""
+@pytest.mark.parametrize("stack", ["torchtitan", "litgpt"])
+def test_an_own_step_study_does_not_resume_one_run_without_the_stacks_step(monkeypatch, stack):
+    """Whether torchtitan (LitGPT) is importable decides the step a `--stack torchtitan` (`litgpt`) trial ran
+    (its own, or autotune's on the Hugging Face model): studies of the two never share trials. The step is
+    looked up as the tune looks it up (config.stack_step), once with the stack's package hidden."""
     import importlib.machinery
     import importlib.util
 
@@ -204,16 +205,16 @@ def test_a_torchtitan_study_does_not_resume_one_run_without_torchtitans_step(mon
     from autotune.store import study_name
 
     request = TuneRequest(model=resolve_model("tiny-llama"), cluster=Cluster(num_gpus=2), seq_len=256,
-                          target_tokens=4096, stack="torchtitan")
+                          target_tokens=4096, stack=stack)
     find_spec = importlib.util.find_spec
     steps, names = [], []
-    for importable in (True, False):  # as where torchtitan is installed, and where it is not
-        spec = importlib.machinery.ModuleSpec("torchtitan", None) if importable else None
+    for importable in (True, False):  # as where the stack is installed, and where it is not
+        spec = importlib.machinery.ModuleSpec(stack, None) if importable else None
         monkeypatch.setattr(importlib.util, "find_spec",
-                            lambda name, *a, spec=spec: spec if name == "torchtitan" else find_spec(name, *a))
-        steps.append(config.stack_step("torchtitan", "bf16", "llama"))
+                            lambda name, *a, spec=spec: spec if name == stack else find_spec(name, *a))
+        steps.append(config.stack_step(stack, "bf16", "llama"))
         names.append(study_name(request, "sim"))
-    assert steps == ["torchtitan", "autotune"]
+    assert steps == [stack, "autotune"]
     assert names[0] != names[1]
     plain = study_name(dataclasses.replace(request, stack="fsdp2"), "sim")
     assert plain not in names
@@ -239,19 +240,19 @@ def test_the_trial_command_predicts_the_stacks_step_and_says_which(capsys):
     import json
 
     from autotune.cli import main
-    from autotune.config import torchtitan_importable
+    from autotune.config import OWN_STEPS
 
-    if torchtitan_importable():
-        pytest.skip("torchtitan is importable here: its own step is predicted (test_torchtitan_* below)")
+    if any(own.importable() for own in OWN_STEPS.values()):
+        pytest.skip("torchtitan or litgpt is importable here: its own step is predicted (tests below)")
 
     peaks = {}
-    for stack in ("fsdp2", "trl", "torchtitan"):
+    for stack in ("fsdp2", "trl", "litgpt", "torchtitan"):
         assert main(["trial", "--model", "llama3-8b", "--gpus", "8", "--gpu-type", "h100-80gb", "--backend", "analytic",
                      "--micro-batch", "2", "--ac", "full", "--stack", stack]) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["stack"]["name"] == stack
         peaks[stack] = out["extras"]["tensor_peak_bytes"]
-    assert peaks["trl"] < peaks["fsdp2"] == peaks["torchtitan"]
+    assert peaks["trl"] < peaks["fsdp2"] == peaks["torchtitan"] == peaks["litgpt"]
     assert out["stack"]["step"] == "autotune"
     assert "not traced (torchtitan is not importable here)" in out["stack"]["predicted_for"]
 
@@ -277,7 +278,7 @@ def test_torchtitans_own_step_matches_a_real_gloo_run_of_it(tmp_path, monkeypatc
 
     bench = _torchtitan_bench()
     monkeypatch.setenv("AUTOTUNE_TORCHTITAN_PYTHON", _torchtitan_python())  # skipped where it is missing
-    (row,) = bench.run_both([(2, "none")], tmp_path / "titan-path")
+    (row,) = bench.run_both([(2, "none")], tmp_path / "titan-path", "torchtitan")
     assert row["step"] == "torchtitan"  # both sides ran torchtitan's step, not autotune's on the HF model
     measured, predicted = row["measured_bytes"], row["predicted_bytes"]
     assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
@@ -338,3 +339,62 @@ def test_torchtitans_model_is_built_with_the_tuned_models_shapes():
         row = built[name]
         assert row["class"] == row["own_class"] and row["blocks"] == resolve_model(name).num_layers
         assert row["ours"] == row["theirs"] == resolve_model(name).num_parameters, row
+
+
+@pytest.mark.slow  # real gloo ranks (forked, not torchrun): about 15 s of CPU, 29 s wall at load 4 on the 2-core VM
+def test_litgpts_own_step_matches_a_real_gloo_run_of_it(tmp_path, monkeypatch):
+    """--stack litgpt traces LitGPT 0.5's own GPT, a FSDP2 unit per Block, Fabric's bf16-mixed (parameters fp32,
+    gathered and reduced in bf16, the forward under autocast) and pretrain's chunked_cross_entropy
+    (autotune/litgpt_step.py): its predicted tensor peak against a real 2-rank gloo run of the same step in
+    LitGPT's own environment (.venv-litgpt), tiny-llama at micro-batch 2, seq 256. The prediction runs here
+    with LitGPT's `litgpt` package on the path (it imports beside this environment's lightning and torch).
+    Measured 98,679,952 B, predicted 98,679,950 B (benchmarks/bench_torchtitan_step.py --stack litgpt has
+    bf16-true and checkpointing too, each 2 bytes apart)."""
+    from tests.test_export import _litgpt_python
+
+    bench = _torchtitan_bench()
+    monkeypatch.setenv("AUTOTUNE_LITGPT_PYTHON", _litgpt_python())  # skipped where it is missing
+    (row,) = bench.run_both([(2, "none", "bf16")], tmp_path / "litgpt-path", "litgpt")
+    assert row["step"] == "litgpt"  # both sides ran LitGPT's step, not autotune's on the HF model
+    measured, predicted = row["measured_bytes"], row["predicted_bytes"]
+    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+
+
+LITGPT_BUILD = r"""
+import json, sys, torch
+from autotune.catalog.models import resolve_model
+from autotune.litgpt_step import build_litgpt_model
+from litgpt import Config
+from litgpt.model import GPT
+with torch.device("meta"):
+    ours = build_litgpt_model(resolve_model("llama3-8b"), seq_len=8192, precision="bf16-pure")
+    own = GPT(Config.from_name("Llama-3-8B"))
+count = lambda m: sum(p.numel() for p in m.parameters())
+shapes = lambda m: sorted((n, tuple(p.shape)) for n, p in m.named_parameters() if not n.startswith(("lm_head", "transformer.wte")))
+print("BUILT " + json.dumps({"ours": count(ours), "theirs": count(own), "class": type(ours).__name__,
+                             "same_block_shapes": shapes(ours) == shapes(own), "blocks": len(ours.transformer.h),
+                             "dtypes": sorted({str(p.dtype) for p in ours.parameters()}),
+                             "rope": [ours.cos.dtype.__repr__(), ours.cos.shape[0]]}), flush=True)
+"""
+
+
+def test_litgpts_model_is_built_with_the_tuned_models_shapes():
+    """litgpt_step.build_litgpt_model, run in LitGPT's own environment: for llama3-8b, the same class and the
+    same parameter shapes in every block as LitGPT 0.5's own `Llama-3-8B` config, and as many parameters as
+    transformers counts for the Hugging Face model (catalog num_parameters; LitGPT's own config pads its
+    vocabulary to the same 128,256 rows); bf16-true: every parameter and the RoPE cache in bf16."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from tests.test_export import _litgpt_python
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([_litgpt_python(), "-c", LITGPT_BUILD], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(root)), cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [json.loads(line[6:]) for line in proc.stdout.splitlines() if line.startswith("BUILT ")]
+    assert row["class"] == "GPT" and row["same_block_shapes"] and row["blocks"] == resolve_model("llama3-8b").num_layers
+    assert row["ours"] == row["theirs"] == resolve_model("llama3-8b").num_parameters, row
+    assert row["dtypes"] == ["torch.bfloat16"] and row["rope"] == ["torch.bfloat16", 8192], row

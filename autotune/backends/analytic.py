@@ -176,7 +176,12 @@ def loss_backward_bytes(step: str, *, tokens: int, vocab: int, hidden: int, d: i
     torchtitan's chunked loss ('torchtitan', autotune/titan.py): the head's last chunk, when its gradient
     is reduce-scattered: one chunk's logits as autotune's loss holds them (12 bytes a logit), the head's
     gradient accumulated in fp32 and its fp32 reduce-scatter input, and the fp32 gradient of the hidden
-    states the loss accumulates (an estimate of the traced moment, not fitted)."""
+    states the loss accumulates (an estimate of the traced moment, not fitted).
+    LitGPT's chunked_cross_entropy ('litgpt', autotune/litgpt_step.py): the logits in the compute dtype and
+    every chunk's log-softmax saved in it, at the end of the loss's forward (2 x d bytes a logit; the
+    traced peak's moment, docs/STACKS.md)."""
+    if step == "litgpt":
+        return 2 * d * tokens * vocab
     if step == "torchtitan":
         from autotune.titan import NUM_LOSS_CHUNKS
 

@@ -22,6 +22,7 @@ from autotune.backends.real._capacity import (CapacityTracker, reset_rss_peak, r
                                               track_inductor_allocations)
 from autotune.backends.real._faults import Fault, inject_faults
 from autotune.config import TrialSpec
+from autotune.litgpt_step import init_litgpt, is_litgpt_model
 from autotune.parallel import parallelize, register_rng_rules
 from autotune.training import (OffloadedActivations, build_model, make_optimizer, prepare_step, requantize_base,
                                sync_weights_to_vllm, token_batches, train_step)
@@ -44,6 +45,9 @@ def init_weights(model: nn.Module, *, seed: int) -> None:
     orthogonal init, which has no sharding rule), it runs on whole host copies instead and each
     rank keeps its own shard (`_init_on_whole_copies`)."""
     torch.manual_seed(seed)
+    if is_litgpt_model(model):
+        init_litgpt(model)
+        return
     if hasattr(model, "init_states"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
