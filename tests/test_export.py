@@ -1230,6 +1230,9 @@ def test_litgpt_config_goes_through_litgpts_own_cli(run_result, tmp_path, ac, of
         result["precision"], result["fsdp"]["param_dtype"] = "fp32", "float32"
     if precision == "bf16-pure":
         result["precision"], result["fsdp"]["reduce_dtype"] = "bf16-pure", "bfloat16"
+    if nodes > 1:  # as a --stack litgpt tune records it: LitGPT's own bf16-mixed step reduces in bf16
+        result["fsdp"]["reduce_dtype"] = "bfloat16"
+        result["stack"] = {"name": "litgpt", "step": "litgpt", "predicted_for": "LitGPT's own step"}
     path, exported = write(tmp_path, result, "litgpt")
     built = _litgpt_parses(path, tmp_path)
     status = {m.knob: m.status for m in exported.mappings}

@@ -51,9 +51,12 @@ def _precision(m: Mapper, t: Tuned) -> str:
                    "to bf16 and runs the forward under torch.autocast (ops autocast keeps in fp32 change the "
                    "activation memory from what was traced); 'bf16-true' would be pure bf16 (about half the "
                    "parameter and optimizer memory, no fp32 masters)")
-    m.approximated("reduce_dtype", "precision: bf16-mixed",
-                   "FSDPPrecision('bf16-mixed') reduces gradients in bfloat16, not float32 as tuned; LitGPT's "
-                   "scripts build the strategy themselves, so no config key passes a MixedPrecision")
+    if t.reduce_dtype == "bfloat16":  # tuned so (--stack litgpt traces LitGPT's step: config.reduce_dtype_name)
+        m.mapped("reduce_dtype", "precision: bf16-mixed (gradients reduced in bfloat16, as tuned)")
+    else:
+        m.approximated("reduce_dtype", "precision: bf16-mixed",
+                       "FSDPPrecision('bf16-mixed') reduces gradients in bfloat16, not float32 as tuned; LitGPT's "
+                       "scripts build the strategy themselves, so no config key passes a MixedPrecision")
     return "bf16-mixed"
 
 
