@@ -292,9 +292,11 @@ class Console:
         if request.vllm_share:
             self.note(request.vllm_share["note"])
         if request.stack != "fsdp2":
-            from autotune.config import STACKS
+            from autotune.config import OWN_MODEL_STACKS, STACKS
 
-            self.note(f"stack: {request.stack}: the step traced and run is {STACKS[request.stack]}")
+            step = (f"{STACKS[request.stack]}'s own where it is built here, else autotune's on the Hugging Face "
+                    "model (the winner says which)" if request.stack in OWN_MODEL_STACKS else STACKS[request.stack])
+            self.note(f"stack: {request.stack}: the step traced and run is {step}")
         if request.finetuning.lora:
             from autotune.training import parameter_counts
 
