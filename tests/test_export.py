@@ -533,7 +533,9 @@ def _run_to_completion(command: list[str], cwd: Path, *, timeout_s: float) -> st
         os.killpg(process.pid, signal.SIGKILL)  # the launcher and its ranks: nothing left behind
         output, _ = process.communicate()
         pytest.fail(f"{Path(command[1]).name} did not finish in {timeout_s:.0f} s:\n{output[-3000:]}")
-    assert process.returncode == 0, output[-3000:]
+    # A rank's own error comes before the launcher's summary of who was killed: keep both.
+    said = [line for line in output.splitlines() if any(w in line for w in ("Error", "error:", "terminate", "what()"))]
+    assert process.returncode == 0, "\n".join(said[:20]) + "\n...\n" + output[-3000:]
     return output
 
 
