@@ -311,9 +311,6 @@ OWN_STEPS: dict[str, OwnStep] = {
 """The stacks whose step is their own where it applies (stack_step returns the stack's name as the step)."""
 
 
-def torchtitan_importable() -> bool:
-    return OWN_STEPS["torchtitan"].importable()
-
 
 def check_stack(stack: Any) -> str:
     if stack not in STACKS:
@@ -340,17 +337,18 @@ def stack_step(stack: str, precision: str, model_type: str | None = None) -> str
 
 def stack_note(stack: str, precision: str, model_type: str | None = None) -> str:
     """What the memory of `stack` is predicted for, in a sentence (best.json, the console, the report)."""
-    if stack_step(stack, precision, model_type) == "torchtitan":
+    step = stack_step(stack, precision, model_type)
+    if step == "torchtitan":
         return (f"memory predicted for torchtitan's own step: its {TORCHTITAN_FAMILIES[model_type]} model, FSDP units, "
                 "checkpointing policy and chunked loss (attention: its SDPA module for FlexAttention)")
-    if stack_step(stack, precision, model_type) == "litgpt":
+    if step == "litgpt":
         return (f"memory predicted for LitGPT's own step: its GPT model, a FSDP2 unit per Block (FSDP1's under "
                 f"Fabric), precision {LITGPT_PRECISIONS[precision]} and chunked_cross_entropy")
     if stack in OWN_MODEL_STACKS:
         why = OWN_STEPS[stack].why_not(stack) if stack in OWN_STEPS else ""
         return (f"memory predicted for autotune's step on the Hugging Face model: {STACKS[stack]}'s own model and "
                 f"step are not traced{why}")
-    if stack in ACCELERATE_STACKS and stack_step(stack, precision) == "autotune":
+    if stack in ACCELERATE_STACKS and step == "autotune":
         return (f"memory predicted for the step of {STACKS[stack].split(':')[0]} at {precision} (Accelerate's "
                 "mixed_precision 'no': no autocast, no fp32 outputs)")
     return f"memory predicted for the step of {STACKS[stack]}"

@@ -35,6 +35,8 @@ from autotune.catalog.blocks import Blocks
 from autotune.catalog.models import ModelSpec
 from autotune.config import LITGPT_FAMILIES, LITGPT_PRECISIONS, TrainConfig
 from autotune.errors import UsageError
+from autotune.titan import StackShapes, check_titan_train
+
 
 def build_litgpt_model(model: ModelSpec, *, num_layers: int | None = None, precision: str = "bf16",
                        seq_len: int | None = None) -> nn.Module:
@@ -46,18 +48,16 @@ def build_litgpt_model(model: ModelSpec, *, num_layers: int | None = None, preci
     if precision not in LITGPT_PRECISIONS:
         raise UsageError(f"--stack litgpt: precision {precision} is not one LitGPT trains in "
                          f"({', '.join(LITGPT_PRECISIONS)})")
-    c = model.config_dict
-    dim, heads, vocab = int(c["hidden_size"]), int(c["num_attention_heads"]), int(c["vocab_size"])
-    seq = int(seq_len or c.get("max_position_embeddings", 2048))
+    shape = StackShapes.of(model, num_layers=num_layers, seq_len=seq_len)
     config = Config(
-        name=model.name, block_size=seq, vocab_size=vocab, padded_vocab_size=vocab,
-        n_layer=num_layers or int(c["num_hidden_layers"]), n_head=heads, n_embd=dim,
-        head_size=int(c.get("head_dim") or dim // heads), n_query_groups=int(c.get("num_key_value_heads") or heads),
-        intermediate_size=int(c["intermediate_size"]), rotary_percentage=1.0, parallel_residual=False,
-        bias=False, norm_class_name="RMSNorm", norm_eps=float(c.get("rms_norm_eps", 1e-5)),
-        mlp_class_name=LITGPT_FAMILIES[model.model_type], rope_base=int(c.get("rope_theta", 10000)))
+        name=model.name, block_size=shape.seq_len, vocab_size=shape.vocab, padded_vocab_size=shape.vocab,
+        n_layer=shape.layers, n_head=shape.heads, n_embd=shape.dim, head_size=shape.head_dim,
+        n_query_groups=shape.kv_heads, intermediate_size=shape.ffn, rotary_percentage=1.0, parallel_residual=False,
+        bias=False, norm_class_name="RMSNorm", norm_eps=shape.norm_eps,
+        mlp_class_name=LITGPT_FAMILIES[model.model_type],
+        rope_base=int(shape.rope_theta if shape.rope_theta is not None else 10000))
     net = GPT(config)
-    net.max_seq_length = seq
+    net.max_seq_length = shape.seq_len
     if LITGPT_PRECISIONS[precision] != "32-true":
         # bf16-true: Fabric's convert_module, model.to(bf16). bf16-mixed: the parameters stay fp32 and FSDP's
         # buffer_dtype casts the RoPE cache (the only buffers) to bf16.
@@ -90,8 +90,6 @@ def init_litgpt(net: nn.Module) -> None:
 
 
 def check_litgpt_train(train: TrainConfig) -> None:
-    from autotune.titan import check_titan_train
-
     check_titan_train(train, stack="litgpt")
 
 

@@ -94,6 +94,36 @@ class TitanBlocks(Blocks):
         return nn.ModuleList(getattr(self.parent, self.attr).values())
 
 
+@dataclass(frozen=True)
+class StackShapes:
+    """The Hugging Face config's shapes a stack's own model is built with (torchtitan's, LitGPT's), read from
+    the config alone: a trial's rank builds one without building the transformers model beside it."""
+
+    dim: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    layers: int
+    seq_len: int
+    norm_eps: float
+    rope_theta: float | None
+    tie_embeddings: bool
+
+    @classmethod
+    def of(cls, model: ModelSpec, *, num_layers: int | None, seq_len: int | None) -> "StackShapes":
+        c = model.config_dict
+        dim, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+        theta = c.get("rope_theta")
+        return cls(dim=dim, heads=heads, kv_heads=int(c.get("num_key_value_heads") or heads),
+                   head_dim=int(c.get("head_dim") or dim // heads), ffn=int(c["intermediate_size"]),
+                   vocab=int(c["vocab_size"]), layers=num_layers or int(c["num_hidden_layers"]),
+                   seq_len=int(seq_len or c.get("max_position_embeddings", 2048)),
+                   norm_eps=float(c.get("rms_norm_eps", 1e-5)), rope_theta=None if theta is None else float(theta),
+                   tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+
+
 def build_titan_model(model: ModelSpec, *, num_layers: int | None = None, precision: str = "bf16",
                       seq_len: int | None = None) -> nn.Module:
     """torchtitan's model of the family (config.TORCHTITAN_FAMILIES: Llama3Model, or Qwen3Model for dense
@@ -108,16 +138,13 @@ def build_titan_model(model: ModelSpec, *, num_layers: int | None = None, precis
     from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init
     from torchtitan.models.llama3.model import Llama3Model
 
-    c = model.config_dict
-    dim, heads, vocab = int(c["hidden_size"]), int(c["num_attention_heads"]), int(c["vocab_size"])
-    eps = float(c.get("rms_norm_eps", 1e-5))
+    c, shape = model.config_dict, StackShapes.of(model, num_layers=num_layers, seq_len=seq_len)
+    dim, vocab, eps = shape.dim, shape.vocab, shape.norm_eps
     norm_init = dict(_NORM_INIT)
     layers = _build_llama3_layers(
-        n_layers=num_layers or int(c["num_hidden_layers"]), dim=dim, n_heads=heads,
-        n_kv_heads=int(c.get("num_key_value_heads") or heads), hidden_dim=int(c["intermediate_size"]),
-        rope=ComplexRoPE.Config(dim=int(c.get("head_dim") or dim // heads),
-                                max_seq_len=int(seq_len or c.get("max_position_embeddings", 2048)),
-                                theta=float(c.get("rope_theta", 10000.0)),
+        n_layers=shape.layers, dim=dim, n_heads=shape.heads, n_kv_heads=shape.kv_heads, hidden_dim=shape.ffn,
+        rope=ComplexRoPE.Config(dim=shape.head_dim, max_seq_len=shape.seq_len,
+                                theta=shape.rope_theta if shape.rope_theta is not None else 10000.0,
                                 scaling="llama" if (c.get("rope_scaling") or {}).get("rope_type") == "llama3"
                                 else "none"),
         attn_backend="flex", fuse_qkv=True)
@@ -130,7 +157,7 @@ def build_titan_model(model: ModelSpec, *, num_layers: int | None = None, precis
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
         norm=RMSNorm.Config(normalized_shape=dim, eps=eps, param_init=norm_init),
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_output_linear_init(dim)),
-        enable_weight_tying=bool(c.get("tie_word_embeddings", False)),
+        enable_weight_tying=shape.tie_embeddings,
         layers=layers)
     # Built in the default dtype, float32, as torchtitan builds it (a Module.to(dtype) would also turn
     # the complex RoPE cache real).
@@ -145,22 +172,20 @@ def _build_qwen3(model: ModelSpec, *, num_layers: int | None, seq_len: int | Non
     from torchtitan.models.qwen3 import _EMBEDDING_INIT, _LINEAR_INIT, _build_qwen3_layers, _qwen3_norm
     from torchtitan.models.qwen3.model import Qwen3Model
 
-    c = model.config_dict
-    dim, heads, vocab = int(c["hidden_size"]), int(c["num_attention_heads"]), int(c["vocab_size"])
-    head_dim = int(c.get("head_dim") or dim // heads)
+    shape = StackShapes.of(model, num_layers=num_layers, seq_len=seq_len)
+    dim, vocab = shape.dim, shape.vocab
     layers = _build_qwen3_layers(
-        n_layers=num_layers or int(c["num_hidden_layers"]), dim=dim, n_heads=heads,
-        n_kv_heads=int(c.get("num_key_value_heads") or heads), head_dim=head_dim,
-        hidden_dim=int(c["intermediate_size"]), attn_backend="flex",
-        rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=int(seq_len or c.get("max_position_embeddings", 2048)),
-                               theta=float(c.get("rope_theta", 1000000.0))))
+        n_layers=shape.layers, dim=dim, n_heads=shape.heads, n_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+        hidden_dim=shape.ffn, attn_backend="flex",
+        rope=CosSinRoPE.Config(dim=shape.head_dim, max_seq_len=shape.seq_len,
+                               theta=shape.rope_theta if shape.rope_theta is not None else 1000000.0))
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return Qwen3Model.Config(
         vocab_size=vocab, dim=dim, norm=_qwen3_norm(dim),
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT),
-        enable_weight_tying=bool(c.get("tie_word_embeddings", False)), layers=layers).build()
+        enable_weight_tying=shape.tie_embeddings, layers=layers).build()
 
 
 def is_titan_model(net: nn.Module) -> bool:
