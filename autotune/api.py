@@ -86,7 +86,7 @@ def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
         workload, vllm_share = chosen.workload, chosen.vllm_share
     runs_dir = ensure_writable(Path(options.runs_dir))
     backend_name, backend_why = choose_backend(options.backend, cluster)
-    if space.float8 != "none" and cluster.gpu.has_float8 and backend_name != "analytic":
+    if space.float8 not in ("none", "auto") and cluster.gpu.has_float8 and backend_name != "analytic":
         check_float8_library(f"--float8 {space.float8}")  # traced or run: torchao's float8 linears
     if backend_name in ("cpu", "cuda") and cluster.host_memory_bytes is None:
         # Real trials run where the job will run: this machine's memory is the host memory per node.

@@ -153,14 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-trials", type=positive_int, help="stop after this many new trials")
     run.add_argument("--time-budget", type=duration, help="stop starting trials after this long, e.g. 10m")
     run.add_argument("--compile", choices=COMPILE_SEARCH, default=None,
-                     help="torch.compile of the decoder blocks: none (eager), explore (the graph eager, then its "
-                          "best fitting candidates compiled) or blocks (every trial compiled); default: the "
-                          "search space's compile.mode (none). docs/COMPILE.md")
+                     help="torch.compile of the decoder blocks: auto (explore, but not on real CPU trials), none "
+                          "(eager), explore (the graph eager, then its best candidates compiled) or blocks (every "
+                          "trial compiled); default: the search space's compile.mode (auto). docs/COMPILE.md")
     run.add_argument("--float8", choices=FLOAT8_SEARCH, default=None,
-                     help="float8 training of the blocks' linears (torchao; GPUs with float8 only): none, explore "
-                          "(the graph in high precision, then its best fitting candidates with each recipe), "
-                          "tensorwise or rowwise (every trial); default: the search space's float8.mode (none). "
-                          "docs/COMPILE.md")
+                     help="float8 training of the blocks' linears (torchao; GPUs with float8 only): auto (explore "
+                          "where it can be evaluated, else none and the notes say why), none, explore (the graph "
+                          "in high precision, then its best fitting candidates with each recipe), tensorwise or "
+                          "rowwise (every trial); default: the search space's float8.mode (auto). docs/COMPILE.md")
     run.add_argument("--json", action="store_true", help="print the result JSON on stdout, nothing else")
     run.add_argument("--verbose", action="store_true",
                      help="print the winner's full bases, ranges, checkpoint advice and close-call commands "

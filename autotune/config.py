@@ -450,8 +450,8 @@ class FineTuning:
 
 
 def check_float8_gpu(recipe: str, gpu) -> None:
-    """A float8 recipe (not `none` or the search's `explore`) needs a GPU with float8 tensor cores."""
-    if recipe not in ("none", "explore") and not gpu.has_float8:
+    """A float8 recipe (not `none` or the search's `auto` and `explore`) needs a GPU with float8 tensor cores."""
+    if recipe not in ("none", "auto", "explore") and not gpu.has_float8:
         raise UsageError(f"--float8 {recipe}: {gpu.name} has no float8 tensor cores (H100, H200 and Ada GPUs have "
                          "them); use --float8 none")
 

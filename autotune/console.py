@@ -133,6 +133,24 @@ def _throughput_line(document: dict) -> str:
     return line
 
 
+_COMPILE_WORDS = {"none": "eager", "blocks": "compiled"}
+
+
+def _side_by_side_line(document: dict) -> str | None:
+    """'eager 44,790 E; compiled +34.2%; compiled float8 tensorwise +62.5% (...)': the fastest fitting
+    configuration of each kind evaluated (best.json's compile section), None where one kind alone was."""
+    rows = (document.get("compile") or {}).get("side_by_side") or []
+    if len(rows) < 2 or (rows[0]["compile"], rows[0]["float8"]) != ("none", "none"):
+        return None
+    eager, *others = rows
+    parts = [f"eager {eager['tokens_per_sec']:,.0f} {_SOURCE_LETTER.get(eager['throughput_source'], '?')}"]
+    for row in (row for row in others if row.get("over_eager")):
+        name = _COMPILE_WORDS.get(row["compile"], row["compile"])
+        name = name + f" float8 {row['float8']}" if row["float8"] != "none" else name
+        parts.append(f"{name} {row['over_eager'] - 1:+.1%}")
+    return "; ".join(parts) + " (tok/s, fastest fitting of each)"
+
+
 def _short_why(document: dict, why: dict) -> str:
     """why_winner's sentence without the labels and commands (they are in best.json)."""
     runner = why.get("runner_up_step")
@@ -364,8 +382,11 @@ class Console:
         if not steps:
             return
         precisions = sorted({s.train.precision for s in steps})
+        legend = "".join(f"; {word}" for word, shown in (
+            ("cmp: compiled blocks", any(s.train.compile != "none" for s in steps)),
+            ("f8t/f8r: float8 tensorwise/rowwise", any(s.train.float8 != "none" for s in steps))) if shown)
         self.out.print(_Wrapped(Text(f"trials, {'/'.join(precisions)} (* winner; P/E/M: predicted/estimated/"
-                                     "measured)", style="italic"), 0))
+                                     f"measured{legend})", style="italic"), 0))
         table = Table(box=None, pad_edge=False, padding=(0, 1), header_style="bold underline")
         # Figures keep their width; a long configuration wraps at its spaces instead of being cut.
         for column, justify, width in (("#", "right", 3), ("stage", "left", 7), ("configuration", "left", None),
@@ -396,6 +417,9 @@ class Console:
             self.out.print(_indented(Text(f"stack {stack['name']}: {stack['predicted_for']}")))
         if document["tokens_per_sec"]:  # a figure of 0 (no throughput) has no step time
             self.out.print(_indented(Text(_throughput_line(document))))
+            side_by_side = _side_by_side_line(document)
+            if side_by_side:
+                self.out.print(_indented(Text(side_by_side)))
         offloads = [what for what, on in (("CPU offload", fsdp["cpu_offload"]),
                                           ("activation offload", fsdp.get("activation_offload"))) if on]
         if offloads and document.get("host_memory_bytes") is None and document.get("host_memory_per_node_bytes"):

@@ -92,6 +92,8 @@ class Controller:
         self._longest_trial_s = 0.0
         self.sampling: dict | None = None
         """What the sampler beyond the graph did (None: it did not run)."""
+        self.compile_search, self.float8_search = self._searched_compile_and_float8()
+        """The search space's compile and float8 modes, `auto` resolved for this run."""
 
     # -- one trial -------------------------------------------------------------------------------
     def run(self, stage: str, train: TrainConfig, reason: str, *, reuse: bool = True) -> Step:
@@ -203,8 +205,8 @@ class Controller:
         placement, why_placement = self._placement()
         base = TrainConfig(precision=precision, reshard_after_forward=space.reshard_after_forward,
                            optimizer_impl=space.optimizer_impl, shard_placement=placement,
-                           compile="blocks" if space.compile == "blocks" else "none",
-                           float8=space.float8 if space.float8 in knobs.FLOAT8_RECIPES else "none")
+                           compile="blocks" if self.compile_search == "blocks" else "none",
+                           float8=self.float8_search if self.float8_search in knobs.FLOAT8_RECIPES else "none")
         step = self.run("baseline", base, f"start of the graph: {precision} mixed precision, micro-batch 1"
                                           f"{why_placement}")
         if not step.fits and space.checkpointing:
@@ -384,47 +386,96 @@ class Controller:
         self._explore_compile()
         self._explore_float8()
 
-    def _explore_compile(self) -> None:
-        """Compiled blocks on the fastest fitting eager configurations within the global batch's
-        tolerance (search space compile "explore"). Each is evaluated like any trial: predicted
-        first where trials are real (pruned if predicted not to fit), its memory traced compiled."""
-        if self.request.space.compile != "explore":
-            if self.request.space.compile == "none" and self.backend.name != "cpu":
-                from autotune.costmodel import COMPILE_SPEEDUP
+    def _searched_compile_and_float8(self) -> tuple[str, str]:
+        """The compile and float8 modes of this run: the search space's, with `auto` (the default)
+        resolved to `explore` where the run can evaluate the knob and it can pay (a GPU's estimate,
+        a GPU with float8, torchao installed), else `none`, the reason in the run's notes."""
+        from autotune.config import OWN_STEPS, stack_step
+        from autotune.costmodel import COMPILE_SPEEDUP
 
-                self.notes.append(f"not explored: torch.compile of the blocks (--compile explore traces it): "
-                                  f"{COMPILE_SPEEDUP - 1:+.0%} tokens/s in torchtitan's published Llama 3.1 8B "
+        space, request = self.request.space, self.request
+        gpu, backend = request.cluster.gpu, self.backend.name
+        own_step = stack_step(request.stack, space.precision, request.model.model_type)
+        own_step = own_step if own_step in OWN_STEPS else None
+        compile_mode, float8_mode = space.compile, space.float8
+        if compile_mode == "auto":
+            why_not = (f"--stack {own_step}: its own step is traced eager only here" if own_step
+                       else "real CPU trials: inductor compiles every trial's blocks on the CPU (30-40 s a trial), "
+                            "and CPU step times say nothing about compiled GPU throughput" if backend == "cpu"
+                       else "")
+            compile_mode = "none" if why_not else "explore"
+            if why_not:
+                self.notes.append(f"not explored: torch.compile of the blocks ({why_not}; --compile explore to try "
+                                  f"it): {COMPILE_SPEEDUP - 1:+.0%} tokens/s in torchtitan's published Llama 3.1 8B "
                                   "H100 runs (a published ratio, not estimated for this model)")
+        elif compile_mode == "none" and backend != "cpu":
+            self.notes.append(f"not explored: torch.compile of the blocks (--compile explore traces it): "
+                              f"{COMPILE_SPEEDUP - 1:+.0%} tokens/s in torchtitan's published Llama 3.1 8B "
+                              "H100 runs (a published ratio, not estimated for this model)")
+        if float8_mode == "auto":
+            import importlib.util
+
+            why_not = (f"{gpu.name} has no float8 tensor cores" if not gpu.has_float8
+                       else f"--stack {own_step}: its own step is traced in high precision only here" if own_step
+                       else f"--peft {request.finetuning.peft}: float8 would convert the frozen base linears too"
+                       if request.finetuning.lora
+                       else "real CPU trials: this CPU has no float8 units" if backend == "cpu"
+                       else "the closed form (--backend analytic) does not cost float8" if backend == "analytic"
+                       else "torchao, the float8 extra, is not installed (pip install 'autotune[float8]')"
+                       if importlib.util.find_spec("torchao") is None else "")
+            float8_mode = "none" if why_not else "explore"
+            if why_not:
+                self.notes.append(f"float8 not explored: {why_not}")
+        elif float8_mode == "none" and gpu.has_float8 and backend != "cpu":
+            self.notes.append(f"not explored: float8 training (--float8 explore: {gpu.name} has "
+                              f"{gpu.float8_tflops:g} float8 TFLOP/s against {gpu.peak_tflops:g} bf16; +24-28% "
+                              "tokens/s over compiled bf16 in torchtitan's and torchao's published Llama 3 8B H100 "
+                              "runs, tensorwise, not estimated for this model)")
+        elif float8_mode == "explore" and not gpu.has_float8:
+            self.notes.append(f"float8 not explored: {gpu.name} has no float8 tensor cores")
+            float8_mode = "none"
+        return compile_mode, float8_mode
+
+    def _explore_compile(self) -> None:
+        """Compiled blocks (search compile "explore") on the fastest fitting eager configurations within
+        the global batch's tolerance, then on the fastest eager ones that ran out of memory by a traced
+        peak: compiled, the partitioner may recompute what eager saves (13 GiB less on llama-7b at
+        micro-batch 2 without checkpointing, docs/COMPILE.md), so a lighter configuration can fit. Each
+        is evaluated like any trial: predicted first where trials are real (pruned if predicted not to
+        fit), its memory traced compiled."""
+        if self.compile_search != "explore":
             return
-        fitting = sorted((s for s in eligible(self.steps, self.request.tolerance)
-                          if s.train.compile == "none" and s.stage != "confirm"),
-                         key=lambda s: s.result.throughput or 0.0, reverse=True)
-        tried: set[TrainConfig] = set()
-        for step in fitting:
-            if len(tried) == COMPILE_CANDIDATES:
-                break
-            train = step.train.with_(compile="blocks")
-            if train in tried:
-                continue
-            tried.add(train)
-            self.run("explore", train, f"compile each decoder block of {step.train.label()} (step {step.step}, "
-                                       "fits eager): the same configuration with torch.compile")
+        tolerance = self.request.tolerance
+
+        def fastest_first(steps) -> list[Step]:
+            return sorted((s for s in steps if s.train.compile == "none" and s.stage != "confirm"
+                           and s.train.expert_parallel == 1),  # compile refuses expert parallelism's all-to-all
+                          key=lambda s: s.result.throughput or 0.0, reverse=True)
+
+        def traced_over_the_limit(step: Step) -> bool:  # not a closed-form estimate far over it, not an error
+            peak = step.result.peak_memory
+            return (not step.fits and step.result.status in ("ok", "oom", "pruned") and peak is not None
+                    and "predicted" in peak.source and within_tolerance(step.batch, tolerance))
+
+        fitting = fastest_first(eligible(self.steps, tolerance))
+        over = fastest_first(s for s in self.steps if traced_over_the_limit(s))
+        for candidates, why in ((fitting, "fits eager"), (over, "over the limit eager")):
+            tried = 0
+            for step in candidates:
+                if tried == COMPILE_CANDIDATES:
+                    break
+                train = step.train.with_(compile="blocks")
+                if self._find(train) or (why != "fits eager" and not self._could_win(train)):
+                    continue
+                tried += 1
+                self.run("explore", train, f"compile each decoder block of {step.train.label()} (step {step.step}, "
+                                           f"{why}): the same configuration with torch.compile")
 
     def _explore_float8(self) -> None:
         """float8 training (each recipe) on the fastest fitting high-precision configurations within the
-        global batch's tolerance, compiled ones included (search space float8 "explore"), on a GPU with
-        float8 only. Each is evaluated like any trial: predicted first where trials are real."""
-        gpu = self.request.cluster.gpu
-        mode = self.request.space.float8
-        if mode != "explore":
-            if mode == "none" and gpu.has_float8 and self.backend.name != "cpu":
-                self.notes.append(f"not explored: float8 training (--float8 explore, with --compile explore: "
-                                  f"{gpu.name} has {gpu.float8_tflops:g} float8 TFLOP/s against {gpu.peak_tflops:g} "
-                                  "bf16; +24-28% tokens/s over compiled bf16 in torchtitan's and torchao's published "
-                                  "Llama 3 8B H100 runs, tensorwise, not estimated for this model)")
-            return
-        if not gpu.has_float8:
-            self.notes.append(f"float8 not explored: {gpu.name} has no float8 tensor cores")
+        global batch's tolerance, compiled ones included (search float8 "explore", on a GPU with float8
+        only). Each is evaluated like any trial: predicted first where trials are real."""
+        if self.float8_search != "explore":
             return
         fitting = sorted((s for s in eligible(self.steps, self.request.tolerance)
                           if s.train.float8 == "none" and s.stage != "confirm"),
@@ -539,8 +590,8 @@ class Controller:
             activation_offload=self._searches_offload and space.offload_activations,
             reshard=(True, False) if space.explore_no_reshard else (base.reshard_after_forward,),
             placements=(base.shard_placement,),
-            compile_modes=("none", "blocks") if space.compile == "explore" else (base.compile,),
-            float8_recipes=(knobs.FLOAT8_RECIPES if space.float8 == "explore" and cluster.gpu.has_float8
+            compile_modes=("none", "blocks") if self.compile_search == "explore" else (base.compile,),
+            float8_recipes=(knobs.FLOAT8_RECIPES if self.float8_search == "explore" and cluster.gpu.has_float8
                             else (base.float8,)),
             hsdp_groups=tuple(groups),
             expert_parallel=(1, *self._expert_parallel_degrees(base)) if not groups else (1,),

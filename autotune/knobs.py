@@ -49,14 +49,18 @@ float8 converter: lm_head and linears with a dimension not divisible by 16 stay 
 (`enable_fsdp_float8_all_gather`, scales precomputed after each optimizer step); `rowwise`: torchao's
 rowwise recipe (a scale per row, communication in high precision). Needs a GPU with float8 tensor
 cores (catalog `float8_tflops`: H100, H200, Ada); docs/COMPILE.md."""
-FLOAT8_SEARCH = ("none", "explore", "tensorwise", "rowwise")
-"""float8 in the search (--float8, and the search space's float8.mode): `none`; `explore`, the graph
+FLOAT8_SEARCH = ("auto", "none", "explore", "tensorwise", "rowwise")
+"""float8 in the search (--float8, and the search space's float8.mode): `auto` (the default), `explore`
+where the run can evaluate float8 (a GPU with float8, torchao installed, not real CPU trials, not LoRA,
+not a stack's own step, not the closed form), else `none` with the reason in the run's notes; `none`; `explore`, the graph
 high precision, then its fastest fitting candidates tried with each recipe (predicted first, as every
 trial; only on a GPU with float8); `tensorwise` / `rowwise`, every trial with that recipe."""
 COMPILE_BACKEND = "inductor"
 """What real trials and the exports compile blocks with (torch.compile's default)."""
-COMPILE_SEARCH = ("none", "explore", "blocks")
-"""torch.compile in the search (--compile, and the search space's compile.mode): `none`, every trial
+COMPILE_SEARCH = ("auto", "none", "explore", "blocks")
+"""torch.compile in the search (--compile, and the search space's compile.mode): `auto` (the default),
+`explore` unless trials are real CPU trials or a stack's own step (then `none`, the reason in the run's
+notes); `none`, every trial
 eager; `explore`, the graph eager, then its fastest fitting candidates compiled (each predicted
 first, as every trial); `blocks`, every trial compiled."""
 
@@ -431,14 +435,14 @@ KNOBS: tuple[Knob, ...] = (
          help="torch.compile: none (eager) or blocks (each decoder block compiled, fullgraph=True, before FSDP2 "
               "shards it, as torchtitan does); real trials compile with inductor, the simulator traces what AOT "
               "autograd's min-cut partitioner saves (docs/COMPILE.md)",
-         label=lambda v: "" if v == "none" else f"compile={v}", short=lambda v: "" if v == "none" else "compiled",
+         label=lambda v: "" if v == "none" else f"compile={v}", short=lambda v: "" if v == "none" else "cmp",
          optuna=lambda v: _categorical_param("compile", COMPILE_MODES)(v) if v != "none" else {},
          alternative="blocks", keyed_at_default=False, domain=lambda ctx: ctx.compile_modes),
     Knob(name="float8", default="none", flag="--float8", choices=FLOAT8_RECIPES,
          parse=_choice("float8", FLOAT8_RECIPES), result_path=("float8", "recipe"),
          help="float8 training of the decoder blocks' linears (torchao): none, tensorwise (with FSDP2's float8 "
               "all-gather) or rowwise; only on GPUs with float8 (H100, H200, Ada): docs/COMPILE.md",
-         label=lambda v: "" if v == "none" else f"float8={v}", short=lambda v: "" if v == "none" else f"fp8-{v[:3]}",
+         label=lambda v: "" if v == "none" else f"float8={v}", short=lambda v: "" if v == "none" else f"f8{v[0]}",
          optuna=lambda v: _categorical_param("float8", FLOAT8_RECIPES)(v) if v != "none" else {},
          alternative="tensorwise", keyed_at_default=False, domain=lambda ctx: ctx.float8_recipes),
 )

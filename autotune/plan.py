@@ -75,13 +75,16 @@ class PlanOptions:
         return global_tokens_at(parse_count(self.global_tokens, what="--global-tokens"), gpus=gpus, seq_len=seq_len)
 
     def tune_options(self, gpu_type: str, gpus: int, *, seq_len: int | None = None) -> TuneOptions:
-        """The `autotune tune` options of one option: the command it stands for."""
+        """The `autotune tune` options of one option: the command it stands for. Eager bf16: a plan
+        compares GPU counts and types, and compile's and float8's candidates would double its traces
+        (docs/PLAN.md); `autotune tune` of the chosen option explores them."""
         seq_len = seq_len or self.seq_len
         return TuneOptions(model=self.model, gpus=gpus, nodes=nodes_for(gpus, self.gpus_per_node),
                            global_tokens=self.global_tokens_for(gpus, seq_len) if seq_len else self.global_tokens,
                            gpu_type=gpu_type, seq_len=seq_len, backend=self.backend, headroom=self.headroom,
                            global_tolerance=self.global_tolerance, space=self.space, runs_dir=self.runs_dir,
-                           storage=self.storage, trust_remote_code=self.trust_remote_code)
+                           storage=self.storage, trust_remote_code=self.trust_remote_code,
+                           compile="none", float8="none")
 
 
 # -- parsing the flags ------------------------------------------------------------------------------

@@ -50,9 +50,9 @@ class SearchSpace:
     explore_checkpointed_larger_micro_batch: bool = True
     expert_parallel: bool = True
     """A MoE model: try expert parallelism over 2, 4, ... GPUs of a node after the graph (--ep)."""
-    compile: str = "none"
+    compile: str = "auto"
     """torch.compile in the search: one of COMPILE_SEARCH (the tune command's --compile overrides it)."""
-    float8: str = "none"
+    float8: str = "auto"
     """float8 training in the search: one of FLOAT8_SEARCH (the tune command's --float8 overrides it)."""
     source: str = "built-in defaults"
 
@@ -116,11 +116,11 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
     if not all(p in OP_POLICIES for p in op_level):
         raise UsageError(f"search space {where!r}: checkpointing.op_level must be a list of "
                          f"{', '.join(OP_POLICIES)} (or empty), got {op_level!r}")
-    compile_search = get("compile", "mode", "none")
+    compile_search = get("compile", "mode", "auto")
     if compile_search not in COMPILE_SEARCH:
         raise UsageError(f"search space {where!r}: compile.mode must be one of {', '.join(COMPILE_SEARCH)}, "
                          f"got {compile_search!r}")
-    float8_search = get("float8", "mode", "none")
+    float8_search = get("float8", "mode", "auto")
     if float8_search not in FLOAT8_SEARCH:
         raise UsageError(f"search space {where!r}: float8.mode must be one of {', '.join(FLOAT8_SEARCH)}, "
                          f"got {float8_search!r}")

@@ -290,7 +290,7 @@ def test_resharding_to_a_node_is_searched_when_shards_span_nodes():
     assert not [s for s in one_node.steps if s.train.reshard_group_size]
     request = request_for(75)
     request = dataclasses.replace(request, cluster=dataclasses.replace(request.cluster, num_nodes=2),
-                                  space=SearchSpace(hsdp=False))
+                                  space=SearchSpace(hsdp=False, compile="none", float8="none"))
     outcome = Controller(request, NodeLocalBackwardFaster()).tune()
     tried = [s.train.reshard_group_size for s in outcome.steps if s.train.reshard_group_size]
     assert tried == [request.cluster.gpus_per_node]
@@ -339,8 +339,8 @@ def test_the_sampler_finds_what_the_graph_did_not_try_after_the_graph_path():
 
 def test_the_sampler_stops_when_the_space_is_exhausted():
     # 4,096 tokens on 8 GPUs x 256: micro-batches 1 and 2; only the optimizer implementation varies
-    # besides (no checkpointing, offload, reshard or HSDP to sample): 2 x 3 configurations in all.
-    space = SearchSpace(checkpointing=False, offload=False, explore_no_reshard=False)
+    # besides (no checkpointing, offload, reshard, HSDP or compile to sample): 2 x 3 configurations in all.
+    space = SearchSpace(checkpointing=False, offload=False, explore_no_reshard=False, compile="none", float8="none")
     backend = FormulaBackend()
     outcome = Controller(request_for(75, target=4096, space=space, time_budget_s=60), backend).tune()
     evaluated = {(t.micro_batch_size, t.optimizer_impl) for t in backend.calls}

@@ -70,7 +70,8 @@ def test_option_equals_tune_on_fresh_traces(shared_plan, tmp_path, gpus):
     option = next(o for o in plan["options"] if o["id"] == f"h100-80gbx{gpus}")
     fresh = tmp_path / "fresh"
     assert main(["--model", "llama3.2-1b", "--gpus", str(gpus), "--nodes", str(gpus // 8), "--gpu-type", "h100-80gb",
-                 "--global-tokens", "4Mi", "--backend", "sim", "--runs-dir", str(fresh),
+                 "--global-tokens", "4Mi", "--backend", "sim", "--compile", "none", "--float8", "none",
+                 "--runs-dir", str(fresh),
                  "--out", str(tmp_path / "best.json")]) == EXIT_OK
     tuned = json.loads((tmp_path / "best.json").read_text())
     jsonschema.validate(option["result"], RESULT_SCHEMA)

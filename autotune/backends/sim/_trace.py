@@ -288,13 +288,56 @@ def _is_step_op(func) -> bool:
     return not returns or any("Tensor" in str(ret.type) for ret in returns)
 
 
-SIM_COMPILE_BACKEND = "aot_eager_decomp_partition"
-"""What the simulator compiles blocks with (`compile=blocks`): dynamo and AOT autograd with
-inductor's decompositions and inductor's partitioner (min-cut rematerialisation: what is saved for
-backward and what is recomputed), then the partitioned forward and backward graphs run op by op on
-fake tensors. Inductor itself cannot run on fake tensors (its kernels read data pointers: a
-segfault); what inductor would add or remove inside a graph (fused temporaries, buffer reuse) is
-the difference docs/COMPILE.md measures."""
+_compiled_graphs_running = [0]
+"""How many of the simulator's compiled graphs are running now (nested: a checkpointed block's
+recompute): the tracker counts their ops as inductor's kernel launches, not as eager dispatches."""
+
+
+def _marked_while_running(compiler: Callable) -> Callable:
+    """An AOT autograd graph compiler whose compiled graph marks `_compiled_graphs_running` while it runs."""
+    def compile_graph(graph_module, example_inputs):
+        compiled = compiler(graph_module, example_inputs)
+
+        def run(args):  # AOT autograd's boxed calling convention: one list of arguments
+            _compiled_graphs_running[0] += 1
+            try:
+                return compiled(args)
+            finally:
+                _compiled_graphs_running[0] -= 1
+
+        run._boxed_call = True
+        return run
+
+    return compile_graph
+
+
+def SIM_COMPILE_BACKEND(graph_module, example_inputs, **kwargs):
+    """What the simulator compiles blocks with (`compile=blocks`): torch's `aot_eager_decomp_partition`
+    (torch/_dynamo/backends/debugging.py), i.e. dynamo and AOT autograd with inductor's decompositions
+    and inductor's partitioner (min-cut rematerialisation: what is saved for backward and what is
+    recomputed), then the partitioned forward and backward graphs run op by op on fake tensors; its
+    graphs are marked while they run, so the tracker can count their ops as fused kernels. Inductor
+    itself cannot run on fake tensors (its kernels read data pointers: a segfault); what inductor would
+    add or remove inside a graph (fused temporaries, buffer reuse) is the difference docs/COMPILE.md
+    measures."""
+    from importlib import import_module
+
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import get_nop_func
+    from torch._functorch import config as functorch_config
+
+    with functorch_config.patch({"unlift_effect_tokens": True}):  # as aot_eager_decomp_partition
+        return aot_autograd(
+            fw_compiler=_marked_while_running(get_nop_func()), bw_compiler=_marked_while_running(get_nop_func()),
+            decompositions=lambda: import_module("torch._inductor.compile_fx").select_decomp_table(),
+            partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+        )(graph_module, example_inputs)
+
+
+COMPILED_LAUNCHES_BASIS = ("the kernels the host launches for a compiled block, counted in the trace: each matmul and "
+                           "attention, and one fused kernel for each run of memory-bound ops between them (a proxy for "
+                           "inductor's fusion, checked against inductor's own CPU code in tests/test_compile.py)")
 
 
 class _SiteTracker(FSDPMemTracker):
@@ -332,6 +375,7 @@ class _SiteTracker(FSDPMemTracker):
         self._anchors: tuple[tuple[str, str], ...] = (("start", "-"),)
         self._ordinal = 0
         self._counts_as_op = True
+        self._previous_compiled_op_memory = False
         self.phase: str | None = None
         """Set for the weight sync, which is neither forward nor backward."""
 
@@ -452,9 +496,18 @@ class _SiteTracker(FSDPMemTracker):
             op_flops = formula(*args, **(kwargs or {}), out_val=out)
             self.flops += op_flops
         if self.count_flops and out is not NotImplemented and not self._in_opt and self.phase is None:
-            if self._counts_as_op:  # not the metadata queries fake tensors make
-                self.op_work["dispatched_ops"] = self.op_work.get("dispatched_ops", 0) + 1
             kind = _op_kind(func)
+            if self._counts_as_op and _compiled_graphs_running[0]:
+                # Inside a compiled block the host launches inductor's kernels, not each op: a view
+                # launches nothing, and memory-bound ops between two matmuls (attentions) fuse into
+                # one kernel, a proxy for inductor's fusion (COMPILED_LAUNCHES_BASIS).
+                if kind is not None and not (kind == "memory" and self._previous_compiled_op_memory):
+                    self.op_work["compiled_launches"] = self.op_work.get("compiled_launches", 0) + 1
+                if kind is not None:
+                    self._previous_compiled_op_memory = kind == "memory"
+            elif self._counts_as_op:  # not the metadata queries fake tensors make
+                self.op_work["dispatched_ops"] = self.op_work.get("dispatched_ops", 0) + 1
+                self._previous_compiled_op_memory = False
             if kind == "matmul" and any(type(a).__name__ == "Float8TrainingTensor" for a in args):
                 # Eager float8: the mode sees torchao's tensor subclass's mm, which runs `_scaled_mm`
                 # below the mode (compiled blocks dispatch `_scaled_mm` itself).
