@@ -49,9 +49,10 @@ $(LITGPT_VENV)/.installed:
 
 setup: $(BIN)/autotune
 
-# The main job on its embedded defaults.
-run: setup
-	$(BIN)/autotune --model llama-7b --gpus 8 --global-tokens 4M
+# The main job on its embedded defaults, with torchao on its path: on the default GPU (an H100) it
+# considers eager, compiled and float8 configurations (docs/COMPILE.md).
+run: setup $(FLOAT8_SITE)/.installed
+	PYTHONPATH=$(FLOAT8_SITE) $(BIN)/autotune --model llama-7b --gpus 8 --global-tokens 4M
 
 # The whole test suite (installs what it needs: Chromium for the report test, PostgreSQL and Slurm for the sweep tests).
 # Three pytest-xdist workers on the 2-core VM, each taking whole test modules (module fixtures are made

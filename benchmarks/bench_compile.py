@@ -6,6 +6,8 @@ gloo trials, what compilation costs in time, and the float8 GPU estimate against
     python benchmarks/bench_compile.py --float8   # the float8 rows (FLOAT8_MATRIX), real and predicted
     python benchmarks/bench_compile.py --published  # llama3-8b on 8 H100s (sim, estimated) against the
                                                     # published float8 runs (costmodel.FLOAT8_PUBLISHED)
+    python benchmarks/bench_compile.py --launches   # the kernels a compiled block launches: the
+                                                    # simulator's count against inductor's own code
 
 Each row runs for real (the cpu backend: torchrun, gloo, inductor's CPU backend compiling each
 block; persistent launch, no warm-up step, so the first step's time includes compilation) and is
@@ -82,15 +84,60 @@ def published() -> None:
         print(f"  {label}, {gpus} GPUs: {bf16:,} -> {float8:,}, {float8 / bf16:.3f}")
 
 
+LAUNCH_MODELS = ("micro-llama", "tiny-llama", "tiny-qwen2")
+
+
+def inductor_launches_per_block(model_name: str, *, micro_batch: int = 2, seq_len: int = 64) -> int:
+    """The kernels inductor's generated code launches for one decoder block's forward and backward (CPU,
+    bf16, no checkpointing): every block shares one compiled forward and one backward (the same code and
+    shapes), so the launches of their wrappers' `call` are one block's. Counted in the code itself: each
+    generated kernel (`cpp_fused_*`), extern kernel (`extern_kernels.*`) and fallback op (`torch.ops.*`)."""
+    import re
+
+    import torch
+    from torch._inductor.utils import run_and_get_code
+
+    from autotune.catalog.blocks import find_decoder_blocks
+    from autotune.parallel import apply_compile
+    from autotune.training import build_model
+
+    net = build_model(resolve_model(model_name), num_layers=2).to(torch.bfloat16)
+    apply_compile(find_decoder_blocks(net), "blocks")
+    ids = torch.randint(0, net.config.vocab_size, (micro_batch, seq_len))
+    _, codes = run_and_get_code(lambda: net(input_ids=ids, labels=ids).loss.backward())
+    calls = re.compile(r"^\s+(?:buf\w*\s*=\s*)?(cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.[\w.]+)\(", re.M)
+    return sum(len(calls.findall(code[code.index("def call("):])) for code in codes if "def call(" in code)
+
+
+def launches() -> None:
+    """The simulator's count of a compiled block's kernel launches (its host-time proxy: a matmul or an
+    attention each, one fused kernel per run of memory-bound ops between them) against inductor's own
+    generated code for the same block (CPU: Triton's GPU fusion differs in detail)."""
+    print("| model | inductor's code (measured) | simulator (counted) | difference |")
+    print("|---|---:|---:|---:|")
+    with SimBackend(device_kind="cuda", extrapolate=False) as sim:
+        for name in LAUNCH_MODELS:
+            started = time.perf_counter()
+            measured = inductor_launches_per_block(name)
+            compiled = sim.evaluate(TrialSpec(model=resolve_model(name), cluster=Cluster(num_gpus=2), seq_len=64,
+                                              train=TrainConfig(micro_batch_size=2, compile="blocks")))
+            counted = compiled.extras["op_work"]["compiled_launches"] / resolve_model(name).num_layers
+            print(f"| {name} | {measured} | {counted:g} | {counted / measured - 1:+.0%} |"
+                  f" ({time.perf_counter() - started:.0f} s)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="steps per trial, all timed (the first compiles)")
     parser.add_argument("--rows", default="", help="comma-separated row indices (default: all)")
     parser.add_argument("--float8", action="store_true", help="the float8 matrix instead")
     parser.add_argument("--published", action="store_true", help="the float8 estimate against published runs")
+    parser.add_argument("--launches", action="store_true", help="a compiled block's kernel launches: counted vs inductor's")
     args = parser.parse_args()
     if args.published:
         return published()
+    if args.launches:
+        return launches()
     if args.float8 and FLOAT8_SITE.is_dir():
         # `make test` puts torchao beside the venv, not in it (tests/float8_site.py says why): this
         # process and the trials' ranks import it from there.
