@@ -234,6 +234,13 @@ def compile_section(winner: Step, steps: list[Step], *, tolerance: float) -> dic
                 rows.append(dict(compile=compile_mode, float8=float8, **row))
     if len(rows) > 1:
         section["side_by_side"] = rows
+    if winner.train.compile != "none":
+        # What compiling costs once per launch, before tokens/s is steady: measured by a real trial's
+        # first step; the simulator does not estimate it (docs/COMPILE.md, compile time).
+        section["compile_time"] = winner.result.extras.get("compile_s") or dict(
+            value=None, source="not estimated",
+            basis="the simulator traces no compile time; a real trial measures it (its first step less a "
+                  "timed one): 32-42 s for two tiny models' blocks with inductor's CPU backend, 2 gloo ranks")
     return section
 
 

@@ -143,6 +143,7 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
         tracker.track_external(model, optimizer)
         batches = _reset_before_each_forward(batches, tracker)
     step_times: list[float] = []
+    warmup_times: list[float] = []  # the first step of a compiled trial compiles its blocks
     phases: list[tuple[float, float]] = []  # (micro-batches, optimizer step) of each timed step
     losses: list[float] = []
 
@@ -153,16 +154,15 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
     with tracker if tracker is not None else nullcontext():
         for step in range(warmup_steps + timed_steps):
             timed = step >= warmup_steps
+            _synchronize(device)
             if timed:
-                _synchronize(device)
                 dist.barrier(device_ids=[device.index] if on_cuda else None)
-                start = time.perf_counter()
+            start = time.perf_counter()
             loss = train_step(model, optimizer, batches, grad_accum_steps=grad_accum, scaler=scaler,
                               phase_times=phases if timed else None, clock=clock, saved_activations=offloaded,
                               step=spec.step)
-            if timed:
-                _synchronize(device)
-                step_times.append(time.perf_counter() - start)
+            _synchronize(device)
+            (step_times if timed else warmup_times).append(time.perf_counter() - start)
             losses.append(float(loss))
             if spec.workload.weight_sync:  # GRPO: TRL gathers the weights for vLLM (untimed: not training)
                 sync_weights_to_vllm(model, device=device)
@@ -178,7 +178,7 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
                                "gradients at every scale): the optimizer state was never allocated")
 
     figures: dict[str, Any] = dict(
-        rank=rank, losses=losses, step_times=step_times, grad_accum=grad_accum,
+        rank=rank, losses=losses, step_times=step_times, warmup_times=warmup_times, grad_accum=grad_accum,
         micro_batches_s=[p[0] for p in phases], optimizer_step_s=[p[1] for p in phases],
         tokens_per_micro_batch=spec.train.micro_batch_size * spec.seq_len,
         tokens_per_step=spec.train.micro_batch_size * spec.seq_len * grad_accum,
