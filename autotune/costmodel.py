@@ -37,10 +37,10 @@ GiB = 2**30
 MiB = 2**20
 
 # --- Throughput constants (calibration and sources: docs/COSTMODEL.md) -------------------------
-MATMUL_EFFICIENCY = {"a100-80gb": 0.77, "a100-40gb": 0.77, "h100-80gb": 0.50, "h200-141gb": 0.50}
+MATMUL_EFFICIENCY = {"a100-80gb": 0.77, "a100-40gb": 0.77, "h100-80gb": 0.52, "h200-141gb": 0.52}
 """Fraction of the data-sheet dense peak that an eager FSDP transformer step's FLOPs (recompute
 included) run at on large micro-batches of a model REFERENCE_HIDDEN wide, by GPU family. Fitted with
-HALF_EFFICIENCY_TOKENS and HALF_EFFICIENCY_HIDDEN (fitted: 0.769 and 0.505) to the 99 published eager FSDP runs in
+HALF_EFFICIENCY_TOKENS and HALF_EFFICIENCY_HIDDEN (fitted: 0.765 and 0.520) to the 99 published eager FSDP runs in
 autotune/data/published_runs.json (11 sources: torchtitan, PyTorch/IBM fms-fsdp, MosaicML
 llm-foundry, TinyLlama), each source weighed once (autotune/costmodel_fit.py; benchmarks/
 bench_costmodel.py --published prints the fit and checks it leave-one-source-out): the A100 figure
@@ -48,26 +48,30 @@ rests on the A100 80GB and 40GB sources (torchtitan's 64 A100s, fms-fsdp's two 1
 llm-foundry's A100 tables, TinyLlama), the H100 one on the H100 sources (torchtitan's 8 and 128,
 fms-fsdp's 96, llm-foundry's two): A100s reach ~3/4 of peak on 70B-wide models, H100s half (eager
 kernels and flash attention lag the 3x faster tensor cores). H200 takes the H100's: no eager H200
-source (torchtitan's H200 rows are compiled and float8)."""
+source (torchtitan's H200 rows are compiled and float8). It is the fraction of a 700 W H100 SXM's 989
+TFLOP/s: torchtitan's H100s are 96 GB HBM2e parts at a 500 W limit whose peak the source puts between
+the SXM's and the NVL's (835), so their rows are estimated at 912, the middle of that range (a row fact,
+costmodel_fit.PublishedRun.peak_tflops; at 989 this efficiency was 0.505)."""
 DEFAULT_MATMUL_EFFICIENCY = 0.50
 """For catalog GPUs without a published FSDP figure: unvalidated."""
-HALF_EFFICIENCY_TOKENS = 1240
+HALF_EFFICIENCY_TOKENS = 1290
 """Tokens per GPU per micro-batch at which the compute efficiency is half its maximum: per
 micro-batch costs that do not grow with its tokens (small kernels, each FSDP unit's waits) weigh
-on small micro-batches (efficiency = max * t / (t + this)). Fitted with MATMUL_EFFICIENCY (1,240):
+on small micro-batches (efficiency = max * t / (t + this)). Fitted with MATMUL_EFFICIENCY (1,289):
 the rows that set it are those of one source at several micro-batch sizes: llm-foundry's tables
 (micro-batches of 1 to 64 sequences), fms-fsdp's 13B (0.48 of peak at micro-batch 1 x 4,096
 tokens, 0.59 at 2) and torchtitan's Llama 2 70B (micro-batch 1 with op-level checkpointing as fast
-as 2 with full). Was 920 on the 21 rows before llm-foundry's were added."""
-HALF_EFFICIENCY_HIDDEN = 910
+as 2 with full). Was 920 on the 21 rows before llm-foundry's were added, 1,240 before torchtitan's H100
+rows were costed at their own peak."""
+HALF_EFFICIENCY_HIDDEN = 800
 """Hidden size h at which a step's FLOPs would run at half the efficiency of an infinitely wide
 model: matmul FLOPs grow as h^2 per token, the rest of the work (norms, rotary embeddings,
 activations, residual adds, attention's softmax and its slower kernels) as h, so narrow models
 reach less of the peak (efficiency x h / (h + this), normalised to 1 at REFERENCE_HIDDEN).
-Fitted with MATMUL_EFFICIENCY (909): the rows that set it are the widths one source runs on one
+Fitted with MATMUL_EFFICIENCY (800): the rows that set it are the widths one source runs on one
 cluster: llm-foundry's MPT 7B to 70B (h 4,096 to 8,192), fms-fsdp's March 2024 table (7B to 70B)
 and TinyLlama (h 2,048). Was 1,780 on the 21 rows before llm-foundry's were added (fms-fsdp's
-widths alone)."""
+widths alone), 910 before torchtitan's H100 rows were costed at their own peak."""
 REFERENCE_HIDDEN = 8192
 """The width MATMUL_EFFICIENCY is stated at (Llama 2/3 70B, Code Llama 34B)."""
 INTRA_NODE_BUS_EFFICIENCY = 0.80
@@ -686,10 +690,10 @@ ESTIMATE_ERROR = {
     "cpu": (0.33, "the worst error of the two 24-configuration CPU grid runs since large memory-bound ops and the "
                   "tracker's depth are costed (33.1%, 23.7%; medians 11.2%, 10.2%), benchmarks/bench_costmodel.py "
                   "--grid --bracket, docs/BENCHMARKS.md"),
-    "cuda": (0.22, "the range that holds 92% of 99 published eager FSDP runs held out by source (leave-one-source-"
-                   "out: median 8.6%, worst 24.1%; 11 sources), benchmarks/bench_costmodel.py --published"),
-    "cuda-host-bound": (0.34, "the worst error of the host-bound estimates against 25 real H100 trials without "
-                              "offload (34.0%; median 12%), benchmarks/bench_costmodel.py --gpu-recorded"),
+    "cuda": (0.22, "the range that holds 97% of 99 published eager FSDP runs held out by source (leave-one-source-"
+                   "out: median 8.4%, worst 23.3%; 11 sources), benchmarks/bench_costmodel.py --published"),
+    "cuda-host-bound": (0.43, "the worst error of the host-bound estimates against 27 real H100 trials without "
+                              "offload (43.0%; median 12%), benchmarks/bench_costmodel.py --gpu-recorded"),
 }
 """Relative error an estimate carries, by the profile's device, from the validation that can
 fail (docs/COSTMODEL.md, "Validation"): the range printed with every estimated throughput."""

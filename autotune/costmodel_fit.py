@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from autotune import costmodel
@@ -66,6 +66,9 @@ class PublishedRun:
     memory_gib: float | None = None
     """The source's memory figure, where it gives one (GiB); `memory_means` says what it measures."""
     memory_means: str = ""
+    peak_tflops: float | None = None
+    """The GPUs' dense bf16 peak where the source says its GPUs are not the catalog part (None: the
+    catalog's data sheet): torchtitan's H100s are HBM2e parts at a 500 W power limit."""
 
 
 @functools.cache
@@ -79,7 +82,7 @@ def published_runs() -> tuple[PublishedRun, ...]:
     its source in full."""
     data = _published_data()
     sources = data["sources"]
-    return tuple(PublishedRun(**{**row, "source": sources[row["source"]]["citation"]}) for row in data["runs"])
+    return tuple(PublishedRun(**_with_source_facts(row, sources[row["source"]])) for row in data["runs"])
 
 
 @functools.cache
@@ -88,8 +91,20 @@ def excluded_published_runs() -> tuple[PublishedRun, ...]:
     the step-time model does not cost), each with its reason in `excluded`."""
     data = _published_data()
     sources = data["sources"]
-    return tuple(PublishedRun(**{**row, "source": sources[row["source"]]["citation"]})
+    return tuple(PublishedRun(**_with_source_facts(row, sources[row["source"]]))
                  for row in data.get("excluded_runs", ()))
+
+
+SOURCE_FACTS = ("peak_tflops",)
+"""Facts a source states for all its rows that the estimate reads (its GPUs' peak). Sources also record
+facts the model does not read (`hbm_gbps`, `kernels`: the memory-bound term that would read them was tried
+and not kept, docs/COSTMODEL.md, "Memory-bound work, attention and hardware facts")."""
+
+
+def _with_source_facts(row: dict, source: dict) -> dict:
+    """A row's fields with its source's citation and the facts the source states for every row."""
+    facts = {k: source[k] for k in SOURCE_FACTS if source.get(k) is not None}
+    return {**facts, **row, "source": source["citation"]}
 
 
 def source_citation(key: str) -> str:
@@ -134,8 +149,11 @@ def _published_work(run: PublishedRun):
     from autotune.backends.analytic import step_work
     from autotune.catalog.gpus import GPUS
 
+    gpu = GPUS[run.gpu]
+    if run.peak_tflops:
+        gpu = replace(gpu, peak_tflops=run.peak_tflops)
     spec = TrialSpec(model=published_model(run.model), seq_len=run.seq_len,
-                     cluster=Cluster(num_gpus=run.num_gpus, num_nodes=run.num_nodes, gpu=GPUS[run.gpu]),
+                     cluster=Cluster(num_gpus=run.num_gpus, num_nodes=run.num_nodes, gpu=gpu),
                      train=TrainConfig(micro_batch_size=run.micro_batch_size,
                                        activation_checkpointing=run.activation_checkpointing,
                                        shard_group_size=run.shard_group_size,

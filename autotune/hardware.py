@@ -177,7 +177,8 @@ PUBLISHED_MATMUL_FRACTION = {
              "of autotune/data/published_runs.json"),
     "hopper": (costmodel.MATMUL_EFFICIENCY["h100-80gb"],
                "the fraction of the H100 dense bf16 peak (989 TFLOP/s) an eager FSDP step's FLOPs run at in "
-               "torchtitan's Llama 3.1 8B on 8 and 128 H100s (docs/performance.md Tables 1 and 3, FSDP eager), "
+               "torchtitan's Llama 3.1 8B on 8 and 128 H100s (docs/performance.md Tables 1 and 3, FSDP eager; 500 W "
+               "HBM2e parts, costed at 912 TFLOP/s, the middle of the peak range the source states), "
                "fms-fsdp's 96 H100s and llm-foundry's MPT H100 tables, fitted to all of "
                "autotune/data/published_runs.json"),
 }
