@@ -129,7 +129,7 @@ def _tune_in_run_dir(options: TuneOptions, console, *, request, store, finished,
     from autotune.controller import Controller
     from autotune.records import why_nothing_fits
     from autotune.files import write_atomic
-    from autotune.result import build_result, dumps
+    from autotune.result import build_result, dumps, text_only_note, text_only_section
     from autotune.run_folder import trials_csv
     from autotune.store import step_record
 
@@ -160,6 +160,9 @@ def _tune_in_run_dir(options: TuneOptions, console, *, request, store, finished,
             predictor.close()
     records = store.trials(run_id=run_id)
     write_atomic(run_dir / "trials.csv", trials_csv(records))
+    if model.text_tower_of and outcome.winner is not None:  # what --text-only left out, at the winner's precision
+        left_out = text_only_section(model, num_gpus=request.cluster.num_gpus, precision=outcome.winner.train.precision)
+        outcome.notes.insert(0, text_only_note(left_out))
     for note in outcome.notes:
         console.note(note)
         log(f"note: {note}")
@@ -244,7 +247,7 @@ def resolve_problem(options: Options, *, check_batch=None) -> tuple[Any, Any, in
         raise UsageError("--model is required (a catalog name or a path to a config.json)")
     if options.gpus is None:
         raise UsageError("--gpus is required: the total number of GPUs of the job, e.g. --gpus 8")
-    model = resolve_model(options.model, trust_remote_code=options.trust_remote_code)
+    model = resolve_model(options.model, trust_remote_code=options.trust_remote_code, text_only=options.text_only)
     seq_len = options.seq_len or model.default_seq_len
     if model.max_positions and seq_len > model.max_positions:
         raise UsageError(f"--seq-len {seq_len} is longer than {model.name} supports "

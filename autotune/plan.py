@@ -61,6 +61,7 @@ class PlanOptions:
     runs_dir: str = "runs"
     storage: str | None = None
     trust_remote_code: bool = False
+    text_only: bool = False
     jobs: int | None = None
     whole_sequences: bool = False
     """--seq-len max: --global-tokens rounded to whole sequences per GPU at the length found, as
@@ -81,7 +82,8 @@ class PlanOptions:
                            global_tokens=self.global_tokens_for(gpus, seq_len) if seq_len else self.global_tokens,
                            gpu_type=gpu_type, seq_len=seq_len, backend=self.backend, headroom=self.headroom,
                            global_tolerance=self.global_tolerance, space=self.space, runs_dir=self.runs_dir,
-                           storage=self.storage, trust_remote_code=self.trust_remote_code)
+                           storage=self.storage, trust_remote_code=self.trust_remote_code,
+                           text_only=self.text_only)
 
 
 # -- parsing the flags ------------------------------------------------------------------------------
@@ -407,10 +409,10 @@ def run_plan(options: PlanOptions, log, *, seq_len_max=None, progress=None) -> d
     live line (begin(description, expected_s=, basis=, started=)), told as GPU counts finish."""
     from autotune.api import check_wrappable
     from autotune.catalog.models import resolve_model
-    from autotune.result import provenance
+    from autotune.result import provenance, text_only_note, text_only_section
 
     began = time.monotonic()
-    model = resolve_model(options.model, trust_remote_code=options.trust_remote_code)
+    model = resolve_model(options.model, trust_remote_code=options.trust_remote_code, text_only=options.text_only)
     check_wrappable(model)
     for gpus in options.gpus:
         nodes_for(gpus, options.gpus_per_node)  # refuse a count that is not whole nodes before any trial
@@ -423,11 +425,16 @@ def run_plan(options: PlanOptions, log, *, seq_len_max=None, progress=None) -> d
         sequence = seq_len_max(model)
         seq_len = sequence["max_seq_len"]
         options = dataclasses.replace(options, seq_len=seq_len, whole_sequences=True)
+    left_out = text_only_section(model, num_gpus=min(options.gpus), precision="bf16")
+    if left_out:  # each option's result says it at its own GPU count and precision
+        log(text_only_note(left_out))
     rows = run_options(options, seq_len, log, progress=progress)
     return {
         "schema_version": PLAN_SCHEMA_VERSION,
         "kind": "autotune-plan",
-        "model": {"name": model.name, "parameters": model.num_parameters, "max_positions": model.max_positions},
+        "model": {"name": model.name, "parameters": model.num_parameters, "max_positions": model.max_positions,
+                  **({"text_only_of": model.text_tower_of["model_type"],
+                      "left_out_parameters": left_out["left_out_parameters"]} if left_out else {})},
         "train_tokens": options.train_tokens,
         "global_tokens": options.global_tokens,
         "seq_len": seq_len,

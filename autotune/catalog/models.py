@@ -298,6 +298,9 @@ class ModelSpec:
     default_seq_len: int
     source: str
     trust_remote_code: bool = False
+    text_tower_of: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    """--text-only: this model is the language model (text_config) of a multimodal one, and this
+    says what of that model was left out (`_towers_left_out`); None for a text model."""
 
     def hf_config(self, *, num_layers: int | None = None):
         """The transformers config; `num_layers` makes a shallower copy (for depth extrapolation)
@@ -555,17 +558,22 @@ class ModelSpec:
     def to_dict(self) -> dict[str, Any]:
         return dict(name=self.name, model_type=self.model_type, config=self.config_dict,
                     default_seq_len=self.default_seq_len, source=self.source,
-                    trust_remote_code=self.trust_remote_code)
+                    trust_remote_code=self.trust_remote_code, text_tower_of=self.text_tower_of)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelSpec":
         return cls(name=data["name"], model_type=data["model_type"], config_dict=data["config"],
                    default_seq_len=data["default_seq_len"], source=data["source"],
-                   trust_remote_code=data.get("trust_remote_code", False))
+                   trust_remote_code=data.get("trust_remote_code", False),
+                   text_tower_of=data.get("text_tower_of"))
 
 
-def resolve_model(name_or_path: str, *, trust_remote_code: bool = False) -> ModelSpec:
-    """A catalog name, or a local config.json / model folder. Never downloads."""
+def resolve_model(name_or_path: str, *, trust_remote_code: bool = False, text_only: bool = False) -> ModelSpec:
+    """A catalog name, or a local config.json / model folder. Never downloads. `text_only`
+    (--text-only): a multimodal config's language model (its text_config), alone."""
+    if name_or_path in MODELS and text_only:
+        raise UsageError(f"--text-only is for a multimodal config with a text_config (Llava, Gemma 3, ...); "
+                         f"{name_or_path!r} is a text model: drop --text-only")
     if name_or_path in MODELS:
         entry = MODELS[name_or_path]
         return ModelSpec(name=name_or_path, model_type=entry.model_type,
@@ -596,6 +604,14 @@ def resolve_model(name_or_path: str, *, trust_remote_code: bool = False) -> Mode
                          "if you trust it")
     model_type = data["model_type"]
     where = str(path)
+    text_tower_of = None
+    if _is_multimodal_with_text(model_type, data):
+        if not text_only:
+            raise UsageError(_multimodal_refusal(model_type, data, where=where))
+        model_type, data, text_tower_of = _text_tower(model_type, data, where=where)
+    elif text_only:
+        raise UsageError(f"--text-only is for a multimodal config with a text_config (Llava, Gemma 3, ...); "
+                         f"{where!r} (model_type {model_type!r}) is a text model: drop --text-only")
     if not isinstance(model_type, str) or config_class_of(model_type) is None:
         if not trust_remote_code:
             raise UsageError(f"model_type {model_type!r} in {where!r} is unknown to the installed "
@@ -625,10 +641,11 @@ def resolve_model(name_or_path: str, *, trust_remote_code: bool = False) -> Mode
     max_pos = data.get("max_position_embeddings") or 4096
     if not isinstance(max_pos, int) or isinstance(max_pos, bool) or max_pos < 1:
         raise UsageError(f"{where!r}: max_position_embeddings must be a positive integer, got {max_pos!r}")
-    spec = ModelSpec(name=data.get("_name_or_path") or path.parent.name or path.stem,
+    name = data.get("_name_or_path") or path.parent.name or path.stem
+    spec = ModelSpec(name=f"{name}-text" if text_tower_of else name,
                      model_type=model_type, config_dict=data,
                      default_seq_len=min(4096, int(max_pos)), source=where,
-                     trust_remote_code=trust_remote_code)
+                     trust_remote_code=trust_remote_code, text_tower_of=text_tower_of)
     if not trust_remote_code:
         with _quiet_transformers():
             _check_buildable(spec, where=where)
@@ -673,12 +690,87 @@ def _check_causal_lm(model_type: str, data: dict[str, Any], *, where: str) -> No
     if towers and "text_config" not in sub_configs:
         raise UsageError(f"{where!r}: model_type {kind!r} is a multimodal model ({', '.join(towers)} besides the "
                          "language model): autotune tunes decoder-only language models on text")
-    if "text_config" in sub_configs and "num_hidden_layers" not in data:
-        text = data.get("text_config") or {}
-        text_type = text.get("model_type") if isinstance(text, dict) else None
-        named = f" (model_type {text_type!r})" if text_type else ""
-        raise UsageError(f"{where!r}: model_type {kind!r} is a multimodal model whose language model is its "
-                         f"text_config{named}; save text_config as a config.json of its own to tune the text tower")
+
+
+def _is_multimodal_with_text(kind: Any, data: dict[str, Any]) -> bool:
+    """A multimodal config whose language model is a sub-config (Llava, Qwen2-VL, Gemma 3): its
+    shape is in text_config, not at the top level."""
+    if not isinstance(kind, str) or config_class_of(kind) is None:
+        return False
+    sub_configs = getattr(config_class_of(kind), "sub_configs", None) or {}
+    return "text_config" in sub_configs and "num_hidden_layers" not in data
+
+
+def _multimodal_refusal(kind: str, data: dict[str, Any], *, where: str) -> str:
+    text = data.get("text_config") or {}
+    text_type = text.get("model_type") if isinstance(text, dict) else None
+    named = f" (model_type {text_type!r})" if text_type else ""
+    return (f"{where!r}: model_type {kind!r} is a multimodal model whose language model is its text_config{named}; "
+            "pass --text-only to tune the language model alone (the run says what of the rest it leaves out)")
+
+
+def _text_tower(kind: str, data: dict[str, Any], *, where: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """--text-only: (model_type, config dict) of a multimodal config's language model, as
+    transformers' own get_text_config() gives it, and what of the whole model is left out."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    full = _full_multimodal_config(kind, data, where=where)
+    text = full.get_text_config()
+    text_type = text.model_type
+    if text_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UsageError(f"{where!r}: {kind}'s language model (text_config, model_type {text_type!r}) has no "
+                         "causal-LM class in the installed transformers, so autotune cannot build it alone: "
+                         "--text-only is not available for it")
+    text_dict = {k: v for k, v in text.to_dict().items() if k not in ("transformers_version", "architectures")}
+    from autotune import cache
+
+    left_out = cache.cached("towers-left-out", dict(model_type=kind, config=data),
+                            lambda: _towers_left_out(full))
+    return text_type, text_dict, dict(left_out, model_type=kind)
+
+
+def _full_multimodal_config(kind: str, data: dict[str, Any], *, where: str):
+    from transformers import AutoConfig
+
+    try:
+        from huggingface_hub.errors import StrictDataclassError  # transformers 5 validates configs with it
+    except ImportError:
+        StrictDataclassError = ValueError
+    fields = {k: v for k, v in data.items() if k not in ("model_type", "transformers_version")}
+    try:
+        with _quiet_transformers():
+            return AutoConfig.for_model(kind, **fields)
+    except (ValueError, TypeError, KeyError, AttributeError, StrictDataclassError) as exc:
+        detail = " ".join(str(exc).split())
+        raise UsageError(f"{where!r} is not a valid {kind} config: {detail[:300]}; fix that field") from None
+
+
+def _towers_left_out(full_config) -> dict[str, Any]:
+    """What --text-only leaves out of a multimodal model: the whole model built on the meta device
+    (transformers' image-text-to-text class for it), less its language model (`get_decoder()`)
+    and output head (`get_output_embeddings()`), parameters shared between them counted once."""
+    import torch
+    from transformers.models.auto import modeling_auto as auto
+
+    for mapping in (auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING, auto.MODEL_FOR_CAUSAL_LM_MAPPING, auto.MODEL_MAPPING):
+        model_class = mapping.get(type(full_config), None)
+        if model_class is not None:
+            break
+    with _quiet_transformers(), torch.device("meta"):
+        model = model_class._from_config(full_config)
+    language = {id(p) for part in (model.get_decoder(), model.get_output_embeddings()) if part is not None
+                for p in part.parameters()}
+    left_out_modules: dict[str, int] = {}
+    total = 0
+    for name, parameter in model.named_parameters():  # each shared parameter once
+        total += parameter.numel()
+        if id(parameter) in language:
+            continue
+        parts = name.split(".")
+        module = ".".join(parts[:2] if parts[0] == model.base_model_prefix and len(parts) > 2 else parts[:1])
+        left_out_modules[module] = left_out_modules.get(module, 0) + parameter.numel()
+    return dict(model_class=type(model).__name__, parameters=total,
+                left_out_parameters=sum(left_out_modules.values()), left_out_modules=left_out_modules)
 
 
 _NON_TEXT_TOWERS = frozenset({"vision_config", "vq_config", "vision_tower_config", "image_config"})
