@@ -77,6 +77,7 @@ def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
     formats = parse_formats(options.export) if options.export else []
     check_out_file(options.out)
     check_wrappable(model)
+    check_precision_runs(model, space.precision)
     vllm_share = None
     if workload.kind == "grpo":  # before the run folder: a share vLLM cannot start in is a usage error
         chosen = with_vllm_share(TuneRequest(model=model, cluster=cluster, seq_len=seq_len, target_tokens=target,
@@ -86,6 +87,7 @@ def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
         workload, vllm_share = chosen.workload, chosen.vllm_share
     runs_dir = ensure_writable(Path(options.runs_dir))
     backend_name, backend_why = choose_backend(options.backend, cluster)
+    check_backend_traces(model, backend_name)
     if space.float8 != "none" and cluster.gpu.has_float8 and backend_name != "analytic":
         check_float8_library(f"--float8 {space.float8}")  # traced or run: torchao's float8 linears
     if backend_name in ("cpu", "cuda") and cluster.host_memory_bytes is None:
@@ -340,6 +342,31 @@ def check_wrappable(model) -> None:
     """Fail now, with the supported families, if FSDP cannot wrap the model (a meta build: run it
     after the cheap checks, so a typo in a number is refused at once)."""
     _ = model.block_class
+
+
+SPACE_BF16_PURE = 'tune it in bf16-pure (a --space file with [baseline] precision = "bf16-pure")'
+
+
+def check_precision_runs(model, precision: str, *, instead: str = SPACE_BF16_PURE) -> None:
+    """Refuse, before any trial, a model that cannot train in this precision: under mixed precision
+    (compute dtype other than the master dtype), one whose float32 buffers meet bf16 activations
+    (ModelSpec.mixed_precision_clash); in bf16-pure or fp32 transformers builds buffers and
+    parameters alike."""
+    from autotune.config import MASTER_DTYPE_NAMES, PARAM_DTYPE_NAMES
+
+    if PARAM_DTYPE_NAMES[precision] == MASTER_DTYPE_NAMES[precision]:
+        return
+    clash = model.mixed_precision_clash
+    if clash:
+        raise UsageError(f"{model.name} cannot train in {precision} mixed precision: {clash}; {instead}")
+
+
+def check_backend_traces(model, backend: str) -> None:
+    """Refuse the simulator, before any trial, for a model fake tensors cannot run
+    (ModelSpec.untraceable): every trial would fail alike."""
+    if backend == "sim" and model.untraceable:
+        raise UsageError(f"{model.name} cannot be simulated: {model.untraceable}; tune it with real trials, "
+                         "--backend cpu or cuda")
 
 
 def check_out_file(out: str | None) -> None:

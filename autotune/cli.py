@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from autotune import knobs as knob_registry
-from autotune.api import (check_multi_node, check_out_file, check_wrappable, choose_backend, make_backend,
+from autotune.api import (check_backend_traces, check_multi_node, check_out_file, check_precision_runs, check_wrappable, choose_backend, make_backend,
                           parse_formats, resolve_finetuning, resolve_problem, resolve_stack, resolve_workload,
                           run_tune, write_formats)
 from autotune.errors import AutotuneError, NothingFits, StorageUnavailable, UsageError
@@ -437,6 +437,7 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
     stack = resolve_stack(args, recorded_stack)
     model, cluster, seq_len, gpu_note = resolve_problem(args)
     check_wrappable(model)
+    check_precision_runs(model, train.precision, instead="run it in bf16-pure (--precision bf16-pure)")
     console.note(gpu_note)
     left_out = text_only_section(model, num_gpus=cluster.num_gpus, precision=train.precision)
     if left_out:
@@ -456,6 +457,7 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
                                                            workload=workload),
                      workload=workload, finetuning=finetuning, stack=stack)
     backend_name, why = choose_backend(args.backend, cluster)
+    check_backend_traces(model, backend_name)
     if train.float8 != "none" and backend_name != "analytic":
         check_float8_library(f"--float8 {train.float8}")  # traced or run: torchao's float8 linears
     console.note(f"backend: {backend_name} ({why})")

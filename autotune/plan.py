@@ -407,13 +407,16 @@ def _configuration(document: dict) -> dict[str, Any]:
 def run_plan(options: PlanOptions, log, *, seq_len_max=None, progress=None) -> dict[str, Any]:
     """The plan document (plan.json's content; schemas/plan.schema.json). `progress`: the console's
     live line (begin(description, expected_s=, basis=, started=)), told as GPU counts finish."""
-    from autotune.api import check_wrappable
+    from autotune.api import check_backend_traces, check_precision_runs, check_wrappable
     from autotune.catalog.models import resolve_model
+    from autotune.search_space import load_space
     from autotune.result import provenance, text_only_note, text_only_section
 
     began = time.monotonic()
     model = resolve_model(options.model, trust_remote_code=options.trust_remote_code, text_only=options.text_only)
     check_wrappable(model)
+    check_backend_traces(model, options.backend)  # refused once here, not by every option's tune
+    check_precision_runs(model, load_space(options.space).precision)
     for gpus in options.gpus:
         nodes_for(gpus, options.gpus_per_node)  # refuse a count that is not whole nodes before any trial
     seq_len = options.seq_len or model.default_seq_len

@@ -91,6 +91,7 @@ def depth_for(family: str) -> tuple[int, dict]:
 def prepare(family: str, folder: Path) -> tuple[Row, object | None]:
     from transformers import AutoConfig
 
+    from autotune.api import check_precision_runs
     from autotune.catalog.models import resolve_model
     from autotune.errors import UsageError
 
@@ -109,6 +110,7 @@ def prepare(family: str, folder: Path) -> tuple[Row, object | None]:
         model = resolve_model(str(path))
         row.layers, row.period, row.block_class = model.num_layers, model.layer_period, model.block_class
         row.parameters = model.num_parameters
+        check_precision_runs(model, "bf16")  # as `autotune tune` refuses it, before any trial
     except UsageError as exc:
         row.status, row.reason = "refused", one_line(str(exc).replace(str(path / "config.json"), "config.json"))
         if "transformers cannot build" in row.reason or "is not a valid" in row.reason:

@@ -465,6 +465,67 @@ class ModelSpec:
                                                for p in block.parameters() if p.dim() >= 2}))
 
     @property
+    def mixed_precision_clash(self) -> str | None:
+        """Why the model cannot train under FSDP2's mixed precision, or None. FSDP2 casts the
+        parameters to the compute dtype and leaves buffers as built; a model that multiplies its
+        activations by a float32 buffer (openai-gpt's causal-mask `bias`, MiniMax's lightning-attention
+        decay factors) then matmuls the float32 product with bf16 and fails, in a real run as in the
+        simulator (`_fake_forward`)."""
+        failure = self._fake_forward
+        return failure["why"] if failure and failure["kind"] == "dtype" else None
+
+    @property
+    def untraceable(self) -> str | None:
+        """Why fake tensors (the simulator) cannot run the model's forward, or None: it reads a
+        tensor's value (.item(), a data-dependent shape: jetmoe's and modernbert-decoder's routing).
+        Real trials run it (`_fake_forward`)."""
+        failure = self._fake_forward
+        return failure["why"] if failure and failure["kind"] == "data-dependent" else None
+
+    @cached_property
+    def _fake_forward(self) -> dict[str, str] | None:
+        """What stops one forward of one period of layers on fake tensors, with the parameters in bf16
+        and the buffers as built (what FSDP2's mixed precision computes with), or None: a dtype clash
+        or a data-dependent op, with the module it stopped in. Once per model shape on this machine."""
+        from autotune import cache
+
+        key = cache.key_of("fake-forward", dict(model_type=self.model_type, config=self.config_dict,
+                                                remote=self.trust_remote_code, layers=self.num_layers))
+        cached = cache.load("fake-forward", key)
+        if isinstance(cached, dict):
+            return cached["failure"]
+        failure = self._run_fake_forward()
+        cache.store("fake-forward", key, dict(failure=failure))
+        return failure
+
+    def _run_fake_forward(self) -> dict[str, str] | None:
+        import torch
+        from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+        from transformers import AutoModelForCausalLM
+
+        running: list[torch.nn.Module] = []  # the modules whose forward has begun and not returned
+
+        def returned(_module, _args, _output) -> None:  # None: the output stays the module's
+            running.pop()
+
+        with _quiet_transformers(), _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True):
+            try:
+                # float32 as training.build_model builds it under mixed precision, whatever dtype the
+                # config.json names (a released checkpoint's says bfloat16)
+                model = AutoModelForCausalLM.from_config(self.hf_config(num_layers=self.layer_period),
+                                                         dtype=torch.float32, trust_remote_code=self.trust_remote_code)
+                for parameter in model.parameters():
+                    parameter.data = parameter.data.to(torch.bfloat16)
+                for module in model.modules():
+                    module.register_forward_pre_hook(lambda module, _args: running.append(module))
+                    module.register_forward_hook(returned)
+                with torch.no_grad():
+                    model(input_ids=torch.zeros((1, 8), dtype=torch.long))
+            except (RuntimeError, DataDependentOutputException) as exc:
+                return _fake_forward_failure(exc, running[-1] if running else None)
+        return None
+
+    @property
     def block_param_shapes(self) -> tuple[tuple[int, ...], ...]:
         """The distinct shapes of the decoder blocks' multi-dimensional parameters (a fused expert
         weight's first dimension is the number of experts): where FSDP2 can shard them."""
@@ -667,6 +728,44 @@ def _quiet_transformers():
         yield
     finally:
         hf_logging.set_verbosity(previous)
+
+
+def _fake_forward_failure(exc: BaseException, module) -> dict[str, str] | None:
+    """ModelSpec._fake_forward's record of `exc`, raised in `module`'s forward (None: in the build)."""
+    import traceback
+
+    import torch
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    if module is not None:
+        where = f"{type(module).__module__.rsplit('.', 1)[-1]}.{type(module).__name__}"
+    else:  # the model's own code that raised, e.g. its weight init
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/transformers/models/" in f.filename]
+        where = f"{Path(frames[-1].filename).stem}.{frames[-1].name}" if frames else "the model's build"
+    if isinstance(exc, DataDependentOutputException):
+        return dict(kind="data-dependent", why=f"{where} reads a tensor's value ({exc}: .item() or a data-dependent "
+                                               "shape), which fake tensors cannot give")
+    buffers = [name for name, b in module.named_buffers() if b.dtype == torch.float32] if module is not None else []
+    if "expected scalar type" not in str(exc) and "dtype" not in str(exc) or not buffers:
+        return None  # another failure: the trial reports its own
+    detail = " ".join(str(exc).split())[:120]
+    return dict(kind="dtype", why=f"{where} multiplies bf16 activations by its float32 buffers ({', '.join(buffers)}), "
+                                  f"which FSDP2's mixed precision leaves in float32 (it casts parameters only), and "
+                                  f"fails ({detail})")
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors():
+    """Fake tensors log the traceback of an op that fails on them; the probe reports it in one line."""
+    import logging
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    previous = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
 
 
 def _check_causal_lm(model_type: str, data: dict[str, Any], *, where: str) -> None:
