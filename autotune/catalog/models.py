@@ -373,16 +373,21 @@ class ModelSpec:
         """One fingerprint per decoder layer of the model transformers builds at full depth (meta
         device): its modules and parameter shapes. None where the blocks are not one per layer
         (`_count_on_meta` says why). Raises UnsupportedModelError if FSDP has no blocks to wrap."""
+        return self._once_per_shape("block-structures", self._structures_on_meta)
+
+    def _once_per_shape(self, kind: str, compute):
+        """compute() once per model shape and library version on this machine (autotune.cache), then
+        read back: a repeated plan need not import transformers for it."""
         from autotune import cache
 
-        key = cache.key_of("block-structures", dict(model_type=self.model_type, config=self.config_dict,
-                                                    remote=self.trust_remote_code, layers=self.num_layers))
-        cached = cache.load("block-structures", key)
-        if isinstance(cached, dict):
-            return cached["structures"]
-        structures = self._structures_on_meta()
-        cache.store("block-structures", key, dict(structures=structures))
-        return structures
+        key = cache.key_of(kind, dict(model_type=self.model_type, config=self.config_dict,
+                                      remote=self.trust_remote_code, layers=self.num_layers))
+        cached = cache.load(kind, key)
+        if isinstance(cached, dict) and "value" in cached:
+            return cached["value"]
+        value = compute()
+        cache.store(kind, key, dict(value=value))
+        return value
 
     def _structures_on_meta(self) -> list[str] | None:
         import torch
@@ -486,17 +491,8 @@ class ModelSpec:
     def _fake_forward(self) -> dict[str, str] | None:
         """What stops one forward of one period of layers on fake tensors, with the parameters in bf16
         and the buffers as built (what FSDP2's mixed precision computes with), or None: a dtype clash
-        or a data-dependent op, with the module it stopped in. Once per model shape on this machine."""
-        from autotune import cache
-
-        key = cache.key_of("fake-forward", dict(model_type=self.model_type, config=self.config_dict,
-                                                remote=self.trust_remote_code, layers=self.num_layers))
-        cached = cache.load("fake-forward", key)
-        if isinstance(cached, dict):
-            return cached["failure"]
-        failure = self._run_fake_forward()
-        cache.store("fake-forward", key, dict(failure=failure))
-        return failure
+        or a data-dependent op, with the module it stopped in."""
+        return self._once_per_shape("fake-forward", self._run_fake_forward)
 
     def _run_fake_forward(self) -> dict[str, str] | None:
         import torch
@@ -803,28 +799,42 @@ def _is_multimodal_with_text(kind: Any, data: dict[str, Any]) -> bool:
 def _multimodal_refusal(kind: str, data: dict[str, Any], *, where: str) -> str:
     text = data.get("text_config") or {}
     text_type = text.get("model_type") if isinstance(text, dict) else None
+    text_type = text_type or getattr(config_class_of(kind).sub_configs["text_config"], "model_type", None)
     named = f" (model_type {text_type!r})" if text_type else ""
+    if not _has_causal_lm(text_type):
+        return (f"{where!r}: model_type {kind!r} is a multimodal model whose language model is its text_config{named}, "
+                "which has no causal-LM class in the installed transformers: autotune cannot tune it, whole or "
+                "alone (--text-only)")
     return (f"{where!r}: model_type {kind!r} is a multimodal model whose language model is its text_config{named}; "
             "pass --text-only to tune the language model alone (the run says what of the rest it leaves out)")
+
+
+def _has_causal_lm(model_type: str | None) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
 def _text_tower(kind: str, data: dict[str, Any], *, where: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """--text-only: (model_type, config dict) of a multimodal config's language model, as
     transformers' own get_text_config() gives it, and what of the whole model is left out."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     full = _full_multimodal_config(kind, data, where=where)
     text = full.get_text_config()
     text_type = text.model_type
-    if text_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if not _has_causal_lm(text_type):
         raise UsageError(f"{where!r}: {kind}'s language model (text_config, model_type {text_type!r}) has no "
                          "causal-LM class in the installed transformers, so autotune cannot build it alone: "
                          "--text-only is not available for it")
     text_dict = {k: v for k, v in text.to_dict().items() if k not in ("transformers_version", "architectures")}
     from autotune import cache
 
-    left_out = cache.cached("towers-left-out", dict(model_type=kind, config=data),
-                            lambda: _towers_left_out(full))
+    try:
+        left_out = cache.cached("towers-left-out", dict(model_type=kind, config=data),
+                                lambda: _towers_left_out(full))
+    except (ImportError, TypeError, ValueError, KeyError, AttributeError, RuntimeError) as exc:
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())[:240]
+        raise UsageError(f"{where!r}: transformers cannot build the whole {kind} model from this config ({detail}), "
+                         "on which --text-only counts what it leaves out; fix the field it names") from None
     return text_type, text_dict, dict(left_out, model_type=kind)
 
 
