@@ -24,6 +24,9 @@ VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_att
 MULTIMODAL = {
     "gemma3": dict(text_config=TEXT, vision_config=VISION, mm_tokens_per_image=4),
     "llava": dict(text_config=dict(TEXT, model_type="llama"), vision_config=VISION),
+    # Mistral 3 ties its head to the embedding at the top level, its text_config says not: the whole
+    # model's tying is the one that trains
+    "mistral3": dict(text_config=dict(TEXT, model_type="mistral"), vision_config=dict(VISION, head_dim=16)),
 }
 
 

@@ -630,7 +630,7 @@ def resolve_model(name_or_path: str, *, trust_remote_code: bool = False, text_on
     (--text-only): a multimodal config's language model (its text_config), alone."""
     if name_or_path in MODELS and text_only:
         raise UsageError(f"--text-only is for a multimodal config with a text_config (Llava, Gemma 3, ...); "
-                         f"{name_or_path!r} is a text model: drop --text-only")
+                         f"{name_or_path!r} has no language model of its own to tune alone: drop --text-only")
     if name_or_path in MODELS:
         entry = MODELS[name_or_path]
         return ModelSpec(name=name_or_path, model_type=entry.model_type,
@@ -668,7 +668,8 @@ def resolve_model(name_or_path: str, *, trust_remote_code: bool = False, text_on
         model_type, data, text_tower_of = _text_tower(model_type, data, where=where)
     elif text_only:
         raise UsageError(f"--text-only is for a multimodal config with a text_config (Llava, Gemma 3, ...); "
-                         f"{where!r} (model_type {model_type!r}) is a text model: drop --text-only")
+                         f"{where!r} (model_type {model_type!r}) has no language model of its own to tune alone: "
+                         "drop --text-only")
     if not isinstance(model_type, str) or config_class_of(model_type) is None:
         if not trust_remote_code:
             raise UsageError(f"model_type {model_type!r} in {where!r} is unknown to the installed "
@@ -706,6 +707,12 @@ def resolve_model(name_or_path: str, *, trust_remote_code: bool = False, text_on
     if not trust_remote_code:
         with _quiet_transformers():
             _check_buildable(spec, where=where)
+    if text_tower_of:
+        language = text_tower_of["parameters"] - text_tower_of["left_out_parameters"]
+        if spec.num_parameters != language:
+            raise UsageError(f"{where!r}: {text_tower_of['model_type']}'s language model built alone from its text_config "
+                             f"has {spec.num_parameters:,} parameters, inside the whole model {language:,}: autotune "
+                             "cannot tune it alone as it trains there (--text-only)")
     return spec
 
 
@@ -835,6 +842,9 @@ def _text_tower(kind: str, data: dict[str, Any], *, where: str) -> tuple[str, di
         detail = " ".join(f"{type(exc).__name__}: {exc}".split())[:240]
         raise UsageError(f"{where!r}: transformers cannot build the whole {kind} model from this config ({detail}), "
                          "on which --text-only counts what it leaves out; fix the field it names") from None
+    # The head tied to the embedding as the whole model ties it: its top-level tie_word_embeddings
+    # rules there (Mistral 3 ties, its text_config's says not), and that is the model that trains.
+    text_dict["tie_word_embeddings"] = left_out.pop("tied_head")
     return text_type, text_dict, dict(left_out, model_type=kind)
 
 
@@ -867,8 +877,9 @@ def _towers_left_out(full_config) -> dict[str, Any]:
             break
     with _quiet_transformers(), torch.device("meta"):
         model = model_class._from_config(full_config)
-    language = {id(p) for part in (model.get_decoder(), model.get_output_embeddings()) if part is not None
-                for p in part.parameters()}
+    head = model.get_output_embeddings()
+    language = {id(p) for part in (model.get_decoder(), head) if part is not None for p in part.parameters()}
+    tied_head = head is not None and head.weight is model.get_input_embeddings().weight
     left_out_modules: dict[str, int] = {}
     total = 0
     for name, parameter in model.named_parameters():  # each shared parameter once
@@ -878,7 +889,7 @@ def _towers_left_out(full_config) -> dict[str, Any]:
         parts = name.split(".")
         module = ".".join(parts[:2] if parts[0] == model.base_model_prefix and len(parts) > 2 else parts[:1])
         left_out_modules[module] = left_out_modules.get(module, 0) + parameter.numel()
-    return dict(model_class=type(model).__name__, parameters=total,
+    return dict(model_class=type(model).__name__, parameters=total, tied_head=tied_head,
                 left_out_parameters=sum(left_out_modules.values()), left_out_modules=left_out_modules)
 
 
