@@ -79,6 +79,7 @@ def text_only_section(model, *, num_gpus: int, precision: str) -> dict[str, Any]
         "of": left["model_type"],
         "gpus": num_gpus,
         "model_class": left["model_class"],
+        "language_model_class": left.get("language_model_class"),
         "whole_model_parameters": int(left["parameters"]),
         "tuned_parameters": model.num_parameters,
         "left_out_parameters": count,

@@ -391,12 +391,11 @@ class ModelSpec:
 
     def _structures_on_meta(self) -> list[str] | None:
         import torch
-        from transformers import AutoModelForCausalLM
 
         from autotune.catalog.blocks import find_decoder_blocks
 
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(self.hf_config(), trust_remote_code=self.trust_remote_code)
+            model = causal_lm_from_config(self.hf_config(), trust_remote_code=self.trust_remote_code)
         blocks = find_decoder_blocks(model)  # the full model's, as FSDP wraps them: raises if it has none
         if len(blocks.layers) != self.num_layers:
             return None
@@ -432,7 +431,6 @@ class ModelSpec:
 
     def _count_on_meta(self) -> dict[str, Any]:
         import torch
-        from transformers import AutoModelForCausalLM
 
         from autotune.errors import UnsupportedModelError
         from autotune.catalog.blocks import find_decoder_blocks, fused_experts
@@ -440,7 +438,7 @@ class ModelSpec:
         period = self.layer_period
         config = self.hf_config(num_layers=period)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=self.trust_remote_code)
+            model = causal_lm_from_config(config, trust_remote_code=self.trust_remote_code)
         blocks = find_decoder_blocks(model)
         if len(blocks.layers) != period:
             raise UnsupportedModelError(
@@ -497,7 +495,6 @@ class ModelSpec:
     def _run_fake_forward(self) -> dict[str, str] | None:
         import torch
         from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
-        from transformers import AutoModelForCausalLM
 
         running: list[torch.nn.Module] = []  # the modules whose forward has begun and not returned
 
@@ -508,8 +505,8 @@ class ModelSpec:
             try:
                 # float32 as training.build_model builds it under mixed precision, whatever dtype the
                 # config.json names (a released checkpoint's says bfloat16)
-                model = AutoModelForCausalLM.from_config(self.hf_config(num_layers=self.layer_period),
-                                                         dtype=torch.float32, trust_remote_code=self.trust_remote_code)
+                model = causal_lm_from_config(self.hf_config(num_layers=self.layer_period), dtype=torch.float32,
+                                              trust_remote_code=self.trust_remote_code)
                 for parameter in model.parameters():
                     parameter.data = parameter.data.to(torch.bfloat16)
                 for module in model.modules():
@@ -677,7 +674,8 @@ def resolve_model(name_or_path: str, *, trust_remote_code: bool = False, text_on
     else:
         data = canonical_config(model_type, data)  # GPT-2's n_layer is num_hidden_layers, ...
     if not trust_remote_code:
-        _check_causal_lm(model_type, data, where=where)
+        if text_tower_of is None:  # a text tower was checked buildable as a causal LM (_text_tower)
+            _check_causal_lm(model_type, data, where=where)
         probe = ModelSpec(name="probe", model_type=model_type, config_dict=data, default_seq_len=1,
                           source=where)
         with _quiet_transformers():  # autotune's own checks below name what must be fixed, in one line
@@ -817,9 +815,37 @@ def _multimodal_refusal(kind: str, data: dict[str, Any], *, where: str) -> str:
 
 
 def _has_causal_lm(model_type: str | None) -> bool:
+    """transformers builds a causal LM of this model_type: its own class, or its base model under
+    an output head (catalog/text_tower.py: a text tower such as Qwen2-VL's, built for --text-only)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or _is_text_tower(model_type, MODEL_MAPPING_NAMES)
+
+
+def _is_text_tower(model_type: str | None, base_models) -> bool:
+    return bool(model_type) and model_type.endswith("_text") and model_type in base_models
+
+
+def _causal_lm_class(model_type: str) -> str:
+    """The class causal_lm_from_config builds for model_type, by name."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) or "autotune.catalog.text_tower.TextTowerForCausalLM"
+
+
+def causal_lm_from_config(config, **kwargs):
+    """AutoModelForCausalLM.from_config, or, for a text tower transformers has no causal-LM class for
+    (Qwen2-VL's qwen2_vl_text), its base model under an output head (catalog/text_tower.py)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+
+    kind = getattr(config, "model_type", None)
+    if kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or not _is_text_tower(kind, MODEL_MAPPING_NAMES):
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+    from autotune.catalog.text_tower import TextTowerForCausalLM
+
+    kwargs.pop("trust_remote_code", None)
+    return TextTowerForCausalLM._from_config(config, **kwargs)
 
 
 def _text_tower(kind: str, data: dict[str, Any], *, where: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
@@ -845,7 +871,7 @@ def _text_tower(kind: str, data: dict[str, Any], *, where: str) -> tuple[str, di
     # The head tied to the embedding as the whole model ties it: its top-level tie_word_embeddings
     # rules there (Mistral 3 ties, its text_config's says not), and that is the model that trains.
     text_dict["tie_word_embeddings"] = left_out.pop("tied_head")
-    return text_type, text_dict, dict(left_out, model_type=kind)
+    return text_type, text_dict, dict(left_out, model_type=kind, language_model_class=_causal_lm_class(text_type))
 
 
 def _full_multimodal_config(kind: str, data: dict[str, Any], *, where: str):

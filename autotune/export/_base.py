@@ -373,6 +373,11 @@ def build_export(*, fmt: str, filename: str, target: str, tuned: Tuned, mapper: 
                     f"estimated {format_bytes(left['left_out_state_bytes_per_gpu_estimated'])} per GPU of sharded "
                     f"states and {format_bytes(left['left_out_gathered_bytes_estimated'])} gathered, plus their "
                     "image activations, none of it costed by the tune: keep headroom for them, or freeze those towers")
+        if str(left.get("language_model_class") or "").startswith("autotune."):
+            mapper.warn(f"transformers has no causal-LM class for {tuned.model_type}: autotune built it as its "
+                        f"{left['language_model_class']} (the language model under the output head); a script here "
+                        f"that builds the model from its config fails with AutoModelForCausalLM: build "
+                        f"{left['model_class']} from the full checkpoint instead")
     mapper.check_complete()
     text = prologue + header(tuned=tuned, target=target, mapper=mapper) + "\n" + body.lstrip("\n")
     return Export(format=fmt, filename=filename, text=text, target=target,
