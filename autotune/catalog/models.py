@@ -494,7 +494,7 @@ class ModelSpec:
 
     def _run_fake_forward(self) -> dict[str, str] | None:
         import torch
-        from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+        from torch._subclasses.fake_tensor import FakeTensorMode
 
         running: list[torch.nn.Module] = []  # the modules whose forward has begun and not returned
 
@@ -514,7 +514,7 @@ class ModelSpec:
                     module.register_forward_hook(returned)
                 with torch.no_grad():
                     model(input_ids=torch.zeros((1, 8), dtype=torch.long))
-            except (RuntimeError, DataDependentOutputException) as exc:
+            except Exception as exc:  # noqa: BLE001 - any other failure is left to the trial to report
                 return _fake_forward_failure(exc, running[-1] if running else None)
         return None
 
@@ -747,7 +747,8 @@ def _fake_forward_failure(exc: BaseException, module) -> dict[str, str] | None:
         return dict(kind="data-dependent", why=f"{where} reads a tensor's value ({exc}: .item() or a data-dependent "
                                                "shape), which fake tensors cannot give")
     buffers = [name for name, b in module.named_buffers() if b.dtype == torch.float32] if module is not None else []
-    if "expected scalar type" not in str(exc) and "dtype" not in str(exc) or not buffers:
+    if not isinstance(exc, RuntimeError) or "expected scalar type" not in str(exc) and "dtype" not in str(exc) \
+            or not buffers:
         return None  # another failure: the trial reports its own
     detail = " ".join(str(exc).split())[:120]
     return dict(kind="dtype", why=f"{where} multiplies bf16 activations by its float32 buffers ({', '.join(buffers)}), "
