@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 
 from autotune import knobs as knob_registry
-from autotune.api import (check_backend_traces, check_multi_node, check_out_file, check_precision_runs, check_wrappable, choose_backend, make_backend,
-                          parse_formats, resolve_finetuning, resolve_problem, resolve_stack, resolve_workload,
-                          run_tune, write_formats)
+from autotune.api import (check_backend_traces, check_multi_node, check_out_file, check_precision_runs,
+                          check_wrappable, choose_backend, make_backend, parse_formats, resolve_finetuning,
+                          resolve_problem, resolve_stack, resolve_workload, run_tune, write_formats)
 from autotune.errors import AutotuneError, NothingFits, StorageUnavailable, UsageError
 from autotune.interrupts import raised_where_safe
 from autotune.config import PEFT_METHODS, STACKS, check_float8_library

@@ -416,7 +416,8 @@ def run_plan(options: PlanOptions, log, *, seq_len_max=None, progress=None) -> d
     model = resolve_model(options.model, trust_remote_code=options.trust_remote_code, text_only=options.text_only)
     check_wrappable(model)
     check_backend_traces(model, options.backend)  # refused once here, not by every option's tune
-    check_precision_runs(model, load_space(options.space).precision)
+    precision = load_space(options.space).precision
+    check_precision_runs(model, precision)
     for gpus in options.gpus:
         nodes_for(gpus, options.gpus_per_node)  # refuse a count that is not whole nodes before any trial
     seq_len = options.seq_len or model.default_seq_len
@@ -428,8 +429,8 @@ def run_plan(options: PlanOptions, log, *, seq_len_max=None, progress=None) -> d
         sequence = seq_len_max(model)
         seq_len = sequence["max_seq_len"]
         options = dataclasses.replace(options, seq_len=seq_len, whole_sequences=True)
-    left_out = text_only_section(model, num_gpus=min(options.gpus), precision="bf16")
-    if left_out:  # each option's result says it at its own GPU count and precision
+    left_out = text_only_section(model, num_gpus=min(options.gpus), precision=precision)
+    if left_out:  # at the smallest GPU count; each option's result says it at its own
         log(text_only_note(left_out))
     rows = run_options(options, seq_len, log, progress=progress)
     return {

@@ -14,8 +14,8 @@ from typing import Any
 from autotune.records import Step, TuneRequest, eligible, prediction_summary
 from autotune.version import __version__
 from autotune import knobs
-from autotune.config import (MASTER_DTYPE_BYTES, MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, PARAM_DTYPE_NAMES, reduce_dtype_name, stack_section,
-                             stack_step)
+from autotune.config import (MASTER_DTYPE_BYTES, MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, PARAM_DTYPE_NAMES,
+                             reduce_dtype_name, stack_section, stack_step)
 from autotune.runtime_memory import ALLOC_CONF_ENV, alloc_conf
 from autotune.secrets import mask
 
@@ -102,8 +102,8 @@ def text_only_note(section: dict[str, Any]) -> str:
     return (f"--text-only: tuned {section['of']}'s language model alone ({format_count(section['tuned_parameters'])} "
             f"of its {format_count(section['whole_model_parameters'])} parameters); left out {modules} "
             f"({format_count(section['left_out_parameters'])} parameters): at {section['gpus']} GPUs they would add "
-            f"an estimated {format_bytes(section['left_out_state_bytes_per_gpu_estimated'])} per GPU of sharded weights, gradients "
-            f"and AdamW states, plus {format_bytes(section['left_out_gathered_bytes_estimated'])} while gathered, and "
+            f"an estimated {format_bytes(section['left_out_state_bytes_per_gpu_estimated'])} per GPU of sharded "
+            f"weights, gradients and AdamW states, plus {format_bytes(section['left_out_gathered_bytes_estimated'])} while gathered, and "
             "their image/patch activations, none of it traced: the memory figures here are the language model's")
 
 
