@@ -77,6 +77,7 @@ def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
     formats = parse_formats(options.export) if options.export else []
     check_out_file(options.out)
     check_wrappable(model)
+    check_precision_runs(model, space.precision)
     vllm_share = None
     if workload.kind == "grpo":  # before the run folder: a share vLLM cannot start in is a usage error
         chosen = with_vllm_share(TuneRequest(model=model, cluster=cluster, seq_len=seq_len, target_tokens=target,
@@ -86,6 +87,7 @@ def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
         workload, vllm_share = chosen.workload, chosen.vllm_share
     runs_dir = ensure_writable(Path(options.runs_dir))
     backend_name, backend_why = choose_backend(options.backend, cluster)
+    check_backend_traces(model, backend_name)
     if space.float8 not in ("none", "auto") and cluster.gpu.has_float8 and backend_name != "analytic":
         check_float8_library(f"--float8 {space.float8}")  # traced or run: torchao's float8 linears
     if backend_name in ("cpu", "cuda") and cluster.host_memory_bytes is None:
@@ -129,7 +131,7 @@ def _tune_in_run_dir(options: TuneOptions, console, *, request, store, finished,
     from autotune.controller import Controller
     from autotune.records import why_nothing_fits
     from autotune.files import write_atomic
-    from autotune.result import build_result, dumps
+    from autotune.result import build_result, dumps, text_only_note, text_only_section
     from autotune.run_folder import trials_csv
     from autotune.store import step_record
 
@@ -160,6 +162,9 @@ def _tune_in_run_dir(options: TuneOptions, console, *, request, store, finished,
             predictor.close()
     records = store.trials(run_id=run_id)
     write_atomic(run_dir / "trials.csv", trials_csv(records))
+    if model.text_tower_of and outcome.winner is not None:  # what --text-only left out, at the winner's precision
+        left_out = text_only_section(model, num_gpus=request.cluster.num_gpus, precision=outcome.winner.train.precision)
+        outcome.notes.insert(0, text_only_note(left_out))
     for note in outcome.notes:
         console.note(note)
         log(f"note: {note}")
@@ -244,7 +249,7 @@ def resolve_problem(options: Options, *, check_batch=None) -> tuple[Any, Any, in
         raise UsageError("--model is required (a catalog name or a path to a config.json)")
     if options.gpus is None:
         raise UsageError("--gpus is required: the total number of GPUs of the job, e.g. --gpus 8")
-    model = resolve_model(options.model, trust_remote_code=options.trust_remote_code)
+    model = resolve_model(options.model, trust_remote_code=options.trust_remote_code, text_only=options.text_only)
     seq_len = options.seq_len or model.default_seq_len
     if model.max_positions and seq_len > model.max_positions:
         raise UsageError(f"--seq-len {seq_len} is longer than {model.name} supports "
@@ -337,6 +342,31 @@ def check_wrappable(model) -> None:
     """Fail now, with the supported families, if FSDP cannot wrap the model (a meta build: run it
     after the cheap checks, so a typo in a number is refused at once)."""
     _ = model.block_class
+
+
+SPACE_BF16_PURE = 'tune it in bf16-pure (a --space file with [baseline] precision = "bf16-pure")'
+
+
+def check_precision_runs(model, precision: str, *, instead: str = SPACE_BF16_PURE) -> None:
+    """Refuse, before any trial, a model that cannot train in this precision: under mixed precision
+    (compute dtype other than the master dtype), one whose float32 buffers meet bf16 activations
+    (ModelSpec.mixed_precision_clash); in bf16-pure or fp32 transformers builds buffers and
+    parameters alike."""
+    from autotune.config import MASTER_DTYPE_NAMES, PARAM_DTYPE_NAMES
+
+    if PARAM_DTYPE_NAMES[precision] == MASTER_DTYPE_NAMES[precision]:
+        return
+    clash = model.mixed_precision_clash
+    if clash:
+        raise UsageError(f"{model.name} cannot train in {precision} mixed precision: {clash}; {instead}")
+
+
+def check_backend_traces(model, backend: str) -> None:
+    """Refuse the simulator, before any trial, for a model fake tensors cannot run
+    (ModelSpec.untraceable): every trial would fail alike."""
+    if backend == "sim" and model.untraceable:
+        raise UsageError(f"{model.name} cannot be simulated: {model.untraceable}; tune it with real trials, "
+                         "--backend cpu or cuda")
 
 
 def check_out_file(out: str | None) -> None:

@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 
 from autotune import knobs as knob_registry
-from autotune.api import (check_multi_node, check_out_file, check_wrappable, choose_backend, make_backend,
-                          parse_formats, resolve_finetuning, resolve_problem, resolve_stack, resolve_workload,
-                          run_tune, write_formats)
+from autotune.api import (check_backend_traces, check_multi_node, check_out_file, check_precision_runs,
+                          check_wrappable, choose_backend, make_backend, parse_formats, resolve_finetuning,
+                          resolve_problem, resolve_stack, resolve_workload, run_tune, write_formats)
 from autotune.errors import AutotuneError, NothingFits, StorageUnavailable, UsageError
 from autotune.interrupts import raised_where_safe
 from autotune.config import PEFT_METHODS, STACKS, check_float8_library
@@ -51,11 +51,7 @@ class _Parser(argparse.ArgumentParser):
 # -- shared options ---------------------------------------------------------------------------------
 def _add_problem_options(parser: argparse.ArgumentParser, *, model_required: bool, seq_len_max: bool = False) -> None:
     group = parser.add_argument_group("model and cluster")
-    group.add_argument("--model", required=model_required,
-                       help="catalog name (llama-7b, llama3-8b, mistral-7b, qwen2.5-7b, tiny-llama, ...) "
-                            "or a path to a Hugging Face config.json or model folder")
-    group.add_argument("--trust-remote-code", action="store_true",
-                       help="allow a local config that needs custom model code (off by default)")
+    _add_model_options(group, required=model_required)
     group.add_argument("--gpus", type=positive_int, help="total GPUs (ranks) of the job")
     group.add_argument("--nodes", type=positive_int, default=1, help="nodes; GPUs per node = gpus / nodes")
     group.add_argument("--gpu-type", help="GPU catalog entry (h100-80gb, a100-40gb, ...); default: the "
@@ -111,6 +107,19 @@ def _add_problem_options(parser: argparse.ArgumentParser, *, model_required: boo
     real.add_argument("--shared-dir", help="multi-node trials: a folder every node sees; run `autotune agent "
                                            "--shared-dir DIR` on each other node (docs/REAL_TRIALS.md)")
     real.add_argument("--node-rank", help=argparse.SUPPRESS)  # gone: refused with what to do instead
+
+
+def _add_model_options(group, *, required: bool) -> None:
+    """--model and how it is read: every command that takes a model takes these alike."""
+    group.add_argument("--model", required=required,
+                       help="catalog name (llama-7b, llama3-8b, mistral-7b, qwen2.5-7b, tiny-llama, ...) "
+                            "or a path to a Hugging Face config.json or model folder")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="allow a local config that needs custom model code (off by default)")
+    group.add_argument("--text-only", action="store_true",
+                       help="a multimodal config (Llava, Gemma 3, ...): tune its language model (text_config) "
+                            "alone; the run says what it leaves out (the other towers' parameters and their "
+                            "estimated memory per GPU, their activations)")
 
 
 def _add_seq_len(group, *, seq_len_max: bool) -> None:
@@ -172,8 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="for a model and a token budget: GPU count and type, time, cost and "
                                        "binding limit of each option (a tune per option)")
     what = plan.add_argument_group("the question")
-    what.add_argument("--model", required=True, help="catalog name or a path to a Hugging Face config.json")
-    what.add_argument("--trust-remote-code", action="store_true", help="allow a local config that needs custom code")
+    _add_model_options(what, required=True)
     what.add_argument("--train-tokens", required=True, help="tokens to train on, e.g. 1T, 300G, 15_000_000_000")
     what.add_argument("--gpus", required=True,
                       help="GPU counts: a list (8,16,32) and/or doubling ranges (8..256 = 8,16,...,256)")
@@ -343,7 +351,8 @@ def cmd_plan(args: argparse.Namespace, console) -> int:
                           seq_len=None if args.seq_len == "max" else args.seq_len, backend=args.backend,
                           gpus_per_node=args.gpus_per_node, headroom=args.headroom,
                           global_tolerance=args.global_tolerance, space=args.space, runs_dir=args.runs_dir,
-                          storage=args.storage, trust_remote_code=args.trust_remote_code, jobs=args.jobs)
+                          storage=args.storage, trust_remote_code=args.trust_remote_code,
+                          text_only=args.text_only, jobs=args.jobs)
     seq_len_max = None
     if args.seq_len == "max":
         from autotune.plan import plan_max_seq_len
@@ -403,6 +412,7 @@ def cmd_calibrate(args: argparse.Namespace, console) -> int:
 def cmd_trial(args: argparse.Namespace, console) -> int:
     from autotune.config import TrainConfig, TrialSpec, memory_limit_bytes, stack_section
     from autotune.records import DEFAULT_HEADROOM
+    from autotune.result import text_only_note, text_only_section
 
     recorded = recorded_finetuning = recorded_stack = None
     if args.config:
@@ -427,7 +437,11 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
     stack = resolve_stack(args, recorded_stack)
     model, cluster, seq_len, gpu_note = resolve_problem(args)
     check_wrappable(model)
+    check_precision_runs(model, train.precision, instead="run it in bf16-pure (--precision bf16-pure)")
     console.note(gpu_note)
+    left_out = text_only_section(model, num_gpus=cluster.num_gpus, precision=train.precision)
+    if left_out:
+        console.note(text_only_note(left_out))
     if workload.kind == "grpo":  # the share (given, recorded or TRL's) must let vLLM start
         from autotune.vllm_share import check_completion, choose_share, share_note, vllm_need
 
@@ -443,6 +457,7 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
                                                            workload=workload),
                      workload=workload, finetuning=finetuning, stack=stack)
     backend_name, why = choose_backend(args.backend, cluster)
+    check_backend_traces(model, backend_name)
     if train.float8 != "none" and backend_name != "analytic":
         check_float8_library(f"--float8 {train.float8}")  # traced or run: torchao's float8 linears
     console.note(f"backend: {backend_name} ({why})")
@@ -455,7 +470,8 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
            "seq_len": seq_len, "config": train.to_dict(), "grad_accum_steps": grad_accum,
            "workload": workload.to_dict(), "finetuning": finetuning.to_dict(),
            "stack": stack_section(stack, train.precision, model.model_type),
-           "memory_limit_bytes": spec.limit_bytes, "fits": result.ok, **result.to_dict()}
+           "memory_limit_bytes": spec.limit_bytes, "fits": result.ok, **result.to_dict(),
+           **({"text_only": left_out} if left_out else {})}
     sys.stdout.write(json.dumps(out, indent=2, default=str) + "\n")
     return EXIT_OK
 

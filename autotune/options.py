@@ -79,6 +79,8 @@ class TuneOptions:
     global_tokens: int | str | None = None  # checked with the batch arithmetic (autotune/api.py)
     # model and cluster
     trust_remote_code: bool = False
+    text_only: bool = False
+    """A multimodal config's language model alone (its text_config); the run says what is left out."""
     nodes: int = _option(1, check=positive_int)
     gpu_type: str | None = None
     gpu_memory: str | None = None

@@ -61,6 +61,7 @@ class PlanOptions:
     runs_dir: str = "runs"
     storage: str | None = None
     trust_remote_code: bool = False
+    text_only: bool = False
     jobs: int | None = None
     whole_sequences: bool = False
     """--seq-len max: --global-tokens rounded to whole sequences per GPU at the length found, as
@@ -84,7 +85,7 @@ class PlanOptions:
                            gpu_type=gpu_type, seq_len=seq_len, backend=self.backend, headroom=self.headroom,
                            global_tolerance=self.global_tolerance, space=self.space, runs_dir=self.runs_dir,
                            storage=self.storage, trust_remote_code=self.trust_remote_code,
-                           compile="none", float8="none")
+                           text_only=self.text_only, compile="none", float8="none")
 
 
 # -- parsing the flags ------------------------------------------------------------------------------
@@ -408,13 +409,17 @@ def _configuration(document: dict) -> dict[str, Any]:
 def run_plan(options: PlanOptions, log, *, seq_len_max=None, progress=None) -> dict[str, Any]:
     """The plan document (plan.json's content; schemas/plan.schema.json). `progress`: the console's
     live line (begin(description, expected_s=, basis=, started=)), told as GPU counts finish."""
-    from autotune.api import check_wrappable
+    from autotune.api import check_backend_traces, check_precision_runs, check_wrappable
     from autotune.catalog.models import resolve_model
-    from autotune.result import provenance
+    from autotune.search_space import load_space
+    from autotune.result import provenance, text_only_note, text_only_section
 
     began = time.monotonic()
-    model = resolve_model(options.model, trust_remote_code=options.trust_remote_code)
+    model = resolve_model(options.model, trust_remote_code=options.trust_remote_code, text_only=options.text_only)
     check_wrappable(model)
+    check_backend_traces(model, options.backend)  # refused once here, not by every option's tune
+    precision = load_space(options.space).precision
+    check_precision_runs(model, precision)
     for gpus in options.gpus:
         nodes_for(gpus, options.gpus_per_node)  # refuse a count that is not whole nodes before any trial
     seq_len = options.seq_len or model.default_seq_len
@@ -426,11 +431,16 @@ def run_plan(options: PlanOptions, log, *, seq_len_max=None, progress=None) -> d
         sequence = seq_len_max(model)
         seq_len = sequence["max_seq_len"]
         options = dataclasses.replace(options, seq_len=seq_len, whole_sequences=True)
+    left_out = text_only_section(model, num_gpus=min(options.gpus), precision=precision)
+    if left_out:  # at the smallest GPU count; each option's result says it at its own
+        log(text_only_note(left_out))
     rows = run_options(options, seq_len, log, progress=progress)
     return {
         "schema_version": PLAN_SCHEMA_VERSION,
         "kind": "autotune-plan",
-        "model": {"name": model.name, "parameters": model.num_parameters, "max_positions": model.max_positions},
+        "model": {"name": model.name, "parameters": model.num_parameters, "max_positions": model.max_positions,
+                  **({"text_only_of": model.text_tower_of["model_type"],
+                      "left_out_parameters": left_out["left_out_parameters"]} if left_out else {})},
         "train_tokens": options.train_tokens,
         "global_tokens": options.global_tokens,
         "seq_len": seq_len,

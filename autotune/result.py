@@ -14,8 +14,8 @@ from typing import Any
 from autotune.records import Step, TuneRequest, eligible, prediction_summary
 from autotune.version import __version__
 from autotune import knobs
-from autotune.config import (MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, PARAM_DTYPE_NAMES, reduce_dtype_name, stack_section,
-                             stack_step)
+from autotune.config import (MASTER_DTYPE_BYTES, MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, PARAM_DTYPE_NAMES,
+                             reduce_dtype_name, stack_section, stack_step)
 from autotune.runtime_memory import ALLOC_CONF_ENV, alloc_conf
 from autotune.secrets import mask
 
@@ -63,6 +63,48 @@ def model_section(request: TuneRequest) -> dict[str, Any]:
         "attention_implementation": model.attention_implementation,
         "config": {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool)) or v is None},
     }
+
+
+def text_only_section(model, *, num_gpus: int, precision: str) -> dict[str, Any] | None:
+    """--text-only: what of the multimodal model was left out of the tune, and an estimate of the
+    memory per GPU its parameters would add under FSDP at this GPU count (the language model's
+    precision: sharded master weight, gradient and AdamW's two states; the weights gathered whole
+    once). None for a text model."""
+    left = model.text_tower_of
+    if not left:
+        return None
+    count = int(left["left_out_parameters"])
+    state_bytes = 4 * MASTER_DTYPE_BYTES[MASTER_DTYPE_NAMES[precision]]
+    return {
+        "of": left["model_type"],
+        "gpus": num_gpus,
+        "model_class": left["model_class"],
+        "language_model_class": left.get("language_model_class"),
+        "whole_model_parameters": int(left["parameters"]),
+        "tuned_parameters": model.num_parameters,
+        "left_out_parameters": count,
+        "left_out_modules": dict(left["left_out_modules"]),
+        "left_out_state_bytes_per_gpu_estimated": -(-count * state_bytes // num_gpus),
+        "left_out_gathered_bytes_estimated": count * PARAM_DTYPE_BYTES[precision],
+        "basis": (f"estimated, not traced: {state_bytes} B a left-out parameter ({MASTER_DTYPE_NAMES[precision]} "
+                  f"weight, gradient, AdamW's two states) sharded over {num_gpus} GPUs, and its "
+                  f"{PARAM_DTYPE_NAMES[precision]} weights gathered whole while they compute"),
+        "not_traced": "the left-out towers' activations (image/patch tokens) and the image tokens' share of "
+                      "the sequence",
+    }
+
+
+def text_only_note(section: dict[str, Any]) -> str:
+    """The console's line for `text_only_section`."""
+    from autotune.units import format_bytes, format_count
+
+    modules = ", ".join(f"{name} {format_count(n)}" for name, n in section["left_out_modules"].items())
+    return (f"--text-only: tuned {section['of']}'s language model alone ({format_count(section['tuned_parameters'])} "
+            f"of its {format_count(section['whole_model_parameters'])} parameters); left out {modules} "
+            f"({format_count(section['left_out_parameters'])} parameters): at {section['gpus']} GPUs they would add "
+            f"an estimated {format_bytes(section['left_out_state_bytes_per_gpu_estimated'])} per GPU of sharded "
+            f"weights, gradients and AdamW states, plus {format_bytes(section['left_out_gathered_bytes_estimated'])} while gathered, and "
+            "their image/patch activations, none of it traced: the memory figures here are the language model's")
 
 
 def decision_path(steps: list[Step]) -> list[dict[str, Any]]:
@@ -329,6 +371,7 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
         "sampling": sampling,
         "why_winner": why_winner(winner, steps, request),
         "notes": notes,
+        "text_only": text_only_section(request.model, num_gpus=request.cluster.num_gpus, precision=train.precision),
         "backend": backend,
         "provenance": provenance(),
     }

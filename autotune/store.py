@@ -47,6 +47,8 @@ def study_name(request: TuneRequest, backend: str) -> str:
         # Nor a torchtitan (LitGPT) study whose trials ran its own step one whose trials could not
         # (its package not importable where it ran: autotune's step; config.stack_step).
         **({f"{request.stack}_step": OWN_STEPS[request.stack].importable()} if request.stack in OWN_STEPS else {}),
+        # Nor a multimodal model's language model alone (--text-only) the whole model.
+        **({"text_only_of": request.model.text_tower_of["model_type"]} if request.model.text_tower_of else {}),
     }, sort_keys=True, default=str)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.model.name)

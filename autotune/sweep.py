@@ -53,7 +53,7 @@ from autotune.errors import AutotuneError, NothingFits, StorageUnavailable, Usag
 SWEEP_PREFIX = "sweep:"
 MATRIX_KEYS = ("model", "gpus", "nodes", "gpu_type", "global_tokens", "seq_len", "backend", "workload",
                "vllm_gpu_memory_utilization")
-OPTION_KEYS = ("headroom", "global_tolerance", "max_trials", "time_budget", "space", "timeout")
+OPTION_KEYS = ("headroom", "global_tolerance", "max_trials", "time_budget", "space", "timeout", "text_only")
 DEFAULT_HEARTBEAT_S = 10.0
 ENQUEUE_WAIT_S = 120.0
 MAX_RETRIES = 3  # a problem whose workers keep dying is given up after this many retries

@@ -38,10 +38,10 @@ def build_model(model: ModelSpec, *, num_layers: int | None = None, seed: int = 
             raise UsageError("--stack litgpt: LoRA (finetune_lora) is not built on LitGPT's model here")
         torch.manual_seed(seed)
         return build_litgpt_model(model, num_layers=num_layers, precision=precision, seq_len=seq_len)
-    from transformers import AutoModelForCausalLM
+    from autotune.catalog.models import causal_lm_from_config
 
     torch.manual_seed(seed)
-    net = AutoModelForCausalLM.from_config(
+    net = causal_lm_from_config(
         model.hf_config(num_layers=num_layers),
         dtype=getattr(torch, MASTER_DTYPE_NAMES[precision]),
         trust_remote_code=model.trust_remote_code,

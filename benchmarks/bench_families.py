@@ -88,9 +88,10 @@ def depth_for(family: str) -> tuple[int, dict]:
     return first
 
 
-def prepare(family: str, folder: Path) -> tuple[Row, object | None]:
+def prepare(family: str, folder: Path, *, text_only: bool = False) -> tuple[Row, object | None]:
     from transformers import AutoConfig
 
+    from autotune.api import check_precision_runs
     from autotune.catalog.models import resolve_model
     from autotune.errors import UsageError
 
@@ -106,9 +107,18 @@ def prepare(family: str, folder: Path) -> tuple[Row, object | None]:
         row.reason = one_line(f"transformers: {default}" if default else f"{type(exc).__name__}: {exc}")
         return row, None
     try:
-        model = resolve_model(str(path))
+        try:
+            model = resolve_model(str(path))
+        except UsageError as exc:
+            if not (text_only and "pass --text-only" in str(exc)):
+                raise
+            model = resolve_model(str(path), text_only=True)  # a multimodal config's language model alone
+            left = model.text_tower_of
+            row.reason = (f"--text-only: its language model ({model.model_type}), {left['left_out_parameters']:,} "
+                          f"of {left['parameters']:,} parameters left out")
         row.layers, row.period, row.block_class = model.num_layers, model.layer_period, model.block_class
         row.parameters = model.num_parameters
+        check_precision_runs(model, "bf16")  # as `autotune tune` refuses it, before any trial
     except UsageError as exc:
         row.status, row.reason = "refused", one_line(str(exc).replace(str(path / "config.json"), "config.json"))
         if "transformers cannot build" in row.reason or "is not a valid" in row.reason:
@@ -122,7 +132,9 @@ def prepare(family: str, folder: Path) -> tuple[Row, object | None]:
         row.status, row.reason = "failed", one_line(f"resolve: internal error {type(exc).__name__}: {exc}")
         return row, None
     try:
-        counted, row.frozen = plain_parameter_count(path)
+        # --text-only: the whole model's count is not the language model's (tests/test_text_only.py
+        # checks that one against transformers' language-model submodule)
+        counted, row.frozen = plain_parameter_count(path) if model.text_tower_of is None else (row.parameters, 0)
     except Exception:  # noqa: BLE001 - plain transformers cannot read back its own save: nothing to compare
         counted = row.parameters
     if counted != row.parameters:
@@ -202,6 +214,8 @@ def main() -> int:
     parser.add_argument("--checkpointing", default=",".join(CHECKPOINTING),
                         help="activation checkpointing modes to compare (default: none,full)")
     parser.add_argument("--resolve-only", action="store_true", help="shrink and resolve only: no simulation")
+    parser.add_argument("--text-only", action="store_true",
+                        help="multimodal families: their language model alone, as `--text-only` tunes it")
     parser.add_argument("--json", help="write the rows as JSON here")
     parser.add_argument("--markdown", help="write the table as Markdown here")
     args = parser.parse_args()
@@ -221,7 +235,7 @@ def main() -> int:
     planned: list[tuple[Row, list]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for family in families:
-            row, model = prepare(family, Path(tmp))
+            row, model = prepare(family, Path(tmp), text_only=args.text_only)
             rows.append(row)
             if model is not None:
                 planned.append((row, specs_of(model, args.checkpointing.split(","))))

@@ -198,10 +198,11 @@ def test_shrunk_configs_run_a_forward_and_backward_in_plain_transformers(family)
     assert torch.isfinite(loss)
 
 
-def test_a_model_that_reads_tensor_values_says_so_instead_of_asking_for_more_gpus(tmp_path, capsys):
+def test_a_model_that_reads_tensor_values_is_refused_the_simulator_up_front(tmp_path, capsys):
     """jetmoe's router reads a tensor's value in forward: transformers itself cannot run it on fake
-    tensors (checked here without autotune), and it trains in plain transformers. The tune's trials
-    are errors that say why and what to do; its last line is not a memory limit's "add GPUs"."""
+    tensors (checked here without autotune), and it trains in plain transformers. A sim tune is
+    refused before any trial, in one line that names the module and the real backends (not a
+    trial error per configuration, nor a memory limit's "add GPUs")."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
     config = shrunk_config("jetmoe", num_layers=2)
@@ -214,7 +215,37 @@ def test_a_model_that_reads_tensor_values_says_so_instead_of_asking_for_more_gpu
     path = _write(tmp_path, config)
     code = main(["--model", path, "--gpus", "2", "--seq-len", "64", "--global-tokens", "1024", "--backend", "sim",
                  "--max-trials", "1", "--runs-dir", str(tmp_path / "runs")])
-    printed = " ".join(capsys.readouterr().err.split())
-    assert code != 0 and "no configuration could be evaluated" in printed, printed
-    assert "reads a tensor's value in forward" in printed and "--backend cpu or cuda" in printed
-    assert "add GPUs" not in printed
+    printed = capsys.readouterr().err
+    assert code == EXIT_USAGE and printed.count("\n") == 1, printed
+    assert "JetMoeTopKGating reads a tensor's value" in printed and "--backend cpu or cuda" in printed
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())  # no trial ran
+
+
+@pytest.mark.parametrize("family, module, buffer", [("openai-gpt", "modeling_openai.Attention", "bias"),
+                                                    ("minimax", "modeling_minimax.MiniMaxLightningAttention",
+                                                     "diagonal_decay")])
+def test_a_model_whose_float32_buffers_meet_bf16_is_refused_mixed_precision_up_front(tmp_path, capsys, family,
+                                                                                      module, buffer):
+    """openai-gpt's causal mask and MiniMax's decay factors are float32 buffers its forward multiplies
+    bf16 activations by. Plain transformers, with the parameters in bf16 and the buffers as built
+    (what FSDP2's mixed precision computes with), fails the same way; built in bf16 throughout, it
+    trains. autotune refuses bf16 mixed precision before any trial, naming the module and its
+    buffer, and runs the model in bf16-pure."""
+    config = shrunk_config(family, num_layers=2)
+    config._attn_implementation = "eager"
+    tokens = torch.randint(0, config.vocab_size, (1, 16))
+    mixed = AutoModelForCausalLM.from_config(config)
+    for parameter in mixed.parameters():
+        parameter.data = parameter.data.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="dtype|scalar type"):
+        mixed(input_ids=tokens, use_cache=False)
+    pure = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    pure(input_ids=tokens, labels=tokens, use_cache=False).loss.backward()
+    path = _write(tmp_path, config)  # its config.json now says dtype bfloat16, as released checkpoints' do
+    assert json.loads((tmp_path / "model" / "config.json").read_text())["dtype"] == "bfloat16"  # as released
+    code, printed = _trial(path, capsys)
+    assert code == EXIT_USAGE and printed.count("\n") == 1, printed
+    assert f"{module} multiplies bf16 activations by its float32 buffers" in printed and buffer in printed
+    assert "--precision bf16-pure" in printed
+    assert main(["trial", "--model", path, "--gpus", "2", "--seq-len", "64", "--backend", "sim",
+                 "--precision", "bf16-pure"]) == 0

@@ -298,6 +298,9 @@ class ModelSpec:
     default_seq_len: int
     source: str
     trust_remote_code: bool = False
+    text_tower_of: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    """--text-only: this model is the language model (text_config) of a multimodal one, and this
+    says what of that model was left out (`_towers_left_out`); None for a text model."""
 
     def hf_config(self, *, num_layers: int | None = None):
         """The transformers config; `num_layers` makes a shallower copy (for depth extrapolation)
@@ -370,25 +373,29 @@ class ModelSpec:
         """One fingerprint per decoder layer of the model transformers builds at full depth (meta
         device): its modules and parameter shapes. None where the blocks are not one per layer
         (`_count_on_meta` says why). Raises UnsupportedModelError if FSDP has no blocks to wrap."""
+        return self._once_per_shape("block-structures", self._structures_on_meta)
+
+    def _once_per_shape(self, kind: str, compute):
+        """compute() once per model shape and library version on this machine (autotune.cache), then
+        read back: a repeated plan need not import transformers for it."""
         from autotune import cache
 
-        key = cache.key_of("block-structures", dict(model_type=self.model_type, config=self.config_dict,
-                                                    remote=self.trust_remote_code, layers=self.num_layers))
-        cached = cache.load("block-structures", key)
-        if isinstance(cached, dict):
-            return cached["structures"]
-        structures = self._structures_on_meta()
-        cache.store("block-structures", key, dict(structures=structures))
-        return structures
+        key = cache.key_of(kind, dict(model_type=self.model_type, config=self.config_dict,
+                                      remote=self.trust_remote_code, layers=self.num_layers))
+        cached = cache.load(kind, key)
+        if isinstance(cached, dict) and "value" in cached:
+            return cached["value"]
+        value = compute()
+        cache.store(kind, key, dict(value=value))
+        return value
 
     def _structures_on_meta(self) -> list[str] | None:
         import torch
-        from transformers import AutoModelForCausalLM
 
         from autotune.catalog.blocks import find_decoder_blocks
 
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(self.hf_config(), trust_remote_code=self.trust_remote_code)
+            model = causal_lm_from_config(self.hf_config(), trust_remote_code=self.trust_remote_code)
         blocks = find_decoder_blocks(model)  # the full model's, as FSDP wraps them: raises if it has none
         if len(blocks.layers) != self.num_layers:
             return None
@@ -424,7 +431,6 @@ class ModelSpec:
 
     def _count_on_meta(self) -> dict[str, Any]:
         import torch
-        from transformers import AutoModelForCausalLM
 
         from autotune.errors import UnsupportedModelError
         from autotune.catalog.blocks import find_decoder_blocks, fused_experts
@@ -432,7 +438,7 @@ class ModelSpec:
         period = self.layer_period
         config = self.hf_config(num_layers=period)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=self.trust_remote_code)
+            model = causal_lm_from_config(config, trust_remote_code=self.trust_remote_code)
         blocks = find_decoder_blocks(model)
         if len(blocks.layers) != period:
             raise UnsupportedModelError(
@@ -460,6 +466,57 @@ class ModelSpec:
                                                  for block in blocks.layers), default=0),
                     block_param_shapes=sorted({tuple(p.shape) for block in blocks.layers
                                                for p in block.parameters() if p.dim() >= 2}))
+
+    @property
+    def mixed_precision_clash(self) -> str | None:
+        """Why the model cannot train under FSDP2's mixed precision, or None. FSDP2 casts the
+        parameters to the compute dtype and leaves buffers as built; a model that multiplies its
+        activations by a float32 buffer (openai-gpt's causal-mask `bias`, MiniMax's lightning-attention
+        decay factors) then matmuls the float32 product with bf16 and fails, in a real run as in the
+        simulator (`_fake_forward`)."""
+        failure = self._fake_forward
+        return failure["why"] if failure and failure["kind"] == "dtype" else None
+
+    @property
+    def untraceable(self) -> str | None:
+        """Why fake tensors (the simulator) cannot run the model's forward, or None: it reads a
+        tensor's value (.item(), a data-dependent shape: jetmoe's and modernbert-decoder's routing).
+        Real trials run it (`_fake_forward`)."""
+        failure = self._fake_forward
+        return failure["why"] if failure and failure["kind"] == "data-dependent" else None
+
+    @cached_property
+    def _fake_forward(self) -> dict[str, str] | None:
+        """What stops one forward of one period of layers on fake tensors, with the parameters in bf16
+        and the buffers as built (what FSDP2's mixed precision computes with), or None: a dtype clash
+        or a data-dependent op, with the module it stopped in."""
+        return self._once_per_shape("fake-forward", self._run_fake_forward)
+
+    def _run_fake_forward(self) -> dict[str, str] | None:
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        running: list[torch.nn.Module] = []  # the modules whose forward has begun and not returned
+
+        def returned(_module, _args, _output) -> None:  # None: the output stays the module's
+            running.pop()
+
+        with _quiet_transformers(), _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True):
+            try:
+                # float32 as training.build_model builds it under mixed precision, whatever dtype the
+                # config.json names (a released checkpoint's says bfloat16)
+                model = causal_lm_from_config(self.hf_config(num_layers=self.layer_period), dtype=torch.float32,
+                                              trust_remote_code=self.trust_remote_code)
+                for parameter in model.parameters():
+                    parameter.data = parameter.data.to(torch.bfloat16)
+                for module in model.modules():
+                    module.register_forward_pre_hook(lambda module, _args: running.append(module))
+                    module.register_forward_hook(returned)
+                with torch.no_grad():
+                    model(input_ids=torch.zeros((1, 8), dtype=torch.long))
+            except Exception as exc:  # noqa: BLE001 - any other failure is left to the trial to report
+                return _fake_forward_failure(exc, running[-1] if running else None)
+        return None
 
     @property
     def block_param_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -555,17 +612,22 @@ class ModelSpec:
     def to_dict(self) -> dict[str, Any]:
         return dict(name=self.name, model_type=self.model_type, config=self.config_dict,
                     default_seq_len=self.default_seq_len, source=self.source,
-                    trust_remote_code=self.trust_remote_code)
+                    trust_remote_code=self.trust_remote_code, text_tower_of=self.text_tower_of)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelSpec":
         return cls(name=data["name"], model_type=data["model_type"], config_dict=data["config"],
                    default_seq_len=data["default_seq_len"], source=data["source"],
-                   trust_remote_code=data.get("trust_remote_code", False))
+                   trust_remote_code=data.get("trust_remote_code", False),
+                   text_tower_of=data.get("text_tower_of"))
 
 
-def resolve_model(name_or_path: str, *, trust_remote_code: bool = False) -> ModelSpec:
-    """A catalog name, or a local config.json / model folder. Never downloads."""
+def resolve_model(name_or_path: str, *, trust_remote_code: bool = False, text_only: bool = False) -> ModelSpec:
+    """A catalog name, or a local config.json / model folder. Never downloads. `text_only`
+    (--text-only): a multimodal config's language model (its text_config), alone."""
+    if name_or_path in MODELS and text_only:
+        raise UsageError(f"--text-only is for a multimodal config with a text_config (Llava, Gemma 3, ...); "
+                         f"{name_or_path!r} has no language model of its own to tune alone: drop --text-only")
     if name_or_path in MODELS:
         entry = MODELS[name_or_path]
         return ModelSpec(name=name_or_path, model_type=entry.model_type,
@@ -596,6 +658,15 @@ def resolve_model(name_or_path: str, *, trust_remote_code: bool = False) -> Mode
                          "if you trust it")
     model_type = data["model_type"]
     where = str(path)
+    text_tower_of = None
+    if _is_multimodal_with_text(model_type, data):
+        if not text_only:
+            raise UsageError(_multimodal_refusal(model_type, data, where=where))
+        model_type, data, text_tower_of = _text_tower(model_type, data, where=where)
+    elif text_only:
+        raise UsageError(f"--text-only is for a multimodal config with a text_config (Llava, Gemma 3, ...); "
+                         f"{where!r} (model_type {model_type!r}) has no language model of its own to tune alone: "
+                         "drop --text-only")
     if not isinstance(model_type, str) or config_class_of(model_type) is None:
         if not trust_remote_code:
             raise UsageError(f"model_type {model_type!r} in {where!r} is unknown to the installed "
@@ -603,7 +674,8 @@ def resolve_model(name_or_path: str, *, trust_remote_code: bool = False) -> Mode
     else:
         data = canonical_config(model_type, data)  # GPT-2's n_layer is num_hidden_layers, ...
     if not trust_remote_code:
-        _check_causal_lm(model_type, data, where=where)
+        if text_tower_of is None:  # a text tower was checked buildable as a causal LM (_text_tower)
+            _check_causal_lm(model_type, data, where=where)
         probe = ModelSpec(name="probe", model_type=model_type, config_dict=data, default_seq_len=1,
                           source=where)
         with _quiet_transformers():  # autotune's own checks below name what must be fixed, in one line
@@ -625,13 +697,20 @@ def resolve_model(name_or_path: str, *, trust_remote_code: bool = False) -> Mode
     max_pos = data.get("max_position_embeddings") or 4096
     if not isinstance(max_pos, int) or isinstance(max_pos, bool) or max_pos < 1:
         raise UsageError(f"{where!r}: max_position_embeddings must be a positive integer, got {max_pos!r}")
-    spec = ModelSpec(name=data.get("_name_or_path") or path.parent.name or path.stem,
+    name = data.get("_name_or_path") or path.parent.name or path.stem
+    spec = ModelSpec(name=f"{name}-text" if text_tower_of else name,
                      model_type=model_type, config_dict=data,
                      default_seq_len=min(4096, int(max_pos)), source=where,
-                     trust_remote_code=trust_remote_code)
+                     trust_remote_code=trust_remote_code, text_tower_of=text_tower_of)
     if not trust_remote_code:
         with _quiet_transformers():
             _check_buildable(spec, where=where)
+    if text_tower_of:
+        language = text_tower_of["parameters"] - text_tower_of["left_out_parameters"]
+        if spec.num_parameters != language:
+            raise UsageError(f"{where!r}: {text_tower_of['model_type']}'s language model built alone from its text_config "
+                             f"has {spec.num_parameters:,} parameters, inside the whole model {language:,}: autotune "
+                             "cannot tune it alone as it trains there (--text-only)")
     return spec
 
 
@@ -650,6 +729,45 @@ def _quiet_transformers():
         yield
     finally:
         hf_logging.set_verbosity(previous)
+
+
+def _fake_forward_failure(exc: BaseException, module) -> dict[str, str] | None:
+    """ModelSpec._fake_forward's record of `exc`, raised in `module`'s forward (None: in the build)."""
+    import traceback
+
+    import torch
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    if module is not None:
+        where = f"{type(module).__module__.rsplit('.', 1)[-1]}.{type(module).__name__}"
+    else:  # the model's own code that raised, e.g. its weight init
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/transformers/models/" in f.filename]
+        where = f"{Path(frames[-1].filename).stem}.{frames[-1].name}" if frames else "the model's build"
+    if isinstance(exc, DataDependentOutputException):
+        return dict(kind="data-dependent", why=f"{where} reads a tensor's value ({exc}: .item() or a data-dependent "
+                                               "shape), which fake tensors cannot give")
+    buffers = [name for name, b in module.named_buffers() if b.dtype == torch.float32] if module is not None else []
+    if not isinstance(exc, RuntimeError) or "expected scalar type" not in str(exc) and "dtype" not in str(exc) \
+            or not buffers:
+        return None  # another failure: the trial reports its own
+    detail = " ".join(str(exc).split())[:120]
+    return dict(kind="dtype", why=f"{where} multiplies bf16 activations by its float32 buffers ({', '.join(buffers)}), "
+                                  f"which FSDP2's mixed precision leaves in float32 (it casts parameters only), and "
+                                  f"fails ({detail})")
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors():
+    """Fake tensors log the traceback of an op that fails on them; the probe reports it in one line."""
+    import logging
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    previous = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
 
 
 def _check_causal_lm(model_type: str, data: dict[str, Any], *, where: str) -> None:
@@ -673,12 +791,133 @@ def _check_causal_lm(model_type: str, data: dict[str, Any], *, where: str) -> No
     if towers and "text_config" not in sub_configs:
         raise UsageError(f"{where!r}: model_type {kind!r} is a multimodal model ({', '.join(towers)} besides the "
                          "language model): autotune tunes decoder-only language models on text")
-    if "text_config" in sub_configs and "num_hidden_layers" not in data:
-        text = data.get("text_config") or {}
-        text_type = text.get("model_type") if isinstance(text, dict) else None
-        named = f" (model_type {text_type!r})" if text_type else ""
-        raise UsageError(f"{where!r}: model_type {kind!r} is a multimodal model whose language model is its "
-                         f"text_config{named}; save text_config as a config.json of its own to tune the text tower")
+
+
+def _is_multimodal_with_text(kind: Any, data: dict[str, Any]) -> bool:
+    """A multimodal config whose language model is a sub-config (Llava, Qwen2-VL, Gemma 3): its
+    shape is in text_config, not at the top level."""
+    if not isinstance(kind, str) or config_class_of(kind) is None:
+        return False
+    sub_configs = getattr(config_class_of(kind), "sub_configs", None) or {}
+    return "text_config" in sub_configs and "num_hidden_layers" not in data
+
+
+def _multimodal_refusal(kind: str, data: dict[str, Any], *, where: str) -> str:
+    text = data.get("text_config") or {}
+    text_type = text.get("model_type") if isinstance(text, dict) else None
+    text_type = text_type or getattr(config_class_of(kind).sub_configs["text_config"], "model_type", None)
+    named = f" (model_type {text_type!r})" if text_type else ""
+    if not _has_causal_lm(text_type):
+        return (f"{where!r}: model_type {kind!r} is a multimodal model whose language model is its text_config{named}, "
+                "which has no causal-LM class in the installed transformers: autotune cannot tune it, whole or "
+                "alone (--text-only)")
+    return (f"{where!r}: model_type {kind!r} is a multimodal model whose language model is its text_config{named}; "
+            "pass --text-only to tune the language model alone (the run says what of the rest it leaves out)")
+
+
+def _has_causal_lm(model_type: str | None) -> bool:
+    """transformers builds a causal LM of this model_type: its own class, or its base model under
+    an output head (catalog/text_tower.py: a text tower such as Qwen2-VL's, built for --text-only)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or _is_text_tower(model_type, MODEL_MAPPING_NAMES)
+
+
+def _is_text_tower(model_type: str | None, base_models) -> bool:
+    return bool(model_type) and model_type.endswith("_text") and model_type in base_models
+
+
+def _causal_lm_class(model_type: str) -> str:
+    """The class causal_lm_from_config builds for model_type, by name."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) or "autotune.catalog.text_tower.TextTowerForCausalLM"
+
+
+def causal_lm_from_config(config, **kwargs):
+    """AutoModelForCausalLM.from_config, or, for a text tower transformers has no causal-LM class for
+    (Qwen2-VL's qwen2_vl_text), its base model under an output head (catalog/text_tower.py)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+
+    kind = getattr(config, "model_type", None)
+    if kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or not _is_text_tower(kind, MODEL_MAPPING_NAMES):
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+    from autotune.catalog.text_tower import TextTowerForCausalLM
+
+    kwargs.pop("trust_remote_code", None)
+    return TextTowerForCausalLM._from_config(config, **kwargs)
+
+
+def _text_tower(kind: str, data: dict[str, Any], *, where: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """--text-only: (model_type, config dict) of a multimodal config's language model, as
+    transformers' own get_text_config() gives it, and what of the whole model is left out."""
+    full = _full_multimodal_config(kind, data, where=where)
+    text = full.get_text_config()
+    text_type = text.model_type
+    if not _has_causal_lm(text_type):
+        raise UsageError(f"{where!r}: {kind}'s language model (text_config, model_type {text_type!r}) has no "
+                         "causal-LM class in the installed transformers, so autotune cannot build it alone: "
+                         "--text-only is not available for it")
+    text_dict = {k: v for k, v in text.to_dict().items() if k not in ("transformers_version", "architectures")}
+    from autotune import cache
+
+    try:
+        left_out = cache.cached("towers-left-out", dict(model_type=kind, config=data),
+                                lambda: _towers_left_out(full))
+    except (ImportError, TypeError, ValueError, KeyError, AttributeError, RuntimeError) as exc:
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())[:240]
+        raise UsageError(f"{where!r}: transformers cannot build the whole {kind} model from this config ({detail}), "
+                         "on which --text-only counts what it leaves out; fix the field it names") from None
+    # The head tied to the embedding as the whole model ties it: its top-level tie_word_embeddings
+    # rules there (Mistral 3 ties, its text_config's says not), and that is the model that trains.
+    text_dict["tie_word_embeddings"] = left_out.pop("tied_head")
+    return text_type, text_dict, dict(left_out, model_type=kind, language_model_class=_causal_lm_class(text_type))
+
+
+def _full_multimodal_config(kind: str, data: dict[str, Any], *, where: str):
+    from transformers import AutoConfig
+
+    try:
+        from huggingface_hub.errors import StrictDataclassError  # transformers 5 validates configs with it
+    except ImportError:
+        StrictDataclassError = ValueError
+    fields = {k: v for k, v in data.items() if k not in ("model_type", "transformers_version")}
+    try:
+        with _quiet_transformers():
+            return AutoConfig.for_model(kind, **fields)
+    except (ValueError, TypeError, KeyError, AttributeError, StrictDataclassError) as exc:
+        detail = " ".join(str(exc).split())
+        raise UsageError(f"{where!r} is not a valid {kind} config: {detail[:300]}; fix that field") from None
+
+
+def _towers_left_out(full_config) -> dict[str, Any]:
+    """What --text-only leaves out of a multimodal model: the whole model built on the meta device
+    (transformers' image-text-to-text class for it), less its language model (`get_decoder()`)
+    and output head (`get_output_embeddings()`), parameters shared between them counted once."""
+    import torch
+    from transformers.models.auto import modeling_auto as auto
+
+    for mapping in (auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING, auto.MODEL_FOR_CAUSAL_LM_MAPPING, auto.MODEL_MAPPING):
+        model_class = mapping.get(type(full_config), None)
+        if model_class is not None:
+            break
+    with _quiet_transformers(), torch.device("meta"):
+        model = model_class._from_config(full_config)
+    head = model.get_output_embeddings()
+    language = {id(p) for part in (model.get_decoder(), head) if part is not None for p in part.parameters()}
+    tied_head = head is not None and head.weight is model.get_input_embeddings().weight
+    left_out_modules: dict[str, int] = {}
+    total = 0
+    for name, parameter in model.named_parameters():  # each shared parameter once
+        total += parameter.numel()
+        if id(parameter) in language:
+            continue
+        parts = name.split(".")
+        module = ".".join(parts[:2] if parts[0] == model.base_model_prefix and len(parts) > 2 else parts[:1])
+        left_out_modules[module] = left_out_modules.get(module, 0) + parameter.numel()
+    return dict(model_class=type(model).__name__, parameters=total, tied_head=tied_head,
+                left_out_parameters=sum(left_out_modules.values()), left_out_modules=left_out_modules)
 
 
 _NON_TEXT_TOWERS = frozenset({"vision_config", "vq_config", "vision_tower_config", "image_config"})

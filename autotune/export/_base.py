@@ -108,6 +108,9 @@ class Tuned:
     """Whose step the memory was predicted for (results from before `--stack`: fsdp2, autotune's loop)."""
     float8: str = "none"
     """float8 training of the blocks' linears: none, tensorwise or rowwise (before the knob: none)."""
+    text_only: dict[str, Any] | None = None
+    """--text-only: the result's `text_only` section (the multimodal model whose language model alone
+    was tuned); None for a text model."""
 
     @property
     def stack_precision(self) -> str:
@@ -196,6 +199,7 @@ class Tuned:
                 num_generations=(result.get("workload") or {}).get("num_generations"),
                 finetuning=dict(result.get("finetuning") or {"peft": "none"}),
                 stack=str((result.get("stack") or {}).get("name", "fsdp2")),
+                text_only=result.get("text_only"),
             )
         except (KeyError, TypeError) as exc:
             raise UsageError(f"not an autotune result (best.json): missing or malformed field {exc}; "
@@ -359,6 +363,21 @@ def build_export(*, fmt: str, filename: str, target: str, tuned: Tuned, mapper: 
                     f"r={f.get('rank')}, lora_alpha={f.get('alpha')}, lora_dropout={f.get('dropout')}, "
                     f"target_modules={targets})) as autotune traced it, or every parameter trains (far more "
                     "memory than tuned)")
+    if tuned.text_only:
+        from autotune.units import format_bytes
+
+        left = tuned.text_only
+        mapper.warn(f"tuned with --text-only: {left['of']}'s language model alone (a script builds that model from "
+                    f"its config); these settings used on the full {left['of']} checkpoint also hold its "
+                    f"{left['left_out_parameters']:,} other parameters ({', '.join(left['left_out_modules'])}): an "
+                    f"estimated {format_bytes(left['left_out_state_bytes_per_gpu_estimated'])} per GPU of sharded "
+                    f"states and {format_bytes(left['left_out_gathered_bytes_estimated'])} gathered, plus their "
+                    "image activations, none of it costed by the tune: keep headroom for them, or freeze those towers")
+        if str(left.get("language_model_class") or "").startswith("autotune."):
+            mapper.warn(f"transformers has no causal-LM class for {tuned.model_type}: autotune built it as its "
+                        f"{left['language_model_class']} (the language model under the output head); a script here "
+                        f"that builds the model from its config fails with AutoModelForCausalLM: build "
+                        f"{left['model_class']} from the full checkpoint instead")
     mapper.check_complete()
     text = prologue + header(tuned=tuned, target=target, mapper=mapper) + "\n" + body.lstrip("\n")
     return Export(format=fmt, filename=filename, text=text, target=target,
