@@ -31,12 +31,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def run_result(tmp_path_factory) -> dict:
-    """best.json of a real (analytic) run of the CLI on the tiny model."""
+    """best.json of a real (analytic) run of the CLI on the tiny model, eager: the exports' base case
+    (compiled and float8 exports are checked on variants of it, tests/test_compile.py, test_float8.py)."""
     from autotune.cli import main
 
     runs = tmp_path_factory.mktemp("runs")
     code = main(["--model", "tiny-llama", "--gpus", "2", "--global-tokens", "64K", "--backend", "analytic",
-                 "--runs-dir", str(runs)])
+                 "--compile", "none", "--float8", "none", "--runs-dir", str(runs)])
     assert code == 0
     (best,) = runs.glob("*/best.json")
     return json.loads(best.read_text())
