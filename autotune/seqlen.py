@@ -68,12 +68,17 @@ def find_max_seq_len(probe: Callable[[int], dict[str, Any]], *, max_positions: i
 
 
 def tune_probe(options, console_factory, *, target: int, backend=None) -> Callable[[int], dict[str, Any]]:
-    """A probe that tunes `options` (TuneOptions) at a sequence length."""
+    """A probe that tunes `options` (TuneOptions) at a sequence length. Probes ask what fits, so they do
+    not explore compile's and float8's candidates (a compiled or float8 run is probed as asked, every
+    trial with it); the tune at the answer does (docs/PLAN.md, `--seq-len max`)."""
     from autotune.api import run_tune
+
+    fixed = dict(compile=options.compile if options.compile in ("none", "blocks") else "none",
+                 float8=options.float8 if options.float8 in ("none", "tensorwise", "rowwise") else "none")
 
     def probe(length: int) -> dict[str, Any]:
         tokens = global_tokens_at(target, gpus=options.gpus, seq_len=length)
-        asked = dataclasses.replace(options, seq_len=length, global_tokens=tokens)
+        asked = dataclasses.replace(options, seq_len=length, global_tokens=tokens, **fixed)
         try:
             document = run_tune(asked, console_factory(), backend=backend)
         except NothingFits as exc:
