@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from autotune.backends.real import FAULT_ENV, RealBackend, parse_faults
-from autotune.backends.real._capacity import host_memory_available_bytes
+from autotune.backends.real._backend import host_memory_available_bytes
 from autotune.backends.real._faults import Fault
 from autotune.catalog.models import resolve_model
 from autotune.config import Cluster, TrainConfig, TrialSpec

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from autotune.backends.base import Figure, TrialBackend, TrialResult
-from autotune.backends.real._capacity import host_memory_available_bytes
 from autotune.backends.real._launcher import Launch, LaunchOptions, TrialOutcome
 from autotune.config import TrialSpec
 from autotune.errors import UsageError
@@ -391,3 +390,16 @@ def _host_description() -> str:
     import os
 
     return f"host {platform.machine()}, {os.cpu_count()} cores"
+
+
+def host_memory_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable from /proc/meminfo (what can still be used without swapping), or None.
+    Here, not in _capacity beside the ranks' RSS readers: _capacity brings torch and MemTracker
+    (dynamo, inductor), which a process that only launches trials does not need."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -136,17 +136,6 @@ def track_inductor_allocations() -> None:
     guards._empty_strided_cpu = empty_strided_cpu
 
 
-def host_memory_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """MemAvailable from /proc/meminfo (what can still be used without swapping), or None."""
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def reset_rss_peak() -> None:
     """Reset this process's peak RSS (VmHWM) so it covers one trial only (Linux >= 4.0)."""
     try:
