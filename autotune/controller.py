@@ -398,20 +398,19 @@ class Controller:
         own_step = stack_step(request.stack, space.precision, request.model.model_type)
         own_step = own_step if own_step in OWN_STEPS else None
         compile_mode, float8_mode = space.compile, space.float8
+        why_not = ""
         if compile_mode == "auto":
             why_not = (f"--stack {own_step}: its own step is traced eager only here" if own_step
                        else "real CPU trials: inductor compiles every trial's blocks on the CPU (30-40 s a trial), "
                             "and CPU step times say nothing about compiled GPU throughput" if backend == "cpu"
                        else "")
             compile_mode = "none" if why_not else "explore"
-            if why_not:
-                self.notes.append(f"not explored: torch.compile of the blocks ({why_not}; --compile explore to try "
-                                  f"it): {COMPILE_SPEEDUP - 1:+.0%} tokens/s in torchtitan's published Llama 3.1 8B "
-                                  "H100 runs (a published ratio, not estimated for this model)")
         elif compile_mode == "none" and backend != "cpu":
-            self.notes.append(f"not explored: torch.compile of the blocks (--compile explore traces it): "
-                              f"{COMPILE_SPEEDUP - 1:+.0%} tokens/s in torchtitan's published Llama 3.1 8B "
-                              "H100 runs (a published ratio, not estimated for this model)")
+            why_not = "--compile none"
+        if why_not:
+            self.notes.append(f"not explored: torch.compile of the blocks ({why_not}; --compile explore traces it): "
+                              f"{COMPILE_SPEEDUP - 1:+.0%} tokens/s in torchtitan's published Llama 3.1 8B H100 runs "
+                              "(a published ratio, not estimated for this model)")
         if float8_mode == "auto":
             import importlib.util
 
