@@ -588,7 +588,7 @@ def test_a_sim_plan_stops_its_helper_process(tmp_path, capsys, monkeypatch):
 
     config = _deep_model_config(tmp_path, "micro-llama", 8)
     argv = ["--model", str(config), "--gpus", "2", "--global-tokens", "2048", "--backend", "sim",
-            "--runs-dir", str(tmp_path / "runs")]
+            "--compile", "none", "--runs-dir", str(tmp_path / "runs")]  # the helper's life, not compile's
     assert main(argv) == EXIT_OK
     (best,) = (tmp_path / "runs").glob("*/best.json")
     assert "extrapolated from 3 and 4 blocks" in json.loads(best.read_text())["memory_basis"]

@@ -189,6 +189,11 @@ def _trial(capsys, *argv: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+EAGER = ("--compile", "none", "--float8", "none")
+"""The length search is the point of these tests, not compile's candidates at the answer (the tune at it
+would trace them: 46 s more on llama3-8b); tests/test_compile.py has those."""
+
+
 def test_seq_len_max_is_the_longest_that_fits(tmp_path, capsys):
     """llama3.2-1b (131,072 positions) on 8 x h100: the answer fits by a fresh trace of its winner,
     and one step up the most memory-saving configuration the graph has (full checkpointing and
@@ -198,7 +203,7 @@ def test_seq_len_max_is_the_longest_that_fits(tmp_path, capsys):
     step = 8192
     out = tmp_path / "best.json"
     assert main(["--model", "llama3.2-1b", "--gpus", "8", "--gpu-type", "h100-80gb", "--global-tokens", "4Mi",
-                 "--backend", "sim", "--seq-len", "max", "--seq-len-step", str(step),
+                 "--backend", "sim", "--seq-len", "max", "--seq-len-step", str(step), *EAGER,
                  "--runs-dir", str(tmp_path / "runs"), "--out", str(out)]) == EXIT_OK
     printed = " ".join(capsys.readouterr().out.split())  # the console wraps at words
     assert "throughput vs sequence length" in printed
@@ -219,7 +224,7 @@ def test_seq_len_max_stops_at_the_models_positions(tmp_path, capsys):
     refuses the next step up as longer than the model supports."""
     out = tmp_path / "best.json"
     assert main(["--model", "llama3-8b", "--gpus", "8", "--gpu-type", "h100-80gb", "--global-tokens", "4Mi",
-                 "--backend", "sim", "--seq-len", "max", "--runs-dir", str(tmp_path / "runs"),
+                 "--backend", "sim", "--seq-len", "max", *EAGER, "--runs-dir", str(tmp_path / "runs"),
                  "--out", str(out)]) == EXIT_OK
     printed = " ".join(capsys.readouterr().out.split())  # the console wraps at words
     assert "the model's positions (8192)" in printed
