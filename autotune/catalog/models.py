@@ -380,14 +380,10 @@ class ModelSpec:
         read back: a repeated plan need not import transformers for it."""
         from autotune import cache
 
-        key = cache.key_of(kind, dict(model_type=self.model_type, config=self.config_dict,
-                                      remote=self.trust_remote_code, layers=self.num_layers))
-        cached = cache.load(kind, key)
-        if isinstance(cached, dict) and "value" in cached:
-            return cached["value"]
-        value = compute()
-        cache.store(kind, key, dict(value=value))
-        return value
+        # Wrapped: cache.cached reads a stored None as a miss, and None is an answer here.
+        return cache.cached(kind, dict(model_type=self.model_type, config=self.config_dict,
+                                       remote=self.trust_remote_code, layers=self.num_layers),
+                            lambda: dict(value=compute()))["value"]
 
     def _structures_on_meta(self) -> list[str] | None:
         import torch
@@ -626,8 +622,7 @@ def resolve_model(name_or_path: str, *, trust_remote_code: bool = False, text_on
     """A catalog name, or a local config.json / model folder. Never downloads. `text_only`
     (--text-only): a multimodal config's language model (its text_config), alone."""
     if name_or_path in MODELS and text_only:
-        raise UsageError(f"--text-only is for a multimodal config with a text_config (Llava, Gemma 3, ...); "
-                         f"{name_or_path!r} has no language model of its own to tune alone: drop --text-only")
+        raise UsageError(_not_multimodal(repr(name_or_path)))
     if name_or_path in MODELS:
         entry = MODELS[name_or_path]
         return ModelSpec(name=name_or_path, model_type=entry.model_type,
@@ -664,9 +659,7 @@ def resolve_model(name_or_path: str, *, trust_remote_code: bool = False, text_on
             raise UsageError(_multimodal_refusal(model_type, data, where=where))
         model_type, data, text_tower_of = _text_tower(model_type, data, where=where)
     elif text_only:
-        raise UsageError(f"--text-only is for a multimodal config with a text_config (Llava, Gemma 3, ...); "
-                         f"{where!r} (model_type {model_type!r}) has no language model of its own to tune alone: "
-                         "drop --text-only")
+        raise UsageError(_not_multimodal(f"{where!r} (model_type {model_type!r})"))
     if not isinstance(model_type, str) or config_class_of(model_type) is None:
         if not trust_remote_code:
             raise UsageError(f"model_type {model_type!r} in {where!r} is unknown to the installed "
@@ -729,6 +722,12 @@ def _quiet_transformers():
         yield
     finally:
         hf_logging.set_verbosity(previous)
+
+
+def _not_multimodal(what: str) -> str:
+    """--text-only given a model that has no text_config to tune alone."""
+    return (f"--text-only is for a multimodal config with a text_config (Llava, Gemma 3, ...); {what} has no "
+            "language model of its own to tune alone: drop --text-only")
 
 
 def _fake_forward_failure(exc: BaseException, module) -> dict[str, str] | None:

@@ -280,7 +280,7 @@ class RealBackend(TrialBackend):
             world_size=world)
         if spec.train.compile != "none":
             extras["compiled_graphs"] = min(int(r.get("compiled_graphs", 0)) for r in ranks)
-            first = max((r.get("warmup_times") or [None])[0] or 0.0 for r in ranks)
+            first = max((r.get("warmup_times") or [0.0])[0] for r in ranks)
             if first:  # the first warm-up step compiles every block: its time past a steady step's
                 extras["compile_s"] = dict(
                     value=max(first - slowest_s, 0.0), source="measured",

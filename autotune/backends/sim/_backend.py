@@ -552,10 +552,11 @@ def _compiled(throughput: Figure, extras: dict[str, Any]) -> Figure:
     low, high = extras.get("tokens_per_sec_range") or (None, None)
     extras["eager_tokens_per_sec"] = throughput.value
     if (extras.get("step_time") or {}).get("host_bound"):
-        basis = ("compiled blocks, host-bound: the step's time is the host launching the eager ops and the "
-                 "compiled blocks' fused kernels (counted in the trace: a chain of pointwise ops as one kernel, "
-                 "a proxy for inductor's fusion); the published compiled/eager ratio is for GPU-bound steps and "
-                 "is not applied")
+        from autotune.backends.sim._trace import COMPILED_LAUNCHES_BASIS
+
+        basis = (f"compiled blocks, host-bound: the step's time is the host dispatching the eager ops and "
+                 f"launching {COMPILED_LAUNCHES_BASIS}; the published compiled/eager ratio is for GPU-bound steps "
+                 "and is not applied")
         extras["compile_speedup"] = dict(ratio=1.0, source="estimated", basis=basis)
         return Figure(throughput.value, "estimated", f"{throughput.basis}; {basis}")
     value, low, high, basis = costmodel.compiled_throughput(throughput.value, low, high)

@@ -337,7 +337,8 @@ def SIM_COMPILE_BACKEND(graph_module, example_inputs, **kwargs):
 
 COMPILED_LAUNCHES_BASIS = ("the kernels the host launches for a compiled block, counted in the trace: each matmul and "
                            "attention, and one fused kernel for each run of memory-bound ops between them (a proxy for "
-                           "inductor's fusion, checked against inductor's own CPU code in tests/test_compile.py)")
+                           "inductor's fusion: +3..+9% against inductor's own CPU code, benchmarks/bench_compile.py "
+                           "--launches)")
 
 
 class _SiteTracker(FSDPMemTracker):
@@ -501,9 +502,9 @@ class _SiteTracker(FSDPMemTracker):
                 # Inside a compiled block the host launches inductor's kernels, not each op: a view
                 # launches nothing, and memory-bound ops between two matmuls (attentions) fuse into
                 # one kernel, a proxy for inductor's fusion (COMPILED_LAUNCHES_BASIS).
-                if kind is not None and not (kind == "memory" and self._previous_compiled_op_memory):
-                    self.op_work["compiled_launches"] = self.op_work.get("compiled_launches", 0) + 1
                 if kind is not None:
+                    if not (kind == "memory" and self._previous_compiled_op_memory):
+                        self.op_work["compiled_launches"] = self.op_work.get("compiled_launches", 0) + 1
                     self._previous_compiled_op_memory = kind == "memory"
             elif self._counts_as_op:  # not the metadata queries fake tensors make
                 self.op_work["dispatched_ops"] = self.op_work.get("dispatched_ops", 0) + 1
