@@ -1,6 +1,6 @@
 """Validation of the step-time model that can fail: estimates against measurements it was not fitted to.
 
-    python benchmarks/bench_costmodel.py [--grid] [--published] [--gpu-recorded] [--repeats 1] [--json OUT]
+    python benchmarks/bench_costmodel.py [--grid] [--published] [--gpu-recorded] [--host-time] [--repeats 1] [--json OUT]
 
 1. CPU grid (`--grid`): `autotune calibrate --backend cpu` measures this machine (a calibrated
    profile), then 24 configurations of tiny-llama on 2 gloo ranks (micro-batch 1/2/4/8 x
@@ -23,6 +23,10 @@
    (benchmarks/gpu_check.py reports in benchmarks/results) against the estimate on the H100
    profiles calibrated there, without and with the host time per dispatched op (`host_op_us`:
    the shipped default, or `--host-op-from PROFILE`). Median |error| and Kendall tau per model.
+4. Host time per op (`--host-time`): what `autotune calibrate` measures for `host_op_us` on this
+   machine against independent figures of the same tiny real step: its op count against the
+   simulator's count of the trace (within 10%), its host time at 0 tokens against the step's
+   wall time at 8 tokens, least against least (0.3-1.5x).
 
 Every figure printed says whether it is measured or estimated.
 """
@@ -504,6 +508,73 @@ def run_gpu_recorded(args) -> dict:
     return dict(rows=rows, summary=summary)
 
 
+HOST_TIME_MODEL = "micro-llama"  # 2 blocks: the calibration's 2-block copy is the whole model
+
+
+def measure_host_time(*, repeats: int = 7) -> dict:
+    """`host_op_us`'s two parts measured against independent figures of the same tiny step
+    (micro-llama, 1 rank, 8 tokens, one thread as every calibration rank runs): its op count
+    (calibrate.bench_host_overhead) against the simulator's count of the traced step, and its host
+    time extrapolated to 0 tokens against the wall time of the real step, which includes it (on a
+    CPU the host also runs the kernels, a little at 8 tokens). Least times on both sides: load only
+    adds time. The caller sets MASTER_ADDR / MASTER_PORT for the one-rank gloo group."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autotune import calibrate
+    from autotune.backends.sim import SimBackend
+    from autotune.backends.sim._fakepg import release_fake_group
+    from autotune.catalog.models import resolve_model
+    from autotune.parallel import parallelize
+    from autotune.training import build_model
+
+    model = resolve_model(HOST_TIME_MODEL)
+    release_fake_group()  # a simulator earlier in this process may hold its (fake) default group
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # with one per core, OpenMP's waiting threads stall a step 4-13x under load
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        host = calibrate.bench_host_overhead(model, device=torch.device("cpu"), mesh=mesh, repeats=repeats)
+        net = build_model(model)
+        parallelize(net, mesh, TrainConfig(micro_batch_size=1))
+        ids = torch.randint(0, model.vocab_size, (1, 8))
+        walls = []
+        for step in range(2 + 3 * repeats):  # two warm-up steps first
+            start = time.perf_counter()
+            net(input_ids=ids, labels=ids).loss.backward()
+            if step >= 2:
+                walls.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+        dist.destroy_process_group()
+    spec = TrialSpec(model=model, cluster=Cluster(num_gpus=1), seq_len=8, train=TrainConfig(micro_batch_size=1))
+    with SimBackend(device_kind="cpu", extrapolate=False, screen=False) as backend:  # releases its fake group
+        traced = backend.evaluate(spec).extras["op_work"]["dispatched_ops"]
+    return dict(calibrated_ops=host["ops"], traced_ops=traced, least_host_s_at_zero=host["least_host_s_at_zero"],
+                host_s_at_zero=host["host_s_at_zero"], least_wall_s_at_8_tokens=min(walls),
+                median_wall_s_at_8_tokens=statistics.median(walls))
+
+
+def run_host_time(args) -> dict:
+    from autotune import calibrate
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(calibrate._free_port()))
+    figures = measure_host_time(repeats=args.host_repeats)
+    print(f"\nhost time per op ({HOST_TIME_MODEL}, 1 rank, 1 thread, {args.host_repeats} rounds): ops dispatched "
+          f"{figures['calibrated_ops']} counted on the real step vs {figures['traced_ops']:.0f} in the trace "
+          f"({figures['calibrated_ops'] / figures['traced_ops'] - 1:+.1%})")
+    ratio = figures["least_host_s_at_zero"] / figures["least_wall_s_at_8_tokens"]
+    print(f"host time at 0 tokens (measured, extrapolated from 8 and 32): least "
+          f"{figures['least_host_s_at_zero'] * 1e3:.1f} ms, median {figures['host_s_at_zero'] * 1e3:.1f} ms; "
+          f"the real step's wall at 8 tokens (measured): least {figures['least_wall_s_at_8_tokens'] * 1e3:.1f} ms, "
+          f"median {figures['median_wall_s_at_8_tokens'] * 1e3:.1f} ms; least/least {ratio:.2f} "
+          f"(target 0.3-1.5: the host part of a step the host also computes)")
+    return figures
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", action="store_true", help="the CPU grid (about 4 minutes)")
@@ -517,13 +588,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-op-from", metavar="PROFILE",
                         help="--gpu-recorded: take host_op_us from this profile (a GPU calibration made with it) "
                              "instead of the shipped default")
+    parser.add_argument("--host-time", action="store_true",
+                        help="the calibrated host time per op against a real step's wall time and the trace's op "
+                             "count (about 10 s)")
+    parser.add_argument("--host-repeats", type=int, default=15, help="--host-time: interleaved rounds")
     parser.add_argument("--repeats", type=int, default=1, help="measured passes over the grid (median)")
     parser.add_argument("--bracket", action="store_true",
                         help="calibrate before and after the trials, estimate on the geometric mean")
     parser.add_argument("--profile-out", help="also keep the calibrated CPU profile here")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
-    if not (args.grid or args.published or args.gpu_recorded):
+    if not (args.grid or args.published or args.gpu_recorded or args.host_time):
         args.grid = args.published = True
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.node()}; torch "
           f"{__import__('torch').__version__}; python {sys.version.split()[0]}")
@@ -535,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
             report["published"] = run_published()
     if args.gpu_recorded:
         report["gpu_recorded"] = run_gpu_recorded(args)
+    if args.host_time:
+        report["host_time"] = run_host_time(args)
     if args.grid:
         report["grid"] = run_grid(args)
     if args.json:

@@ -384,65 +384,22 @@ def test_per_op_model_runs_hsdp_collectives_within_the_group():
     assert floor <= node.comm_s < floor * 1.05
 
 
-def test_calibrated_host_time_per_op_matches_a_real_step_and_the_trace_count(monkeypatch):
-    """`host_op_us` (calibrate.bench_host_overhead) against what it claims to be: its op count
-    against the simulator's independent count of the same step (the trace's `dispatched_ops`,
-    fake tensors), and its host time against the wall time of the same real tiny step, which
-    includes it (on a CPU the host also runs the kernels, a little at 8 tokens)."""
-    import time
-
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from autotune import calibrate
-    from autotune.backends.sim import SimBackend
-    from autotune.catalog.models import resolve_model
-    from autotune.config import TrainConfig
-    from autotune.parallel import parallelize
-    from autotune.training import build_model
-
-    from autotune.backends.sim._fakepg import release_fake_group
-
-    model = resolve_model("micro-llama")  # 2 blocks: the calibration's 2-block copy is the whole model
-    release_fake_group()  # another test's simulator may hold the process's (fake) default group
+def test_calibrated_host_op_count_matches_the_trace_count(monkeypatch):
+    """`host_op_us`'s divisor (calibrate.bench_host_overhead's count of the ops a real FSDP2
+    forward + backward dispatches) against the simulator's independent count of the same step
+    (the trace's `dispatched_ops`, fake tensors). The host time itself is compared with the real
+    step's wall time in `bench_costmodel.py --host-time`, not here: two timings of a 10 ms step
+    taken a second apart on a shared 2-core machine inverted twice in CI (2026-11-26)."""
     # monkeypatch: a MASTER_PORT left in this process's environment would reach later tests'
     # launchers (Lightning takes it, and its rank 0 then fails to listen: address in use).
+    from autotune import calibrate
+
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(calibrate._free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    # One thread, as every calibration rank and cpu trial runs (torchrun's OMP_NUM_THREADS=1): with the
-    # pytest worker's default of one per core, the other xdist worker's launches made OpenMP's waiting
-    # threads stall this tiny step 4-13x in one part of the test and not the other (2026-11-25: host
-    # 173 ms against a wall of 39 ms, where alone they are 13 and 15 ms).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        host = calibrate.bench_host_overhead(model, device=torch.device("cpu"), mesh=mesh, repeats=5)
-        net = build_model(model)
-        parallelize(net, mesh, TrainConfig(micro_batch_size=1))
-        ids = torch.randint(0, 512, (1, 8))
-        for _ in range(2):
-            net(input_ids=ids, labels=ids).loss.backward()
-        walls = []
-        for _ in range(5):
-            start = time.perf_counter()
-            net(input_ids=ids, labels=ids).loss.backward()
-            walls.append(time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(threads)
-        dist.destroy_process_group()
-    spec = TrialSpec(model=model, cluster=Cluster(num_gpus=1), seq_len=8, train=TrainConfig(micro_batch_size=1))
-    with SimBackend(device_kind="cpu", extrapolate=False, screen=False) as backend:  # releases its fake group
-        result = backend.evaluate(spec)
-    traced = result.extras["op_work"]["dispatched_ops"]
-    wall = min(walls)  # the least, as least_host_s_at_zero is: load only adds
-    print(f"ops: calibrate {host['ops']}, trace {traced:.0f}; host at 0 tokens {host['least_host_s_at_zero'] * 1e3:.1f} ms, "
-          f"wall at 8 tokens {wall * 1e3:.1f} ms")
-    assert 0.9 <= host["ops"] / traced <= 1.1, (host["ops"], traced)
-    # Least times on both sides: the machine's load (other xdist workers' launches) only adds time.
-    assert 0.3 * wall <= host["least_host_s_at_zero"] <= 1.5 * wall, (host, wall)
+    figures = _bench().measure_host_time(repeats=1)
+    print(f"ops: calibrate {figures['calibrated_ops']}, trace {figures['traced_ops']:.0f}")
+    assert figures["calibrated_ops"] > 100
+    assert 0.9 <= figures["calibrated_ops"] / figures["traced_ops"] <= 1.1, figures
 
 
 def test_profiles_written_before_host_time_still_load_and_estimate(tmp_path):
