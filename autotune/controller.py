@@ -8,7 +8,8 @@
     5 align          the largest fitting micro-batch whose global batch is within tolerance
     6 explore        beyond the graph: lighter checkpointing, checkpointing with larger
                      micro-batches, no resharding -- these can beat the graph's first fit;
-                     with compile "explore", the best fitting candidates with compiled blocks;
+                     with compile "explore", the best fitting candidates with compiled blocks,
+                     the fastest of them grown in micro-batch (compiled may save less);
                      with float8 "explore" (GPUs with float8), the best with each float8 recipe
     7 sample         only under --time-budget, while it lasts: an Optuna sampler (TPE, seeded)
                      draws from every knob's domain (autotune.knobs), the simulator first as
@@ -27,7 +28,7 @@ import time
 from collections.abc import Callable
 
 from autotune import knobs
-from autotune.backends.analytic import SCREEN_MARGIN
+from autotune.backends.analytic import screen_margin
 from autotune.backends.base import TrialBackend, TrialResult
 from autotune.batch import within_tolerance
 from autotune.config import TrainConfig, check_expert_parallel
@@ -368,23 +369,22 @@ class Controller:
                                 f"checkpointing ({ac}) may allow micro-batch {bigger}, beyond the no-checkpointing "
                                 f"limit of {largest.micro_batch_size}")
                 if step.fits:
-                    largest_here = self._find(self._grow(step.train, stage="explore", until_saturated=True))
-                    best = self._choose()
-                    # A smaller micro-batch is slower still: align only a branch that could win.
-                    if best is None or (largest_here.result.throughput or 0) >= (best.result.throughput or 0):
-                        self._align(largest_here.train)
+                    self._grow_branch(step.train)
                     break
         self._explore_hsdp()
         self._explore_expert_parallel()
+        self._explore_no_reshard()
+        self._explore_reshard_to_a_node()
+        self._explore_compile()
+        self._explore_float8()
+
+    def _explore_no_reshard(self) -> None:
         best = self._choose()
-        if (best is not None and space.explore_no_reshard and best.train.reshard_after_forward
+        if (best is not None and self.request.space.explore_no_reshard and best.train.reshard_after_forward
                 and self._could_win(best.train.with_(reshard_after_forward=False))):
             self.run("explore", best.train.with_(reshard_after_forward=False),
                      "keep gathered parameters after forward (no reshard): saves an all-gather per block "
                      "in backward if memory allows")
-        self._explore_reshard_to_a_node()
-        self._explore_compile()
-        self._explore_float8()
 
     def _searched_compile_and_float8(self) -> tuple[str, str]:
         """The compile and float8 modes of this run: the search space's, with `auto` (the default)
@@ -469,6 +469,33 @@ class Controller:
                 tried += 1
                 self.run("explore", train, f"compile each decoder block of {step.train.label()} (step {step.step}, "
                                            f"{why}): the same configuration with torch.compile")
+        self._grow_compiled()
+
+    def _grow_compiled(self) -> None:
+        """Grow the fastest fitting compiled configuration's micro-batch as the graph grows eager's:
+        compiled blocks may save less for backward than eager ones (the partitioner recomputes cheap
+        ops), so the micro-batch eager stopped at can leave room compiled. Stops once a doubling no
+        longer pays and the branch is still slower than the best."""
+        compiled = [s for s in eligible(self.steps, self.request.tolerance)
+                    if s.train.compile == "blocks" and s.train.float8 == "none" and s.stage != "confirm"]
+        # The graph's resharding first (it grows eager that way too): no reshard keeps a gathered block
+        # per block, memory a larger micro-batch would use; it is tried on the grown best after.
+        resharding = [s for s in compiled if s.train.reshard_after_forward == self.request.space.reshard_after_forward]
+        if not (resharding or compiled):
+            return
+        fastest = max(resharding or compiled, key=lambda s: s.result.throughput or 0.0)
+        if fastest.train.micro_batch_size < self.request.max_micro_batch:
+            self._grow_branch(fastest.train)
+            self._explore_no_reshard()
+
+    def _grow_branch(self, train: TrainConfig) -> None:
+        """An exploration branch that fits at `train`: grow its micro-batch while doubling pays, then
+        align the largest to the global batch if the branch could win."""
+        largest = self._find(self._grow(train, stage="explore", until_saturated=True))
+        best = self._choose()
+        # A smaller micro-batch is slower still: align only a branch that could win.
+        if best is None or (largest.result.throughput or 0) >= (best.result.throughput or 0):
+            self._align(largest.train)
 
     def _explore_float8(self) -> None:
         """float8 training (each recipe) on the fastest fitting high-precision configurations within the
@@ -698,7 +725,8 @@ class Controller:
         best = self._choose()
         if self.estimator is not None and best is not None and best.result.throughput:
             closed_form = self.estimator.evaluate(spec)
-            if (closed_form.peak_bytes or 0) > self.request.memory_limit_bytes * SCREEN_MARGIN:
+            margin = screen_margin(train.compile != "none")
+            if (closed_form.peak_bytes or 0) > self.request.memory_limit_bytes * margin:
                 stats["estimated_not_to_fit"] += 1  # not traced: far over the limit even allowing the bias
                 return 0.0
             if (slower := self._slower_than_best(train, closed_form)) is not None:

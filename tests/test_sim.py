@@ -182,6 +182,21 @@ def test_never_replaces_a_real_process_group(tmp_path):
         dist.destroy_process_group()
 
 
+def test_a_compiled_configuration_is_traced_where_the_closed_form_would_screen_eager():
+    """The closed form keeps eager's memory and knows nothing of what the partitioner recomputes, so
+    a configuration 1.5x over the limit by the closed form is screened eager but traced compiled."""
+    from autotune.backends.analytic import AnalyticBackend
+
+    eager = _spec("micro-llama", seq_len=64)
+    closed_form = AnalyticBackend().evaluate(eager).extras["tensor_peak_bytes"]
+    limit = int(closed_form / 1.5)
+    screened = SimBackend(device_kind="cpu").evaluate(dataclasses.replace(eager, memory_limit_bytes=limit))
+    assert screened.extras.get("screened") and screened.peak_memory.source == "estimated"
+    compiled = _spec("micro-llama", seq_len=64, limit=limit, compile="blocks")
+    traced = SimBackend(device_kind="cpu").evaluate(compiled)
+    assert not traced.extras.get("screened") and traced.peak_memory.source == "predicted"
+
+
 def test_traced_flops_include_attention(gpu_sim):
     # Matmul FLOPs of a training step: 6 per parameter per token except the input embedding (a
     # lookup), plus attention's 12 L H S per token (PaLM, appendix B). Without a formula for the

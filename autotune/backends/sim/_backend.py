@@ -11,7 +11,7 @@ import os
 from typing import TYPE_CHECKING
 
 from autotune import cache, costmodel
-from autotune.backends.analytic import SCREEN_MARGIN, expert_parallel_work, model_shape, trainable_split
+from autotune.backends.analytic import expert_parallel_work, model_shape, screen_margin, trainable_split
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
 from autotune.backends.sim._extrapolate import extrapolate, shallow_depths
 from autotune.config import PARAM_DTYPE_BYTES, TrialSpec
@@ -185,10 +185,11 @@ class SimBackend(TrialBackend):
             return None
         # A CPU run has no runtime margin: compare its tensor peak alone.
         need = estimate.extras.get("tensor_peak_bytes") if self.device_kind == "cpu" else estimate.peak_bytes
-        if not need or need <= SCREEN_MARGIN * spec.limit_bytes:
+        margin = screen_margin(spec.train.compile != "none")
+        if not need or need <= margin * spec.limit_bytes:
             return None
         estimate.message = (f"estimated {format_bytes(need)} per GPU by the closed form, over "
-                            f"{SCREEN_MARGIN:.0%} of the limit {format_bytes(spec.limit_bytes)}: not traced")
+                            f"{margin:.0%} of the limit {format_bytes(spec.limit_bytes)}: not traced")
         estimate.extras["screened"] = True
         if self.device_kind == "cpu":
             estimate.tokens_per_sec = None
