@@ -5,7 +5,9 @@ constants, each documented below and in docs/COSTMODEL.md with the public measur
 calibrated against. Callers count the work (FLOPs, collective bytes, offload copies) in a
 `StepWork`; `estimate_step_time` turns it into seconds with a roofline:
 
-    compute  = flops / (peak_tflops * matmul efficiency)
+    compute  = matmul flops / (peak_tflops * matmul efficiency)
+             + attention flops / the attention kernel's published speed (ATTENTION_KERNEL_TFLOPS)
+             + memory-bound bytes / data-sheet HBM bandwidth (MEMORY_BYTES_PER_TOKEN)
     comm     = collective bytes * (n-1)/n / (link bandwidth * bus efficiency)
     exposed  = comm that does not fit under compute, plus the first all-gather and last
                reduce-scatter of each micro-batch, which nothing can hide
@@ -28,7 +30,8 @@ __all__ = [
     "matmul_efficiency", "offload_bytes",
     "ESTIMATE_BASIS",
     "MATMUL_EFFICIENCY", "DEFAULT_MATMUL_EFFICIENCY", "HALF_EFFICIENCY_TOKENS", "HALF_EFFICIENCY_HIDDEN",
-    "REFERENCE_HIDDEN",
+    "REFERENCE_HIDDEN", "ATTENTION_KERNEL_TFLOPS", "MEMORY_BYTES_PER_TOKEN", "attention_kernel_tflops",
+    "memory_bytes_per_token",
     "INTRA_NODE_BUS_EFFICIENCY", "INTER_NODE_BUS_EFFICIENCY", "CPU_ADAM_PARAMS_PER_S_PER_NODE",
     "HOST_PROCESS_BYTES", "HOST_OP_US", "LARGE_MEMORY_OP_BYTES",
 ]
@@ -37,41 +40,43 @@ GiB = 2**30
 MiB = 2**20
 
 # --- Throughput constants (calibration and sources: docs/COSTMODEL.md) -------------------------
-MATMUL_EFFICIENCY = {"a100-80gb": 0.77, "a100-40gb": 0.77, "h100-80gb": 0.52, "h200-141gb": 0.52}
-"""Fraction of the data-sheet dense peak that an eager FSDP transformer step's FLOPs (recompute
-included) run at on large micro-batches of a model REFERENCE_HIDDEN wide, by GPU family. Fitted with
-HALF_EFFICIENCY_TOKENS and HALF_EFFICIENCY_HIDDEN (fitted: 0.765 and 0.520) to the 99 published eager FSDP runs in
+MATMUL_EFFICIENCY = {"a100-80gb": 0.85, "a100-40gb": 0.85, "h100-80gb": 0.66, "h200-141gb": 0.66}
+"""Fraction of the data-sheet dense peak that an FSDP transformer step's matmul FLOPs (recompute
+included; attention's score and value products and the memory-bound ops are costed apart, at published
+kernel speeds and the HBM data sheet: ATTENTION_KERNEL_TFLOPS, MEMORY_BYTES_PER_TOKEN) run at on large
+micro-batches of a model REFERENCE_HIDDEN wide, by GPU family. Fitted with HALF_EFFICIENCY_TOKENS and
+HALF_EFFICIENCY_HIDDEN (fitted: 0.853 and 0.655) to the 99 published eager FSDP runs in
 autotune/data/published_runs.json (11 sources: torchtitan, PyTorch/IBM fms-fsdp, MosaicML
 llm-foundry, TinyLlama), each source weighed once (autotune/costmodel_fit.py; benchmarks/
 bench_costmodel.py --published prints the fit and checks it leave-one-source-out): the A100 figure
 rests on the A100 80GB and 40GB sources (torchtitan's 64 A100s, fms-fsdp's two 128-A100 tables,
 llm-foundry's A100 tables, TinyLlama), the H100 one on the H100 sources (torchtitan's 8 and 128,
-fms-fsdp's 96, llm-foundry's two): A100s reach ~3/4 of peak on 70B-wide models, H100s half (eager
-kernels and flash attention lag the 3x faster tensor cores). H200 takes the H100's: no eager H200
-source (torchtitan's H200 rows are compiled and float8). It is the fraction of a 700 W H100 SXM's 989
-TFLOP/s: torchtitan's H100s are 96 GB HBM2e parts at a 500 W limit whose peak the source puts between
-the SXM's and the NVL's (835), so their rows are estimated at 912, the middle of that range (a row fact,
-costmodel_fit.PublishedRun.peak_tflops; at 989 this efficiency was 0.505)."""
+fms-fsdp's 96, llm-foundry's two). A large bf16 GEMM measured on an H100 by `autotune calibrate`
+reaches 0.633 of the peak (BF16_GEMM_FRACTION): the fitted H100 figure is a matmul's, as it now should
+be. H200 takes the H100's: no eager H200 source (torchtitan's H200 rows are compiled and float8). It is
+the fraction of a 700 W H100 SXM's 989 TFLOP/s: torchtitan's H100s are 96 GB HBM2e parts at a 500 W
+limit whose peak the source puts between the SXM's and the NVL's (835), so their rows are estimated at
+912, the middle of that range (a row fact, costmodel_fit.PublishedRun.peak_tflops). Was 0.77 / 0.52
+while every FLOP (attention's, and the memory-bound ops' time) ran at this one efficiency."""
 DEFAULT_MATMUL_EFFICIENCY = 0.50
 """For catalog GPUs without a published FSDP figure: unvalidated."""
-HALF_EFFICIENCY_TOKENS = 1290
-"""Tokens per GPU per micro-batch at which the compute efficiency is half its maximum: per
+HALF_EFFICIENCY_TOKENS = 1780
+"""Tokens per GPU per micro-batch at which the matmul efficiency is half its maximum: per
 micro-batch costs that do not grow with its tokens (small kernels, each FSDP unit's waits) weigh
-on small micro-batches (efficiency = max * t / (t + this)). Fitted with MATMUL_EFFICIENCY (1,289):
+on small micro-batches (efficiency = max * t / (t + this)). Fitted with MATMUL_EFFICIENCY (1,782):
 the rows that set it are those of one source at several micro-batch sizes: llm-foundry's tables
 (micro-batches of 1 to 64 sequences), fms-fsdp's 13B (0.48 of peak at micro-batch 1 x 4,096
 tokens, 0.59 at 2) and torchtitan's Llama 2 70B (micro-batch 1 with op-level checkpointing as fast
-as 2 with full). Was 920 on the 21 rows before llm-foundry's were added, 1,240 before torchtitan's H100
-rows were costed at their own peak."""
-HALF_EFFICIENCY_HIDDEN = 800
-"""Hidden size h at which a step's FLOPs would run at half the efficiency of an infinitely wide
-model: matmul FLOPs grow as h^2 per token, the rest of the work (norms, rotary embeddings,
-activations, residual adds, attention's softmax and its slower kernels) as h, so narrow models
-reach less of the peak (efficiency x h / (h + this), normalised to 1 at REFERENCE_HIDDEN).
-Fitted with MATMUL_EFFICIENCY (800): the rows that set it are the widths one source runs on one
-cluster: llm-foundry's MPT 7B to 70B (h 4,096 to 8,192), fms-fsdp's March 2024 table (7B to 70B)
-and TinyLlama (h 2,048). Was 1,780 on the 21 rows before llm-foundry's were added (fms-fsdp's
-widths alone), 910 before torchtitan's H100 rows were costed at their own peak."""
+as 2 with full). Was 920 on the 21 rows before llm-foundry's were added, 1,290 before attention and
+the memory-bound ops were costed apart (2026-11-27)."""
+HALF_EFFICIENCY_HIDDEN = 700
+"""Hidden size h at which a step's matmul FLOPs would run at half the efficiency of an infinitely
+wide model: matmul FLOPs grow as h^2 per token, the work that grows as h and is not costed apart
+(small kernels' fixed costs, launch gaps) weighs more on narrow models (efficiency x h / (h + this),
+normalised to 1 at REFERENCE_HIDDEN). Fitted with MATMUL_EFFICIENCY (697): the rows that set it are
+the widths one source runs on one cluster: llm-foundry's MPT 7B to 70B (h 4,096 to 8,192), fms-fsdp's
+March 2024 table (7B to 70B) and TinyLlama (h 2,048). Was 1,780 on the 21 rows before llm-foundry's
+were added (fms-fsdp's widths alone), 800 before attention and the memory-bound ops were costed apart."""
 REFERENCE_HIDDEN = 8192
 """The width MATMUL_EFFICIENCY is stated at (Llama 2/3 70B, Code Llama 34B)."""
 INTRA_NODE_BUS_EFFICIENCY = 0.80
@@ -115,6 +120,88 @@ node together; memory-bandwidth bound: ~16 bytes read + 12 written per parameter
 HOST_PROCESS_BYTES = 3 * GiB
 """Host memory of one GPU training process before offloaded state: Python, torch, CUDA and NCCL
 libraries, pinned staging buffers."""
+
+
+# --- Attention kernels and memory-bound work (issue 29) -------------------------------------------
+
+ATTENTION_KERNEL_TFLOPS = {
+    # (kernel, GPU family): {head dim: ((sequence length, TFLOP/s fwd + bwd, causal), ...)}
+    ("flash2", "a100"): {64: ((512, 88), (1024, 119), (2048, 140), (4096, 156), (8192, 165), (16384, 171)),
+                         128: ((512, 99), (1024, 133), (2048, 155), (4096, 173), (8192, 182), (16384, 189))},
+    ("triton", "a100"): {64: ((512, 59), (1024, 75), (2048, 79), (4096, 76), (8192, 79), (16384, 80)),
+                         128: ((512, 50), (1024, 61), (2048, 68), (4096, 74), (8192, 78), (16384, 80))},
+    ("flash2", "hopper"): {64: ((512, 141), (1024, 192), (2048, 232), (4096, 257), (8192, 273), (16384, 284)),
+                           128: ((512, 163), (1024, 221), (2048, 265), (4096, 294), (8192, 308), (16384, 328))},
+    ("flash1", "hopper"): {64: ((512, 104), (1024, 123), (2048, 136), (4096, 138), (8192, 149), (16384, 156)),
+                           128: ((512, 98), (1024, 109), (2048, 108), (4096, 126), (8192, 135), (16384, 137))},
+}
+"""Published attention kernel speeds, forward + backward with a causal mask, bf16/fp16, TFLOP/s as
+the FlashAttention benchmark counts them (forward 4 s^2 d heads / 2, backward 2.5x forward:
+benchmarks/benchmark_flash_attention.py `flops`; hidden 2,048, batch 16k tokens / s): FlashAttention-2
+(Dao 2023, arXiv 2307.08691, Figures 4 and 7; Dao-AILab/flash-attention commit 4f285b3,
+assets/flash2_a100_fwd_bwd_benchmark.png on an A100 80GB SXM4 and flash2_h100_fwd_bwd_benchmark.png on
+an H100 80GB SXM5, panels c and d). "triton" is the paper's "FlashAttention Triton" bars (flash-attn's
+flash_attn_triton.py, which llm-foundry copied for MPT's attn_impl triton), measured on the A100 only;
+on Hopper it takes the paper's FlashAttention (1, CUDA) bars, which that kernel's own docstring puts
+slightly ahead of it ("Overall Triton forward + backward is slightly slower than CUDA forward +
+backward"): an assumption, stated. Not fitted to any published training run."""
+ATTENTION_KERNEL_PEAK = {"a100": 312.0, "hopper": 989.0}
+"""The dense bf16 peak of the part each family's figures were measured on (A100 SXM4, H100 SXM5): a
+GPU of the family at another peak (torchtitan's 500 W H100s, `peak_tflops`) runs at the same fraction."""
+ATTENTION_KERNEL_ON = {"triton": {"hopper": "flash1"}}
+"""Kernels measured on one family only, and the figures another family takes."""
+
+MEMORY_BYTES_PER_TOKEN = {
+    # per decoder block, bf16, forward + backward, then forward alone: coefficients of (hidden, ffn, kv width)
+    "eager": ((378.3, 36.6, 65.4), (116.2, 18.3, 28.6)),
+    "fused-gelu": ((44.0, 10.0, 0.0), (44.0 / 3, 10.0 / 3, 0.0)),
+    "fused-swiglu": ((52.0, 16.0, 8.0), (52.0 / 3, 16.0 / 3, 8.0 / 3)),
+}
+"""Bytes per token per decoder block that the memory-bound ops move (inputs plus outputs). "eager":
+counted with the simulator's op classifier (backends/sim/_trace.py `_op_kind`, `_tensor_bytes`) around
+transformers' LlamaDecoderLayer (fp32-upcast RMSNorm, rotate-half rotary, SwiGLU, residual adds, SDPA),
+least squares over six shapes (within 0.6% of each count; llama-7b's full trace: 2.26 MB per token per
+block against 2.22). "fused-*": kernel by kernel, each reading its inputs and writing its outputs once:
+llm-foundry's MPT block (one LayerNorm kernel, GELU, bias inside its flash kernel) and TinyLlama's
+(fused RMSNorm, rotary, SwiGLU, flash-attention 2); forward a third (not counted). docs/COSTMODEL.md,
+"Memory-bound work, attention and hardware facts"."""
+
+
+def attention_kernel_tflops(gpu: GPUSpec, kernel: str, *, span: int, head_dim: int) -> float | None:
+    """The published fwd + bwd rate (TFLOP/s, the kernel's own count) of `kernel` on `gpu` at this many
+    keys per query and head dim: interpolated in log2 of the sequence between the measured 512..16k
+    (flat beyond), linearly in the head dim between 64 and 128 (flat beyond), at the GPU's peak over
+    the measured part's. None where no figure covers the GPU's family."""
+    import math
+
+    family = "a100" if gpu.name.startswith("a100") else "hopper" if gpu.name.startswith(("h100", "h200")) else None
+    if family is None:
+        return None
+    kernel = ATTENTION_KERNEL_ON.get(kernel, {}).get(family, kernel)
+    table = ATTENTION_KERNEL_TFLOPS.get((kernel, family))
+    if table is None:
+        return None
+
+    def at_seq(points) -> float:
+        x = math.log2(max(span, 1))
+        if x <= math.log2(points[0][0]):
+            return points[0][1]
+        for (s0, r0), (s1, r1) in zip(points, points[1:]):
+            if x <= math.log2(s1):
+                w = (x - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
+                return r0 + w * (r1 - r0)
+        return points[-1][1]
+
+    lo, hi = at_seq(table[64]), at_seq(table[128])
+    w = min(max((head_dim - 64) / 64, 0.0), 1.0)
+    return (lo + w * (hi - lo)) * gpu.peak_tflops / ATTENTION_KERNEL_PEAK[family]
+
+
+def memory_bytes_per_token(kernels: str, *, hidden: int, ffn: int, kv_width: int, forward: bool = False) -> float:
+    """MEMORY_BYTES_PER_TOKEN of one decoder block, bf16 (forward alone: what a checkpointed block's
+    recompute moves again)."""
+    a, b, c = MEMORY_BYTES_PER_TOKEN[kernels][1 if forward else 0]
+    return a * hidden + b * ffn + c * kv_width
 
 
 def estimate_basis(gpu: GPUSpec, efficiency: float) -> str:
@@ -176,6 +263,25 @@ class StepWork:
     tokens to their experts and back, `expert_all_to_all_bytes`); on the critical path, not hidden."""
     all_to_all_inter_node: bool = False
     """Whether the all-to-all's group spans nodes."""
+    attention_flops_per_gpu: float = 0.0
+    """The part of `flops_per_gpu` that is attention's score and value products (S x S, counted like
+    the rest: full square, backward twice forward, a checkpointed block's forward again): costed at the
+    attention kernel's published rate instead of the matmul efficiency where ATTENTION_KERNEL_TFLOPS
+    has the GPU (0: nothing counted apart, all FLOPs at the matmul efficiency)."""
+    attention_kernel_flops_per_gpu: float = 0.0
+    """The same work as the flash kernels execute and their benchmarks count it (causal: half the
+    square; backward 2.5x forward, its recompute of the scores included; a checkpointed block's forward
+    again): the FLOPs the published rate is a rate of."""
+    attention_span: int = 0
+    """Keys per query of the attention (the sequence length), where the kernel's rate depends on it."""
+    attention_head_dim: int = 0
+    attention_kernel: str = "flash2"
+    """Which kernel runs attention: "flash2" (FlashAttention-2: PyTorch SDPA's flash backend since
+    torch 2.2, the flash-attn package) or "triton" (the Triton flash kernel of flash-attn 1, which
+    llm-foundry's MPT ran)."""
+    memory_bytes_per_gpu: float = 0.0
+    """HBM bytes the memory-bound ops (everything but matmuls, attention kernels and collectives) move
+    per step, at the GPU's data-sheet bandwidth (0: not counted)."""
 
 
 def expert_all_to_all_bytes(*, tokens_per_microbatch: int, experts_per_token: int, hidden_size: int,
@@ -273,7 +379,8 @@ def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_p
                    num_microbatches: int = 1, dispatched_ops_per_microbatch: float = 0.0,
                    hidden_size: int = 0, reduce_bytes: int = 4,
                    trainable: tuple[int, int] | None = None, float8_block_params: int = 0,
-                   all_to_all_bytes: float = 0.0, all_to_all_inter_node: bool = False) -> StepWork:
+                   all_to_all_bytes: float = 0.0, all_to_all_inter_node: bool = False,
+                   attention: dict | None = None) -> StepWork:
     """The `StepWork` of a full-sharded FSDP2 step from what a backend counted: FLOPs, sizes;
     gradients reduced in `reduce_bytes` per element (fp32, FSDP2's default here), of the
     `trainable` (block, root) parameters where some are frozen (LoRA), which alone the optimizer steps.
@@ -299,6 +406,7 @@ def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_p
         if reshard_after_forward else 0.0,
         num_fsdp_units=num_blocks + 1, dispatched_ops_per_microbatch=dispatched_ops_per_microbatch,
         hidden_size=hidden_size, all_to_all_bytes_per_gpu=all_to_all_bytes, all_to_all_inter_node=all_to_all_inter_node,
+        **(attention or {}),
     )
 
 
@@ -378,7 +486,15 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
     tokens_per_microbatch = work.tokens_per_step / (work.num_microbatches * n)
     efficiency = matmul_efficiency(gpu, tokens_per_microbatch, matmul_top_efficiency, hidden_size=work.hidden_size,
                                    half_tokens=half_efficiency_tokens, half_hidden=half_efficiency_hidden)
-    gpu_compute_s = work.flops_per_gpu / (gpu.peak_tflops * 1e12 * efficiency)
+    attention_rate = (attention_kernel_tflops(gpu, work.attention_kernel, span=work.attention_span,
+                                              head_dim=work.attention_head_dim)
+                      if work.attention_kernel_flops_per_gpu else None)
+    matmul_flops = work.flops_per_gpu - (work.attention_flops_per_gpu if attention_rate else 0.0)
+    gpu_compute_s = matmul_flops / (gpu.peak_tflops * 1e12 * efficiency)
+    if attention_rate:
+        gpu_compute_s += work.attention_kernel_flops_per_gpu / (attention_rate * 1e12)
+    if work.memory_bytes_per_gpu:
+        gpu_compute_s += work.memory_bytes_per_gpu / (gpu.hbm_gbps * 1e9)
     # The host queues kernels ahead of the GPU (FSDP2 does not block it inside forward and
     # backward), so the micro-batches take the longer of the GPU's time and the host's.
     host_op_us = HOST_OP_US if host_op_us is None else host_op_us
@@ -431,6 +547,11 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
         tokens_per_sec=work.tokens_per_step / seconds if seconds > 0 else 0.0,
         mfu=model_flops / (seconds * gpu.peak_tflops * 1e12) if seconds > 0 else 0.0,
         basis=(estimate_basis(gpu, efficiency) + (f" on {cluster.num_nodes} nodes" if cluster.num_nodes > 1 else "")
+               + (f"; matmul efficiency for the matmuls, attention at {attention_rate:.0f} TFLOP/s (the published "
+                  f"{work.attention_kernel} kernel speed at seq {work.attention_span}, head dim {work.attention_head_dim})"
+                  if attention_rate else "")
+               + (f"; memory-bound ops {work.memory_bytes_per_gpu / 1e9:.3g} GB per step at the {gpu.hbm_gbps:g} GB/s "
+                  "HBM data sheet" if work.memory_bytes_per_gpu else "")
                + (f"; host-bound: {work.num_microbatches} micro-batch(es) x {work.dispatched_ops_per_microbatch:,.0f} "
                   f"dispatched ops x {host_op_us:g} us = {host_s:.3g} s per step, over the GPU's {gpu_compute_s:.3g} s"
                   if host_s > gpu_compute_s else "")) if describe else "",
@@ -690,8 +811,8 @@ ESTIMATE_ERROR = {
     "cpu": (0.33, "the worst error of the two 24-configuration CPU grid runs since large memory-bound ops and the "
                   "tracker's depth are costed (33.1%, 23.7%; medians 11.2%, 10.2%), benchmarks/bench_costmodel.py "
                   "--grid --bracket, docs/BENCHMARKS.md"),
-    "cuda": (0.22, "the range that holds 97% of 99 published eager FSDP runs held out by source (leave-one-source-"
-                   "out: median 8.4%, worst 23.3%; 11 sources), benchmarks/bench_costmodel.py --published"),
+    "cuda": (0.22, "the range that holds 99% of 99 published eager FSDP runs held out by source (leave-one-source-"
+                   "out: median 7.9%, worst 22.7%; 11 sources), benchmarks/bench_costmodel.py --published"),
     "cuda-host-bound": (0.43, "the worst error of the host-bound estimates against 27 real H100 trials without "
                               "offload (43.0%; median 12%), benchmarks/bench_costmodel.py --gpu-recorded"),
 }

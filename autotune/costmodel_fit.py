@@ -13,7 +13,10 @@ prints the fit and both checks:
 The free constants are the matmul efficiency per GPU family and the micro-batch tokens and hidden
 size of half efficiency (the inter-node bandwidth was a fifth until 2026-11-25: it is now modelled,
 costmodel.inter_node_ring_gbps). Each source weighs once in the fit (SOURCE_BALANCED). A held-out
-row whose GPU family no fitted row has falls back to the data-sheet default efficiency. Rows with
+row whose GPU family no fitted row has falls back to the data-sheet default efficiency. Attention
+(at the published speed of the row's flash kernel) and the memory-bound ops (the row's stack's bytes at
+the HBM data sheet) are costed from facts, not fitted (SOURCE_FACTS; costmodel.ATTENTION_KERNEL_TFLOPS,
+costmodel.MEMORY_BYTES_PER_TOKEN). Rows with
 torch.compile or Float8 are recorded apart (excluded_published_runs) and never fitted.
 """
 
@@ -69,6 +72,12 @@ class PublishedRun:
     peak_tflops: float | None = None
     """The GPUs' dense bf16 peak where the source says its GPUs are not the catalog part (None: the
     catalog's data sheet): torchtitan's H100s are HBM2e parts at a 500 W power limit."""
+    hbm_gbps: float | None = None
+    """The GPUs' HBM bandwidth where the source states another than the catalog part's (GB/s)."""
+    kernels: str = "eager"
+    """The stack's memory-bound kernels (costmodel.MEMORY_BYTES_PER_TOKEN): "eager", or a fused block."""
+    attention_kernel: str = "flash2"
+    """The attention kernel the run used (costmodel.ATTENTION_KERNEL_TFLOPS)."""
 
 
 @functools.cache
@@ -95,10 +104,10 @@ def excluded_published_runs() -> tuple[PublishedRun, ...]:
                  for row in data.get("excluded_runs", ()))
 
 
-SOURCE_FACTS = ("peak_tflops",)
-"""Facts a source states for all its rows that the estimate reads (its GPUs' peak). Sources also record
-facts the model does not read (`hbm_gbps`, `kernels`: the memory-bound term that would read them was tried
-and not kept, docs/COSTMODEL.md, "Memory-bound work, attention and hardware facts")."""
+SOURCE_FACTS = ("peak_tflops", "hbm_gbps", "kernels", "attention_kernel")
+"""Facts a source states for all its rows that the estimate reads: its GPUs' peak and HBM bandwidth where
+they are not the catalog part's, its stack's memory-bound kernels (eager or fused) and its attention kernel
+(docs/COSTMODEL.md, "Memory-bound work, attention and hardware facts")."""
 
 
 def _with_source_facts(row: dict, source: dict) -> dict:
@@ -152,6 +161,8 @@ def _published_work(run: PublishedRun):
     gpu = GPUS[run.gpu]
     if run.peak_tflops:
         gpu = replace(gpu, peak_tflops=run.peak_tflops)
+    if run.hbm_gbps:
+        gpu = replace(gpu, hbm_gbps=run.hbm_gbps)
     spec = TrialSpec(model=published_model(run.model), seq_len=run.seq_len,
                      cluster=Cluster(num_gpus=run.num_gpus, num_nodes=run.num_nodes, gpu=gpu),
                      train=TrainConfig(micro_batch_size=run.micro_batch_size,
@@ -159,7 +170,8 @@ def _published_work(run: PublishedRun):
                                        shard_group_size=run.shard_group_size,
                                        reshard_after_forward=run.reshard_after_forward),
                      grad_accum_steps=run.grad_accum)
-    return spec, step_work(spec, reduce_bytes=run.reduce_bytes)
+    return spec, step_work(spec, reduce_bytes=run.reduce_bytes, kernels=run.kernels,
+                           attention_kernel=run.attention_kernel)
 
 
 def published_estimate(run: PublishedRun, fit: dict[str, float]) -> float:

@@ -171,12 +171,14 @@ def load_profile(name_or_path: str) -> HardwareProfile:
 
 PUBLISHED_MATMUL_FRACTION = {
     "a100": (costmodel.MATMUL_EFFICIENCY["a100-80gb"],
-             "the fraction of the A100 dense bf16 peak (312 TFLOP/s) an eager FSDP step's FLOPs run at in "
+             "the fraction of the A100 dense bf16 peak (312 TFLOP/s) an eager FSDP step's matmul FLOPs run at "
+             "(attention at published flash-kernel speeds and memory-bound ops at the HBM data sheet costed apart) in "
              "torchtitan's Llama 3 and Llama 2 runs on 64 A100s (docs/performance.md 2024), fms-fsdp's on 128 "
              "A100s, llm-foundry's MPT tables (A100 80GB and 40GB) and TinyLlama's 16 A100-40GB, fitted to all "
              "of autotune/data/published_runs.json"),
     "hopper": (costmodel.MATMUL_EFFICIENCY["h100-80gb"],
-               "the fraction of the H100 dense bf16 peak (989 TFLOP/s) an eager FSDP step's FLOPs run at in "
+               "the fraction of the H100 dense bf16 peak (989 TFLOP/s) an eager FSDP step's matmul FLOPs run at "
+               "(attention at published flash-kernel speeds and memory-bound ops at the HBM data sheet costed apart) in "
                "torchtitan's Llama 3.1 8B on 8 and 128 H100s (docs/performance.md Tables 1 and 3, FSDP eager; 500 W "
                "HBM2e parts, costed at 912 TFLOP/s, the middle of the peak range the source states), "
                "fms-fsdp's 96 H100s and llm-foundry's MPT H100 tables, fitted to all of "

@@ -126,11 +126,12 @@ def test_published_runs_name_their_sources():
 def test_published_runs_leave_one_source_out():
     """The check of the throughput constants: every row of a source (one table: a cluster, a stack,
     a date) predicted with the constants refitted on the other sources only, so no sibling of the
-    held-out rows shares its efficiency in the fit. Targets: median |error| <= 9%, worst <= 24%,
-    the printed range (+-ESTIMATE_ERROR["cuda"]) holding the published figure for >= 95% of rows,
-    >= 95% of the same-model same-hardware pairs of one table in the published order (2026-11-26,
-    99 rows, 11 sources from 5 publishers, torchtitan's 500 W H100s at their stated peak: 8.4%, 23.3%,
-    97%, 103 of 105; 2026-11-25 at 989 TFLOP/s: 8.6%, 24.1%, 92%). The shipped constants
+    held-out rows shares its efficiency in the fit. Targets: median |error| <= 8%, worst <= 23%,
+    the printed range (+-ESTIMATE_ERROR["cuda"]) holding the published figure for >= 98% of rows,
+    >= 99% of the same-model same-hardware pairs of one table in the published order (2026-11-27,
+    99 rows, 11 sources from 5 publishers, attention at the published flash kernels' speeds and the
+    memory-bound ops at the HBM data sheet: 7.9%, 22.7%, 99%, 104 of 105; 2026-11-26, one efficiency
+    for every FLOP: 8.4%, 23.3%, 97%, 103 of 105; 2026-11-25 at 989 TFLOP/s: 8.6%, 24.1%, 92%). The shipped constants
     are the fit on all rows. (Leave-one-row-out, weaker since a row's siblings stay in the fit, is
     `bench_costmodel.py --published --by-row`: one fit per row, too slow for a test.)"""
     from autotune.costmodel_fit import published_runs
@@ -140,12 +141,12 @@ def test_published_runs_leave_one_source_out():
     assert len(rows) >= 40 and scores["sources"] >= 8 and scores["publishers"] >= 4
     assert len(scores["errors"]) == len(rows)
     assert sum(len(errors) for errors in scores["by_source"].values()) == len(rows)
-    assert scores["median_abs_error"] <= 0.09, scores["by_source"]
-    assert scores["worst_abs_error"] <= 0.24, [(r.model, r.num_gpus, r.gpu, e) for r, e in
-                                               zip(rows, scores["errors"]) if abs(e) > 0.24]
-    assert scores["coverage"] >= 0.95
+    assert scores["median_abs_error"] <= 0.08, scores["by_source"]
+    assert scores["worst_abs_error"] <= 0.23, [(r.model, r.num_gpus, r.gpu, e) for r, e in
+                                               zip(rows, scores["errors"]) if abs(e) > 0.23]
+    assert scores["coverage"] >= 0.98
     assert scores["same_source_pairs"] >= 50
-    assert scores["pairs_in_order"] >= 0.95 * scores["same_source_pairs"], scores["out_of_order"]
+    assert scores["pairs_in_order"] >= 0.99 * scores["same_source_pairs"], scores["out_of_order"]
     fit = scores["fit"]
     assert fit["a100"] == pytest.approx(cm.MATMUL_EFFICIENCY["a100-80gb"], abs=0.01)
     assert fit["hopper"] == pytest.approx(cm.MATMUL_EFFICIENCY["h100-80gb"], abs=0.01)

@@ -375,9 +375,13 @@ def expert_parallel_work(spec: TrialSpec) -> dict:
         num_microbatches=spec.grad_accum_steps), all_to_all_inter_node=ep > spec.cluster.gpus_per_node)
 
 
-def step_work(spec: TrialSpec, *, reduce_bytes: int = 4) -> costmodel.StepWork:
+def step_work(spec: TrialSpec, *, reduce_bytes: int = 4, kernels: str = "eager",
+              attention_kernel: str = "flash2") -> costmodel.StepWork:
     """FLOPs, collective and offload bytes of one optimizer step on one GPU, gradients reduced in
-    `reduce_bytes` per element (fp32, as autotune's trials reduce)."""
+    `reduce_bytes` per element (fp32, as autotune's trials reduce); attention's FLOPs apart, as counted
+    and as the `attention_kernel` executes them, and the memory-bound ops' bytes of `kernels`
+    (costmodel.MEMORY_BYTES_PER_TOKEN: "eager" is transformers' and torchtitan's code, what autotune
+    runs; the published runs name their stack's)."""
     from autotune.catalog.models import model_flops_per_token
 
     shape = model_shape(spec.model)
@@ -395,6 +399,22 @@ def step_work(spec: TrialSpec, *, reduce_bytes: int = 4) -> costmodel.StepWork:
     per_block = (op_checkpoint_recompute_flops_per_token(shape, ac.policy) if ac.mode == "op"
                  else 2 * active_block + 4 * shape.hidden * span)
     recompute = num_checkpointed * per_block
+    # Attention apart: counted as above (12 h s per token per block, a checkpointed block's forward
+    # 4 h s again, none under op-level checkpointing, which saves attention's output), and as a causal
+    # flash kernel runs it (forward 2 h s, backward 2.5x that, the recompute's forward 2 h s again).
+    attention_recomputed = 0 if ac.mode == "op" else num_checkpointed
+    width = shape.hidden
+    attention = dict(
+        attention_flops_per_gpu=float(tokens_per_gpu * width * span * (12 * shape.num_layers + 4 * attention_recomputed)),
+        attention_kernel_flops_per_gpu=float(tokens_per_gpu * width * span * (7 * shape.num_layers
+                                                                            + 2 * attention_recomputed)),
+        attention_span=span, attention_head_dim=shape.hidden // max(shape.num_heads, 1),
+        attention_kernel=attention_kernel,
+        memory_bytes_per_gpu=tokens_per_gpu * PARAM_BYTES[train.precision] / 2 * (
+            shape.num_layers * costmodel.memory_bytes_per_token(kernels, hidden=shape.hidden, ffn=shape.intermediate,
+                                                               kv_width=shape.kv_width)
+            + num_checkpointed * costmodel.memory_bytes_per_token(kernels, hidden=shape.hidden, ffn=shape.intermediate,
+                                                                  kv_width=shape.kv_width, forward=True)))
     return costmodel.fsdp_step_work(
         flops_per_gpu=tokens_per_gpu * (executed + recompute), model_flops_per_gpu=tokens_per_gpu * model_flops,
         tokens_per_gpu_step=tokens_per_gpu, num_gpus=spec.cluster.num_gpus,
@@ -402,7 +422,7 @@ def step_work(spec: TrialSpec, *, reduce_bytes: int = 4) -> costmodel.StepWork:
         num_blocks=shape.num_layers, root_params=shape.root_params, param_bytes=PARAM_BYTES[train.precision],
         reshard_after_forward=train.reshard_after_forward, cpu_offload=train.cpu_offload,
         num_microbatches=spec.grad_accum_steps, hidden_size=shape.hidden, reduce_bytes=reduce_bytes,
-        trainable=trainable_split(spec), **expert_parallel_work(spec))
+        trainable=trainable_split(spec), attention=attention, **expert_parallel_work(spec))
 
 
 class AnalyticBackend(TrialBackend):

@@ -11,7 +11,8 @@ import os
 from typing import TYPE_CHECKING
 
 from autotune import cache, costmodel
-from autotune.backends.analytic import expert_parallel_work, model_shape, screen_margin, trainable_split
+from autotune.backends.analytic import (attention_span, expert_parallel_work, model_shape, screen_margin,
+                                      trainable_split)
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
 from autotune.backends.sim._extrapolate import extrapolate, shallow_depths
 from autotune.config import PARAM_DTYPE_BYTES, TrialSpec
@@ -521,6 +522,17 @@ class SimBackend(TrialBackend):
             basis = (f"{op_step.basis}; ops counted in the trace (recomputation included); range "
                      f"{low:,.0f}-{high:,.0f} from the validation errors ({source})")
             return Figure(op_step.tokens_per_sec, "estimated", basis), ""
+        # Attention's traced FLOPs (torch's SDPA formulas: the full square, backward 2.5x forward) at the
+        # flash kernel's published rate, which counts the causal half; the traced memory-bound ops' bytes
+        # at the HBM bandwidth, less float8's casts (costed apart, costmodel.float8_step_seconds).
+        shape = model_shape(spec.model)
+        op_work = op_work or {}
+        traced_attention = op_work.get("attention_flops", 0.0) * accum
+        attention = dict(
+            attention_flops_per_gpu=traced_attention, attention_kernel_flops_per_gpu=traced_attention / 2,
+            attention_span=attention_span(spec), attention_head_dim=shape.hidden // max(shape.num_heads, 1),
+            memory_bytes_per_gpu=max(op_work.get("memory_bytes", 0.0) - op_work.get("float8_cast_elements", 0.0)
+                                     * costmodel.FLOAT8_CAST_BYTES["eager"], 0.0) * accum)
         work = costmodel.fsdp_step_work(
             flops_per_gpu=flops_per_microbatch * accum,
             model_flops_per_gpu=model_flops_per_token(spec.model, spec.seq_len) * tokens_per_gpu_step,
@@ -530,9 +542,9 @@ class SimBackend(TrialBackend):
             cpu_offload=spec.train.cpu_offload, num_microbatches=accum,
             # The host's work: the eager ops it dispatches, and the fused kernels it launches for
             # compiled blocks (the trace's proxy for inductor's fusion, docs/COMPILE.md).
-            dispatched_ops_per_microbatch=sum((op_work or {}).get(k, 0.0) for k in ("dispatched_ops", "compiled_launches")),
-            hidden_size=model_shape(spec.model).hidden, trainable=trainable_split(spec),
-            float8_block_params=trace.float8_gathered_params, **expert_parallel_work(spec))
+            dispatched_ops_per_microbatch=sum(op_work.get(k, 0.0) for k in ("dispatched_ops", "compiled_launches")),
+            hidden_size=shape.hidden, trainable=trainable_split(spec),
+            float8_block_params=trace.float8_gathered_params, attention=attention, **expert_parallel_work(spec))
         step = costmodel.estimate_step_time(work, spec.cluster, shard_group_size=spec.train.shard_group_size,
                                             reshard_group_size=spec.train.reshard_group_size)
         extras["step_time"] = step.to_dict()
