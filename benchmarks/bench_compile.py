@@ -6,6 +6,8 @@ gloo trials, what compilation costs in time, and the float8 GPU estimate against
     python benchmarks/bench_compile.py --float8   # the float8 rows (FLOAT8_MATRIX), real and predicted
     python benchmarks/bench_compile.py --published  # llama3-8b on 8 H100s (sim, estimated) against the
                                                     # published float8 runs (costmodel.FLOAT8_PUBLISHED)
+    python benchmarks/bench_compile.py --fit-rowwise  # costmodel.ROWWISE_GEMM_RATE from one published run,
+                                                      # checked on another
     python benchmarks/bench_compile.py --launches   # the kernels a compiled block launches: the
                                                     # simulator's count against inductor's own code
 
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from autotune.backends.real import RealBackend
 from autotune.backends.sim import SimBackend
+from autotune.catalog.gpus import GPUS
 from autotune.catalog.models import resolve_model
 from autotune.config import Cluster, TrainConfig, TrialSpec
 
@@ -53,7 +56,7 @@ FLOAT8_MATRIX = [
 ]
 PUBLISHED_ROWS = [  # llama3-8b, 8 H100s, seq 8192, op-level checkpointing: (micro-batch, compile, float8)
     (2, "blocks", "none"), (2, "blocks", "tensorwise"), (2, "none", "none"), (2, "none", "tensorwise"),
-    (1, "blocks", "none"), (1, "blocks", "tensorwise"), (1, "blocks", "rowwise"),
+    (1, "blocks", "none"), (1, "blocks", "tensorwise"), (1, "blocks", "rowwise"), (1, "none", "rowwise"),
 ]
 
 
@@ -82,6 +85,50 @@ def published() -> None:
     print(f"\nsimulator {time.perf_counter() - started:.0f} s. Published (measured, compiled, tokens/s/GPU):")
     for label, gpus, bf16, float8 in costmodel.FLOAT8_PUBLISHED:
         print(f"  {label}, {gpus} GPUs: {bf16:,} -> {float8:,}, {float8 / bf16:.3f}")
+
+
+ROWWISE_FITTED_TO = "torchao docs, rowwise"
+ROWWISE_CHECKED_ON = "torchtitan commit 7a04053, rowwise"
+
+
+def fit_rowwise() -> None:
+    """costmodel.ROWWISE_GEMM_RATE: the rate at which the rowwise estimate of the configuration of torchao's
+    published rowwise run (llama3-8b, 8 H100s, seq 8192, micro-batch 1, op-level checkpointing, compiled)
+    gives its published ratio over compiled bf16; then that rate's ratio against torchtitan commit
+    7a04053's rowwise run of the same configuration, which is not fitted to. One trace; the rate enters
+    only the saved GEMM time (costmodel.float8_step_seconds), so other rates are computed from it."""
+    from autotune import costmodel
+
+    published = {label: float8 / bf16 for label, _, bf16, float8 in costmodel.FLOAT8_PUBLISHED}
+    started = time.perf_counter()
+    with SimBackend() as sim:
+        result = sim.evaluate(TrialSpec(
+            model=resolve_model("llama3-8b"), cluster=Cluster(num_gpus=8), seq_len=8192,
+            train=TrainConfig(micro_batch_size=1, activation_checkpointing="op", compile="blocks", float8="rowwise")))
+    float8, gpu = result.extras["float8"], GPUS["h100-80gb"]
+    if result.extras["step_time"].get("host_bound"):
+        raise SystemExit("the step is host-bound: the rate does not enter it")
+    ratio, saved, casts = float8["speedup"], float8["saved_s"], float8["casts_s"]
+    step = ratio * (saved - casts) / (ratio - 1)  # the compiled bf16 step: ratio = step / (step - saved + casts)
+    slowdown = gpu.peak_tflops / gpu.float8_tflops
+    gemm = saved / (1 - slowdown / costmodel.ROWWISE_GEMM_RATE)  # the converted GEMMs' bf16 time
+
+    def rate_for(target: float) -> float:
+        return slowdown / (1 - (casts + step * (1 - 1 / target)) / gemm)
+
+    def ratio_at(rate: float) -> float:
+        return step / (step - gemm * (1 - slowdown / rate) + casts)
+
+    fitted = rate_for(published[ROWWISE_FITTED_TO])
+    estimate = ratio_at(fitted)
+    print(f"simulator {time.perf_counter() - started:.0f} s; estimated with ROWWISE_GEMM_RATE "
+          f"{costmodel.ROWWISE_GEMM_RATE:g}: rowwise {ratio:.3f}x over compiled bf16, tensorwise's GEMM rate "
+          f"{ratio_at(1.0):.3f}x")
+    print(f"rate fitted to {ROWWISE_FITTED_TO} ({published[ROWWISE_FITTED_TO]:.3f}x, measured): {fitted:.3f}; "
+          f"the estimate there {estimate:.3f}x")
+    print(f"checked on {ROWWISE_CHECKED_ON} (the same configuration, not fitted to): published "
+          f"{published[ROWWISE_CHECKED_ON]:.3f}x (measured), estimated {estimate:.3f}x "
+          f"({estimate / published[ROWWISE_CHECKED_ON] - 1:+.1%})")
 
 
 LAUNCH_MODELS = ("micro-llama", "tiny-llama", "tiny-qwen2")
@@ -133,9 +180,13 @@ def main() -> None:
     parser.add_argument("--float8", action="store_true", help="the float8 matrix instead")
     parser.add_argument("--published", action="store_true", help="the float8 estimate against published runs")
     parser.add_argument("--launches", action="store_true", help="a compiled block's kernel launches: counted vs inductor's")
+    parser.add_argument("--fit-rowwise", action="store_true",
+                        help="costmodel.ROWWISE_GEMM_RATE from torchao's published rowwise run, checked on torchtitan's")
     args = parser.parse_args()
-    if args.published:
-        return published()
+    if args.published or args.fit_rowwise:
+        if FLOAT8_SITE.is_dir():
+            sys.path.insert(0, str(FLOAT8_SITE))
+        return published() if args.published else fit_rowwise()
     if args.launches:
         return launches()
     if args.float8 and FLOAT8_SITE.is_dir():

@@ -171,6 +171,14 @@ def test_float8_gpu_throughput_is_costed_from_the_traced_float8_matmuls():
     assert float8["source"] == "estimated" and "not fitted" in float8["basis"]
     assert float8["saved_s"] > 0 and float8["casts_s"] > 0
     assert result.throughput == pytest.approx(float8["high_precision_tokens_per_sec"] * float8["speedup"])
+    # Rowwise: the same traced matmuls, at the rowwise GEMM rate, which is fitted (and says so). The
+    # memory-bound bytes of both are the high-precision configuration's (their traces hold the casts too).
+    with SimBackend() as sim:
+        rowwise = sim.evaluate(spec.with_train(spec.train.with_(float8="rowwise")))
+    assert 0 < rowwise.extras["float8"]["saved_s"] < float8["saved_s"]
+    assert "fitted to torchao's published rowwise run" in rowwise.extras["float8"]["basis"]
+    assert "eager high-precision twin" in result.extras["memory_bytes_from"]
+    assert rowwise.extras["memory_bytes_from"] == result.extras["memory_bytes_from"]
 
 
 def test_fsdp2_script_applies_float8_in_parallelize(explored, tmp_path):

@@ -524,15 +524,19 @@ class SimBackend(TrialBackend):
             return Figure(op_step.tokens_per_sec, "estimated", basis), ""
         # Attention's traced FLOPs (torch's SDPA formulas: the full square, backward 2.5x forward) at the
         # flash kernel's published rate, which counts the causal half; the traced memory-bound ops' bytes
-        # at the HBM bandwidth, less float8's casts (costed apart, costmodel.float8_step_seconds).
+        # at the HBM bandwidth. A compiled or float8 configuration is costed here as its eager
+        # high-precision twin (the published compile ratio and costmodel.float8_step_seconds come after):
+        # its memory-bound bytes are the twin's, its own trace holding inductor's decomposed ops and the casts.
         shape = model_shape(spec.model)
         op_work = op_work or {}
         traced_attention = op_work.get("attention_flops", 0.0) * accum
+        memory_bytes = op_work.get("memory_bytes", 0.0)
+        if (spec.train.compile != "none" or spec.train.float8 != "none") and memory_bytes:
+            memory_bytes = self._eager_twin_memory_bytes(spec, extras) or memory_bytes
         attention = dict(
             attention_flops_per_gpu=traced_attention, attention_kernel_flops_per_gpu=traced_attention / 2,
             attention_span=attention_span(spec), attention_head_dim=shape.hidden // max(shape.num_heads, 1),
-            memory_bytes_per_gpu=max(op_work.get("memory_bytes", 0.0) - op_work.get("float8_cast_elements", 0.0)
-                                     * costmodel.FLOAT8_CAST_BYTES["eager"], 0.0) * accum)
+            memory_bytes_per_gpu=memory_bytes * accum)
         work = costmodel.fsdp_step_work(
             flops_per_gpu=flops_per_microbatch * accum,
             model_flops_per_gpu=model_flops_per_token(spec.model, spec.seq_len) * tokens_per_gpu_step,
@@ -555,6 +559,24 @@ class SimBackend(TrialBackend):
         basis = (f"{step.basis}; FLOPs counted in the trace (recomputation included); range {low:,.0f}-{high:,.0f} "
                  f"({costmodel.range_source(shipped, host_bound=step.host_bound)})")
         return Figure(step.tokens_per_sec, "estimated", basis), ""
+
+
+    def _eager_twin_memory_bytes(self, spec: TrialSpec, extras: dict[str, Any]) -> float | None:
+        """The memory-bound bytes per micro-batch of `spec` run eager in high precision, evaluated like any
+        trial (usually cached: the controller compiles and converts configurations it evaluated eager),
+        traced even where the closed form screens it (compiled, a configuration can fit where eager
+        does not). None where the twin cannot be traced."""
+        twin_spec = spec.with_train(spec.train.with_(compile="none", float8="none"))
+        twin = self.evaluate(twin_spec)
+        if twin.extras.get("screened"):
+            try:
+                twin = self._evaluate(twin_spec)
+            except Exception:  # the trial's own trace stands; the twin's failure is not this trial's
+                return None
+        memory_bytes = (twin.extras.get("op_work") or {}).get("memory_bytes")
+        if memory_bytes:
+            extras["memory_bytes_from"] = f"the eager high-precision twin ({twin_spec.train.label()})"
+        return memory_bytes
 
 
 def _compiled(throughput: Figure, extras: dict[str, Any]) -> Figure:
@@ -592,6 +614,7 @@ def _float8(throughput: Figure, spec: TrialSpec, op_work: dict[str, float], extr
     saved_s, casts_s, basis = costmodel.float8_step_seconds(
         gpu=gpu, float8_flops=op_work.get("float8_matmul_flops", 0.0) * accum,
         cast_elements=op_work.get("float8_cast_elements", 0.0) * accum, compiled=spec.train.compile != "none",
+        recipe=spec.train.float8,
         efficiency=extras["flops_per_gpu_per_step"] / (roofline["gpu_compute_s"] * gpu.peak_tflops * 1e12))
     # The host's dispatch time (eager: the casts' ops are in the traced count) still bounds the step.
     float8_s = step_s - max(gpu_s, host_s) + max(gpu_s - saved_s + casts_s, host_s)
