@@ -383,10 +383,14 @@ def test_the_sampler_stops_when_the_space_is_exhausted():
 def test_the_sampler_respects_the_time_budget():
     import time
 
+    request = request_for(75, time_budget_s=3)
+    request.model.block_param_shapes  # built on first use (imports transformers: seconds), not the budget's
     began = time.monotonic()
-    outcome = Controller(request_for(75, time_budget_s=1.5), SlowBackend(0.05)).tune()
+    outcome = Controller(request, SlowBackend(0.05)).tune()
     elapsed = time.monotonic() - began
-    assert elapsed < 1.5 + 0.2  # never starts a trial it cannot finish (one trial: 0.05 s)
+    assert elapsed < 3 + 0.2  # never starts a trial it cannot finish (one trial: 0.05 s)
+    # The graph's 19 trials take about 1 s of the budget; what is left samples (1.5 s left only one
+    # or two under the load of a suite run, 2026-11-27).
     assert outcome.sampling["sampled"] >= 3
 
 

@@ -32,11 +32,15 @@ from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, Tria
 from autotune.config import (MASTER_DTYPE_BYTES, MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, TRL_STEPS, TrialSpec,
                              reduce_dtype_name)
 from autotune.units import format_bytes
+from autotune.catalog.models import ModelSpec
 
 SCREEN_MARGIN = 1.25
 """A configuration whose closed-form peak is over the memory limit by more than this factor cannot
 fit: the closed form is within a few percent of traces (docs/COSTMODEL.md), so the simulator
 and the sampler skip tracing it."""
+
+__all__ = ["AnalyticBackend", "ModelShape", "model_shape", "MemoryEstimate", "estimate_memory",
+           "activation_bytes_per_token", "step_work"]
 
 COMPILED_PEAK_FLOOR = 0.7
 """The least a compiled configuration's peak is taken to be of the closed form's (eager) peak when
@@ -48,10 +52,7 @@ screening: the closed form does not know what the partitioner recomputes. Traced
 def screen_margin(compiled: bool) -> float:
     """How far over the memory limit a closed-form peak may be and still be traced."""
     return SCREEN_MARGIN / COMPILED_PEAK_FLOOR if compiled else SCREEN_MARGIN
-from autotune.catalog.models import ModelSpec
 
-__all__ = ["AnalyticBackend", "ModelShape", "model_shape", "MemoryEstimate", "estimate_memory",
-           "activation_bytes_per_token", "step_work"]
 
 PARAM_BYTES = PARAM_DTYPE_BYTES  # the compute dtype's, by precision
 

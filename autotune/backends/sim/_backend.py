@@ -560,7 +560,6 @@ class SimBackend(TrialBackend):
                  f"({costmodel.range_source(shipped, host_bound=step.host_bound)})")
         return Figure(step.tokens_per_sec, "estimated", basis), ""
 
-
     def _eager_twin_memory_bytes(self, spec: TrialSpec, extras: dict[str, Any]) -> float | None:
         """The memory-bound bytes per micro-batch of `spec` run eager in high precision, evaluated like any
         trial (usually cached: the controller compiles and converts configurations it evaluated eager),
