@@ -481,7 +481,7 @@ class Controller:
         # The graph's resharding first (it grows eager that way too): no reshard keeps a gathered block
         # per block, memory a larger micro-batch would use; it is tried on the grown best after.
         resharding = [s for s in compiled if s.train.reshard_after_forward == self.request.space.reshard_after_forward]
-        if not (resharding or compiled):
+        if not compiled:
             return
         fastest = max(resharding or compiled, key=lambda s: s.result.throughput or 0.0)
         if fastest.train.micro_batch_size < self.request.max_micro_batch:

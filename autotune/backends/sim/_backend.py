@@ -95,6 +95,9 @@ class SimBackend(TrialBackend):
         self.derive_world_sizes = derive_world_sizes
         """Derive a trace from the same configuration's traces at two other world sizes where that is
         exact (_world), instead of tracing it: `autotune plan`, which asks for many GPU counts."""
+        self._eager_memory_bytes: dict[str, float | None] = {}
+        """The memory-bound bytes of the eager high-precision twins of compiled and float8 configurations,
+        by the twin's cache key (_eager_twin_memory_bytes)."""
         self.shared_traces: str | None = None
         """A folder where this backend leaves every trace it makes and finds those other processes
         made (`autotune plan --jobs`: a process per GPU count, deriving from each other's traces)."""
@@ -566,13 +569,16 @@ class SimBackend(TrialBackend):
         traced even where the closed form screens it (compiled, a configuration can fit where eager
         does not). None where the twin cannot be traced."""
         twin_spec = spec.with_train(spec.train.with_(compile="none", float8="none"))
-        twin = self.evaluate(twin_spec)
-        if twin.extras.get("screened"):
-            try:
-                twin = self._evaluate(twin_spec)
-            except Exception:  # the trial's own trace stands; the twin's failure is not this trial's
-                return None
-        memory_bytes = (twin.extras.get("op_work") or {}).get("memory_bytes")
+        key = cache.key_of("sim-eager-memory", self._cache_inputs(twin_spec))
+        if key not in self._eager_memory_bytes:  # compiled and float8 siblings share a twin: trace it once
+            twin = self.evaluate(twin_spec)
+            if twin.extras.get("screened"):
+                try:
+                    twin = self._evaluate(twin_spec)
+                except Exception:  # the trial's own trace stands; the twin's failure is not this trial's
+                    twin = TrialResult(status="error")
+            self._eager_memory_bytes[key] = (twin.extras.get("op_work") or {}).get("memory_bytes")
+        memory_bytes = self._eager_memory_bytes[key]
         if memory_bytes:
             extras["memory_bytes_from"] = f"the eager high-precision twin ({twin_spec.train.label()})"
         return memory_bytes
