@@ -466,8 +466,11 @@ class Console:
 
     def plan_table(self, plan: dict) -> None:
         """One row per plan option, within 80 columns; every figure's source and range are in plan.json."""
-        table = Table(title="options (E estimated; days, GPU-h, cost from tok/s; eff: per GPU vs smallest)",
-                      box=None, pad_edge=False, padding=(0, 1), title_justify="left", header_style="bold underline")
+        title = "options (E estimated; days, GPU-h, cost from tok/s; eff: per GPU vs smallest)"
+        # At least as wide as its title: rich wraps a title to the table's width, and a plan whose
+        # columns are all short (every option 100% efficient, binding on memory) would split it.
+        table = Table(title=title, box=None, pad_edge=False, padding=(0, 1), title_justify="left",
+                      header_style="bold underline", min_width=len(title))
         for column, justify in (("option", "left"), ("winner", "left"), ("tok/s", "right"), ("days", "right"),
                                 ("GPU-h", "right"), ("cost", "right"), ("eff", "right"), ("binds", "left")):
             table.add_column(column, justify=justify, no_wrap=True)

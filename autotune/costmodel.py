@@ -32,7 +32,7 @@ __all__ = [
     "MATMUL_EFFICIENCY", "DEFAULT_MATMUL_EFFICIENCY", "HALF_EFFICIENCY_TOKENS", "HALF_EFFICIENCY_HIDDEN",
     "REFERENCE_HIDDEN", "ATTENTION_KERNEL_TFLOPS", "MEMORY_BYTES_PER_TOKEN", "attention_kernel_tflops",
     "memory_bytes_per_token",
-    "INTRA_NODE_BUS_EFFICIENCY", "INTER_NODE_BUS_EFFICIENCY", "CPU_ADAM_PARAMS_PER_S_PER_NODE",
+    "INTRA_NODE_BUS_EFFICIENCY", "NIC_BUS_EFFICIENCY", "inter_node_ring_gbps", "CPU_ADAM_PARAMS_PER_S_PER_NODE",
     "HOST_PROCESS_BYTES", "HOST_OP_US", "LARGE_MEMORY_OP_BYTES",
 ]
 
@@ -40,12 +40,12 @@ GiB = 2**30
 MiB = 2**20
 
 # --- Throughput constants (calibration and sources: docs/COSTMODEL.md) -------------------------
-MATMUL_EFFICIENCY = {"a100-80gb": 0.85, "a100-40gb": 0.85, "h100-80gb": 0.66, "h200-141gb": 0.66}
+MATMUL_EFFICIENCY = {"a100-80gb": 0.85, "a100-40gb": 0.85, "h100-80gb": 0.65, "h200-141gb": 0.65}
 """Fraction of the data-sheet dense peak that an FSDP transformer step's matmul FLOPs (recompute
 included; attention's score and value products and the memory-bound ops are costed apart, at published
 kernel speeds and the HBM data sheet: ATTENTION_KERNEL_TFLOPS, MEMORY_BYTES_PER_TOKEN) run at on large
 micro-batches of a model REFERENCE_HIDDEN wide, by GPU family. Fitted with HALF_EFFICIENCY_TOKENS and
-HALF_EFFICIENCY_HIDDEN (fitted: 0.853 and 0.655) to the 99 published eager FSDP runs in
+HALF_EFFICIENCY_HIDDEN (fitted: 0.846 and 0.651) to the 99 published eager FSDP runs in
 autotune/data/published_runs.json (11 sources: torchtitan, PyTorch/IBM fms-fsdp, MosaicML
 llm-foundry, TinyLlama), each source weighed once (autotune/costmodel_fit.py; benchmarks/
 bench_costmodel.py --published prints the fit and checks it leave-one-source-out): the A100 figure
@@ -57,23 +57,25 @@ be. H200 takes the H100's: no eager H200 source (torchtitan's H200 rows are comp
 the fraction of a 700 W H100 SXM's 989 TFLOP/s: torchtitan's H100s are 96 GB HBM2e parts at a 500 W
 limit whose peak the source puts between the SXM's and the NVL's (835), so their rows are estimated at
 912, the middle of that range (a row fact, costmodel_fit.PublishedRun.peak_tflops). Was 0.77 / 0.52
-while every FLOP (attention's, and the memory-bound ops' time) ran at this one efficiency."""
+while every FLOP (attention's, and the memory-bound ops' time) ran at this one efficiency, 0.85 / 0.66
+while every collective across nodes ran at 1.9 NICs per GPU (NIC_BUS_EFFICIENCY)."""
 DEFAULT_MATMUL_EFFICIENCY = 0.50
 """For catalog GPUs without a published FSDP figure: unvalidated."""
-HALF_EFFICIENCY_TOKENS = 1780
+HALF_EFFICIENCY_TOKENS = 1730
 """Tokens per GPU per micro-batch at which the matmul efficiency is half its maximum: per
 micro-batch costs that do not grow with its tokens (small kernels, each FSDP unit's waits) weigh
-on small micro-batches (efficiency = max * t / (t + this)). Fitted with MATMUL_EFFICIENCY (1,782):
+on small micro-batches (efficiency = max * t / (t + this)). Fitted with MATMUL_EFFICIENCY (1,726):
 the rows that set it are those of one source at several micro-batch sizes: llm-foundry's tables
 (micro-batches of 1 to 64 sequences), fms-fsdp's 13B (0.48 of peak at micro-batch 1 x 4,096
 tokens, 0.59 at 2) and torchtitan's Llama 2 70B (micro-batch 1 with op-level checkpointing as fast
 as 2 with full). Was 920 on the 21 rows before llm-foundry's were added, 1,290 before attention and
-the memory-bound ops were costed apart (2026-11-27)."""
+the memory-bound ops were costed apart (2026-11-27), 1,780 before collectives across whole nodes ran on
+all of a node's NICs (NIC_BUS_EFFICIENCY, the same day)."""
 HALF_EFFICIENCY_HIDDEN = 700
 """Hidden size h at which a step's matmul FLOPs would run at half the efficiency of an infinitely
 wide model: matmul FLOPs grow as h^2 per token, the work that grows as h and is not costed apart
 (small kernels' fixed costs, launch gaps) weighs more on narrow models (efficiency x h / (h + this),
-normalised to 1 at REFERENCE_HIDDEN). Fitted with MATMUL_EFFICIENCY (697): the rows that set it are
+normalised to 1 at REFERENCE_HIDDEN). Fitted with MATMUL_EFFICIENCY (706): the rows that set it are
 the widths one source runs on one cluster: llm-foundry's MPT 7B to 70B (h 4,096 to 8,192), fms-fsdp's
 March 2024 table (7B to 70B) and TinyLlama (h 2,048). Was 1,780 on the 21 rows before llm-foundry's
 were added (fms-fsdp's widths alone), 800 before attention and the memory-bound ops were costed apart."""
@@ -82,19 +84,19 @@ REFERENCE_HIDDEN = 8192
 INTRA_NODE_BUS_EFFICIENCY = 0.80
 """Fraction of nominal NVLink/PCIe bandwidth a ring collective reaches (NCCL busbw on NVLink 3/4
 is ~75-80% of the one-direction data-sheet figure)."""
-INTER_NODE_BUS_EFFICIENCY = 1.9
-"""Achieved bandwidth per GPU of the collectives across nodes, as a multiple of the GPU's catalog
-NIC rate (`inter_node_gbps`: one 200/400 Gb/s NIC per GPU). Set on 2026-11-23 by the one
-communication-bound published row then (Llama 2 70B micro-batch 1 on 64 A100s: at 0.9 it came out
-at half its published 355 tokens/s/GPU) and **no longer fitted**: the 99 published rows of
-2026-11-25 do not identify it (fitted, it runs to any upper bound, 4 or 8, with the same
-leave-one-source-out errors: every row but two hides its collectives under compute at any factor
-above ~2.3), so it stays a stated assumption, not a fit. A ring over whole nodes can spread its
-cross-node traffic over all of a node's NICs (NCCL runs a channel per NIC), up to ~6.4x one NIC
-here, while HSDP's replica all-reduce has one NIC per GPU: modelling that would make full FSDP
-across nodes nearly as fast as within one and HSDP slower than FSDP on every catalog cluster,
-which no published row checks (docs/COSTMODEL.md, "Fewer free constants"). A calibrated profile
-measures the cluster instead."""
+NIC_BUS_EFFICIENCY = 0.80
+"""Fraction of a NIC's data-sheet rate (the catalog's `inter_node_gbps`: a GPU's own 200/400 Gb/s NIC on
+DGX/HGX nodes and the published clusters that state theirs, or its share of a node's network where the
+GPUs share one) that a ring collective's cross-node hop reaches, as INTRA_NODE_BUS_EFFICIENCY for
+NVLink: a stated assumption, not fitted. How many NICs a ring uses is modelled (inter_node_ring_gbps):
+a ring over every GPU of whole nodes (FSDP's, and HSDP's shard groups of several nodes) runs one NCCL
+channel per NIC, so its cross-node traffic spreads over all of a node's NICs (NCCL's own tuning model,
+src/graph/tuning.cc, takes a ring's bus bandwidth as its channels times the inter-node speed); a ring
+over one GPU per node (HSDP's replica all-reduce) and an all-to-all have their own GPU's NIC each.
+Replaced INTER_NODE_BUS_EFFICIENCY = 1.9 (a multiple of one NIC for every collective across nodes, set
+by one published row) on 2026-11-27: llm-foundry's MPT 13B at micro-batch 2 ran at 4,792 to 4,811
+tokens/s/GPU on 8, 16, 32 and 64 H100s, which one NIC per GPU at any factor below ~2.3 cannot give
+(docs/COSTMODEL.md, "Collectives across nodes")."""
 HOST_OP_US = 24.0
 """Host time per dispatched op of an eager FSDP2 forward + backward on a GPU (Python, dispatcher,
 autograd, FSDP2's hooks, the kernel launch). Small models at small micro-batches are bound by it,
@@ -210,7 +212,7 @@ def estimate_basis(gpu: GPUSpec, efficiency: float) -> str:
     top = MATMUL_EFFICIENCY.get(gpu.name, DEFAULT_MATMUL_EFFICIENCY)
     return (f"estimated: roofline on {gpu.name} data-sheet figures ({gpu.peak_tflops:g} TFLOP/s, "
             f"{gpu.intra_node_gbps:g}/{gpu.inter_node_gbps:g} GB/s intra/inter-node, collectives at "
-            f"{INTRA_NODE_BUS_EFFICIENCY:g}x/{INTER_NODE_BUS_EFFICIENCY:g}x of them) at {efficiency:.0%} compute "
+            f"{INTRA_NODE_BUS_EFFICIENCY:g}x of them, a ring across whole nodes on all of a node's NICs) at {efficiency:.0%} compute "
             f"efficiency ({top:.0%} on large micro-batches {REFERENCE_HIDDEN} wide, less on narrower models and "
             f"fewer tokens per micro-batch)")
 
@@ -435,17 +437,33 @@ def matmul_efficiency(gpu: GPUSpec, tokens_per_microbatch: float, top: float | N
     return top * width_factor * tokens_per_microbatch / (tokens_per_microbatch + half_tokens)
 
 
-def _link_gbps(cluster: Cluster, *, inter_node: bool, inter_node_bus_efficiency: float | None = None) -> float:
-    """Achieved per-GPU ring bandwidth on the node's links or across nodes, GB/s."""
+def inter_node_ring_gbps(nic_gbps: float, *, gpus_per_node: int, intra_node_gbps: float,
+                         whole_nodes: bool) -> float:
+    """Achieved per-GPU rate of a collective across nodes, GB/s, from the rate one NIC reaches
+    (`nic_gbps`, one NIC per GPU). A ring over every GPU of whole nodes runs a channel per NIC: each
+    channel crosses each node boundary once, through its own NIC, so the ring's cross-node traffic
+    spreads over the node's `gpus_per_node` NICs, up to the node's own links (NVLink), which every
+    channel also crosses. A ring over one GPU per node (HSDP's replicas) and an all-to-all (each GPU
+    sends its own share) have one NIC each (`whole_nodes=False`)."""
+    if not whole_nodes:
+        return nic_gbps
+    return min(gpus_per_node * nic_gbps, intra_node_gbps)
+
+
+def _link_gbps(cluster: Cluster, *, inter_node: bool, whole_nodes: bool = True,
+               nic_bus_efficiency: float | None = None) -> float:
+    """Achieved per-GPU ring bandwidth on the node's links or across nodes, GB/s (inter_node_ring_gbps)."""
     gpu = cluster.gpu
-    if inter_node:
-        return gpu.inter_node_gbps * (INTER_NODE_BUS_EFFICIENCY if inter_node_bus_efficiency is None
-                                      else inter_node_bus_efficiency)
-    return gpu.intra_node_gbps * INTRA_NODE_BUS_EFFICIENCY
+    intra = gpu.intra_node_gbps * INTRA_NODE_BUS_EFFICIENCY
+    if not inter_node:
+        return intra
+    nic = gpu.inter_node_gbps * (NIC_BUS_EFFICIENCY if nic_bus_efficiency is None else nic_bus_efficiency)
+    return inter_node_ring_gbps(nic, gpus_per_node=cluster.gpus_per_node, intra_node_gbps=intra,
+                                whole_nodes=whole_nodes)
 
 
 def hsdp_comm_seconds(work: StepWork, cluster: Cluster, *, shard_group_size: int,
-                      inter_node_bus_efficiency: float | None = None) -> tuple[float, float]:
+                      nic_bus_efficiency: float | None = None) -> tuple[float, float]:
     """(intra-node, inter-node) seconds of one step's collectives under HSDP: parameters sharded
     within groups of `shard_group_size` GPUs (consecutive ranks: a node, or whole nodes) and
     replicated across the r = n / size groups.
@@ -453,7 +471,8 @@ def hsdp_comm_seconds(work: StepWork, cluster: Cluster, *, shard_group_size: int
     The all-gathers and reduce-scatters run as rings within a group: on NVLink when the group
     fits in a node, else at the inter-node rate. Each reduced gradient shard (1/size of the
     gradient bytes) is then all-reduced across the groups, 2(r-1)/r of it on a ring (FSDP2 does
-    it after every reduce-scatter), across nodes whenever there are several.
+    it after every reduce-scatter), across nodes whenever there are several, each ring on its GPUs' own
+    NICs (one GPU per node: inter_node_ring_gbps).
     """
     n, size = cluster.num_gpus, shard_group_size or cluster.num_gpus
     replicas = n // size
@@ -461,23 +480,23 @@ def hsdp_comm_seconds(work: StepWork, cluster: Cluster, *, shard_group_size: int
     group_inter = size > cluster.gpus_per_node
     group_bytes = (work.allgather_bytes_per_gpu + work.reduce_scatter_bytes_per_gpu) * (size - 1) / size
     seconds[group_inter] += group_bytes / (_link_gbps(cluster, inter_node=group_inter,
-                                                      inter_node_bus_efficiency=inter_node_bus_efficiency) * 1e9)
+                                                      nic_bus_efficiency=nic_bus_efficiency) * 1e9)
     replicas_inter = cluster.num_nodes > 1
     allreduce_bytes = 2 * (replicas - 1) / replicas * work.reduce_scatter_bytes_per_gpu / size
-    seconds[replicas_inter] += allreduce_bytes / (_link_gbps(cluster, inter_node=replicas_inter,
-                                                             inter_node_bus_efficiency=inter_node_bus_efficiency) * 1e9)
+    seconds[replicas_inter] += allreduce_bytes / (_link_gbps(cluster, inter_node=replicas_inter, whole_nodes=False,
+                                                             nic_bus_efficiency=nic_bus_efficiency) * 1e9)
     return seconds[False], seconds[True]
 
 
 def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: int = 0, reshard_group_size: int = 0,
                        matmul_top_efficiency: float | None = None,
-                       inter_node_bus_efficiency: float | None = None,
+                       nic_bus_efficiency: float | None = None,
                        host_op_us: float | None = None, half_efficiency_tokens: float | None = None,
                        half_efficiency_hidden: float | None = None, describe: bool = True) -> StepTime:
     """Roofline time of one optimizer step on `cluster` (see the module docstring);
     `shard_group_size` > 0: HSDP (see hsdp_comm_seconds); `reshard_group_size` > 0: backward's
     all-gathers run in rings of that many GPUs (on the node's links when they fit in a node).
-    `matmul_top_efficiency`, `inter_node_bus_efficiency` and the `half_efficiency_*` replace
+    `matmul_top_efficiency`, `nic_bus_efficiency` and the `half_efficiency_*` replace
     the fitted constants (leave-one-out validation refits them); `host_op_us` the host time per dispatched op
     (default HOST_OP_US). `describe=False` leaves `basis` empty: a fit evaluates a million
     estimates, and writing each one's sentence was half their time."""
@@ -509,18 +528,19 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
                        backward_allgather_bytes_per_gpu=0.0)
         across = reshard_group_size > cluster.gpus_per_node
         comm_s += moved * (reshard_group_size - 1) / reshard_group_size / (_link_gbps(
-            cluster, inter_node=across, inter_node_bus_efficiency=inter_node_bus_efficiency) * 1e9)
+            cluster, inter_node=across, nic_bus_efficiency=nic_bus_efficiency) * 1e9)
     if shard_group_size and shard_group_size < n:
         comm_s += sum(hsdp_comm_seconds(work, cluster, shard_group_size=shard_group_size,
-                                        inter_node_bus_efficiency=inter_node_bus_efficiency))
+                                        nic_bus_efficiency=nic_bus_efficiency))
     elif n > 1:
         ring_bytes = (work.allgather_bytes_per_gpu + work.reduce_scatter_bytes_per_gpu) * (n - 1) / n
         comm_s += ring_bytes / (_link_gbps(cluster, inter_node=cluster.num_nodes > 1,
-                                          inter_node_bus_efficiency=inter_node_bus_efficiency) * 1e9)
+                                          nic_bus_efficiency=nic_bus_efficiency) * 1e9)
     offload_s = (work.host_to_device_bytes + work.device_to_host_bytes) / (host_link_gbps(gpu) * 1e9)
     # Expert parallelism's all-to-alls: the experts wait on them (no overlap modelled).
     all_to_all_s = work.all_to_all_bytes_per_gpu / (_link_gbps(
-        cluster, inter_node=work.all_to_all_inter_node, inter_node_bus_efficiency=inter_node_bus_efficiency) * 1e9)
+        cluster, inter_node=work.all_to_all_inter_node, whole_nodes=False,
+        nic_bus_efficiency=nic_bus_efficiency) * 1e9)
 
     # Collectives and offload copies run on side streams under compute. What cannot hide: the
     # excess over compute, and each micro-batch's first all-gather and last reduce-scatter.
@@ -742,13 +762,21 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
 
     group = shard_group_size if 0 < shard_group_size < n else n
     replicas = n // group
-    inter = num_nodes > 1 and group > n // num_nodes  # the shard group spans nodes
-    ag_bw = p["inter_node_gbps" if inter else "intra_node_gbps"]
+    gpus_per_node = n // num_nodes
+
+    def ring_gbps(across: bool, *, whole_nodes: bool = True) -> float:
+        if not across:
+            return p["intra_node_gbps"]
+        return inter_node_ring_gbps(p["inter_node_gbps"], gpus_per_node=gpus_per_node,
+                                    intra_node_gbps=p["intra_node_gbps"], whole_nodes=whole_nodes)
+
+    inter = num_nodes > 1 and group > gpus_per_node  # the shard group spans nodes (whole ones)
+    ag_bw = ring_gbps(inter)
     ag_lat = p["inter_node_latency_us" if inter else "intra_node_latency_us"]
     rs_bw = (None if inter else p.get("intra_node_rs_gbps")) or ag_bw
     rs_lat = (None if inter else p.get("intra_node_rs_latency_us")) or ag_lat
-    ar_inter = num_nodes > 1  # replicas sit on other nodes whenever there are several
-    ar_bw = p["inter_node_gbps" if ar_inter else "intra_node_gbps"]
+    ar_inter = num_nodes > 1  # replicas sit on other nodes whenever there are several: one GPU per node
+    ar_bw = ring_gbps(ar_inter, whole_nodes=False)
     ar_lat = p["inter_node_latency_us" if ar_inter else "intra_node_latency_us"]
 
     def ag(params: int) -> float:
@@ -763,9 +791,8 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
         # Resharded after forward to groups of `reshard_group_size`: backward gathers within one.
         if not 0 < reshard_group_size < group:
             return ag(params)
-        across = num_nodes > 1 and reshard_group_size > n // num_nodes
-        return collective_seconds(params * param_bytes, ranks=reshard_group_size,
-                                  gbps=p["inter_node_gbps" if across else "intra_node_gbps"],
+        across = num_nodes > 1 and reshard_group_size > gpus_per_node
+        return collective_seconds(params * param_bytes, ranks=reshard_group_size, gbps=ring_gbps(across),
                                   latency_us=p["inter_node_latency_us" if across else "intra_node_latency_us"])
 
     block_grads, root_grads = trainable if trainable is not None else (block_params, root_params)

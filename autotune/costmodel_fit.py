@@ -180,7 +180,7 @@ def published_estimate(run: PublishedRun, fit: dict[str, float]) -> float:
     step = costmodel.estimate_step_time(
         work, spec.cluster, shard_group_size=run.shard_group_size,
         matmul_top_efficiency=fit.get(gpu_family(run.gpu), costmodel.DEFAULT_MATMUL_EFFICIENCY),
-        inter_node_bus_efficiency=fit.get("inter"), half_efficiency_tokens=fit["half_tokens"],
+        nic_bus_efficiency=fit.get("nic"), half_efficiency_tokens=fit["half_tokens"],
         half_efficiency_hidden=fit["half_hidden"], describe=False)
     return step.tokens_per_sec / run.num_gpus
 

@@ -29,7 +29,8 @@ Figures (all per GPU, or per CPU rank for a cpu profile):
                            whose buffers stream from main memory; absent: `memory_gbps` for all
     intra_node_gbps        all-gather / reduce-scatter bus bandwidth within a node
     intra_node_latency_us  fixed cost of one collective within a node
-    inter_node_gbps        the same across nodes (per GPU NIC)
+    inter_node_gbps        the same across nodes, one GPU's NIC (a ring over whole nodes runs
+                           all of a node's: costmodel.inter_node_ring_gbps)
     inter_node_latency_us
     comm_overlap           1 where collectives run on side streams under compute (CUDA), 0 where
                            they block the compute (gloo on CPU)
@@ -187,7 +188,7 @@ PUBLISHED_MATMUL_FRACTION = {
 """Where a public FSDP run on the part exists; checked leave-one-source-out in benchmarks/bench_costmodel.py."""
 UNPUBLISHED_MATMUL_FRACTION = costmodel.DEFAULT_MATMUL_EFFICIENCY
 INTRA_NODE_BUS_FRACTION = costmodel.INTRA_NODE_BUS_EFFICIENCY
-INTER_NODE_BUS_FRACTION = costmodel.INTER_NODE_BUS_EFFICIENCY
+NIC_BUS_FRACTION = costmodel.NIC_BUS_EFFICIENCY
 _PCIE_GBPS = {"h100-80gb": 50.0, "h200-141gb": 50.0}
 
 
@@ -224,9 +225,10 @@ def shipped_profile(gpu: GPUSpec) -> HardwareProfile:
                                           f"{INTRA_NODE_BUS_FRACTION:.0%} of {gpu.intra_node_gbps:g} GB/s one-way "
                                           f"link ({sheet}); NCCL ring busbw fraction, unvalidated"),
         "intra_node_latency_us": HardwareFigure(15.0, "data sheet", "NCCL ring latency within a node: unvalidated"),
-        "inter_node_gbps": HardwareFigure(gpu.inter_node_gbps * INTER_NODE_BUS_FRACTION, "published run",
-                                          f"{INTER_NODE_BUS_FRACTION:g}x the {gpu.inter_node_gbps:g} GB/s per-GPU NIC: "
-                                          "what the published multi-node FSDP runs need (docs/COSTMODEL.md)"),
+        "inter_node_gbps": HardwareFigure(gpu.inter_node_gbps * NIC_BUS_FRACTION, "data sheet",
+                                          f"{NIC_BUS_FRACTION:.0%} of the {gpu.inter_node_gbps:g} GB/s per-GPU NIC; a "
+                                          "ring over whole nodes runs all of a node's NICs (costmodel."
+                                          "inter_node_ring_gbps): unvalidated fraction"),
         "inter_node_latency_us": HardwareFigure(40.0, "data sheet", "NCCL ring latency across nodes: unvalidated"),
         "comm_overlap": HardwareFigure(1.0, "data sheet", "FSDP2 runs collectives on side CUDA streams"),
         "host_link_gbps": HardwareFigure(pcie, "data sheet", f"~80% of PCIe Gen{5 if pcie > 30 else 4} x16"),

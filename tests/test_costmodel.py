@@ -126,11 +126,12 @@ def test_published_runs_name_their_sources():
 def test_published_runs_leave_one_source_out():
     """The check of the throughput constants: every row of a source (one table: a cluster, a stack,
     a date) predicted with the constants refitted on the other sources only, so no sibling of the
-    held-out rows shares its efficiency in the fit. Targets: median |error| <= 8%, worst <= 23%,
+    held-out rows shares its efficiency in the fit. Targets: median |error| <= 7%, worst <= 23%,
     the printed range (+-ESTIMATE_ERROR["cuda"]) holding the published figure for >= 98% of rows,
     >= 99% of the same-model same-hardware pairs of one table in the published order (2026-11-27,
-    99 rows, 11 sources from 5 publishers, attention at the published flash kernels' speeds and the
-    memory-bound ops at the HBM data sheet: 7.9%, 22.7%, 99%, 104 of 105; 2026-11-26, one efficiency
+    99 rows, 11 sources from 5 publishers, collectives across whole nodes on all of a node's NICs:
+    6.6%, 22.7%, 99%, 104 of 105; before that, attention at the published flash kernels' speeds and
+    the memory-bound ops at the HBM data sheet: 7.9%, 22.7%, 99%, 104 of 105; 2026-11-26, one efficiency
     for every FLOP: 8.4%, 23.3%, 97%, 103 of 105; 2026-11-25 at 989 TFLOP/s: 8.6%, 24.1%, 92%). The shipped constants
     are the fit on all rows. (Leave-one-row-out, weaker since a row's siblings stay in the fit, is
     `bench_costmodel.py --published --by-row`: one fit per row, too slow for a test.)"""
@@ -141,7 +142,7 @@ def test_published_runs_leave_one_source_out():
     assert len(rows) >= 40 and scores["sources"] >= 8 and scores["publishers"] >= 4
     assert len(scores["errors"]) == len(rows)
     assert sum(len(errors) for errors in scores["by_source"].values()) == len(rows)
-    assert scores["median_abs_error"] <= 0.08, scores["by_source"]
+    assert scores["median_abs_error"] <= 0.07, scores["by_source"]
     assert scores["worst_abs_error"] <= 0.23, [(r.model, r.num_gpus, r.gpu, e) for r, e in
                                                zip(rows, scores["errors"]) if abs(e) > 0.23]
     assert scores["coverage"] >= 0.98
@@ -152,6 +153,18 @@ def test_published_runs_leave_one_source_out():
     assert fit["hopper"] == pytest.approx(cm.MATMUL_EFFICIENCY["h100-80gb"], abs=0.01)
     assert fit["half_tokens"] == pytest.approx(cm.HALF_EFFICIENCY_TOKENS, rel=0.03)
     assert fit["half_hidden"] == pytest.approx(cm.HALF_EFFICIENCY_HIDDEN, rel=0.03)
+
+
+def test_published_runs_that_trained_are_predicted_to_fit_or_named():
+    """Every published row trained on its GPUs, so the closed form (the memory screen before the
+    simulator's trace) must put it within the GPU's memory, or name why not (2026-11-27: 93 of 99
+    within it; llm-foundry's five MPT 7B rows at micro-batch 6 without checkpointing over it by the
+    closed form's Llama block, 76-92% without its SwiGLU and fp32-norm terms; torchtitan's Llama 2 13B
+    at micro-batch 2 without checkpointing on 64 A100s at 103%, not explained)."""
+    scores = _bench().run_published_fits()
+    assert scores["fit"] + scores["explained"] + scores["unexplained"] == scores["rows"] >= 40
+    assert scores["fit"] >= 0.9 * scores["rows"]
+    assert scores["unexplained"] <= 1
 
 
 def test_published_rows_on_other_parts_are_costed_at_the_peak_their_source_states():
@@ -200,22 +213,41 @@ def test_fsdp_step_work_assembles_volumes_and_offload():
 
 def test_hsdp_moves_the_gather_traffic_onto_the_node_links():
     """On 8 nodes, sharding within a node leaves only the gradient shards' all-reduce on the
-    inter-node links: far less communication time than sharding over all 64 GPUs; groups of
-    whole nodes keep all their traffic inter-node."""
+    inter-node links, each ring on one GPU's NIC; groups of whole nodes keep all their traffic
+    inter-node; one group of every GPU is plain FSDP."""
 
     cluster = Cluster(num_gpus=64, num_nodes=8)
     work = cm.fsdp_step_work(flops_per_gpu=1e15, model_flops_per_gpu=1e15, tokens_per_gpu_step=4096,
                                     num_gpus=64, block_params=800_000_000, num_blocks=80,
                                     root_params=2_000_000_000, param_bytes=2)
-    fsdp = cm.estimate_step_time(work, cluster)
     node = cm.estimate_step_time(work, cluster, shard_group_size=8)
     intra, inter = cm.hsdp_comm_seconds(work, cluster, shard_group_size=8)
     assert intra > 0 and inter > 0 and node.comm_s == pytest.approx(intra + inter)
-    assert node.comm_s < fsdp.comm_s
+    # Across nodes only each GPU's 1/8 gradient shard, all-reduced over the 8 replicas (2 x 7/8 of
+    # it), through that GPU's own NIC: bytes counted here, not by the module.
+    nic_gbps = cluster.gpu.inter_node_gbps * cm.NIC_BUS_EFFICIENCY
+    assert inter == pytest.approx(2 * 7 / 8 * work.reduce_scatter_bytes_per_gpu / 8 / (nic_gbps * 1e9))
     assert cm.hsdp_comm_seconds(work, cluster, shard_group_size=32)[0] == 0.0
     single = Cluster(num_gpus=8)
     assert cm.estimate_step_time(work, single, shard_group_size=8).comm_s == \
         cm.estimate_step_time(work, single).comm_s  # one group of every GPU is plain FSDP
+
+
+def test_full_sharding_across_nodes_keeps_the_published_flat_scaling():
+    """llm-foundry's MPT 13B at micro-batch 2 without checkpointing ran at 4,792, 4,767, 4,811 and
+    4,800 tokens/s/GPU on 8, 16, 32 and 64 H100s (published, within 1%): full sharding across nodes
+    was as fast as within one. A ring over whole nodes crosses them on every NIC of a node (NCCL runs
+    a channel per NIC); at one NIC per GPU the estimates fell 17-21% from 8 to 16-64 GPUs."""
+    from autotune.costmodel_fit import published_estimate, published_runs
+
+    rows = [r for r in published_runs() if r.model == "mpt-13b" and r.gpu == "h100-80gb"
+            and r.micro_batch_size == 2 and r.activation_checkpointing == "none"]
+    assert sorted(r.num_gpus for r in rows) == [8, 16, 32, 64]
+    assert max(r.tokens_per_sec_per_gpu for r in rows) / min(r.tokens_per_sec_per_gpu for r in rows) < 1.01
+    shipped = {"hopper": cm.MATMUL_EFFICIENCY["h100-80gb"], "half_tokens": cm.HALF_EFFICIENCY_TOKENS,
+               "half_hidden": cm.HALF_EFFICIENCY_HIDDEN}
+    estimates = [published_estimate(r, shipped) for r in rows]
+    assert max(estimates) / min(estimates) < 1.03, estimates
 
 
 def test_shipped_profiles_cover_the_catalog_with_sources():
@@ -362,10 +394,10 @@ def test_a_close_call_between_estimates_names_the_real_trials_that_decide(tmp_pa
 
 
 def test_per_op_model_runs_hsdp_collectives_within_the_group():
-    """The per-operation model under HSDP on 2 nodes of 8 against its own plain-FSDP figure and a
-    count of the bytes: sharding within a node moves the gathers onto the node's links, so it must
-    spend less time communicating when those are several times faster, and a group of every GPU is
-    plain FSDP."""
+    """The per-operation model under HSDP and plain FSDP on 2 nodes of 8 against a count of the bytes
+    each link carries: sharding within a node moves the gathers onto the node's links and leaves the
+    replica all-reduce on each GPU's NIC; plain FSDP's ring crosses the nodes on all of their NICs;
+    a group of every GPU is plain FSDP."""
     profile = hardware.shipped_profile(GPUS["h100-80gb"])
     ops = cm.OpWork(matmul_flops=1e14, matmul_ops=500, memory_bytes=1e10, memory_ops=1000, dispatched_ops=3000)
     common = dict(profile=profile, num_gpus=16, num_nodes=2, num_blocks=32, block_params=200_000_000,
@@ -374,7 +406,6 @@ def test_per_op_model_runs_hsdp_collectives_within_the_group():
     node = cm.estimate_op_step_time(ops, **common, shard_group_size=8)
     assert cm.estimate_op_step_time(ops, **common, shard_group_size=16).comm_s == fsdp.comm_s
     assert profile["intra_node_gbps"] > 3 * profile["inter_node_gbps"]
-    assert node.comm_s < fsdp.comm_s
     # The bytes each rank moves: gathers over the node (7/8 of each unit) plus the replica all-reduce
     # of its 1/8 gradient shard across 2 nodes (2 x 1/2 of it), at least what bandwidth alone costs.
     params = 32 * 200_000_000 + 500_000_000
@@ -383,6 +414,11 @@ def test_per_op_model_runs_hsdp_collectives_within_the_group():
     allreduced = 2 * params * 4 / 8 / 2
     floor = (gathered + scattered) / (profile["intra_node_gbps"] * 1e9) + allreduced / (profile["inter_node_gbps"] * 1e9)
     assert floor <= node.comm_s < floor * 1.05
+    # Plain FSDP over the 2 whole nodes: one ring of 16, crossing the nodes on all 8 NICs of each
+    # (NCCL's channel per NIC), so at 8 NICs' rate where the node's links are faster than that.
+    ring_gbps = min(8 * profile["inter_node_gbps"], profile["intra_node_gbps"])
+    fsdp_floor = (gathered + scattered) * (15 / 16) / (7 / 8) / (ring_gbps * 1e9)
+    assert fsdp_floor <= fsdp.comm_s < fsdp_floor * 1.05
 
 
 def test_calibrated_host_op_count_matches_the_trace_count(monkeypatch):

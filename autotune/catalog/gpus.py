@@ -24,7 +24,7 @@ class GPUSpec:
     peak_tflops: float  # dense bf16 (fp16 where no bf16)
     hbm_gbps: float  # GB/s
     intra_node_gbps: float  # GB/s per GPU, one direction
-    inter_node_gbps: float  # GB/s per GPU, one direction
+    inter_node_gbps: float  # GB/s per GPU, one direction: its NIC, or its share of the node's network
     source: str
     float8_tflops: float = 0.0
     """Dense float8 (e4m3/e5m2, fp32 accumulate) tensor-core peak from the data sheet, TFLOP/s; 0: the
@@ -71,8 +71,8 @@ GPUS: dict[str, GPUSpec] = {g.name: g for g in [
                                                "with fp32 accumulate (660.6 with sparsity), half the fp16-accumulate "
                                                "rate as for its bf16 figure"),
     GPUSpec(name="a10g-24gb", memory_bytes=23028 * MiB, supports_bf16=True, peak_tflops=70.0,
-            hbm_gbps=600, intra_node_gbps=32, inter_node_gbps=3.1,
-            source="AWS g5 (A10G) figures; PCIe Gen4; 100 Gb/s per 8-GPU node"),
+            hbm_gbps=600, intra_node_gbps=32, inter_node_gbps=1.5625,
+            source="AWS g5 (A10G) figures; PCIe Gen4; 100 Gb/s per 8-GPU node (12.5 GB/s: 1.56 each)"),
     GPUSpec(name="v100-32gb", memory_bytes=32768 * MiB, supports_bf16=False, peak_tflops=125.0,
             hbm_gbps=900, intra_node_gbps=150, inter_node_gbps=12.5,
             source="NVIDIA V100 SXM2 data sheet (fp16 tensor cores, no bf16); NVLink 2"),
