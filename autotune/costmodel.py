@@ -835,13 +835,13 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
 
 
 ESTIMATE_ERROR = {
-    "cpu": (0.33, "the worst error of the two 24-configuration CPU grid runs since large memory-bound ops and the "
-                  "tracker's depth are costed (33.1%, 23.7%; medians 11.2%, 10.2%), benchmarks/bench_costmodel.py "
-                  "--grid --bracket, docs/BENCHMARKS.md"),
+    "cpu": (0.29, "the worst error of the four 24-configuration CPU grid runs since calibrate times attention in the "
+                  "layout transformers passes it (21.2%, 16.7%, 25.0%, 28.7%; medians 10.1%, 9.0%, 8.0%, 6.7%), "
+                  "benchmarks/bench_costmodel.py --grid, docs/BENCHMARKS.md"),
     "cuda": (0.22, "the range that holds 99% of 99 published eager FSDP runs held out by source (leave-one-source-"
-                   "out: median 7.9%, worst 22.7%; 11 sources), benchmarks/bench_costmodel.py --published"),
-    "cuda-host-bound": (0.43, "the worst error of the host-bound estimates against 27 real H100 trials without "
-                              "offload (43.0%; median 12%), benchmarks/bench_costmodel.py --gpu-recorded"),
+                   "out: median 6.6%, worst 22.7%; 11 sources), benchmarks/bench_costmodel.py --published"),
+    "cuda-host-bound": (0.34, "the worst error of the host-bound estimates against 26 real H100 trials without "
+                              "offload (34.0%; median 12%), benchmarks/bench_costmodel.py --gpu-recorded"),
 }
 """Relative error an estimate carries, by the profile's device, from the validation that can
 fail (docs/COSTMODEL.md, "Validation"): the range printed with every estimated throughput."""

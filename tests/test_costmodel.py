@@ -325,6 +325,39 @@ def test_cpu_estimates_rank_real_trials_on_a_calibrated_profile(tmp_path, gloo_r
     assert scores["kendall_tau"] >= 0, scores
 
 
+def test_calibrate_times_attention_in_the_layout_the_model_passes(monkeypatch):
+    """calibrate's SDPA benchmark must run the memory layout a trial's model gives SDPA: torch's CPU
+    flash backward takes twice as long on transposed views of [batch, seq, heads, head_dim] as on
+    contiguous tensors, and timing the contiguous ones made every CPU estimate's attention ~2x fast
+    (docs/COSTMODEL.md, "The missing cost, found"). The model's own call, captured in a forward of
+    autotune's tiny-llama, is the reference."""
+    import torch
+    import torch.nn.functional as F
+
+    from autotune import calibrate
+    from autotune.catalog.models import resolve_model
+    from autotune.training import build_model
+
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append([t.stride() for t in (q, k, v)])
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    spec = resolve_model("tiny-llama")
+    model = build_model(spec, num_layers=1)
+    batch, seq = 2, 64
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, spec.config_dict["vocab_size"], (batch, seq)))
+    assert seen, "the model's attention did not call SDPA"
+    heads = spec.config_dict["num_attention_heads"]
+    bench = calibrate.attention_inputs(batch, seq, heads, spec.config_dict["hidden_size"] // heads,
+                                       device="cpu", dtype=torch.float32)
+    assert [t.stride() for t in bench] == seen[0]
+
+
 def test_calibration_pieces_the_cuda_path_uses_run_on_cpu(monkeypatch):
     """What `calibrate --backend cuda` runs besides the memory counters, run here on CPU: the
     short FSDP2 steps (real training steps of the model, wrapped as trials wrap it) and the
