@@ -212,9 +212,9 @@ def estimate_basis(gpu: GPUSpec, efficiency: float) -> str:
     top = MATMUL_EFFICIENCY.get(gpu.name, DEFAULT_MATMUL_EFFICIENCY)
     return (f"estimated: roofline on {gpu.name} data-sheet figures ({gpu.peak_tflops:g} TFLOP/s, "
             f"{gpu.intra_node_gbps:g}/{gpu.inter_node_gbps:g} GB/s intra/inter-node, collectives at "
-            f"{INTRA_NODE_BUS_EFFICIENCY:g}x of them, a ring across whole nodes on all of a node's NICs) at {efficiency:.0%} compute "
-            f"efficiency ({top:.0%} on large micro-batches {REFERENCE_HIDDEN} wide, less on narrower models and "
-            f"fewer tokens per micro-batch)")
+            f"{INTRA_NODE_BUS_EFFICIENCY:g}x of them, a ring across whole nodes on all of a node's NICs) at "
+            f"{efficiency:.0%} compute efficiency ({top:.0%} on large micro-batches {REFERENCE_HIDDEN} wide, less on "
+            f"narrower models and fewer tokens per micro-batch)")
 
 
 ESTIMATE_BASIS = {
