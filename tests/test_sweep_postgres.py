@@ -91,9 +91,16 @@ def sweep(server: Server, sweep_file: Path, runs: Path, *extra: str) -> subproce
                             stderr=subprocess.PIPE, text=True)
 
 
-def study(server: Server, name: str) -> optuna.Study:
-    url = server.url.replace("tuner@", f"tuner:{server.password}@")
-    return optuna.load_study(storage=url, study_name=f"sweep:{name}")
+def storage_url(server: Server) -> str:
+    return server.url.replace("tuner@", f"tuner:{server.password}@")
+
+
+def study(server: Server, name: str, storage=None) -> optuna.Study:
+    """The sweep's study, through `storage` where given: a poller reuses one, since every storage
+    made from a URL is a new SQLAlchemy engine whose pooled connection stays open until the
+    garbage collector finds it (polling every 0.5 s made PostgreSQL refuse connections, "too
+    many clients already", once a loaded machine took ~50 s to finish the first problem)."""
+    return optuna.load_study(storage=storage or storage_url(server), study_name=f"sweep:{name}")
 
 
 def assert_no_password(server: Server, runs: Path, *streams: str) -> None:
@@ -120,17 +127,19 @@ def test_workers_wait_through_the_database_being_down_for_15_seconds(server, tmp
     runs = tmp_path / "runs"
     matrix = MATRIX.replace('"analytic"', '"sim"').replace("[2, 4, 8]", "[2, 4]")
     proc = sweep(server, write_sweep(tmp_path, "outage", matrix), runs, "--local", "2", "--heartbeat", "2")
+    poller = optuna.storages.RDBStorage(storage_url(server))
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:  # one problem finished: the workers are mid-sweep
             try:
-                if study(server, "outage").get_trials(states=(TrialState.COMPLETE,)):
+                if study(server, "outage", poller).get_trials(states=(TrialState.COMPLETE,)):
                     break
             except KeyError:
                 pass
             time.sleep(0.5)
         else:
             pytest.fail("no problem finished")
+        poller.engine.dispose()
         server.stop()
         time.sleep(15)
         server.start()
@@ -157,7 +166,7 @@ def test_a_study_opened_during_an_outage_waits_if_the_storage_was_reachable_befo
     from autotune.errors import StorageUnavailable
 
     monkeypatch.setenv(store.STORAGE_OUTAGE_ENV, "60")
-    url = server.url.replace("tuner@", f"tuner:{server.password}@")
+    url = storage_url(server)
     store.create_study(url, "before")  # the worker's queue: the storage reached once
     server.stop()
     restart = threading.Timer(4.0, server.start)
