@@ -362,8 +362,10 @@ def run_published_fits() -> dict:
         model = spec.model
         cause = None
         if _mlp_matrices(model) < 2.5:  # a GPT-style block: the closed form's Llama terms overcount it
-            kept = {"none": 1.0, "full": 0.0}.get(str(spec.train.activation_checkpointing), 0.5)
-            token_blocks = run.micro_batch_size * run.seq_len * model.num_layers * kept
+            # The blocks that keep their activations, counted as the closed form counts them.
+            ac = spec.train.activation_checkpointing
+            kept_blocks = sum(not ac.wraps_block(i) for i in range(model.num_layers))
+            token_blocks = run.micro_batch_size * run.seq_len * kept_blocks
             mlp_less = 2 * 2 * model.mlp_width * token_blocks  # 2 of 4 ffn-wide bf16 tensors
             norms_less = 2 * 4 * model.hidden_size * token_blocks  # 2 norms: a bf16 input, not an fp32 one
             if peak - mlp_less - norms_less <= capacity:
