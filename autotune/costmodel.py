@@ -45,8 +45,8 @@ MATMUL_EFFICIENCY = {"a100-80gb": 0.85, "a100-40gb": 0.85, "h100-80gb": 0.65, "h
 included; attention's score and value products and the memory-bound ops are costed apart, at published
 kernel speeds and the HBM data sheet: ATTENTION_KERNEL_TFLOPS, MEMORY_BYTES_PER_TOKEN) run at on large
 micro-batches of a model REFERENCE_HIDDEN wide, by GPU family. Fitted with HALF_EFFICIENCY_TOKENS and
-HALF_EFFICIENCY_HIDDEN (fitted: 0.846 and 0.651) to the 99 published eager FSDP runs in
-autotune/data/published_runs.json (11 sources: torchtitan, PyTorch/IBM fms-fsdp, MosaicML
+HALF_EFFICIENCY_HIDDEN (fitted: 0.849 and 0.651) to the 128 published eager FSDP runs in
+autotune/data/published_runs.json (12 sources: torchtitan, PyTorch/IBM fms-fsdp, MosaicML
 llm-foundry, TinyLlama), each source weighed once (autotune/costmodel_fit.py; benchmarks/
 bench_costmodel.py --published prints the fit and checks it leave-one-source-out): the A100 figure
 rests on the A100 80GB and 40GB sources (torchtitan's 64 A100s, fms-fsdp's two 128-A100 tables,
@@ -64,7 +64,7 @@ DEFAULT_MATMUL_EFFICIENCY = 0.50
 HALF_EFFICIENCY_TOKENS = 1730
 """Tokens per GPU per micro-batch at which the matmul efficiency is half its maximum: per
 micro-batch costs that do not grow with its tokens (small kernels, each FSDP unit's waits) weigh
-on small micro-batches (efficiency = max * t / (t + this)). Fitted with MATMUL_EFFICIENCY (1,726):
+on small micro-batches (efficiency = max * t / (t + this)). Fitted with MATMUL_EFFICIENCY (1,723):
 the rows that set it are those of one source at several micro-batch sizes: llm-foundry's tables
 (micro-batches of 1 to 64 sequences), fms-fsdp's 13B (0.48 of peak at micro-batch 1 x 4,096
 tokens, 0.59 at 2) and torchtitan's Llama 2 70B (micro-batch 1 with op-level checkpointing as fast
@@ -75,7 +75,7 @@ HALF_EFFICIENCY_HIDDEN = 700
 """Hidden size h at which a step's matmul FLOPs would run at half the efficiency of an infinitely
 wide model: matmul FLOPs grow as h^2 per token, the work that grows as h and is not costed apart
 (small kernels' fixed costs, launch gaps) weighs more on narrow models (efficiency x h / (h + this),
-normalised to 1 at REFERENCE_HIDDEN). Fitted with MATMUL_EFFICIENCY (706): the rows that set it are
+normalised to 1 at REFERENCE_HIDDEN). Fitted with MATMUL_EFFICIENCY (710): the rows that set it are
 the widths one source runs on one cluster: llm-foundry's MPT 7B to 70B (h 4,096 to 8,192), fms-fsdp's
 March 2024 table (7B to 70B) and TinyLlama (h 2,048). Was 1,780 on the 21 rows before llm-foundry's
 were added (fms-fsdp's widths alone), 800 before attention and the memory-bound ops were costed apart."""
@@ -838,8 +838,8 @@ ESTIMATE_ERROR = {
     "cpu": (0.29, "the worst error of the four 24-configuration CPU grid runs since calibrate times attention in the "
                   "layout transformers passes it (21.2%, 16.7%, 25.0%, 28.7%; medians 10.1%, 9.0%, 8.0%, 6.7%), "
                   "benchmarks/bench_costmodel.py --grid, docs/BENCHMARKS.md"),
-    "cuda": (0.22, "the range that holds 99% of 99 published eager FSDP runs held out by source (leave-one-source-"
-                   "out: median 6.6%, worst 22.7%; 11 sources), benchmarks/bench_costmodel.py --published"),
+    "cuda": (0.22, "the range that holds 99% of 128 published eager FSDP runs held out by source (leave-one-source-"
+                   "out: median 4.9%, worst 22.7%; 12 sources), benchmarks/bench_costmodel.py --published"),
     "cuda-host-bound": (0.34, "the worst error of the host-bound estimates against 26 real H100 trials without "
                               "offload (34.0%; median 12%), benchmarks/bench_costmodel.py --gpu-recorded"),
 }
