@@ -217,6 +217,31 @@ _OPENED: set[str] = set()
 server down at start: the user's to fix); opening it again (a sweep worker starting its next
 problem's study) waits through an outage like every other storage call."""
 
+_SERVER_STORAGES: dict[tuple, Any] = {}
+"""One storage per database server URL and options in this process, shared by its studies: every
+storage is a SQLAlchemy engine with its own connection pool, and a sweep worker opens a study per
+problem; a storage per study left each one's pooled connection open until the garbage collector
+found it (measured: 30 studies opened from one URL, 25 PostgreSQL connections open), which a
+long sweep of many workers on one server could take past its max_connections. SQLite files are
+not shared: a file deleted and made again under the same path must not be written through a
+connection to the old one."""
+
+
+def _storage(url: str, options: dict):
+    """The storage for `url`: the process's shared one for a server, else a new one (rdb_storage).
+    The first open of a URL fails at once; a later one waits through an outage (_OPENED)."""
+    key = (os.getpid(), url, repr(sorted(options.items())))  # a forked child makes its own: no shared sockets
+    storage = _SERVER_STORAGES.get(key)
+    if storage is None:
+        def open_storage():
+            return rdb_storage(url, **options)
+
+        storage = _wait_through_outages(open_storage, url) if url in _OPENED else open_storage()
+        if not url.startswith("sqlite"):
+            _SERVER_STORAGES[key] = storage
+    _OPENED.add(url)
+    return storage
+
 
 def create_study(url: str, name: str, *, storage_options: dict | None = None):
     """(study, created): optuna's study `name`, created or loaded, safe when workers start together
@@ -231,11 +256,7 @@ def create_study(url: str, name: str, *, storage_options: dict | None = None):
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "A new study created" lines in our output
     for attempt in range(_CREATION_ATTEMPTS):
         try:
-            def open_storage():
-                return rdb_storage(url, **(storage_options or {}))
-
-            storage = _wait_through_outages(open_storage, url) if url in _OPENED else open_storage()
-            _OPENED.add(url)
+            storage = _storage(url, storage_options or {})
             try:
                 return optuna.create_study(storage=storage, study_name=name, direction="maximize"), True
             except optuna.exceptions.DuplicatedStudyError:

@@ -156,6 +156,29 @@ def test_workers_wait_through_the_database_being_down_for_15_seconds(server, tmp
     assert_no_password(server, runs, out, err)
 
 
+def test_a_worker_opening_a_study_per_problem_holds_one_connection(server):
+    """A sweep worker opens a study per problem (store.create_study). Counted by the server itself
+    (pg_stat_activity), 30 of them from one URL leave the connections of one storage open, not one
+    per study: a storage per study kept 25 open until the garbage collector ran (2026-11-27)."""
+    import sqlalchemy
+
+    from autotune import store
+
+    url = storage_url(server)
+    for number in range(30):
+        study, created = store.create_study(url, f"problem-{number}")
+        assert created
+        study.get_trials(deepcopy=False)  # uses the storage's connection, as a worker does
+    counter = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+    try:
+        with counter.connect() as connection:
+            opened = connection.execute(sqlalchemy.text(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = 'sweeps' AND pid <> pg_backend_pid()")).scalar()
+    finally:
+        counter.dispose()
+    assert 1 <= opened <= 2, opened
+
+
 def test_a_study_opened_during_an_outage_waits_if_the_storage_was_reachable_before(server, capsys, monkeypatch):
     """A sweep worker opens a new study per problem; when the server goes down between two
     problems, the next open waits for it (as every storage call does) instead of recording the
