@@ -26,7 +26,8 @@ from autotune.config import Cluster
 
 __all__ = [
     "CollectiveVolume", "StepTime", "StepWork",
-    "collective_bytes", "estimate_basis", "estimate_step_time", "fsdp_step_work", "host_link_gbps",
+    "collective_bytes", "compute_peak_tflops", "estimate_basis", "estimate_step_time", "fsdp_step_work",
+    "host_link_gbps",
     "matmul_efficiency", "offload_bytes",
     "ESTIMATE_BASIS",
     "MATMUL_EFFICIENCY", "DEFAULT_MATMUL_EFFICIENCY", "HALF_EFFICIENCY_TOKENS", "HALF_EFFICIENCY_HIDDEN",
@@ -208,11 +209,27 @@ def memory_bytes_per_token(kernels: str, *, hidden: int, ffn: int, kv_width: int
     return a * hidden + b * ffn + c * kv_width
 
 
-def estimate_basis(gpu: GPUSpec, efficiency: float) -> str:
+def compute_peak_tflops(gpu: GPUSpec, precision: str = "bf16") -> float:
+    """The data-sheet peak a step's matmuls run at: the tensor cores' 16-bit peak, or under fp32 the
+    CUDA cores' (`GPUSpec.fp32_tflops`): torch's default float32 matmul precision ("highest") keeps TF32
+    off, and autotune's fp32 trials keep that default. The 16-bit peak where the catalog has no fp32 one."""
+    if precision == "fp32" and gpu.fp32_tflops:
+        return gpu.fp32_tflops
+    return gpu.peak_tflops
+
+
+def estimate_basis(gpu: GPUSpec, efficiency: float, precision: str = "bf16") -> str:
     """What an estimated figure is and on what, for `Figure.basis`; `efficiency` the fraction of
     peak the step's FLOPs were taken to run at."""
     top = MATMUL_EFFICIENCY.get(gpu.name, DEFAULT_MATMUL_EFFICIENCY)
-    return (f"estimated: roofline on {gpu.name} data-sheet figures ({gpu.peak_tflops:g} TFLOP/s, "
+    peak = compute_peak_tflops(gpu, precision)
+    if precision != "fp32":
+        what = f"{peak:g} TFLOP/s"
+    elif gpu.fp32_tflops:
+        what = f"{peak:g} TFLOP/s in fp32, on CUDA cores with TF32 off as torch's default"
+    else:
+        what = f"{peak:g} TFLOP/s, the 16-bit peak: no fp32 figure in the catalog"
+    return (f"estimated: roofline on {gpu.name} data-sheet figures ({what}, "
             f"{gpu.intra_node_gbps:g}/{gpu.inter_node_gbps:g} GB/s intra/inter-node, collectives at "
             f"{INTRA_NODE_BUS_EFFICIENCY:g}x of them, a ring across whole nodes on all of a node's NICs) at "
             f"{efficiency:.0%} compute efficiency ({top:.0%} on large micro-batches {REFERENCE_HIDDEN} wide, less on "
@@ -286,6 +303,9 @@ class StepWork:
     memory_bytes_per_gpu: float = 0.0
     """HBM bytes the memory-bound ops (everything but matmuls, attention kernels and collectives) move
     per step, at the GPU's data-sheet bandwidth (0: not counted)."""
+    precision: str = "bf16"
+    """The trial's precision (config.PRECISIONS): "fp32" runs its matmuls at the GPU's fp32 peak
+    (compute_peak_tflops) and attention without a flash kernel (FlashAttention is 16-bit only)."""
 
 
 def expert_all_to_all_bytes(*, tokens_per_microbatch: int, experts_per_token: int, hidden_size: int,
@@ -384,7 +404,7 @@ def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_p
                    hidden_size: int = 0, reduce_bytes: int = 4,
                    trainable: tuple[int, int] | None = None, float8_block_params: int = 0,
                    all_to_all_bytes: float = 0.0, all_to_all_inter_node: bool = False,
-                   attention: dict | None = None) -> StepWork:
+                   attention: dict | None = None, precision: str = "bf16") -> StepWork:
     """The `StepWork` of a full-sharded FSDP2 step from what a backend counted: FLOPs, sizes;
     gradients reduced in `reduce_bytes` per element (fp32, FSDP2's default here), of the
     `trainable` (block, root) parameters where some are frozen (LoRA), which alone the optimizer steps.
@@ -410,7 +430,7 @@ def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_p
         if reshard_after_forward else 0.0,
         num_fsdp_units=num_blocks + 1, dispatched_ops_per_microbatch=dispatched_ops_per_microbatch,
         hidden_size=hidden_size, all_to_all_bytes_per_gpu=all_to_all_bytes, all_to_all_inter_node=all_to_all_inter_node,
-        **(attention or {}),
+        precision=precision, **(attention or {}),
     )
 
 
@@ -507,11 +527,13 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
     tokens_per_microbatch = work.tokens_per_step / (work.num_microbatches * n)
     efficiency = matmul_efficiency(gpu, tokens_per_microbatch, matmul_top_efficiency, hidden_size=work.hidden_size,
                                    half_tokens=half_efficiency_tokens, half_hidden=half_efficiency_hidden)
+    # fp32: no flash kernel runs it (FlashAttention is 16-bit only), so attention is costed as matmuls.
     attention_rate = (attention_kernel_tflops(gpu, work.attention_kernel, span=work.attention_span,
                                               head_dim=work.attention_head_dim)
-                      if work.attention_kernel_flops_per_gpu else None)
+                      if work.attention_kernel_flops_per_gpu and work.precision != "fp32" else None)
+    peak_tflops = compute_peak_tflops(gpu, work.precision)
     matmul_flops = work.flops_per_gpu - (work.attention_flops_per_gpu if attention_rate else 0.0)
-    gpu_compute_s = matmul_flops / (gpu.peak_tflops * 1e12 * efficiency)
+    gpu_compute_s = matmul_flops / (peak_tflops * 1e12 * efficiency)
     if attention_rate:
         gpu_compute_s += work.attention_kernel_flops_per_gpu / (attention_rate * 1e12)
     if work.memory_bytes_per_gpu:
@@ -567,8 +589,8 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
         seconds=seconds, compute_s=compute_s, comm_s=comm_s, exposed_comm_s=exposed_comm_s,
         offload_s=offload_s, cpu_optimizer_s=cpu_optimizer_s,
         tokens_per_sec=work.tokens_per_step / seconds if seconds > 0 else 0.0,
-        mfu=model_flops / (seconds * gpu.peak_tflops * 1e12) if seconds > 0 else 0.0,
-        basis=(estimate_basis(gpu, efficiency) + (f" on {cluster.num_nodes} nodes" if cluster.num_nodes > 1 else "")
+        mfu=model_flops / (seconds * peak_tflops * 1e12) if seconds > 0 else 0.0,
+        basis=(estimate_basis(gpu, efficiency, work.precision) + (f" on {cluster.num_nodes} nodes" if cluster.num_nodes > 1 else "")
                + (f"; matmul efficiency for the matmuls, attention at {attention_rate:.0f} TFLOP/s (the published "
                   f"{work.attention_kernel} kernel speed at seq {work.attention_span}, head dim {work.attention_head_dim})"
                   if attention_rate else "")

@@ -23,6 +23,9 @@ Figures (all per GPU, or per CPU rank for a cpu profile):
                            shapes reach a smaller fraction of the rate
     attention_tflops       achieved rate of the fused attention kernels (forward and backward)
     attention_op_us        fixed cost per attention kernel
+    matmul_tflops_fp32, attention_tflops_fp32   the same two rates in fp32 (precision fp32); absent:
+                           the 16-bit rates (a calibrated cpu profile measures them; the shipped GPU
+                           profiles take the data sheet's fp32 peak, TF32 off as torch's default)
     memory_gbps            achieved bandwidth of memory-bound ops (bytes read + written)
     memory_op_us           fixed cost per memory-bound op (launch / dispatch overhead)
     memory_gbps_large      (calibrated) the same for ops of at least costmodel.LARGE_MEMORY_OP_BYTES,
@@ -67,6 +70,7 @@ SOURCES = ("data sheet", "published run", "measured")
 
 FIGURE_UNITS = {
     "matmul_tflops": "TFLOP/s", "matmul_op_us": "us", "attention_tflops": "TFLOP/s", "attention_op_us": "us",
+    "matmul_tflops_fp32": "TFLOP/s", "attention_tflops_fp32": "TFLOP/s",
     "memory_gbps": "GB/s", "memory_op_us": "us", "memory_gbps_large": "GB/s",
     "intra_node_gbps": "GB/s", "intra_node_latency_us": "us",
     "inter_node_gbps": "GB/s", "inter_node_latency_us": "us", "comm_overlap": "fraction",
@@ -238,6 +242,12 @@ def shipped_profile(gpu: GPUSpec) -> HardwareProfile:
                                          "multi-tensor AdamW: unvalidated"),
         "host_op_us": HardwareFigure(costmodel.HOST_OP_US, "published run", costmodel.HOST_OP_BASIS),
     }
+    if gpu.fp32_tflops:  # fp32 matmuls and attention run on the CUDA cores (TF32 off: torch's default)
+        for kind in ("matmul", "attention"):
+            figures[f"{kind}_tflops_fp32"] = HardwareFigure(
+                gpu.fp32_tflops * fraction, "data sheet",
+                f"{gpu.fp32_tflops:g} TFLOP/s fp32 peak (CUDA cores; {sheet}) x {fraction:.2f}, the 16-bit fraction: "
+                "unvalidated")
     return HardwareProfile(name=gpu.name, device="cuda", gpu=gpu.name, figures=figures)
 
 

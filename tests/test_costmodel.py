@@ -541,6 +541,40 @@ def test_default_gpu_estimate_is_host_bound_where_real_h100_trials_were():
     assert sorted(estimates, key=estimates.get) == sorted(estimates, key=lambda mb: measured[f"bf16 mb{mb}"])
 
 
+def test_fp32_steps_run_at_the_fp32_rate_real_h100s_measured():
+    """fp32 matmuls run on the CUDA cores: torch's default float32 matmul precision keeps TF32 off. On real
+    H100s `autotune calibrate --backend cuda` measured fp32 GEMMs at 50-52 TFLOP/s against 617-661 in bf16
+    (benchmarks/results/h100_calibrated_*.json and calibrate_h100_*.json), measurements the catalog's
+    data-sheet peaks were not taken from. The shipped H100 profile's fp32 rate must be within 25% of each
+    (it was the bf16 rate, 12x over, until the catalog had an fp32 peak), and the closed form's bf16/fp32
+    throughput ratio for compute-bound steps within 25% of the measured GEMM ratio."""
+    from autotune.backends.analytic import AnalyticBackend
+    from autotune.catalog.models import resolve_model
+
+    measured = []
+    for path in sorted((ROOT / "benchmarks" / "results").glob("*h100_*.json")):
+        figures = json.loads(path.read_text()).get("figures", {})
+        if "matmul_tflops_fp32" in figures:
+            measured.append((figures["matmul_tflops"]["value"], figures["matmul_tflops_fp32"]["value"]))
+    assert len(measured) >= 4
+    shipped = hardware.shipped_profile(H100)
+    for bf16_rate, fp32_rate in measured:
+        assert abs(shipped["matmul_tflops_fp32"] / fp32_rate - 1) <= 0.25, (shipped["matmul_tflops_fp32"], fp32_rate)
+    backend = AnalyticBackend()
+    for mb, seq in ((1, 2048), (4, 4096), (8, 1024)):
+        rates = {}
+        for precision in ("bf16", "fp32"):
+            spec = TrialSpec(model=resolve_model("llama-7b"), cluster=Cluster(num_gpus=8, gpu=H100), seq_len=seq,
+                             train=TrainConfig(micro_batch_size=mb, activation_checkpointing="full",
+                                               precision=precision))
+            result = backend.evaluate(spec)
+            rates[precision] = result.tokens_per_sec
+        assert "in fp32, on CUDA cores" in rates["fp32"].basis
+        ratio = rates["bf16"].value / rates["fp32"].value
+        for bf16_rate, fp32_rate in measured:
+            assert abs(ratio / (bf16_rate / fp32_rate) - 1) <= 0.25, (mb, seq, ratio, bf16_rate / fp32_rate)
+
+
 def test_large_memory_ops_are_the_loss_over_the_vocabulary(cpu_sim):
     """The trace's `memory_bytes_large` (ops of at least LARGE_MEMORY_OP_BYTES, costed at the
     main-memory bandwidth calibrate measures) against a count from the model's shapes: on

@@ -423,7 +423,8 @@ def step_work(spec: TrialSpec, *, reduce_bytes: int = 4, kernels: str = "eager",
         num_blocks=shape.num_layers, root_params=shape.root_params, param_bytes=PARAM_BYTES[train.precision],
         reshard_after_forward=train.reshard_after_forward, cpu_offload=train.cpu_offload,
         num_microbatches=spec.grad_accum_steps, hidden_size=shape.hidden, reduce_bytes=reduce_bytes,
-        trainable=trainable_split(spec), attention=attention, **expert_parallel_work(spec))
+        trainable=trainable_split(spec), attention=attention, precision=train.precision,
+        **expert_parallel_work(spec))
 
 
 class AnalyticBackend(TrialBackend):

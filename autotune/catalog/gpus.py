@@ -30,6 +30,10 @@ class GPUSpec:
     """Dense float8 (e4m3/e5m2, fp32 accumulate) tensor-core peak from the data sheet, TFLOP/s; 0: the
     part has no float8 tensor cores (Ampere and older), and float8 training is refused on it."""
     float8_source: str = ""
+    fp32_tflops: float = 0.0
+    """Dense fp32 peak of the CUDA cores from the data sheet (the source names it), TFLOP/s: where fp32
+    matmuls run under torch's default float32 matmul precision ("highest": no TF32 tensor cores), which
+    autotune's fp32 trials keep. 0: no figure (fp32 then costed at the 16-bit peak, and the basis says so)."""
 
     @property
     def has_float8(self) -> bool:
@@ -39,43 +43,53 @@ class GPUSpec:
         return dict(type=self.name, memory_bytes=self.memory_bytes, supports_bf16=self.supports_bf16,
                     peak_tflops=self.peak_tflops, hbm_gbps=self.hbm_gbps,
                     intra_node_gbps=self.intra_node_gbps, inter_node_gbps=self.inter_node_gbps,
-                    float8_tflops=self.float8_tflops)
+                    float8_tflops=self.float8_tflops, fp32_tflops=self.fp32_tflops)
 
 
 GPUS: dict[str, GPUSpec] = {g.name: g for g in [
     GPUSpec(name="h100-80gb", memory_bytes=81559 * MiB, supports_bf16=True, peak_tflops=989.0,
             hbm_gbps=3350, intra_node_gbps=450, inter_node_gbps=50,
-            source="NVIDIA H100 SXM5 data sheet; NVLink 4 900 GB/s bidirectional; 400 Gb/s NIC",
+            source="NVIDIA H100 SXM5 data sheet; NVLink 4 900 GB/s bidirectional; 400 Gb/s NIC; FP32 67 TFLOPS",
             float8_tflops=1979.0, float8_source="NVIDIA H100 SXM5 data sheet: FP8 Tensor Core 3,958 TFLOPS with "
-                                                "sparsity, 1,979 dense"),
+                                                "sparsity, 1,979 dense",
+            fp32_tflops=67.0),
     GPUSpec(name="h200-141gb", memory_bytes=143771 * MiB, supports_bf16=True, peak_tflops=989.0,
             hbm_gbps=4800, intra_node_gbps=450, inter_node_gbps=50,
-            source="NVIDIA H200 SXM data sheet; NVLink 4; 400 Gb/s NIC",
+            source="NVIDIA H200 SXM data sheet; NVLink 4; 400 Gb/s NIC; FP32 67 TFLOPS",
             float8_tflops=1979.0, float8_source="NVIDIA H200 SXM data sheet: FP8 Tensor Core 3,958 TFLOPS with "
-                                                "sparsity, 1,979 dense"),
+                                                "sparsity, 1,979 dense",
+            fp32_tflops=67.0),
     GPUSpec(name="a100-80gb", memory_bytes=81920 * MiB, supports_bf16=True, peak_tflops=312.0,
             hbm_gbps=2039, intra_node_gbps=300, inter_node_gbps=25,
-            source="NVIDIA A100 SXM4 80GB data sheet; NVLink 3 600 GB/s bidirectional; 200 Gb/s NIC"),
+            source="NVIDIA A100 SXM4 80GB data sheet; NVLink 3 600 GB/s bidirectional; 200 Gb/s NIC; FP32 19.5 "
+                   "TFLOPS",
+            fp32_tflops=19.5),
     GPUSpec(name="a100-40gb", memory_bytes=40960 * MiB, supports_bf16=True, peak_tflops=312.0,
             hbm_gbps=1555, intra_node_gbps=300, inter_node_gbps=25,
-            source="NVIDIA A100 SXM4 40GB data sheet; NVLink 3; 200 Gb/s NIC"),
+            source="NVIDIA A100 SXM4 40GB data sheet; NVLink 3; 200 Gb/s NIC; FP32 19.5 TFLOPS",
+            fp32_tflops=19.5),
     GPUSpec(name="l40s-48gb", memory_bytes=46068 * MiB, supports_bf16=True, peak_tflops=362.0,
             hbm_gbps=864, intra_node_gbps=32, inter_node_gbps=12.5,
-            source="NVIDIA L40S data sheet; PCIe Gen4 x16; 100 Gb/s NIC",
+            source="NVIDIA L40S data sheet; PCIe Gen4 x16; 100 Gb/s NIC; FP32 91.6 TFLOPS",
             float8_tflops=733.0, float8_source="NVIDIA L40S data sheet: FP8 Tensor Core 733 TFLOPS dense (1,466 "
-                                               "with sparsity)"),
+                                               "with sparsity)",
+            fp32_tflops=91.6),
     GPUSpec(name="rtx4090-24gb", memory_bytes=24564 * MiB, supports_bf16=True, peak_tflops=165.2,
             hbm_gbps=1008, intra_node_gbps=32, inter_node_gbps=12.5,
-            source="NVIDIA Ada whitepaper (bf16, fp32 accumulate); PCIe Gen4 x16",
+            source="NVIDIA Ada whitepaper (bf16, fp32 accumulate); PCIe Gen4 x16; FP32 82.6 TFLOPS (non-tensor)",
             float8_tflops=330.3, float8_source="NVIDIA Ada whitepaper, RTX 4090: FP8 tensor 330.3 TFLOPS dense "
                                                "with fp32 accumulate (660.6 with sparsity), half the fp16-accumulate "
-                                               "rate as for its bf16 figure"),
+                                               "rate as for its bf16 figure",
+            fp32_tflops=82.6),
     GPUSpec(name="a10g-24gb", memory_bytes=23028 * MiB, supports_bf16=True, peak_tflops=70.0,
             hbm_gbps=600, intra_node_gbps=32, inter_node_gbps=1.5625,
-            source="AWS g5 (A10G) figures; PCIe Gen4; 100 Gb/s per 8-GPU node (12.5 GB/s: 1.56 each)"),
+            source="AWS g5 (A10G) figures; PCIe Gen4; 100 Gb/s per 8-GPU node (12.5 GB/s: 1.56 each); FP32 "
+                   "31.2 TFLOPS from NVIDIA's A10 data sheet (AWS gives none for the A10G)",
+            fp32_tflops=31.2),
     GPUSpec(name="v100-32gb", memory_bytes=32768 * MiB, supports_bf16=False, peak_tflops=125.0,
             hbm_gbps=900, intra_node_gbps=150, inter_node_gbps=12.5,
-            source="NVIDIA V100 SXM2 data sheet (fp16 tensor cores, no bf16); NVLink 2"),
+            source="NVIDIA V100 SXM2 data sheet (fp16 tensor cores, no bf16); NVLink 2; FP32 15.7 TFLOPS",
+            fp32_tflops=15.7),
 ]}
 
 DEFAULT_GPU = "h100-80gb"

@@ -512,7 +512,8 @@ class SimBackend(TrialBackend):
                 num_microbatches=accum, reshard_after_forward=spec.train.reshard_after_forward,
                 cpu_offload=spec.train.cpu_offload, precision=spec.train.precision,
                 model_flops_per_gpu=model_flops_per_token(spec.model, spec.seq_len) * tokens_per_gpu_step,
-                peak_tflops=spec.cluster.gpu.peak_tflops if self.device_kind == "cuda" else None,
+                peak_tflops=(costmodel.compute_peak_tflops(spec.cluster.gpu, spec.train.precision)
+                             if self.device_kind == "cuda" else None),
                 shard_group_size=spec.train.shard_group_size, reshard_group_size=spec.train.reshard_group_size,
                 trainable=trainable_split(spec))
             extras["step_time"] = op_step.to_dict()
@@ -551,7 +552,8 @@ class SimBackend(TrialBackend):
             # compiled blocks (the trace's proxy for inductor's fusion, docs/COMPILE.md).
             dispatched_ops_per_microbatch=sum(op_work.get(k, 0.0) for k in ("dispatched_ops", "compiled_launches")),
             hidden_size=shape.hidden, trainable=trainable_split(spec),
-            float8_block_params=trace.float8_gathered_params, attention=attention, **expert_parallel_work(spec))
+            float8_block_params=trace.float8_gathered_params, attention=attention, precision=spec.train.precision,
+            **expert_parallel_work(spec))
         step = costmodel.estimate_step_time(work, spec.cluster, shard_group_size=spec.train.shard_group_size,
                                             reshard_group_size=spec.train.reshard_group_size)
         extras["step_time"] = step.to_dict()
