@@ -78,6 +78,10 @@ class PublishedRun:
     """The stack's memory-bound kernels (costmodel.MEMORY_BYTES_PER_TOKEN): "eager", or a fused block."""
     attention_kernel: str = "flash2"
     """The attention kernel the run used (costmodel.ATTENTION_KERNEL_TFLOPS)."""
+    fused_norm: bool = False
+    """Whether the run's RMSNorm was one fused kernel keeping only its 16-bit input for backward (torchtitan's
+    `norm_type = "fused_rmsnorm"`, a Triton kernel), where transformers' RMSNorm, which the closed form
+    counts, keeps an fp32 copy of its input and the normalised output: the memory check names it."""
 
 
 @functools.cache

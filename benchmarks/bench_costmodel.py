@@ -345,7 +345,8 @@ def run_published_fits() -> dict:
     over it gets a named cause where one is computed: the closed form counts transformers' Llama block,
     whose SwiGLU MLP keeps four ffn-wide tensors per token for backward and whose RMSNorms keep their
     fp32 input; a GPT-style block (MPT's: a 2-matmul GELU MLP, bf16 LayerNorms, as llm-foundry ran it)
-    keeps two, and bf16 inputs. What is left unexplained is printed as such."""
+    keeps two, and bf16 inputs; a fused RMSNorm kernel (torchtitan's fused_rmsnorm, a row fact) keeps only
+    its bf16 input. What is left unexplained is printed as such."""
     from autotune.backends.analytic import estimate_memory
 
     rows = list(costmodel_fit.published_runs())
@@ -361,11 +362,17 @@ def run_published_fits() -> dict:
             continue
         model = spec.model
         cause = None
-        if _mlp_matrices(model) < 2.5:  # a GPT-style block: the closed form's Llama terms overcount it
-            # The blocks that keep their activations, counted as the closed form counts them.
-            ac = spec.train.activation_checkpointing
-            kept_blocks = sum(not ac.wraps_block(i) for i in range(model.num_layers))
-            token_blocks = run.micro_batch_size * run.seq_len * kept_blocks
+        # The blocks that keep their activations, counted as the closed form counts them.
+        ac = spec.train.activation_checkpointing
+        kept_blocks = sum(not ac.wraps_block(i) for i in range(model.num_layers))
+        token_blocks = run.micro_batch_size * run.seq_len * kept_blocks
+        if run.fused_norm:  # keeps its bf16 input: per norm 2 bytes x h where the closed form counts 4 + 2
+            norms_less = 2 * 4 * model.hidden_size * token_blocks
+            if peak - norms_less <= capacity:
+                cause = (f"its fused RMSNorm (torchtitan's fused_rmsnorm, a Triton kernel) keeps a bf16 input for "
+                         f"backward where the closed form's RMSNorm keeps an fp32 copy and the normalised output "
+                         f"({norms_less / 2**30:.1f} GiB): {(peak - norms_less) / capacity:.0%} of the GPU without it")
+        elif _mlp_matrices(model) < 2.5:  # a GPT-style block: the closed form's Llama terms overcount it
             mlp_less = 2 * 2 * model.mlp_width * token_blocks  # 2 of 4 ffn-wide bf16 tensors
             norms_less = 2 * 4 * model.hidden_size * token_blocks  # 2 norms: a bf16 input, not an fp32 one
             if peak - mlp_less - norms_less <= capacity:
