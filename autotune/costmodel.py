@@ -859,9 +859,10 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
 
 
 ESTIMATE_ERROR = {
-    "cpu": (0.29, "the worst error of the four 24-configuration CPU grid runs since calibrate times attention in the "
-                  "layout transformers passes it (21.2%, 16.7%, 25.0%, 28.7%; medians 10.1%, 9.0%, 8.0%, 6.7%), "
-                  "benchmarks/bench_costmodel.py --grid, docs/BENCHMARKS.md"),
+    "cpu": (0.29, "the worst error of 24-configuration CPU grid runs on a quiet machine since calibrate times "
+                  "attention in the layout transformers passes it (runs 14-17, one pass: 21.2%, 16.7%, 25.0%, 28.7%; "
+                  "runs 19-21, median of three passes: 19.9%, 22.6%, 19.8%), benchmarks/bench_costmodel.py --grid, "
+                  "docs/BENCHMARKS.md"),
     "cuda": (0.22, "the range that holds 99% of 128 published eager FSDP runs held out by source (leave-one-source-"
                    "out: median 5.5%, worst 22.9%; 12 sources), benchmarks/bench_costmodel.py --published"),
     "cuda-host-bound": (0.34, "the worst error of the host-bound estimates against 26 real H100 trials without "
