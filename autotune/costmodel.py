@@ -590,7 +590,8 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
         offload_s=offload_s, cpu_optimizer_s=cpu_optimizer_s,
         tokens_per_sec=work.tokens_per_step / seconds if seconds > 0 else 0.0,
         mfu=model_flops / (seconds * peak_tflops * 1e12) if seconds > 0 else 0.0,
-        basis=(estimate_basis(gpu, efficiency, work.precision) + (f" on {cluster.num_nodes} nodes" if cluster.num_nodes > 1 else "")
+        basis=(estimate_basis(gpu, efficiency, work.precision)
+               + (f" on {cluster.num_nodes} nodes" if cluster.num_nodes > 1 else "")
                + (f"; matmul efficiency for the matmuls, attention at {attention_rate:.0f} TFLOP/s (the published "
                   f"{work.attention_kernel} kernel speed at seq {work.attention_span}, head dim {work.attention_head_dim})"
                   if attention_rate else "")
