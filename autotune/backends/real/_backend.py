@@ -292,10 +292,14 @@ class RealBackend(TrialBackend):
         if on_cuda:
             peak = self._cuda_peak(ranks, where, extras)
             if tokens_per_sec is not None:
+                from autotune.costmodel import compute_peak_tflops
+
+                # The peak the estimate's MFU uses too: fp32 runs on the CUDA cores (TF32 off).
                 flops = model_flops_per_token(spec.model, spec.seq_len) * tokens_per_sec
-                extras["mfu"] = flops / (world * spec.cluster.gpu.peak_tflops * 1e12)
+                peak_tflops = compute_peak_tflops(spec.cluster.gpu, spec.train.precision)
+                extras["mfu"] = flops / (world * peak_tflops * 1e12)
                 extras["mfu_basis"] = (f"PaLM 6N+12LHQT FLOPs per token over {spec.cluster.gpu.name} "
-                                       "nominal dense peak (catalog)")
+                                       f"nominal dense peak, {peak_tflops:g} TFLOP/s (catalog)")
         else:
             peak = Figure(extras["tensor_peak_bytes"], "measured",
                           f"tensor-level peak (torch MemTracker), max over {where}")
