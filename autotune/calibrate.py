@@ -16,6 +16,9 @@ Everything here is *measured* on the machine it runs on, in about a minute:
 * the AdamW step (autotune's own `make_optimizer`) over one rank's shard of the model;
 * the host time per dispatched op (`host_op_us`) of a real FSDP2 forward + backward of a 2-block
   copy of the model at a few tokens, over the ops it dispatches (bench_host_overhead);
+* cuda with float8 tensor cores (H100, H200, Ada): float8 GEMMs (`torch._scaled_mm`, as torchao's
+  float8 linears run them) at the block projections' shapes, tensorwise and rowwise scaled, with the
+  bf16 GEMMs of the same shapes beside them (bench_float8_gemms);
 * cuda only: pinned host<->device copies, and issue 12's runtime memory terms: the CUDA context
   (mem_get_info around initialisation), cuBLAS workspace, NCCL memory after the first all-gather
   and reduce-scatter at the local world size, and reserved vs allocated over a short FSDP2 step.
@@ -165,6 +168,53 @@ def bench_compute(model, *, device, dtype, seq_len: int, token_counts=TOKEN_COUN
                                flops_per_s_by_tokens=attn_by_tokens),
                 memory=dict(points=mem_points, bytes_per_s=mem_rate, fixed_s=mem_fixed),
                 memory_large=dict(points=large_points, bytes_per_s=large_rate))
+
+
+def bench_float8_gemms(model, *, device, token_counts=CUDA_TOKEN_COUNTS) -> dict[str, Any]:
+    """float8 GEMMs at the block projections' shapes (float8 training converts the blocks' linears,
+    not the head): `torch._scaled_mm` with e4m3 operands, bf16 output, the second operand
+    column-major, tensorwise (one fp32 scale per operand) and rowwise (a scale per row of each) scaled,
+    and bf16 `F.linear` at the same shapes: rates fitted as bench_compute's, and by token count."""
+    import torch
+    import torch.nn.functional as F
+
+    s = _model_shapes(model)
+    shapes = ((s["hidden"], s["hidden"]), (s["hidden"], s["ffn"]), (s["ffn"], s["hidden"]))
+    points: dict[str, list[tuple[float, float]]] = {"bf16": [], "tensorwise": [], "rowwise": []}
+    by_tokens: dict[str, dict[int, list[float]]] = {kind: {} for kind in points}
+    fp8 = torch.float8_e4m3fn
+    for tokens in token_counts:
+        for k, n in shapes:
+            x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
+            w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+            a, b = x.to(fp8), w.to(fp8).t()  # b: [k, n], column-major, as _scaled_mm requires
+            one = torch.ones((), device=device, dtype=torch.float32)
+            rows_a = torch.ones(tokens, 1, device=device, dtype=torch.float32)
+            cols_b = torch.ones(1, n, device=device, dtype=torch.float32)
+            runs = {"bf16": lambda: F.linear(x, w),
+                    "tensorwise": lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                    "rowwise": lambda: torch._scaled_mm(a, b, scale_a=rows_a, scale_b=cols_b,
+                                                        out_dtype=torch.bfloat16)}
+            for kind, fn in runs.items():
+                point = (2.0 * tokens * k * n, _timed(fn, device=device))
+                points[kind].append(point)
+                total = by_tokens[kind].setdefault(tokens, [0.0, 0.0])
+                total[0] += point[0]
+                total[1] += point[1]
+    result: dict[str, Any] = dict(shapes=[list(shape) for shape in shapes])
+    for kind, kind_points in points.items():
+        rate, fixed = fit_linear(*zip(*kind_points))
+        result[kind] = dict(points=kind_points, flops_per_s=rate, fixed_s=fixed,
+                            flops_per_s_by_tokens={t: f / sec for t, (f, sec) in by_tokens[kind].items()})
+    return result
+
+
+def has_float8_gemms(device) -> bool:
+    """float8 tensor cores (compute capability 8.9 and up) and torch's `_scaled_mm`."""
+    import torch
+
+    return (device.type == "cuda" and hasattr(torch, "_scaled_mm") and hasattr(torch, "float8_e4m3fn")
+            and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
 TRACKER_BLOCKS = (2, 4)
@@ -471,6 +521,11 @@ def _worker(rank: int, world_size: int, port: int, job: dict[str, Any], out_path
                                            token_counts=counts)
     result["compute_fp32"] = bench_compute(model, device=device, dtype=torch.float32, seq_len=job["seq_len"],
                                            token_counts=counts[:2])
+    if cuda and has_float8_gemms(device):
+        try:
+            result["float8_gemms"] = bench_float8_gemms(model, device=device)
+        except Exception as exc:  # a torch without these kernels: the profile says it was not measured
+            result["float8_gemms"] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
     result["adamw"] = bench_adamw(model, device=device, world_size=world_size, impl=job["optimizer_impl"])
     if cuda:  # CPU offload steps AdamW on the host: every local rank at once, as a node's ranks do
         result["adamw_cpu"] = bench_adamw(model, device=torch.device("cpu"), world_size=world_size, impl="foreach")
@@ -605,6 +660,22 @@ def profile_from_measurements(raw: dict[str, Any], *, name: str | None = None) -
                     f"fp32 log-softmax over the model's vocabulary and multiplies, fresh outputs, "
                     f"{sizes[0] / 2**20:.0f}-{sizes[-1] / 2**20:.0f} MiB moved per op (ops of at least "
                     f"{LARGE_MEMORY_OP_BYTES // 2**20} MiB run at it), on {on}")
+    float8 = raw.get("float8_gemms")
+    if float8 and "error" not in float8:
+        shapes = ", ".join(f"{k}x{n}" for k, n in float8["shapes"])
+        bf16_rate = float8["bf16"]["flops_per_s"]
+        for recipe, figure in (("tensorwise", "float8_matmul_tflops"), ("rowwise", "float8_rowwise_matmul_tflops")):
+            fit = float8[recipe]
+            f[figure] = HardwareFigure(
+                fit["flops_per_s"] / 1e12, m, f"torch._scaled_mm, e4m3 operands, {recipe} scales, bf16 output, at "
+                f"{raw['job']['model']}'s block projection shapes (K x N: {shapes}), {len(fit['points'])} points, fit "
+                f"time = FLOPs / rate + fixed; bf16 F.linear at the same shapes {bf16_rate / 1e12:.0f} TFLOP/s "
+                f"({fit['flops_per_s'] / bf16_rate:.2f}x), on {on}")
+            for tokens, rate in sorted(fit["flops_per_s_by_tokens"].items(), key=lambda kv: int(kv[0])):
+                bf16_at = float8["bf16"]["flops_per_s_by_tokens"][tokens]
+                f[f"{figure}@{int(tokens)}"] = HardwareFigure(
+                    rate / 1e12, m, f"{recipe} float8 GEMM rate at {tokens} tokens per micro-batch (the block "
+                    f"projections' shapes; bf16 at them {bf16_at / 1e12:.0f} TFLOP/s, {rate / bf16_at:.2f}x), on {on}")
     coll = raw.get("collectives")
     link = "NCCL" if backend == "cuda" else "gloo"
     if coll:

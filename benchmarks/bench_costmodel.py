@@ -506,7 +506,8 @@ def run_gpu_recorded(args) -> dict:
         for row in recorded["rows"]:
             if row["measured_status"] != "ok" or not row.get("measured_tokens_per_sec"):
                 continue
-            spec = gc.spec_for(model, world=row.get("world", 1), device="cuda", seq_len=seq, **cases[row["label"]])
+            spec = gc.spec_for(model, world=row.get("world", 1), gpu=hardware.GPUS["h100-80gb"], seq_len=seq,
+                               **cases[row["label"]])
             before = before_backend.evaluate(spec)
             after = after_backend.evaluate(spec)
             measured = row["measured_tokens_per_sec"]

@@ -3,6 +3,7 @@
     python benchmarks/gpu_check.py                  # on every GPU here, in under 5 minutes
     python benchmarks/gpu_check.py --device cpu     # the same plumbing on 2 gloo ranks, no GPU
     python benchmarks/gpu_check.py --json out.json  # also write every figure as JSON
+    python benchmarks/gpu_check.py --cases speed    # eager, compiled and float8 columns (torchao)
 
 For a 0.5B model (qwen2.5-0.5b) at world size 1 and at every GPU present, a few configurations
 (precision, checkpointing, resharding, offload, micro-batch) run as real FSDP2 trials through the
@@ -58,12 +59,34 @@ CASES = [
     ("bf16 mb8", dict(micro_batch_size=8)),
 ]
 CASES.insert(1, ("bf16 mb4", dict(micro_batch_size=4)))
+# (label, knobs): eager against compiled blocks and float8 linears at one micro-batch, so the speed
+# table (--cases speed or all) reads each knob's measured and estimated effect on tokens/s, and the
+# memory table checks the simulator's compiled and float8 traces on a GPU. float8 needs torchao
+# and a GPU with float8 tensor cores (H100, H200, Ada).
+SPEED_CASES = [
+    ("bf16 mb4", dict(micro_batch_size=4)),
+    ("bf16 mb4 compile", dict(micro_batch_size=4, compile="blocks")),
+    ("bf16 mb4 float8:tensorwise", dict(micro_batch_size=4, float8="tensorwise")),
+    ("bf16 mb4 compile float8:tensorwise", dict(micro_batch_size=4, compile="blocks", float8="tensorwise")),
+    ("bf16 mb4 compile float8:rowwise", dict(micro_batch_size=4, compile="blocks", float8="rowwise")),
+    ("bf16 mb8 ac:full compile", dict(micro_batch_size=8, activation_checkpointing="full", compile="blocks")),
+]
+# The same columns for a model that fills a GPU (a 7B on one H200): micro-batch 2, every block checkpointed.
+LARGE_CASES = [
+    ("bf16 mb2 ac:full", dict(micro_batch_size=2, activation_checkpointing="full")),
+    ("bf16 mb2 ac:full compile", dict(micro_batch_size=2, activation_checkpointing="full", compile="blocks")),
+    ("bf16 mb2 ac:full compile float8:tensorwise", dict(micro_batch_size=2, activation_checkpointing="full",
+                                                       compile="blocks", float8="tensorwise")),
+    ("bf16 mb2 ac:full compile float8:rowwise", dict(micro_batch_size=2, activation_checkpointing="full",
+                                                    compile="blocks", float8="rowwise")),
+]
+CASE_SETS = {"memory": CASES, "speed": SPEED_CASES, "large": LARGE_CASES,
+             "all": CASES + [case for case in SPEED_CASES if case not in CASES]}
 CPU_CASES = [("bf16 mb2", dict(micro_batch_size=2)), ("bf16 mb4 ac:full", dict(micro_batch_size=4, activation_checkpointing="full")),
              ("bf16 mb8", dict(micro_batch_size=8))]
 
 
-def spec_for(model, *, world: int, device: str, seq_len: int, limit: int | None = None, **knobs) -> TrialSpec:
-    gpu = (detect_gpu() or GPUS["h100-80gb"]) if device == "cuda" else GPUS["h100-80gb"]
+def spec_for(model, *, world: int, gpu, seq_len: int, limit: int | None = None, **knobs) -> TrialSpec:
     return TrialSpec(model=model, cluster=Cluster(num_gpus=world, gpu=gpu), seq_len=seq_len,
                      train=TrainConfig(**knobs), grad_accum_steps=2, memory_limit_bytes=limit)
 
@@ -88,6 +111,9 @@ def compare(label: str, spec: TrialSpec, predicted, measured) -> dict:
                allocator_persistent=m.get("allocator_persistent_bytes"),
                estimated_tokens_per_sec=predicted.tokens_per_sec.value if predicted.tokens_per_sec else None,
                measured_tokens_per_sec=measured.tokens_per_sec.value if measured.tokens_per_sec else None,
+               estimated_range=p.get("tokens_per_sec_range"), step_times_s=m.get("step_times_s"),
+               compile_s=(m.get("compile_s") or {}).get("value"), compiled_graphs=m.get("compiled_graphs"),
+               float8_linears=m.get("float8_linears"), mfu=m.get("mfu"),
                optimizer_step_s=m.get("optimizer_step_s"), runtime_terms=p.get("runtime_memory"))
     row["tensor_error"] = error(row["predicted_tensor"], row["measured_allocated"])
     row["reserved_error"] = error(row["predicted_reserved"], row["measured_reserved"])
@@ -106,16 +132,18 @@ def probe_runtime_terms() -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def predict(device: str, model_name: str, seq_len: int, worlds: list[int]) -> dict[str, dict]:
+def predict(device: str, model_name: str, seq_len: int, worlds: list[int], *, gpu, cases: str,
+            hardware=None) -> dict[str, dict]:
     """The simulator's result for every trial the check runs, by key (world, label, limit).
     Traces do not depend on the machine: they can be made on another one with `--predict-only`
     (for a GPU machine whose torch is older than the simulator supports) and passed in with
     `--predictions`."""
     model = resolve_model(model_name)
-    sim = SimBackend(device_kind=device)
+    sim = SimBackend(device_kind=device, hardware=hardware)
     predictions: dict[str, dict] = {}
     for world in worlds:
-        for label, spec in planned_trials(model, device=device, seq_len=seq_len, world=world, sim=sim):
+        for label, spec in planned_trials(model, device=device, seq_len=seq_len, world=world, gpu=gpu, cases=cases,
+                                          sim=sim):
             predictions[key(world, label)] = sim.evaluate(spec).to_dict()
     return predictions
 
@@ -124,13 +152,13 @@ def key(world: int, label: str) -> str:
     return f"{world}:{label}"
 
 
-def planned_trials(model, *, device: str, seq_len: int, world: int, sim=None, predictions=None):
+def planned_trials(model, *, device: str, seq_len: int, world: int, gpu, cases: str, sim=None, predictions=None):
     """(label, spec) of every trial: the cases, then the OOM-agreement trials under caps set from
     the predicted totals: the smallest case under 1.10x its total (must fit), the largest under
     the same cap (must not), and a middle case under 1.02x (must fit) and 0.90x (must not) of
     its own total, the sharpest test that nothing predicted to fit runs out of memory."""
-    cases = CASES if device == "cuda" else CPU_CASES
-    trials = [(label, spec_for(model, world=world, device=device, seq_len=seq_len, **knobs)) for label, knobs in cases]
+    chosen = CASE_SETS[cases] if device == "cuda" else CPU_CASES
+    trials = [(label, spec_for(model, world=world, gpu=gpu, seq_len=seq_len, **knobs)) for label, knobs in chosen]
 
     def total(label: str, spec: TrialSpec) -> int | None:
         if predictions is not None:
@@ -139,8 +167,11 @@ def planned_trials(model, *, device: str, seq_len: int, world: int, sim=None, pr
         result = sim.evaluate(spec)
         return result.peak_memory.value if result.peak_memory else None
 
-    (small_label, small), (large_label, large) = trials[0], trials[-1]
-    middle_label, middle = trials[1] if device == "cpu" else next(t for t in trials if t[0] == "bf16 mb4")
+    if cases in ("speed", "large"):  # the memory cases' caps are the memory set's
+        return trials
+    plain = [t for t in trials if "compile" not in t[0] and "float8" not in t[0]]
+    (small_label, small), (large_label, large) = plain[0], plain[-1]
+    middle_label, middle = plain[1] if device == "cpu" else next(t for t in plain if t[0] == "bf16 mb4")
     small_total, middle_total = total(small_label, small), total(middle_label, middle)
     if small_total is not None:
         limit = int(small_total * 1.10)
@@ -153,13 +184,15 @@ def planned_trials(model, *, device: str, seq_len: int, world: int, sim=None, pr
     return trials
 
 
-def run(device: str, model_name: str, seq_len: int, worlds: list[int], predictions: dict[str, dict]) -> dict:
+def run(device: str, model_name: str, seq_len: int, worlds: list[int], predictions: dict[str, dict], *, gpu,
+        cases: str, warmup_steps: int = 1, timed_steps: int = 2) -> dict:
     model = resolve_model(model_name)
     rows, agreement = [], []
     started = time.monotonic()
     for world in worlds:
-        trials = planned_trials(model, device=device, seq_len=seq_len, world=world, predictions=predictions)
-        with RealBackend(device=device, timed_steps=2, warmup_steps=1, timeout_s=300) as real:
+        trials = planned_trials(model, device=device, seq_len=seq_len, world=world, gpu=gpu, cases=cases,
+                                predictions=predictions)
+        with RealBackend(device=device, timed_steps=timed_steps, warmup_steps=warmup_steps, timeout_s=300) as real:
             measured = real.evaluate_many([spec for _, spec in trials])
         for (label, spec), result in zip(trials, measured):
             predicted = predictions.get(key(world, label))
@@ -168,8 +201,8 @@ def run(device: str, model_name: str, seq_len: int, worlds: list[int], predictio
                 continue
             row = compare(label, spec, TrialResult.from_dict(predicted), result)
             (agreement if spec.memory_limit_bytes is not None else rows).append(row)
-    return dict(device=device, model=model_name, seq_len=seq_len, worlds=worlds, alloc_conf=alloc_conf(),
-                rows=rows, oom_agreement=agreement, seconds=time.monotonic() - started)
+    return dict(device=device, gpu=gpu.name, model=model_name, seq_len=seq_len, worlds=worlds, alloc_conf=alloc_conf(),
+                cases=cases, warmup_steps=warmup_steps, timed_steps=timed_steps, rows=rows, oom_agreement=agreement, seconds=time.monotonic() - started)
 
 
 def rescore(report: dict, predictions: dict[str, dict], predicted_on: str) -> dict:
@@ -188,7 +221,9 @@ def rescore(report: dict, predictions: dict[str, dict], predicted_on: str) -> di
         row.update(predicted_status=predicted.status,
                    predicted_tensor=extras.get("predicted_allocated_bytes", extras.get("tensor_peak_bytes")),
                    predicted_reserved=extras.get("predicted_reserved_bytes"),
-                   predicted_total=predicted.peak_memory.value if predicted.peak_memory else None)
+                   predicted_total=predicted.peak_memory.value if predicted.peak_memory else None,
+                   estimated_tokens_per_sec=predicted.tokens_per_sec.value if predicted.tokens_per_sec else None,
+                   estimated_range=extras.get("tokens_per_sec_range"))
         row["tensor_error"] = error(row["predicted_tensor"], row["measured_allocated"])
         row["reserved_error"] = error(row["predicted_reserved"], row["measured_reserved"])
         row["total_error"] = error(row["predicted_total"], row["measured_device"])
@@ -208,17 +243,44 @@ def print_table(report: dict) -> None:
     print(f"GPU check on {report['device']}: {report['model']}, seq {report['seq_len']}, "
           f"PYTORCH_CUDA_ALLOC_CONF={report['alloc_conf']}, {report['predicted_on']}; "
           "errors are (predicted - measured) / measured")
-    header = (f"{'ws':>2} {'configuration':<30} {'status p/m':<11} {'allocated':>10} {'err':>7} "
+    header = (f"{'ws':>2} {'configuration':<42} {'status p/m':<11} {'allocated':>10} {'err':>7} "
               f"{'reserved':>10} {'err':>7} {'device':>10} {'err':>7} {'tok/s meas':>11} {'tok/s est':>11}")
     print(header)
     for row in report["rows"] + report["oom_agreement"]:
-        print(f"{row['world']:>2} {row['label']:<30} {row['predicted_status'] + '/' + row['measured_status']:<11} "
+        print(f"{row['world']:>2} {row['label']:<42} {row['predicted_status'] + '/' + row['measured_status']:<11} "
               f"{size(row['measured_allocated']):>10} {percent(row['tensor_error']):>7} "
               f"{size(row['measured_reserved']):>10} {percent(row['reserved_error']):>7} "
               f"{size(row['measured_device']):>10} {percent(row['total_error']):>7} "
               f"{row['measured_tokens_per_sec'] or 0:>11,.0f} {row['estimated_tokens_per_sec'] or 0:>11,.0f}")
+    print_speed_table(report)
     if report.get("runtime_terms"):
         print("runtime terms measured in a fresh process:", json.dumps(report["runtime_terms"]))
+
+
+def print_speed_table(report: dict) -> None:
+    """Tokens/s of each uncapped trial, measured against the simulator's estimate, and each
+    configuration's speed-up over eager `bf16 mb4` (`bf16 mb2 ac:full` in the large set) at the same world size, both ways: what the
+    compile and float8 knobs are worth here, and whether the estimate ranks them as measured."""
+    rows = [r for r in report["rows"] if r["measured_tokens_per_sec"]]
+    if not rows:
+        return
+    print(f"\ntokens/s on {report.get('gpu', report['device'])} (measured: the slowest rank's timed steps; "
+          f"estimated: the simulator's cost model on {report.get('hardware') or 'the shipped profile'})")
+    print(f"{'ws':>2} {'configuration':<42} {'measured':>10} {'estimated':>10} {'err':>7} {'in range':>8} "
+          f"{'x eager m':>9} {'x eager e':>9} {'compile s':>9} {'MFU':>6}")
+    eager = {r["world"]: r for r in rows if r["label"] in ("bf16 mb4", "bf16 mb2 ac:full")}
+    for row in rows:
+        base = eager.get(row["world"])
+        estimated, measured = row["estimated_tokens_per_sec"], row["measured_tokens_per_sec"]
+        low_high = row.get("estimated_range")
+        inside = "-" if not low_high else ("yes" if low_high[0] <= measured <= low_high[1] else "no")
+        ratio_m = f"{measured / base['measured_tokens_per_sec']:.2f}" if base else "-"
+        ratio_e = (f"{estimated / base['estimated_tokens_per_sec']:.2f}"
+                   if base and estimated and base["estimated_tokens_per_sec"] else "-")
+        compile_s = f"{row['compile_s']:.0f}" if row.get("compile_s") is not None else "-"
+        mfu = f"{row['mfu']:.1%}" if row.get("mfu") is not None else "-"
+        print(f"{row['world']:>2} {row['label']:<42} {measured:>10,.0f} {estimated or 0:>10,.0f} "
+              f"{percent(error(estimated, measured)):>7} {inside:>8} {ratio_m:>9} {ratio_e:>9} {compile_s:>9} {mfu:>6}")
 
 
 def verdict(report: dict) -> list[str]:
@@ -233,11 +295,16 @@ def verdict(report: dict) -> list[str]:
             failed.append(f"{row['label']} (ws {row['world']}) was predicted to fit and ran out of memory")
         if row["measured_status"] not in ("ok", "oom"):
             failed.append(f"{row['label']} (ws {row['world']}) ended {row['measured_status']}: {row['message'][:200]}")
+    for row in report["rows"]:
+        if row["measured_status"] == "ok" and "compile" in row["label"] and not row.get("compiled_graphs"):
+            failed.append(f"{row['label']} (ws {row['world']}) compiled no graph: its blocks ran eager")
+        if row["measured_status"] == "ok" and "float8" in row["label"] and not row.get("float8_linears"):
+            failed.append(f"{row['label']} (ws {row['world']}) converted no linear to float8")
     for row in report["oom_agreement"]:
         if row["predicted_status"] != row["measured_status"]:
             failed.append(f"OOM disagreement: {row['label']} predicted {row['predicted_status']}, "
                           f"measured {row['measured_status']}")
-    if report["device"] == "cuda" and not report["oom_agreement"]:
+    if report["device"] == "cuda" and not report["oom_agreement"] and report.get("cases") not in ("speed", "large"):
         failed.append("no OOM-agreement pair could be set up")
     return failed
 
@@ -253,6 +320,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--predictions", type=Path, default=None, metavar="FILE",
                         help="use predictions written by --predict-only instead of tracing here")
     parser.add_argument("--gpus", type=int, default=None, help="with --predict-only: the GPUs of the machine to check")
+    parser.add_argument("--gpu-type", choices=sorted(GPUS), default=None,
+                        help="with --predict-only: the GPU type of the machine to check (default: this machine's, "
+                             "else h100-80gb)")
+    parser.add_argument("--cases", choices=sorted(CASE_SETS), default="memory",
+                        help="memory: precision, checkpointing, resharding, offload, micro-batch and the OOM caps "
+                             "(the default); speed: eager, compiled and float8 at one micro-batch; all: both")
+    parser.add_argument("--warmup-steps", type=int, default=1, help="untimed steps per trial (compiled: the first "
+                        "compiles)")
+    parser.add_argument("--timed-steps", type=int, default=2, help="timed steps per trial")
+    parser.add_argument("--hardware", default=None, metavar="PROFILE",
+                        help="with --predict-only: estimate tokens/s on this hardware profile (autotune calibrate's "
+                             "JSON) instead of the GPU's shipped one")
     parser.add_argument("--rescore", type=Path, default=None, metavar="REPORT",
                         help="print a measured report (--json) against --predictions, measuring nothing")
     args = parser.parse_args(argv)
@@ -267,9 +346,16 @@ def main(argv: list[str] | None = None) -> int:
         model, seq_len = args.model or "qwen2.5-0.5b", args.seq_len or 1024
     else:
         worlds, model, seq_len = [2], args.model or "micro-llama", args.seq_len or 64
+    detected = detect_gpu() if device == "cuda" and not args.predict_only else None
+    gpu = GPUS[args.gpu_type] if args.gpu_type else (detected or GPUS["h100-80gb"])
     if args.predict_only:
-        args.predict_only.write_text(json.dumps(dict(torch=torch.__version__, predictions=predict(
-            device, model, seq_len, worlds)), default=str))
+        from autotune.hardware import load_profile
+
+        hardware = load_profile(args.hardware) if args.hardware else None
+        args.predict_only.write_text(json.dumps(dict(
+            torch=torch.__version__, gpu=gpu.name, cases=args.cases, hardware=hardware and hardware.name,
+            predictions=predict(device, model, seq_len, worlds, gpu=gpu, cases=args.cases, hardware=hardware)),
+            default=str))
         return 0
     if args.rescore:
         if not args.predictions:
@@ -277,15 +363,24 @@ def main(argv: list[str] | None = None) -> int:
         loaded = json.loads(args.predictions.read_text())
         report = rescore(json.loads(args.rescore.read_text()), loaded["predictions"],
                          f"rescored with predictions of torch {loaded['torch']}")
+        report["hardware"] = loaded.get("hardware")
         return finish(report, args.json)
     if args.predictions:
         loaded = json.loads(args.predictions.read_text())
         predictions, predicted_on = loaded["predictions"], f"predicted with torch {loaded['torch']}"
+        predicted_gpu = loaded.get("gpu", "h100-80gb")
+        if device == "cuda" and predicted_gpu != gpu.name:
+            print(f"error: {args.predictions} was predicted for {predicted_gpu}, this GPU is {gpu.name}: "
+                  f"predict again with --gpu-type {gpu.name}", file=sys.stderr)
+            return 2
     else:
-        predictions, predicted_on = predict(device, model, seq_len, worlds), f"predicted here (torch {torch.__version__})"
+        predictions = predict(device, model, seq_len, worlds, gpu=gpu, cases=args.cases)
+        predicted_on = f"predicted here (torch {torch.__version__})"
     terms = probe_runtime_terms() if device == "cuda" else None
-    report = run(device, model, seq_len, worlds, predictions)
+    report = run(device, model, seq_len, worlds, predictions, gpu=gpu, cases=args.cases,
+                 warmup_steps=args.warmup_steps, timed_steps=args.timed_steps)
     report["predicted_on"] = predicted_on
+    report["hardware"] = loaded.get("hardware") if args.predictions else None
     report["runtime_terms"] = terms
     return finish(report, args.json)
 
