@@ -181,6 +181,40 @@ def test_float8_gpu_throughput_is_costed_from_the_traced_float8_matmuls():
     assert rowwise.extras["memory_bytes_from"] == result.extras["memory_bytes_from"]
 
 
+def test_float8_range_holds_one_gpu_runs_it_was_not_taken_from():
+    """On one H200, float8 ran slower than bf16 where the estimate said faster (real cuda trials,
+    benchmarks/gpu_check.py). The range's low end takes the worst such shortfall of mistral-7b's and
+    qwen2.5-1.5b's compiled runs (costmodel.FLOAT8_ONE_GPU_MEASURED); llama3.2-1b's runs, not among them,
+    must fall inside the printed range: eager tensorwise (18,743 tokens/s measured; without the low end
+    the range starts at about 20,300) and both compiled recipes, whose ranges must also hold the compiled
+    bf16 estimate (a close call, named as such, that a real trial decides)."""
+    from pathlib import Path
+
+    from autotune.backends.sim import SimBackend
+    from autotune.catalog.gpus import GPUS
+
+    assert "llama3.2-1b" not in {model for model, *_ in costmodel.FLOAT8_ONE_GPU_MEASURED}
+    report = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results" /
+                         "gpu_check_h200_llama3.2-1b_seq2048_speed.json").read_text())
+    measured = {row["label"]: row["measured_tokens_per_sec"] for row in report["rows"]}
+
+    def spec(**knobs) -> TrialSpec:
+        return TrialSpec(model=resolve_model("llama3.2-1b"), cluster=Cluster(num_gpus=1, gpu=GPUS["h200-141gb"]),
+                         seq_len=2048, train=TrainConfig(micro_batch_size=4, **knobs), grad_accum_steps=2)
+
+    with SimBackend() as sim:
+        compiled_bf16 = sim.evaluate(spec(compile="blocks")).throughput
+        for label, knobs in (("bf16 mb4 float8:tensorwise", dict(float8="tensorwise")),
+                             ("bf16 mb4 compile float8:tensorwise", dict(compile="blocks", float8="tensorwise")),
+                             ("bf16 mb4 compile float8:rowwise", dict(compile="blocks", float8="rowwise"))):
+            result = sim.evaluate(spec(**knobs))
+            low, high = result.extras["tokens_per_sec_range"]
+            assert low <= measured[label] <= high, (label, low, measured[label], high)
+            assert "FLOAT8_ONE_GPU_MEASURED" in result.tokens_per_sec.basis
+            if "compile" in label:
+                assert low <= compiled_bf16 <= high, (label, low, compiled_bf16, high)
+
+
 def test_fsdp2_script_applies_float8_in_parallelize(explored, tmp_path):
     result = json.loads(json.dumps(explored))
     result["float8"] = {"recipe": "tensorwise"}
