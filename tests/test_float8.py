@@ -215,6 +215,31 @@ def test_float8_range_holds_one_gpu_runs_it_was_not_taken_from():
                 assert low <= compiled_bf16 <= high, (label, low, compiled_bf16, high)
 
 
+def test_a_calibrated_profile_costs_each_recipes_gemms_at_its_measured_rate():
+    """calibrate times float8 GEMMs with both recipes' scales (an H200: tensorwise 1,149, rowwise 1,118
+    TFLOP/s at llama3.2-1b's shapes, benchmarks/results/h200_calibrated_llama3.2-1b_float8.json); on that
+    profile a rowwise configuration's converted matmuls take the rowwise rate, a tensorwise one's the
+    tensorwise rate, the rest of the traced step alike."""
+    from pathlib import Path
+
+    from autotune.backends.sim import SimBackend
+    from autotune.catalog.gpus import GPUS
+    from autotune.hardware import load_profile
+
+    profile = load_profile(str(Path(__file__).resolve().parents[1] / "benchmarks" / "results" /
+                               "h200_calibrated_llama3.2-1b_float8.json"))
+    spec = TrialSpec(model=resolve_model("tiny-llama"), cluster=Cluster(num_gpus=1, gpu=GPUS["h200-141gb"]),
+                     seq_len=1024, train=TrainConfig(micro_batch_size=8, compile="blocks"), grad_accum_steps=2)
+    with SimBackend(hardware=profile) as sim:
+        bf16, tensorwise, rowwise = (sim.evaluate(spec.with_train(spec.train.with_(float8=recipe))).extras
+                                     for recipe in ("none", "tensorwise", "rowwise"))
+    flops = tensorwise["op_work"]["float8_matmul_flops"] * spec.grad_accum_steps
+    gap = rowwise["step_time"]["matmul_s"] - tensorwise["step_time"]["matmul_s"]
+    expected = flops / (profile["float8_rowwise_matmul_tflops"] * 1e12) - flops / (profile["float8_matmul_tflops"] * 1e12)
+    assert gap == pytest.approx(expected, rel=1e-6) and gap > 0
+    assert tensorwise["step_time"]["matmul_s"] < bf16["step_time"]["matmul_s"]
+
+
 def test_fsdp2_script_applies_float8_in_parallelize(explored, tmp_path):
     result = json.loads(json.dumps(explored))
     result["float8"] = {"recipe": "tensorwise"}

@@ -3,6 +3,8 @@ step time estimated from the traced FLOPs and FSDP's collective volumes (docs/SI
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import time
 from typing import Any, Literal
@@ -506,6 +508,9 @@ class SimBackend(TrialBackend):
             profile = profile_for(spec.cluster.gpu, hardware)
             if spec.train.compile != "none" and self.device_kind == "cuda":
                 op_work = self._compiled_op_work(spec, op_work, extras)
+            rowwise = profile.figures.get("float8_rowwise_matmul_tflops")
+            if spec.train.float8 == "rowwise" and rowwise is not None:  # calibrate times each recipe's GEMMs
+                profile = dataclasses.replace(profile, figures={**profile.figures, "float8_matmul_tflops": rowwise})
             op_step = costmodel.estimate_op_step_time(
                 costmodel.OpWork.from_trace(op_work), profile=profile, num_gpus=world_size,
                 num_nodes=spec.cluster.num_nodes, num_blocks=spec.model.num_layers,
