@@ -4,7 +4,6 @@ step time estimated from the traced FLOPs and FSDP's collective volumes (docs/SI
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 import time
 from typing import Any, Literal
