@@ -524,7 +524,7 @@ def _worker(rank: int, world_size: int, port: int, job: dict[str, Any], out_path
     if cuda and has_float8_gemms(device):
         try:
             result["float8_gemms"] = bench_float8_gemms(model, device=device)
-        except Exception as exc:  # a torch without these kernels: the profile says it was not measured
+        except Exception as exc:  # a torch without these kernels: the profile then has no float8 figures
             result["float8_gemms"] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
     result["adamw"] = bench_adamw(model, device=device, world_size=world_size, impl=job["optimizer_impl"])
     if cuda:  # CPU offload steps AdamW on the host: every local rank at once, as a node's ranks do

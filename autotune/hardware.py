@@ -26,6 +26,11 @@ Figures (all per GPU, or per CPU rank for a cpu profile):
     matmul_tflops_fp32, attention_tflops_fp32   the same two rates in fp32 (precision fp32); absent:
                            the 16-bit rates (a calibrated cpu profile measures them; the shipped GPU
                            profiles take the data sheet's fp32 peak, TF32 off as torch's default)
+    float8_matmul_tflops, float8_rowwise_matmul_tflops   (calibrated, GPUs with float8) the float8
+                           training GEMMs' rate (`torch._scaled_mm`, tensorwise or rowwise scales) at the
+                           block projections' shapes; absent: float8 matmuls at `matmul_tflops`
+    <rate>@<tokens>        (calibrated) a rate measured at that many tokens per micro-batch, the
+                           model's shapes: the estimate interpolates them in log(tokens)
     memory_gbps            achieved bandwidth of memory-bound ops (bytes read + written)
     memory_op_us           fixed cost per memory-bound op (launch / dispatch overhead)
     memory_gbps_large      (calibrated) the same for ops of at least costmodel.LARGE_MEMORY_OP_BYTES,
@@ -71,6 +76,7 @@ SOURCES = ("data sheet", "published run", "measured")
 FIGURE_UNITS = {
     "matmul_tflops": "TFLOP/s", "matmul_op_us": "us", "attention_tflops": "TFLOP/s", "attention_op_us": "us",
     "matmul_tflops_fp32": "TFLOP/s", "attention_tflops_fp32": "TFLOP/s",
+    "float8_matmul_tflops": "TFLOP/s", "float8_rowwise_matmul_tflops": "TFLOP/s",
     "memory_gbps": "GB/s", "memory_op_us": "us", "memory_gbps_large": "GB/s",
     "intra_node_gbps": "GB/s", "intra_node_latency_us": "us",
     "inter_node_gbps": "GB/s", "inter_node_latency_us": "us", "comm_overlap": "fraction",
@@ -90,7 +96,9 @@ class HardwareFigure:
     basis: str
 
     def to_dict(self, name: str) -> dict[str, Any]:
-        return dict(value=self.value, unit=FIGURE_UNITS.get(name, ""), source=self.source, basis=self.basis)
+        # A rate at a token count (`matmul_tflops@2048`) has its rate's unit.
+        return dict(value=self.value, unit=FIGURE_UNITS.get(name.split("@")[0], ""), source=self.source,
+                    basis=self.basis)
 
 
 @dataclass(frozen=True)
