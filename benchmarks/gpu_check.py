@@ -82,6 +82,10 @@ LARGE_CASES = [
 ]
 CASE_SETS = {"memory": CASES, "speed": SPEED_CASES, "large": LARGE_CASES,
              "all": CASES + [case for case in SPEED_CASES if case not in CASES]}
+TIMING_SETS = ("speed", "large")
+"""Sets that time tokens/s: no OOM caps (those are the memory set's), more timed steps by default."""
+EAGER_BASELINES = (SPEED_CASES[0][0], LARGE_CASES[0][0])
+"""The eager bf16 case each set's speed-ups are read against."""
 CPU_CASES = [("bf16 mb2", dict(micro_batch_size=2)), ("bf16 mb4 ac:full", dict(micro_batch_size=4, activation_checkpointing="full")),
              ("bf16 mb8", dict(micro_batch_size=8))]
 
@@ -167,7 +171,7 @@ def planned_trials(model, *, device: str, seq_len: int, world: int, gpu, cases: 
         result = sim.evaluate(spec)
         return result.peak_memory.value if result.peak_memory else None
 
-    if cases in ("speed", "large"):  # the memory cases' caps are the memory set's
+    if cases in TIMING_SETS:
         return trials
     plain = [t for t in trials if "compile" not in t[0] and "float8" not in t[0]]
     (small_label, small), (large_label, large) = plain[0], plain[-1]
@@ -201,8 +205,9 @@ def run(device: str, model_name: str, seq_len: int, worlds: list[int], predictio
                 continue
             row = compare(label, spec, TrialResult.from_dict(predicted), result)
             (agreement if spec.memory_limit_bytes is not None else rows).append(row)
-    return dict(device=device, gpu=gpu.name, model=model_name, seq_len=seq_len, worlds=worlds, alloc_conf=alloc_conf(),
-                cases=cases, warmup_steps=warmup_steps, timed_steps=timed_steps, rows=rows, oom_agreement=agreement, seconds=time.monotonic() - started)
+    return dict(device=device, gpu=gpu.name, model=model_name, seq_len=seq_len, worlds=worlds,
+                alloc_conf=alloc_conf(), cases=cases, warmup_steps=warmup_steps, timed_steps=timed_steps,
+                rows=rows, oom_agreement=agreement, seconds=time.monotonic() - started)
 
 
 def rescore(report: dict, predictions: dict[str, dict], predicted_on: str) -> dict:
@@ -259,8 +264,9 @@ def print_table(report: dict) -> None:
 
 def print_speed_table(report: dict) -> None:
     """Tokens/s of each uncapped trial, measured against the simulator's estimate, and each
-    configuration's speed-up over eager `bf16 mb4` (`bf16 mb2 ac:full` in the large set) at the same world size, both ways: what the
-    compile and float8 knobs are worth here, and whether the estimate ranks them as measured."""
+    configuration's speed-up over its set's eager case (EAGER_BASELINES) at the same world size, both
+    ways: what the compile and float8 knobs are worth here, and whether the estimate ranks them as
+    measured."""
     rows = [r for r in report["rows"] if r["measured_tokens_per_sec"]]
     if not rows:
         return
@@ -268,7 +274,7 @@ def print_speed_table(report: dict) -> None:
           f"estimated: the simulator's cost model on {report.get('hardware') or 'the shipped profile'})")
     print(f"{'ws':>2} {'configuration':<42} {'measured':>10} {'estimated':>10} {'err':>7} {'in range':>8} "
           f"{'x eager m':>9} {'x eager e':>9} {'compile s':>9} {'MFU':>6}")
-    eager = {r["world"]: r for r in rows if r["label"] in ("bf16 mb4", "bf16 mb2 ac:full")}
+    eager = {r["world"]: r for r in rows if r["label"] in EAGER_BASELINES}
     for row in rows:
         base = eager.get(row["world"])
         estimated, measured = row["estimated_tokens_per_sec"], row["measured_tokens_per_sec"]
@@ -304,7 +310,7 @@ def verdict(report: dict) -> list[str]:
         if row["predicted_status"] != row["measured_status"]:
             failed.append(f"OOM disagreement: {row['label']} predicted {row['predicted_status']}, "
                           f"measured {row['measured_status']}")
-    if report["device"] == "cuda" and not report["oom_agreement"] and report.get("cases") not in ("speed", "large"):
+    if report["device"] == "cuda" and not report["oom_agreement"] and report.get("cases") not in TIMING_SETS:
         failed.append("no OOM-agreement pair could be set up")
     return failed
 
@@ -325,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
                              "else h100-80gb)")
     parser.add_argument("--cases", choices=sorted(CASE_SETS), default="memory",
                         help="memory: precision, checkpointing, resharding, offload, micro-batch and the OOM caps "
-                             "(the default); speed: eager, compiled and float8 at one micro-batch; all: both")
+                             "(the default); speed: eager, compiled and float8 at one micro-batch; large: the same "
+                             "at micro-batch 2 with full checkpointing (a model that fills the GPU); all: memory "
+                             "and speed")
     parser.add_argument("--warmup-steps", type=int, default=None, help="untimed steps per trial (compiled: the first "
                         "compiles); default 1, 2 where the cases time tokens/s (speed, large, all)")
     parser.add_argument("--timed-steps", type=int, default=None, help="timed steps per trial; default 2, 5 where the "
@@ -336,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rescore", type=Path, default=None, metavar="REPORT",
                         help="print a measured report (--json) against --predictions, measuring nothing")
     args = parser.parse_args(argv)
-    timing = args.cases != "memory"  # tokens/s is the point: more steps, the first compiled one untimed
+    timing = args.cases in TIMING_SETS or args.cases == "all"  # more steps, the first compiled one untimed
     args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else (2 if timing else 1)
     args.timed_steps = args.timed_steps if args.timed_steps is not None else (5 if timing else 2)
     import torch

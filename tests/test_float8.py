@@ -235,7 +235,8 @@ def test_a_calibrated_profile_costs_each_recipes_gemms_at_its_measured_rate():
                                      for recipe in ("none", "tensorwise", "rowwise"))
     flops = tensorwise["op_work"]["float8_matmul_flops"] * spec.grad_accum_steps
     gap = rowwise["step_time"]["matmul_s"] - tensorwise["step_time"]["matmul_s"]
-    expected = flops / (profile["float8_rowwise_matmul_tflops"] * 1e12) - flops / (profile["float8_matmul_tflops"] * 1e12)
+    expected = (flops / (profile["float8_rowwise_matmul_tflops"] * 1e12)
+                - flops / (profile["float8_matmul_tflops"] * 1e12))
     assert gap == pytest.approx(expected, rel=1e-6) and gap > 0
     assert tensorwise["step_time"]["matmul_s"] < bf16["step_time"]["matmul_s"]
 
