@@ -186,14 +186,23 @@ def published_estimate(run: PublishedRun, fit: dict[str, float]) -> float:
         work, spec.cluster, shard_group_size=run.shard_group_size,
         matmul_top_efficiency=fit.get(gpu_family(run.gpu), costmodel.DEFAULT_MATMUL_EFFICIENCY),
         nic_bus_efficiency=fit.get("nic"), half_efficiency_tokens=fit["half_tokens"],
-        half_efficiency_hidden=fit["half_hidden"], describe=False)
+        half_efficiency_hidden=fit["half_hidden"],
+        attention_kernel_speedup=fit.get(kernel_speedup_key(run.attention_kernel), 1.0), describe=False)
     return step.tokens_per_sec / run.num_gpus
+
+
+def kernel_speedup_key(kernel: str) -> str:
+    """The fit's name for an attention kernel's ATTENTION_KERNEL_SPEEDUP. A fit whose rows never ran
+    the kernel has none: its estimates take the kernel's published bars as they are (1.0)."""
+    return f"attention_{kernel}"
 
 
 FIT_BOUNDS = {"half_tokens": (0.0, 4096.0), "half_hidden": (0.0, 8192.0)}
 """Ranges the shared constants are fitted in; each GPU family's efficiency in (0.2, 1.0)."""
 FIT_START = {"half_tokens": 512.0, "half_hidden": 1024.0}
 """A fixed start, not the shipped constants: the fit does not depend on what it checks."""
+KERNEL_SPEEDUP_BOUNDS = (0.5, 2.5)
+"""The range an attention kernel's ATTENTION_KERNEL_SPEEDUP is fitted in (started at 1.0, its bars)."""
 
 
 SOURCE_BALANCED = True
@@ -214,11 +223,14 @@ def source_weights(rows) -> list[float]:
 
 def fit(rows) -> dict[str, float]:
     """Least squares in log error over `rows`, each source weighed once (SOURCE_BALANCED): the
-    efficiency per GPU family and the two half-efficiency points, by coordinate descent (a 13-point scan of each
+    efficiency per GPU family, the two half-efficiency points and the speedup of each attention
+    kernel in costmodel.ATTENTION_KERNEL_SPEEDUP that some row ran, by coordinate descent (a 13-point scan of each
     constant, then golden-section search around the best point; 6 sweeps)."""
     families = sorted({gpu_family(r.gpu) for r in rows})
-    bounds = {**{fam: (0.2, 1.0) for fam in families}, **FIT_BOUNDS}
-    fitted = {**{fam: 0.6 for fam in families}, **FIT_START}
+    kernels = [kernel_speedup_key(k) for k in costmodel.ATTENTION_KERNEL_SPEEDUP
+               if any(r.attention_kernel == k for r in rows)]
+    bounds = {**{fam: (0.2, 1.0) for fam in families}, **FIT_BOUNDS, **{k: KERNEL_SPEEDUP_BOUNDS for k in kernels}}
+    fitted = {**{fam: 0.6 for fam in families}, **FIT_START, **{k: 1.0 for k in kernels}}
     weights = source_weights(rows)
 
     def loss(params):

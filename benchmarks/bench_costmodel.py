@@ -191,8 +191,10 @@ def run_grid(args) -> dict:
 
 def _describe(fit: dict[str, float], fam: str) -> str:
     top = f"eff {fit[fam]:.2f}" if fam in fit else "eff (no other row on this GPU: data-sheet default)"
+    kernels = "".join(f", {key.removeprefix('attention_')} x{value:.2f}" for key, value in fit.items()
+                      if key.startswith("attention_"))
     return (f"{top}, half at {fit['half_tokens']:,.0f} tokens / "
-            f"h {fit['half_hidden']:,.0f}")
+            f"h {fit['half_hidden']:,.0f}{kernels}")
 
 
 PUBLISHED_TIE = 0.01
@@ -207,7 +209,9 @@ def _fit_against_shipped(rows) -> dict[str, float]:
     shipped = {**{costmodel_fit.gpu_family(g): e for g, e in costmodel.MATMUL_EFFICIENCY.items()
                   if costmodel_fit.gpu_family(g) in fit},
                "half_tokens": costmodel.HALF_EFFICIENCY_TOKENS,
-               "half_hidden": costmodel.HALF_EFFICIENCY_HIDDEN}
+               "half_hidden": costmodel.HALF_EFFICIENCY_HIDDEN,
+               **{costmodel_fit.kernel_speedup_key(k): v for k, v in costmodel.ATTENTION_KERNEL_SPEEDUP.items()
+                  if costmodel_fit.kernel_speedup_key(k) in fit}}
     print("fitted on all rows (what costmodel ships): "
           + ", ".join(f"{k} {fit[k]:.3g} (shipped {shipped[k]:.3g})" for k in shipped))
     return fit
@@ -280,7 +284,8 @@ def run_published_by_source() -> dict:
     fit = _fit_against_shipped(rows)
     return dict(median_abs_error=med, worst_abs_error=worst, errors=errors, by_source=by_source,
                 sources=len(sources), publishers=len(set(publishers.values())), coverage=coverage,
-                same_source_pairs=pairs, pairs_in_order=ordered, ties=ties, out_of_order=wrong, fit=fit)
+                same_source_pairs=pairs, pairs_in_order=ordered, ties=ties, out_of_order=wrong, fit=fit,
+                held_out_fits={source: fitted for source, (fitted, _) in held_out.items()})
 
 
 COMPILE_RATIO_SOURCES = tuple(costmodel_fit.source_citation(key) for key in ("torchtitan-h100-8", "torchtitan-h100-128"))
