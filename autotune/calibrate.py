@@ -110,6 +110,22 @@ def attention_inputs(batch: int, seq_len: int, heads: int, head_dim: int, *, dev
                              requires_grad=True).transpose(1, 2) for _ in range(3))
 
 
+def memory_ops(tokens: int, width: int, *, device, dtype) -> list[tuple[float, Any]]:
+    """The elementwise ops the memory-bound fit times at one activation size, each with the bytes it
+    moves as the simulator's trace counts an op's (every tensor argument read, every output written:
+    backends/sim/_trace.py `_tensor_bytes`): a multiply of two `dtype` tensors, and a cast of an fp32
+    one to `dtype` (none when `dtype` is fp32: `.to` would return its input)."""
+    import torch
+
+    x = torch.randn(tokens, width, device=device, dtype=dtype)
+    y = torch.randn(tokens, width, device=device, dtype=dtype)
+    ops = [(3.0 * x.numel() * x.element_size(), lambda: x * y)]
+    if dtype != torch.float32:
+        xf = x.float()
+        ops.append((float(xf.numel() * (xf.element_size() + x.element_size())), lambda: xf.to(dtype)))
+    return ops
+
+
 def bench_compute(model, *, device, dtype, seq_len: int, token_counts=TOKEN_COUNTS) -> dict[str, Any]:
     """GEMMs at the model's shapes, SDPA forward+backward, elementwise ops: raw points and fits."""
     import torch
@@ -131,11 +147,8 @@ def bench_compute(model, *, device, dtype, seq_len: int, token_counts=TOKEN_COUN
             by_tokens[tokens][0] += point[0]
             by_tokens[tokens][1] += point[1]
         for width in (s["hidden"], s["ffn"]):
-            x = torch.randn(tokens, width, device=device, dtype=dtype)
-            y = torch.randn(tokens, width, device=device, dtype=dtype)
-            mem_points.append((3.0 * x.numel() * x.element_size(), _timed(lambda: x * y, device=device)))
-            xf = x.float()
-            mem_points.append((2.0 * xf.numel() * xf.element_size() * 1.5, _timed(lambda: xf.to(dtype), device=device)))
+            for nbytes, op in memory_ops(tokens, width, device=device, dtype=dtype):
+                mem_points.append((nbytes, _timed(op, device=device)))
     attn_by_tokens: dict[int, float] = {}
     # At least two batch sizes, so the fit has two points when every token count is <= one sequence.
     for batch in sorted({max(t // seq_len, 1) for t in token_counts} | {1, 2}):

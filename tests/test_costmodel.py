@@ -422,6 +422,39 @@ def test_calibration_pieces_the_cuda_path_uses_run_on_cpu(monkeypatch):
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_calibrate_counts_each_memory_ops_bytes_as_the_trace_counts_them(dtype):
+    """The memory-bound rate a profile holds is bytes over time, and the estimate divides the trace's
+    bytes by it: both must count an op alike. Counted here by a dispatch mode with the trace's own op
+    classifier and byte count around each op calibrate times. calibrate counted an fp32 -> bf16 cast
+    as 12 bytes per element where the trace counts 6 (4 read, 2 written), which doubled the casts'
+    measured bandwidth and pulled the fitted one up (2026-11-28), and timed fp32 -> fp32 "casts",
+    which do nothing, as moving bytes."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autotune import calibrate
+    from autotune.backends.sim._trace import _op_kind, _tensor_bytes
+
+    class MemoryBytes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if _op_kind(func) == "memory":
+                self.bytes += _tensor_bytes(args) + _tensor_bytes(out if isinstance(out, (list, tuple)) else [out])
+            return out
+
+    ops = calibrate.memory_ops(64, 96, device=torch.device("cpu"), dtype=getattr(torch, dtype))
+    assert len(ops) == (2 if dtype == "bfloat16" else 1)
+    for counted, op in ops:
+        with MemoryBytes() as mode:
+            op()
+        assert mode.bytes == counted
+
+
 def test_float8_gemm_benchmark_runs_on_cpu_and_names_its_figures(tmp_path):
     """calibrate's float8 GEMMs (`torch._scaled_mm`, tensorwise and rowwise, bf16 beside them) run
     on a GPU with float8 tensor cores only; their code runs here on CPU, where torch has the same
