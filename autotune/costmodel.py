@@ -151,7 +151,8 @@ an H100 80GB SXM5, panels c and d). "triton" is the paper's "FlashAttention Trit
 flash_attn_triton.py, which llm-foundry copied for MPT's attn_impl triton), measured on the A100 only;
 on Hopper it takes the paper's FlashAttention (1, CUDA) bars, which that kernel's own docstring puts
 slightly ahead of it ("Overall Triton forward + backward is slightly slower than CUDA forward +
-backward"): an assumption, stated. Not fitted to any published training run."""
+backward"): an assumption, stated. The figures are not fitted to any published training run; the Triton
+kernel's are scaled by a fitted ATTENTION_KERNEL_SPEEDUP (the build the runs used was faster)."""
 ATTENTION_KERNEL_PEAK = {"a100": 312.0, "hopper": 989.0}
 """The dense bf16 peak of the part each family's figures were measured on (A100 SXM4, H100 SXM5): a
 GPU of the family at another peak (torchtitan's 500 W H100s, `peak_tflops`) runs at the same fraction."""

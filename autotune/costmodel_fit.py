@@ -197,6 +197,12 @@ def kernel_speedup_key(kernel: str) -> str:
     return f"attention_{kernel}"
 
 
+def kernel_speedups(fit: dict[str, float]) -> dict[str, float]:
+    """The attention kernels' speedups in `fit`, by kernel name."""
+    return {kernel: fit[kernel_speedup_key(kernel)] for kernel in costmodel.ATTENTION_KERNEL_SPEEDUP
+            if kernel_speedup_key(kernel) in fit}
+
+
 FIT_BOUNDS = {"half_tokens": (0.0, 4096.0), "half_hidden": (0.0, 8192.0)}
 """Ranges the shared constants are fitted in; each GPU family's efficiency in (0.2, 1.0)."""
 FIT_START = {"half_tokens": 512.0, "half_hidden": 1024.0}

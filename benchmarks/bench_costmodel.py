@@ -191,8 +191,7 @@ def run_grid(args) -> dict:
 
 def _describe(fit: dict[str, float], fam: str) -> str:
     top = f"eff {fit[fam]:.2f}" if fam in fit else "eff (no other row on this GPU: data-sheet default)"
-    kernels = "".join(f", {key.removeprefix('attention_')} x{value:.2f}" for key, value in fit.items()
-                      if key.startswith("attention_"))
+    kernels = "".join(f", {kernel} x{value:.2f}" for kernel, value in costmodel_fit.kernel_speedups(fit).items())
     return (f"{top}, half at {fit['half_tokens']:,.0f} tokens / "
             f"h {fit['half_hidden']:,.0f}{kernels}")
 
