@@ -327,6 +327,36 @@ def bench_adamw(model, *, device, world_size: int, impl: str) -> dict[str, Any]:
     return dict(params=count, seconds=seconds, params_per_s=count / seconds)
 
 
+def bench_fresh_pages(*, numel: int = 16 * 2**20, repeats: int = 7) -> dict[str, Any]:
+    """The first touch of fresh host memory, one thread (the driver's copy into pageable memory is
+    one): copying into a new fp32 tensor of at least costmodel.HOST_MMAP_THRESHOLD_BYTES (mapped
+    fresh, every page faulted in) less the same copy into a reused one, per byte. What FSDP2's CPU
+    offload pays for each large gradient shard it copies back while gradients accumulate."""
+    import torch
+
+    from autotune import costmodel
+
+    numel = max(numel, costmodel.HOST_MMAP_THRESHOLD_BYTES // 4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        source, reused = torch.randn(numel), torch.empty(numel)
+        reused.copy_(source)
+        fresh_s, reused_s = [], []
+        for _ in range(repeats):  # interleaved: a quiet moment favours neither
+            start = time.perf_counter()
+            torch.empty(numel).copy_(source)
+            fresh_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            reused.copy_(source)
+            reused_s.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    fresh, again = statistics.median(fresh_s), statistics.median(reused_s)
+    return dict(bytes=numel * 4, fresh_s=fresh, reused_s=again, repeats=repeats,
+                ns_per_byte=max(fresh - again, 0.0) / (numel * 4) * 1e9)
+
+
 def bench_collectives(unit_bytes: list[int], *, device, world_size: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -541,7 +571,9 @@ def _worker(rank: int, world_size: int, port: int, job: dict[str, Any], out_path
             result["float8_gemms"] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
     result["adamw"] = bench_adamw(model, device=device, world_size=world_size, impl=job["optimizer_impl"])
     if cuda:  # CPU offload steps AdamW on the host: every local rank at once, as a node's ranks do
-        result["adamw_cpu"] = bench_adamw(model, device=torch.device("cpu"), world_size=world_size, impl="foreach")
+        result["adamw_cpu"] = bench_adamw(model, device=torch.device("cpu"), world_size=world_size,
+                                          impl=job["optimizer_impl"])
+    result["fresh_pages"] = bench_fresh_pages()
     if world_size > 1:
         result["collectives"] = bench_collectives(job["unit_bytes"], device=device, world_size=world_size)
     from torch.distributed.device_mesh import init_device_mesh
@@ -744,8 +776,15 @@ def profile_from_measurements(raw: dict[str, Any], *, name: str | None = None) -
     else:
         host = raw["adamw_cpu"]
         f["cpu_adam_params_per_s"] = HardwareFigure(
-            host["params_per_s"] * world, m, f"foreach AdamW on the host over a {world}-rank shard, all {world} "
-            f"local ranks at once: {host['params_per_s']:.3g} params/s each x {world} (the node's rate)")
+            host["params_per_s"] * world, m, f"make_optimizer({raw['job']['optimizer_impl']}) AdamW on the host over "
+            f"a {world}-rank shard, all {world} local ranks at once: {host['params_per_s']:.3g} params/s each x "
+            f"{world} (the node's rate)")
+    if raw.get("fresh_pages"):
+        pages = raw["fresh_pages"]
+        f["fresh_page_ns_per_byte"] = HardwareFigure(
+            pages["ns_per_byte"], m, f"the host's first touch of a fresh {pages['bytes'] / 2**20:.0f} MiB mapping, one "
+            f"thread: a copy into a new tensor ({pages['fresh_s'] * 1e3:.1f} ms) less into a reused one "
+            f"({pages['reused_s'] * 1e3:.1f} ms), medians of {pages['repeats']}, on {on}")
     f["optimizer_gbps"] = HardwareFigure(per_s * 28 / 1e9, m, "the same AdamW step as bytes (28 per parameter)")
     copies = raw.get("host_copies")
     f["host_link_gbps"] = HardwareFigure(

@@ -119,9 +119,83 @@ _PCIE_GBPS = {"h100-80gb": 50.0, "h200-141gb": 50.0}
 """Host<->device copy bandwidth achieved from pinned memory, GB/s: PCIe Gen5 x16 parts here;
 every other catalog part is Gen4 x16 at 25 GB/s."""
 _PCIE_GEN4_GBPS = 25.0
-CPU_ADAM_PARAMS_PER_S_PER_NODE = 1.0e9
-"""fp32 AdamW parameters a node's CPUs step per second with torch.optim.AdamW (all ranks of the
-node together; memory-bandwidth bound: ~16 bytes read + 12 written per parameter)."""
+CPU_ADAM_PARAMS_PER_S_PER_NODE = 3.8e9
+"""fp32 AdamW parameters a node's CPUs step per second under CPU offload (all ranks of the node
+together). Measured: the host optimizer step of the 9 recorded one-GPU offload trials (autotune's
+fused AdamW, the trials' default `optimizer_impl`; H100 and H200 hosts of 16 cores) took 0.21-0.33
+ns per parameter, median 0.26 (benchmarks/bench_costmodel.py --offload). One rank had the host's
+cores; a node of 8 ranks runs each rank's step on one thread (torchrun's OMP_NUM_THREADS=1) and
+shares the memory bandwidth, which is not measured. Was 1.0e9 until 2026-11-28, a guess near what
+`calibrate --backend cuda` then timed: foreach AdamW, 5x slower on a CPU than the fused one the
+trials run."""
+CPU_ADAM_BASIS = ("the host optimizer step of 9 recorded one-GPU offload trials (fused AdamW, H100 and H200 "
+                  "hosts): median 0.26 ns per parameter; a node's ranks sharing its host are not measured")
+
+# --- FSDP2's CPU offload while gradients accumulate ------------------------------------------------
+# FSDP2 copies each reduced gradient shard back to the host in the unit's backward hook
+# (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_reduce). The first micro-batch
+# of a step copies into pinned memory without blocking; every later one accumulates, so the copy
+# blocks ("the CPU add kernel depends on the copy result") into a fresh pageable tensor, which is then
+# added to the host's gradient. The hook holds the autograd thread: the unit's reduce-scatter, the
+# copy and the add stop the GPU, micro-batch after micro-batch.
+
+HOST_MMAP_THRESHOLD_BYTES = 32 * MiB
+"""glibc's largest dynamic mmap threshold on 64-bit Linux (DEFAULT_MMAP_THRESHOLD_MAX). A host
+allocation at least this large is mapped fresh and unmapped when freed, so each fresh copy faults
+every page in again; a smaller one comes back from the heap, whose pages stay mapped. On the 2-core
+VM the fresh copy of a 40-128 MiB fp32 tensor took 2.2 ns per element, and one of 4-24 MiB
+0.16-0.26 ns (docs/COSTMODEL.md, "CPU offload while gradients accumulate")."""
+OFFLOAD_ACCUMULATE_NS_PER_PARAM = 1.56
+"""Host seconds x 1e9 per gradient element of the rank's shard in each accumulating micro-batch
+under CPU offload: the blocking copy back to pageable memory and the host add. Fitted, with
+FRESH_PAGE_NS_PER_BYTE measured apart, to the 9 recorded offload trials (one GPU, 3 models, H100 and
+H200 hosts, micro-batch 2, 2 micro-batches: benchmarks/results/gpu_check_h*.json): each step less
+the same report's GPU time without offload and less its measured optimizer step. With any host
+machine or any model held out it refits at 1.55-1.59 and the held-out trials come within 10%
+(benchmarks/bench_costmodel.py --offload). Measured with one rank per host: a node of 8 ranks shares
+the host's memory and runs each rank's add on one thread (torchrun's OMP_NUM_THREADS=1), which is
+not modelled."""
+FRESH_PAGE_NS_PER_BYTE = 0.51
+"""Host seconds x 1e9 per byte of a fresh mapping's first touch (its page faults): the gradient shards
+of at least HOST_MMAP_THRESHOLD_BYTES. Measured by calibrate.bench_fresh_pages on the 2-core VM
+(0.51-0.52 ns per byte, three runs; `autotune calibrate` measures the machine it runs on). Fitted
+to the 9 recorded GPU trials together with OFFLOAD_ACCUMULATE_NS_PER_PARAM instead, it comes out
+0.52: the same cost on the GPUs' hosts."""
+OFFLOAD_ACCUMULATE_BASIS = (
+    "FSDP2's CPU offload while gradients accumulate: each micro-batch after the first copies the gradient "
+    f"shards back blocking ({OFFLOAD_ACCUMULATE_NS_PER_PARAM} ns per element with the host add) and faults in "
+    f"fresh pages for shards of {HOST_MMAP_THRESHOLD_BYTES // MiB} MiB or more ({FRESH_PAGE_NS_PER_BYTE} ns per "
+    "byte); fitted to 9 one-GPU offload trials on H100 and H200 hosts")
+
+
+def offload_accumulate_seconds(*, grad_params: float, fresh_page_bytes: float, accumulating_microbatches: int,
+                               ns_per_param: float | None = None, page_ns_per_byte: float | None = None) -> float:
+    """Host time FSDP2's CPU offload adds to a step's accumulating micro-batches, which the GPU waits
+    for: `grad_params` elements of the rank's gradient shards copied back blocking and added, of which
+    `fresh_page_bytes` land in fresh mappings (tensors of at least HOST_MMAP_THRESHOLD_BYTES)."""
+    if accumulating_microbatches <= 0:
+        return 0.0
+    per_param = OFFLOAD_ACCUMULATE_NS_PER_PARAM if ns_per_param is None else ns_per_param
+    per_byte = FRESH_PAGE_NS_PER_BYTE if page_ns_per_byte is None else page_ns_per_byte
+    return accumulating_microbatches * (grad_params * per_param + fresh_page_bytes * per_byte) * 1e-9
+
+
+def fresh_page_bytes(param_shapes, *, shard_ranks: int) -> float:
+    """Bytes of one rank's fp32 gradient shards (FSDP2 shards dim 0, padded to equal chunks) in
+    tensors of at least HOST_MMAP_THRESHOLD_BYTES: `param_shapes` is (shape, count) pairs
+    (ModelSpec.param_shapes)."""
+    total = 0
+    for shape, count in param_shapes:
+        if not shape:
+            continue
+        rest = 1
+        for size in shape[1:]:
+            rest *= size
+        shard = -(-shape[0] // max(shard_ranks, 1)) * rest * 4
+        if shard >= HOST_MMAP_THRESHOLD_BYTES:
+            total += shard * count
+    return float(total)
+
 
 # --- Host memory (GPU memory beyond tensors: autotune/runtime_memory.py) -------------------------
 HOST_PROCESS_BYTES = 3 * GiB
@@ -288,7 +362,11 @@ class StepWork:
     host_to_device_bytes: float = 0.0
     device_to_host_bytes: float = 0.0
     cpu_optimizer_params: int = 0
-    """Parameters this GPU's rank steps on the host (CPU offload), 0 otherwise."""
+    """Parameters this GPU's rank steps on the host (CPU offload), 0 otherwise: also the gradient
+    elements it copies back each micro-batch."""
+    offload_fresh_page_bytes: float = 0.0
+    """CPU offload: bytes of those gradient shards in tensors of at least HOST_MMAP_THRESHOLD_BYTES
+    (fresh_page_bytes), whose copy faults in fresh pages each accumulating micro-batch."""
     model_flops_per_gpu: float | None = None
     """FLOPs without recomputation, for MFU; None means `flops_per_gpu` (then MFU is HFU)."""
     num_fsdp_units: int | None = None
@@ -367,6 +445,9 @@ class StepTime:
     """The host's time exceeds the GPU's compute: the step waits on Python, not on the GPU."""
     gpu_compute_s: float = 0.0
     """The GPU's time for the step's FLOPs (compute_s is the longer of it and host_s)."""
+    offload_accumulate_s: float = 0.0
+    """CPU offload: the host's blocking gradient copies and adds of the accumulating micro-batches
+    (offload_accumulate_seconds), which the GPU waits for."""
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -427,7 +508,8 @@ def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_p
                    hidden_size: int = 0, reduce_bytes: int = 4,
                    trainable: tuple[int, int] | None = None, float8_block_params: int = 0,
                    all_to_all_bytes: float = 0.0, all_to_all_inter_node: bool = False,
-                   attention: dict | None = None, precision: str = "bf16") -> StepWork:
+                   attention: dict | None = None, precision: str = "bf16",
+                   offload_fresh_page_bytes: float = 0.0) -> StepWork:
     """The `StepWork` of a full-sharded FSDP2 step from what a backend counted: FLOPs, sizes;
     gradients reduced in `reduce_bytes` per element (fp32, FSDP2's default here), of the
     `trainable` (block, root) parameters where some are frozen (LoRA), which alone the optimizer steps.
@@ -449,6 +531,7 @@ def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_p
         reduce_scatter_bytes_per_gpu=volume.reduce_scatter_bytes,
         host_to_device_bytes=h2d, device_to_host_bytes=d2h,
         cpu_optimizer_params=-(-total_params // num_gpus) if cpu_offload else 0,
+        offload_fresh_page_bytes=offload_fresh_page_bytes if cpu_offload else 0.0,
         backward_allgather_bytes_per_gpu=float(block_params * num_blocks * param_bytes * num_microbatches) - float8_saved
         if reshard_after_forward else 0.0,
         num_fsdp_units=num_blocks + 1, dispatched_ops_per_microbatch=dispatched_ops_per_microbatch,
@@ -598,6 +681,19 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
     if work.num_fsdp_units:
         unhideable_s = side_s / work.num_fsdp_units
     exposed_s = min(side_s, max(side_s - compute_s, 0.0) + unhideable_s)
+    offload_accumulate_s = 0.0
+    if work.cpu_optimizer_params and work.num_microbatches > 1:
+        # CPU offload while gradients accumulate (offload_accumulate_seconds): the host blocks on each
+        # unit's reduce-scatter, copies and adds before backward goes on, so those micro-batches'
+        # reduce-scatters are exposed too.
+        accumulating = work.num_microbatches - 1
+        offload_accumulate_s = offload_accumulate_seconds(
+            grad_params=work.cpu_optimizer_params, fresh_page_bytes=work.offload_fresh_page_bytes,
+            accumulating_microbatches=accumulating)
+        gathered_and_reduced = work.allgather_bytes_per_gpu + work.reduce_scatter_bytes_per_gpu
+        if gathered_and_reduced:
+            reduce_s = comm_s * work.reduce_scatter_bytes_per_gpu / gathered_and_reduced
+            exposed_s = min(side_s, exposed_s + reduce_s * accumulating / work.num_microbatches)
     exposed_comm_s = exposed_s * (comm_s / side_s) if side_s else 0.0
 
     cpu_optimizer_s = 0.0
@@ -608,7 +704,7 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
     comm_s += all_to_all_s
     exposed_s += all_to_all_s
     exposed_comm_s += all_to_all_s
-    seconds = compute_s + exposed_s + cpu_optimizer_s
+    seconds = compute_s + exposed_s + cpu_optimizer_s + offload_accumulate_s
     model_flops = work.flops_per_gpu if work.model_flops_per_gpu is None else work.model_flops_per_gpu
     return StepTime(
         seconds=seconds, compute_s=compute_s, comm_s=comm_s, exposed_comm_s=exposed_comm_s,
@@ -624,8 +720,12 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
                   "HBM data sheet" if work.memory_bytes_per_gpu else "")
                + (f"; host-bound: {work.num_microbatches} micro-batch(es) x {work.dispatched_ops_per_microbatch:,.0f} "
                   f"dispatched ops x {host_op_us:g} us = {host_s:.3g} s per step, over the GPU's {gpu_compute_s:.3g} s"
-                  if host_s > gpu_compute_s else "")) if describe else "",
+                  if host_s > gpu_compute_s else "")
+               + (f"; {offload_accumulate_s:.3g} s per step of the host's blocking gradient copies and adds in "
+                  f"{work.num_microbatches - 1} accumulating micro-batch(es) ({OFFLOAD_ACCUMULATE_BASIS})"
+                  if offload_accumulate_s else "")) if describe else "",
         host_s=host_s, host_bound=host_s > gpu_compute_s, gpu_compute_s=gpu_compute_s,
+        offload_accumulate_s=offload_accumulate_s,
     )
 
 
@@ -683,6 +783,8 @@ class OpStepTime:
     exposed_comm_s: float
     offload_s: float
     optimizer_s: float
+    offload_accumulate_s: float = 0.0
+    """CPU offload: the host's blocking gradient copies and adds of the accumulating micro-batches."""
     tokens_per_sec: float
     mfu: float | None
     basis: str
@@ -728,7 +830,8 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
                           cpu_offload: bool = False, precision: str = "bf16",
                           model_flops_per_gpu: float | None = None, peak_tflops: float | None = None,
                           shard_group_size: int = 0, reshard_group_size: int = 0,
-                          trainable: tuple[int, int] | None = None) -> OpStepTime:
+                          trainable: tuple[int, int] | None = None,
+                          offload_fresh_page_bytes: float = 0.0) -> OpStepTime:
     """Step time of one rank from the traced ops on a hardware profile (autotune/hardware.py).
 
     device per micro-batch  = matmul FLOPs / rate + matmuls x fixed cost
@@ -753,7 +856,10 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
     they are reduce-scattered, copied back from offload and stepped by the optimizer.
     optimizer: AdamW over the rank's shard on the device (28 bytes per parameter at
     `optimizer_gbps`), or on the host (`cpu_adam_params_per_s`, shared by a node's ranks) with CPU
-    offload or on a cpu profile; offload adds the host<->device copies of the fp32 shards.
+    offload or on a cpu profile; offload adds the host<->device copies of the fp32 shards, and in
+    each micro-batch after the first the host's blocking gradient copies and adds
+    (offload_accumulate_seconds; `offload_fresh_page_bytes` from fresh_page_bytes), with that
+    micro-batch's reduce-scatters exposed.
     """
     p = profile
     n = num_gpus
@@ -866,22 +972,34 @@ def estimate_op_step_time(ops: OpWork, *, profile, num_gpus: int, num_nodes: int
     exposed_comm_s = exposed_s * (comm_s / (comm_s + offload_s)) if comm_s + offload_s else 0.0
 
     shard_params = -(-(root_grads + num_blocks * block_grads) // group)
+    offload_accumulate_s = 0.0
+    if cpu_offload and p.device == "cuda" and mb > 1:
+        offload_accumulate_s = offload_accumulate_seconds(
+            grad_params=shard_params, fresh_page_bytes=offload_fresh_page_bytes, accumulating_microbatches=mb - 1,
+            ns_per_param=p.get("offload_accumulate_ns_per_param"), page_ns_per_byte=p.get("fresh_page_ns_per_byte"))
+        reduce_mb = num_blocks * (rs(block_grads) if block_grads else 0.0) + (rs(root_grads) if root_grads else 0.0)
+        exposed_s = min(comm_s + offload_s, exposed_s + (mb - 1) * reduce_mb)
+        exposed_comm_s = exposed_s * (comm_s / (comm_s + offload_s)) if comm_s + offload_s else 0.0
     if cpu_offload or p.device == "cpu":
         ranks_sharing = max(n // num_nodes, 1) if cpu_offload and p.device == "cuda" else 1
         optimizer_s = shard_params * ranks_sharing / p["cpu_adam_params_per_s"]
     else:
         optimizer_s = shard_params * 28 / (p["optimizer_gbps"] * 1e9)
 
-    seconds = compute_s + exposed_s + optimizer_s
+    seconds = compute_s + exposed_s + optimizer_s + offload_accumulate_s
     mfu = None
     if model_flops_per_gpu is not None and peak_tflops and seconds > 0:
         mfu = model_flops_per_gpu / (seconds * peak_tflops * 1e12)
     return OpStepTime(seconds=seconds, matmul_s=matmul_s, attention_s=attention_s, memory_s=memory_s,
                       host_s=host_s, host_bound=p.device != "cpu" and host_s > device_s, compute_s=compute_s,
                       comm_s=comm_s, exposed_comm_s=exposed_comm_s, offload_s=offload_s, optimizer_s=optimizer_s,
-                      tokens_per_sec=tokens_per_step / seconds if seconds > 0 else 0.0, mfu=mfu,
+                      offload_accumulate_s=offload_accumulate_s, tokens_per_sec=tokens_per_step / seconds if seconds > 0 else 0.0, mfu=mfu,
                       basis=f"estimated: per-operation cost model on {profile.describe()}"
-                            + (f", {num_nodes} nodes" if num_nodes > 1 else ""))
+                            + (f", {num_nodes} nodes" if num_nodes > 1 else "")
+                            + (f"; {offload_accumulate_s:.3g} s per step of the host's blocking gradient copies and "
+                               f"adds in {mb - 1} accumulating micro-batch(es)"
+                               + ("" if p.get("offload_accumulate_ns_per_param") else f" ({OFFLOAD_ACCUMULATE_BASIS})")
+                               if offload_accumulate_s else ""))
 
 
 ESTIMATE_ERROR = {

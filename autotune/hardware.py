@@ -51,6 +51,12 @@ Figures (all per GPU, or per CPU rank for a cpu profile):
                            issues kernels ahead of the device, so a micro-batch takes the longer
                            of its device time and its host time; on a CPU the two add. Absent in
                            profiles made before it existed: then no host term (the old model)
+    fresh_page_ns_per_byte (calibrated) the host's first touch of a fresh mapping per byte: CPU
+                           offload's large gradient shards while gradients accumulate; absent:
+                           costmodel.FRESH_PAGE_NS_PER_BYTE
+    offload_accumulate_ns_per_param  the blocking gradient copy back and host add per element of
+                           CPU offload's accumulating micro-batches; absent (calibrate does not time
+                           it yet): costmodel.OFFLOAD_ACCUMULATE_NS_PER_PARAM
     tracked_op_us          (cpu, calibrated) what the cpu backend's tensor-memory tracker adds to
                            every dispatched op of a real cpu trial, plus
     tracked_op_us_per_block   that much more per block of the model (it tracks more tensors)
@@ -83,6 +89,7 @@ FIGURE_UNITS = {
     "host_link_gbps": "GB/s", "cpu_adam_params_per_s": "params/s", "optimizer_gbps": "GB/s",
     "cuda_context_bytes": "bytes", "nccl_communicator_bytes": "bytes", "cublas_workspace_bytes": "bytes",
     "reserved_over_allocated": "ratio", "tracked_op_us": "us", "tracked_op_us_per_block": "us", "host_op_us": "us",
+    "fresh_page_ns_per_byte": "ns/B", "offload_accumulate_ns_per_param": "ns",
 }
 REQUIRED = ("matmul_tflops", "matmul_op_us", "attention_tflops", "attention_op_us", "memory_gbps", "memory_op_us",
             "intra_node_gbps", "intra_node_latency_us", "inter_node_gbps", "inter_node_latency_us", "comm_overlap",
@@ -244,8 +251,8 @@ def shipped_profile(gpu: GPUSpec) -> HardwareProfile:
         "inter_node_latency_us": HardwareFigure(40.0, "data sheet", "NCCL ring latency across nodes: unvalidated"),
         "comm_overlap": HardwareFigure(1.0, "data sheet", "FSDP2 runs collectives on side CUDA streams"),
         "host_link_gbps": HardwareFigure(pcie, "data sheet", f"~80% of PCIe Gen{5 if pcie > 30 else 4} x16"),
-        "cpu_adam_params_per_s": HardwareFigure(1.0e9, "data sheet", "memory-bandwidth estimate of a node's "
-                                                "torch.optim.AdamW rate (~28 bytes per parameter): unvalidated"),
+        "cpu_adam_params_per_s": HardwareFigure(costmodel.CPU_ADAM_PARAMS_PER_S_PER_NODE, "published run",
+                                                costmodel.CPU_ADAM_BASIS),
         "optimizer_gbps": HardwareFigure(gpu.hbm_gbps * 0.5, "data sheet", "50% of memory bandwidth for the "
                                          "multi-tensor AdamW: unvalidated"),
         "host_op_us": HardwareFigure(costmodel.HOST_OP_US, "published run", costmodel.HOST_OP_BASIS),

@@ -1,6 +1,6 @@
 """Validation of the step-time model that can fail: estimates against measurements it was not fitted to.
 
-    python benchmarks/bench_costmodel.py [--grid] [--published] [--gpu-recorded] [--host-time] [--repeats 1] [--json OUT]
+    python benchmarks/bench_costmodel.py [--grid] [--published] [--gpu-recorded] [--offload] [--host-time] [--repeats 1] [--json OUT]
 
 1. CPU grid (`--grid`): `autotune calibrate --backend cpu` measures this machine (a calibrated
    profile), then 24 configurations of tiny-llama on 2 gloo ranks (micro-batch 1/2/4/8 x
@@ -24,7 +24,11 @@
    (benchmarks/gpu_check.py reports in benchmarks/results) against the estimate on the H100
    profiles calibrated there, without and with the host time per dispatched op (`host_op_us`:
    the shipped default, or `--host-op-from PROFILE`). Median |error| and Kendall tau per model.
-4. Host time per op (`--host-time`): what `autotune calibrate` measures for `host_op_us` on this
+4. CPU offload (`--offload`): FSDP2's blocking gradient copies and host adds in the micro-batches
+   after the first (costmodel.offload_accumulate_seconds) against the 9 recorded one-GPU offload
+   trials: the fit, each host machine and each model held out, and the default estimate of the whole
+   step without and with the term.
+5. Host time per op (`--host-time`): what `autotune calibrate` measures for `host_op_us` on this
    machine against independent figures of the same tiny real step: its op count against the
    simulator's count of the trace (within 10%), its host time at 0 tokens against the step's
    wall time at 8 tokens, least against least (0.3-1.5x).
@@ -464,6 +468,134 @@ GPU_RECORDED = [  # (model, seq, real cuda trials' report, calibrated profile of
 ]
 
 
+OFFLOAD_RECORDED = [  # (report, GPU, host machine): every recorded CPU-offload trial (one GPU, mb 2, 2 micro-batches)
+    ("gpu_check_h100_seq1024_expandable.json", "h100-80gb", "H100 VM, 2026-11-22"),
+    ("gpu_check_h100_seq2048_expandable.json", "h100-80gb", "H100 VM, 2026-11-22"),
+    ("gpu_check_h100_seq1024_default_alloc.json", "h100-80gb", "H100 VM, 2026-11-22"),
+    ("gpu_check_h100_llama3.2-1b_seq1024_expandable.json", "h100-80gb", "H100 VM, 2026-11-22"),
+    ("gpu_check_h100_llama3.2-1b_seq2048_expandable.json", "h100-80gb", "H100 VM, 2026-11-22"),
+    ("gpu_check_h100_qwen2.5-1.5b_seq2048_expandable.json", "h100-80gb", "H100 VM, 2026-11-22"),
+    ("gpu_check_h100_qwen2.5-0.5b_seq1024_knobs.json", "h100-80gb", "H100 VM, 2026-11-23"),
+    ("gpu_check_h100_llama3.2-1b_seq2048_knobs.json", "h100-80gb", "H100 VM, 2026-11-23"),
+    ("gpu_check_h200_llama3.2-1b_seq2048_memory.json", "h200-141gb", "H200 VM, 2026-11-27"),
+]
+OFFLOAD_LABEL, OFFLOAD_REFERENCE = "bf16 mb2 ac:full offload", "bf16 mb4 ac:full"
+
+
+def _fit_offload_a(rows, *, b: float) -> float:
+    """Least squares of host seconds - b ns x fresh-page bytes = a ns x gradient elements."""
+    return sum(r["grad_params"] * (r["host_s"] - b * 1e-9 * r["fresh_bytes"]) for r in rows) / \
+        sum(r["grad_params"] ** 2 for r in rows) * 1e9
+
+
+def _fit_offload(rows) -> tuple[float, float]:
+    """Least squares of host seconds = a ns x gradient elements + b ns x fresh-page bytes (no intercept)."""
+    sxx = sum(r["grad_params"] ** 2 for r in rows)
+    syy = sum(r["fresh_bytes"] ** 2 for r in rows)
+    sxy = sum(r["grad_params"] * r["fresh_bytes"] for r in rows)
+    sxz = sum(r["grad_params"] * r["host_s"] for r in rows)
+    syz = sum(r["fresh_bytes"] * r["host_s"] for r in rows)
+    det = sxx * syy - sxy * sxy
+    if abs(det) < 1e-9 * sxx * syy:  # one model only: the elements alone
+        return sxz / sxx * 1e9, 0.0
+    return (sxz * syy - syz * sxy) / det * 1e9, (syz * sxx - sxz * sxy) / det * 1e9
+
+
+def run_offload_recorded() -> dict:
+    """CPU offload while gradients accumulate (costmodel.offload_accumulate_seconds) against the 9
+    recorded offload trials. What each trial measured beyond its GPU work: the offload step less the
+    same report's measured step of micro-batch 4 with full checkpointing and no offload (per token: no
+    mb-2 full-checkpointing trial ran without offload) and less its measured optimizer step. That
+    host time is fitted as a x gradient elements + b x bytes of the shards in fresh mappings, refitted
+    with each host machine and each model held out; then the default estimate of the whole step
+    (the roofline, no --hardware) as shipped before the term (and the host AdamW at the old 1.0e9
+    guess) and now. The host AdamW's rate (costmodel.CPU_ADAM_PARAMS_PER_S_PER_NODE) is the median of
+    these trials' measured optimizer steps: that part of the whole-step check is not held out."""
+    from autotune.backends.analytic import offload_fresh_page_bytes
+    from autotune.backends.sim import SimBackend
+    from autotune.catalog.gpus import GPUS
+    from autotune.catalog.models import resolve_model
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gpu_check as gc
+
+    rows = []
+    for report, gpu, host in OFFLOAD_RECORDED:
+        with open(os.path.join(RESULTS, report)) as fh:
+            recorded = json.load(fh)
+        by_label = {row["label"]: row for row in recorded["rows"]}
+        offload, reference = by_label[OFFLOAD_LABEL], by_label[OFFLOAD_REFERENCE]
+        spec = gc.spec_for(resolve_model(recorded["model"]), world=1, gpu=GPUS[gpu], seq_len=recorded["seq_len"],
+                           **dict(gc.CASES)[OFFLOAD_LABEL])
+        tokens = spec.train.micro_batch_size * spec.seq_len * spec.grad_accum_steps
+        step_s = tokens / offload["measured_tokens_per_sec"]
+        gpu_s = tokens / reference["measured_tokens_per_sec"]
+        rows.append(dict(report=report, host=host, model=recorded["model"], seq=spec.seq_len, spec=spec,
+                         measured=offload["measured_tokens_per_sec"], step_s=step_s, gpu_s=gpu_s,
+                         optimizer_s=offload["optimizer_step_s"],
+                         host_s=(step_s - gpu_s - offload["optimizer_step_s"]) / (spec.grad_accum_steps - 1),
+                         grad_params=spec.model.num_parameters, fresh_bytes=offload_fresh_page_bytes(spec)))
+    b = costmodel.FRESH_PAGE_NS_PER_BYTE  # measured on a host (calibrate.bench_fresh_pages), not fitted here
+    a = _fit_offload_a(rows, b=b)
+    free_a, free_b = _fit_offload(rows)
+    print("\n## CPU offload while gradients accumulate: 9 recorded one-GPU offload trials (mb 2, 2 micro-batches)")
+    print(f"host time per accumulating micro-batch (measured: the offload step less the mb-4 full-checkpointing "
+          f"step without offload, per token, less the measured optimizer step) = a x gradient elements + b x bytes "
+          f"in fresh mappings (shards of {costmodel.HOST_MMAP_THRESHOLD_BYTES // 2**20} MiB or more); b = "
+          f"{b} ns per byte, measured (costmodel.FRESH_PAGE_NS_PER_BYTE)")
+    print(f"a fitted on all 9 with that b: {a:.2f} ns per element (shipped {costmodel.OFFLOAD_ACCUMULATE_NS_PER_PARAM}); "
+          f"a and b both fitted: {free_a:.2f} ns per element, b {free_b:.2f} ns per byte (against the measured {b})")
+    print("| held out | rows | a fitted on the rest | held-out host time: median error | worst |")
+    print("|---|---|---|---|---|")
+    held = {}
+    for key in ("host", "model"):
+        for value in sorted({r[key] for r in rows}):
+            rest = [r for r in rows if r[key] != value]
+            fa = _fit_offload_a(rest, b=b)
+            errs = [(fa * r["grad_params"] + b * r["fresh_bytes"]) * 1e-9 / r["host_s"] - 1
+                    for r in rows if r[key] == value]
+            held[value] = dict(a=fa, errors=errs)
+            print(f"| {value} | {len(errs)} | {fa:.2f} ns | {statistics.median(errs):+.1%} | "
+                  f"{max(errs, key=abs):+.1%} |")
+    print("\nthe default estimate of the whole step (measured: the trial; estimated: the roofline, no --hardware)")
+    print("| model | seq | host machine | host time measured, s | estimated | optimizer measured, s | estimated | "
+          "measured tok/s | estimated before (no term, AdamW 1.0e9/s) | error | estimated now | error |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    backend = SimBackend(device_kind="cuda")
+    cache_setting, os.environ[cache.CACHE_ENV] = os.environ.get(cache.CACHE_ENV), "off"
+    try:
+        for r in rows:
+            with_term = backend.evaluate(r["spec"])
+            # As shipped before 2026-11-28: no accumulation term, the host AdamW at the old 1.0e9 guess.
+            shipped = (costmodel.OFFLOAD_ACCUMULATE_NS_PER_PARAM, costmodel.FRESH_PAGE_NS_PER_BYTE,
+                       costmodel.CPU_ADAM_PARAMS_PER_S_PER_NODE)
+            costmodel.OFFLOAD_ACCUMULATE_NS_PER_PARAM = costmodel.FRESH_PAGE_NS_PER_BYTE = 0.0
+            costmodel.CPU_ADAM_PARAMS_PER_S_PER_NODE = 1.0e9
+            try:
+                without = backend.evaluate(r["spec"])
+            finally:
+                (costmodel.OFFLOAD_ACCUMULATE_NS_PER_PARAM, costmodel.FRESH_PAGE_NS_PER_BYTE,
+                 costmodel.CPU_ADAM_PARAMS_PER_S_PER_NODE) = shipped
+            r["without"], r["with"] = without.tokens_per_sec.value, with_term.tokens_per_sec.value
+            r["estimated_host_s"] = with_term.extras["step_time"]["offload_accumulate_s"]
+            m = r["measured"]
+            print(f"| {r['model']} | {r['seq']} | {r['host']} | {r['host_s']:.2f} | {r['estimated_host_s']:.2f} | "
+                  f"{r['optimizer_s']:.2f} | {with_term.extras['step_time']['cpu_optimizer_s']:.2f} | {m:,.0f} | {r['without']:,.0f} | {r['without'] / m - 1:+.0%} | {r['with']:,.0f} | "
+                  f"{r['with'] / m - 1:+.0%} |", flush=True)
+    finally:
+        if cache_setting is None:
+            del os.environ[cache.CACHE_ENV]
+        else:
+            os.environ[cache.CACHE_ENV] = cache_setting
+    before = [r["without"] / r["measured"] - 1 for r in rows]
+    after = [r["with"] / r["measured"] - 1 for r in rows]
+    print(f"\nwhole step, the default estimate: before median |error| "
+          f"{statistics.median(abs(e) for e in before):.0%} ({min(before):+.0%} to {max(before):+.0%}); now "
+          f"{statistics.median(abs(e) for e in after):.0%} ({min(after):+.0%} to {max(after):+.0%})")
+    return dict(fit=dict(a=a, b=b, free_a=free_a, free_b=free_b), held_out=held, before=before, after=after,
+                rows=[{k: v for k, v in r.items() if k != "spec"} for r in rows])
+
+
 def with_host_op(profile, figure):
     """`profile` with `host_op_us` set to `figure` (a HardwareFigure), or removed where None."""
     from dataclasses import replace
@@ -653,6 +785,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-recorded", action="store_true",
                         help="estimates against the recorded real H100 trials in benchmarks/results (no GPU needed, "
                              "about 5 minutes)")
+    parser.add_argument("--offload", action="store_true",
+                        help="CPU offload's accumulating micro-batches against the 9 recorded offload trials "
+                             "(no GPU needed, about a minute)")
     parser.add_argument("--host-op-from", metavar="PROFILE",
                         help="--gpu-recorded: take host_op_us from this profile (a GPU calibration made with it) "
                              "instead of the shipped default")
@@ -666,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-out", help="also keep the calibrated CPU profile here")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
-    if not (args.grid or args.published or args.gpu_recorded or args.host_time):
+    if not (args.grid or args.published or args.gpu_recorded or args.host_time or args.offload):
         args.grid = args.published = True
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.node()}; torch "
           f"{__import__('torch').__version__}; python {sys.version.split()[0]}")
@@ -679,6 +814,8 @@ def main(argv: list[str] | None = None) -> int:
             report["published"] = run_published()
     if args.gpu_recorded:
         report["gpu_recorded"] = run_gpu_recorded(args)
+    if args.offload:
+        report["offload"] = run_offload_recorded()
     if args.host_time:
         report["host_time"] = run_host_time(args)
     if args.grid:

@@ -354,6 +354,16 @@ def trainable_split(spec: TrialSpec) -> tuple[int, int] | None:
     return counts.block_trainable, counts.root_trainable
 
 
+def offload_fresh_page_bytes(spec: TrialSpec) -> float:
+    """CPU offload: bytes of one rank's fp32 gradient shards that land in fresh host mappings each
+    accumulating micro-batch (costmodel.fresh_page_bytes over the model's parameters, sharded over
+    the shard group). 0 without offload, and under LoRA, whose adapters' gradients are small."""
+    if not spec.train.cpu_offload or spec.finetuning.lora:
+        return 0.0
+    n, group = spec.cluster.num_gpus, spec.train.shard_group_size
+    return costmodel.fresh_page_bytes(spec.model.param_shapes, shard_ranks=group if 0 < group < n else n)
+
+
 def gathered_block_params(spec: TrialSpec, block_params: int) -> int:
     """Parameters of a block one GPU gathers: all of them, or under expert parallelism its own
     1/ep of the experts with the rest (the same count the simulator's trace holds per rank)."""
@@ -424,7 +434,7 @@ def step_work(spec: TrialSpec, *, reduce_bytes: int = 4, kernels: str = "eager",
         reshard_after_forward=train.reshard_after_forward, cpu_offload=train.cpu_offload,
         num_microbatches=spec.grad_accum_steps, hidden_size=shape.hidden, reduce_bytes=reduce_bytes,
         trainable=trainable_split(spec), attention=attention, precision=train.precision,
-        **expert_parallel_work(spec))
+        offload_fresh_page_bytes=offload_fresh_page_bytes(spec), **expert_parallel_work(spec))
 
 
 class AnalyticBackend(TrialBackend):

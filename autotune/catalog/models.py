@@ -419,7 +419,7 @@ class ModelSpec:
         key = cache.key_of("model-summary", dict(model_type=self.model_type, config=self.config_dict,
                                                  remote=self.trust_remote_code, layers=self.num_layers))
         cached = cache.load("model-summary", key)
-        if isinstance(cached, dict) and "moe_layers" in cached:  # else written before the field
+        if isinstance(cached, dict) and "param_shapes" in cached:  # else written before the field
             return cached
         summary = self._count_on_meta()
         cache.store("model-summary", key, summary)
@@ -461,7 +461,8 @@ class ModelSpec:
                     block_expert_parameters=max((sum(p.numel() for m in fused_experts(block) for p in m.parameters())
                                                  for block in blocks.layers), default=0),
                     block_param_shapes=sorted({tuple(p.shape) for block in blocks.layers
-                                               for p in block.parameters() if p.dim() >= 2}))
+                                               for p in block.parameters() if p.dim() >= 2}),
+                    param_shapes=_shape_counts(model, blocks.layers, period=period, depth=self.num_layers))
 
     @property
     def mixed_precision_clash(self) -> str | None:
@@ -519,6 +520,12 @@ class ModelSpec:
         """The distinct shapes of the decoder blocks' multi-dimensional parameters (a fused expert
         weight's first dimension is the number of experts): where FSDP2 can shard them."""
         return tuple(tuple(shape) for shape in self._meta_summary["block_param_shapes"])
+
+    @property
+    def param_shapes(self) -> tuple[tuple[tuple[int, ...], int], ...]:
+        """Every parameter's shape at full depth, as (shape, how many): what FSDP2 shards one tensor
+        at a time (a tied embedding once)."""
+        return tuple((tuple(shape), int(count)) for shape, count in self._meta_summary["param_shapes"])
 
     @property
     def num_experts(self) -> int:
@@ -1005,6 +1012,20 @@ def _input_embedding(model) -> tuple[int, int] | None:
     except (AttributeError, NotImplementedError, TypeError):
         return None
     return (int(weight.shape[0]), int(weight.shape[1])) if weight.dim() == 2 else None
+
+
+def _shape_counts(model, layers, *, period: int, depth: int) -> list[list]:
+    """[shape, count] of every parameter of a `depth`-layer copy of `model`, counted on its
+    `period`-layer copy: the root's once, each block's as often as the block repeats."""
+    counts: dict[tuple[int, ...], int] = {}
+    in_blocks = {id(p) for block in layers for p in block.parameters()}
+    for p in model.parameters():
+        if id(p) not in in_blocks:
+            counts[tuple(p.shape)] = counts.get(tuple(p.shape), 0) + 1
+    for i in range(depth):
+        for p in layers[i % period].parameters():
+            counts[tuple(p.shape)] = counts.get(tuple(p.shape), 0) + 1
+    return [[list(shape), count] for shape, count in sorted(counts.items())]
 
 
 def block_structure(block) -> str:

@@ -12,8 +12,8 @@ import os
 from typing import TYPE_CHECKING
 
 from autotune import cache, costmodel
-from autotune.backends.analytic import (attention_span, expert_parallel_work, model_shape, screen_margin,
-                                      trainable_split)
+from autotune.backends.analytic import (attention_span, expert_parallel_work, model_shape,
+                                      offload_fresh_page_bytes, screen_margin, trainable_split)
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
 from autotune.backends.sim._extrapolate import extrapolate, shallow_depths
 from autotune.config import PARAM_DTYPE_BYTES, TrialSpec
@@ -521,7 +521,7 @@ class SimBackend(TrialBackend):
                 peak_tflops=(costmodel.compute_peak_tflops(spec.cluster.gpu, spec.train.precision)
                              if self.device_kind == "cuda" else None),
                 shard_group_size=spec.train.shard_group_size, reshard_group_size=spec.train.reshard_group_size,
-                trainable=trainable_split(spec))
+                trainable=trainable_split(spec), offload_fresh_page_bytes=offload_fresh_page_bytes(spec))
             extras["step_time"] = op_step.to_dict()
             if op_step.mfu is not None:
                 extras["mfu_estimated"] = op_step.mfu
@@ -563,7 +563,7 @@ class SimBackend(TrialBackend):
             dispatched_ops_per_microbatch=sum(op_work.get(k, 0.0) for k in ("dispatched_ops", "compiled_launches")),
             hidden_size=shape.hidden, trainable=trainable_split(spec),
             float8_block_params=trace.float8_gathered_params, attention=attention, precision=spec.train.precision,
-            **expert_parallel_work(spec))
+            offload_fresh_page_bytes=offload_fresh_page_bytes(spec), **expert_parallel_work(spec))
         step = costmodel.estimate_step_time(work, spec.cluster, shard_group_size=spec.train.shard_group_size,
                                             reshard_group_size=spec.train.reshard_group_size)
         extras["step_time"] = step.to_dict()
