@@ -357,6 +357,33 @@ def bench_fresh_pages(*, numel: int = 16 * 2**20, repeats: int = 7) -> dict[str,
                 ns_per_byte=max(fresh - again, 0.0) / (numel * 4) * 1e9)
 
 
+def bench_offload_accumulate(model, *, device, world_size: int, repeats: int = 3) -> dict[str, Any]:
+    """What FSDP2's CPU offload does per gradient shard in a micro-batch that accumulates
+    (_fsdp_collectives.foreach_reduce): a blocking copy of the reduced fp32 shard from the device into
+    a new pageable host tensor, then the host add into the offloaded gradient. Over one block's
+    shards at this world size (one rank's, all local ranks at once as a node's ranks do); the shards
+    of at least costmodel.HOST_MMAP_THRESHOLD_BYTES are counted apart, their first touch being
+    `fresh_page_ns_per_byte`'s."""
+    import torch
+
+    from autotune import costmodel
+
+    s = _model_shapes(model)
+    kv = s["kv_heads"] * s["head_dim"]
+    shapes = [(s["hidden"], s["hidden"])] * 2 + [(kv, s["hidden"])] * 2 + [(s["ffn"], s["hidden"])] * 3
+    shards = [torch.randn(max(rows // world_size, 1), cols, device=device) for rows, cols in shapes]
+    grads = [torch.zeros(shard.shape) for shard in shards]  # the offloaded gradients on the host
+
+    def accumulate():
+        for shard, grad in zip(shards, grads):
+            grad += shard.to("cpu")  # non_blocking=False: FSDP2 blocks when it accumulates
+
+    seconds = _timed(accumulate, device=device, repeats=repeats)
+    elements = sum(shard.numel() for shard in shards)
+    fresh = sum(shard.numel() * 4 for shard in shards if shard.numel() * 4 >= costmodel.HOST_MMAP_THRESHOLD_BYTES)
+    return dict(seconds=seconds, elements=elements, fresh_page_bytes=fresh, shards=len(shards))
+
+
 def bench_collectives(unit_bytes: list[int], *, device, world_size: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -574,6 +601,11 @@ def _worker(rank: int, world_size: int, port: int, job: dict[str, Any], out_path
         result["adamw_cpu"] = bench_adamw(model, device=torch.device("cpu"), world_size=world_size,
                                           impl=job["optimizer_impl"])
     result["fresh_pages"] = bench_fresh_pages()
+    if cuda:
+        try:
+            result["offload_accumulate"] = bench_offload_accumulate(model, device=device, world_size=world_size)
+        except Exception as exc:  # the profile then has no such figure: costmodel's fitted constant stands
+            result["offload_accumulate"] = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
     if world_size > 1:
         result["collectives"] = bench_collectives(job["unit_bytes"], device=device, world_size=world_size)
     from torch.distributed.device_mesh import init_device_mesh
@@ -673,6 +705,8 @@ def host_op_figure(raw: dict[str, Any], *, on: str) -> HardwareFigure:
 def profile_from_measurements(raw: dict[str, Any], *, name: str | None = None) -> HardwareProfile:
     """A calibrated profile: every figure `measured`, its basis the benchmark and its fit."""
     import torch
+
+    from autotune import costmodel
 
     backend = raw["job"]["backend"]
     world = raw["world_size"]
@@ -779,6 +813,16 @@ def profile_from_measurements(raw: dict[str, Any], *, name: str | None = None) -
             host["params_per_s"] * world, m, f"make_optimizer({raw['job']['optimizer_impl']}) AdamW on the host over "
             f"a {world}-rank shard, all {world} local ranks at once: {host['params_per_s']:.3g} params/s each x "
             f"{world} (the node's rate)")
+    accumulate = raw.get("offload_accumulate") or {}
+    if raw.get("fresh_pages") and "seconds" in accumulate:
+        page_s = accumulate["fresh_page_bytes"] * raw["fresh_pages"]["ns_per_byte"] * 1e-9
+        f["offload_accumulate_ns_per_param"] = HardwareFigure(
+            max(accumulate["seconds"] - page_s, 0.0) / accumulate["elements"] * 1e9, m,
+            f"CPU offload's accumulating micro-batch as FSDP2 runs it: a blocking copy of each fp32 gradient shard of "
+            f"one block ({accumulate['shards']} shards, {accumulate['elements']:,} elements at world size {world}) "
+            f"into new pageable host memory and the host add, {accumulate['seconds'] * 1e3:.1f} ms, less the first "
+            f"touch of the shards of {costmodel.HOST_MMAP_THRESHOLD_BYTES // 2**20} MiB or more at "
+            f"fresh_page_ns_per_byte; all local ranks at once, on {on}")
     if raw.get("fresh_pages"):
         pages = raw["fresh_pages"]
         f["fresh_page_ns_per_byte"] = HardwareFigure(

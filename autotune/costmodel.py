@@ -154,7 +154,9 @@ the same report's GPU time without offload and less its measured optimizer step.
 machine or any model held out it refits at 1.55-1.59 and the held-out trials come within 10%
 (benchmarks/bench_costmodel.py --offload). Measured with one rank per host: a node of 8 ranks shares
 the host's memory and runs each rank's add on one thread (torchrun's OMP_NUM_THREADS=1), which is
-not modelled."""
+not modelled. `autotune calibrate --backend cuda` times the same copy and add on its host
+(calibrate.bench_offload_accumulate: `offload_accumulate_ns_per_param`, read by the per-operation
+model)."""
 FRESH_PAGE_NS_PER_BYTE = 0.51
 """Host seconds x 1e9 per byte of a fresh mapping's first touch (its page faults): the gradient shards
 of at least HOST_MMAP_THRESHOLD_BYTES. Measured by calibrate.bench_fresh_pages on the 2-core VM

@@ -54,9 +54,9 @@ Figures (all per GPU, or per CPU rank for a cpu profile):
     fresh_page_ns_per_byte (calibrated) the host's first touch of a fresh mapping per byte: CPU
                            offload's large gradient shards while gradients accumulate; absent:
                            costmodel.FRESH_PAGE_NS_PER_BYTE
-    offload_accumulate_ns_per_param  the blocking gradient copy back and host add per element of
-                           CPU offload's accumulating micro-batches; absent (calibrate does not time
-                           it yet): costmodel.OFFLOAD_ACCUMULATE_NS_PER_PARAM
+    offload_accumulate_ns_per_param  (cuda, calibrated) the blocking gradient copy back and host
+                           add per element of CPU offload's accumulating micro-batches; absent:
+                           costmodel.OFFLOAD_ACCUMULATE_NS_PER_PARAM
     tracked_op_us          (cpu, calibrated) what the cpu backend's tensor-memory tracker adds to
                            every dispatched op of a real cpu trial, plus
     tracked_op_us_per_block   that much more per block of the model (it tracks more tensors)
