@@ -414,11 +414,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iter
     (activation offload) is entered around each forward. `step`: whose forward and loss
     (micro_batch_loss; the model prepared by prepare_step).
     With `phase_times` and `clock` (a synchronising timer), appends (seconds of the micro-batches,
-    seconds of the optimizer step): a short trial runs fewer micro-batches than the real job
-    and scales the first part only.
+    seconds of the optimizer step, seconds of the first micro-batch): a short trial runs fewer
+    micro-batches than the real job and scales the later ones only. The first differs: under CPU
+    offload FSDP2 copies its gradients back without blocking, every later one blocks and adds on
+    the host (docs/COSTMODEL.md, "CPU offload while gradients accumulate").
     """
     timing = phase_times is not None and clock is not None
     started = clock() if timing else 0.0
+    first_done = started
     total = None
     for micro_step in range(grad_accum_steps):
         is_last = micro_step == grad_accum_steps - 1
@@ -429,7 +432,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iter
             loss = micro_batch_loss(model, tokens, step=step) / grad_accum_steps
         (scaler.scale(loss) if scaler is not None else loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
+        if timing and micro_step == 0 and grad_accum_steps > 1:
+            first_done = clock()
     backward_done = clock() if timing else 0.0
+    if grad_accum_steps == 1:
+        first_done = backward_done
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
@@ -437,7 +444,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iter
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if timing:
-        phase_times.append((backward_done - started, clock() - backward_done))
+        phase_times.append((backward_done - started, clock() - backward_done, first_done - started))
     return total
 
 

@@ -174,7 +174,8 @@ def test_cpu_backend_refuses_offload_rather_than_measure_a_different_configurati
 
 def test_short_trial_times_the_optimizer_apart_and_counts_the_jobs_accumulation(tmp_path):
     """A trial runs 2 of the job's 16 micro-batches per step: the step time it reports is the
-    measured per-micro-batch time x 16 plus the optimizer step, timed on its own."""
+    first micro-batch as measured, 15 more at the second's measured time, plus the optimizer step,
+    timed on its own."""
     spec = replace(make_spec(), grad_accum_steps=16)
     with RealBackend(device="cpu", persistent=False, timed_steps=2, log_dir=tmp_path) as backend:
         result = backend.evaluate(spec)
@@ -187,6 +188,21 @@ def test_short_trial_times_the_optimizer_apart_and_counts_the_jobs_accumulation(
     tokens_per_step = WORLD * 16 * spec.train.micro_batch_size * spec.seq_len
     assert result.tokens_per_sec.value == pytest.approx(tokens_per_step / extras["step_seconds"])
     assert "16 micro-batches" in result.message
+
+
+def test_a_jobs_later_micro_batches_count_at_the_later_ones_time():
+    """Under CPU offload the first micro-batch of a step copies its gradients back without blocking
+    and every later one blocks and adds on the host (FSDP2's foreach_reduce), so a 2-micro-batch
+    trial times a fast one and a slow one. A 16-micro-batch job runs 1 fast and 15 slow: its step is
+    1 + 15 x 3 + the optimizer's 0.5 s = 46.5 s, not the mean x 16 (32.5 s)."""
+    from autotune.backends.real._backend import _step_seconds
+
+    rank = dict(grad_accum=2, micro_batches_s=[4.0, 4.0], first_micro_batch_s=[1.0, 1.0],
+                optimizer_step_s=[0.5, 0.5], step_times=[4.5, 4.5])
+    assert _step_seconds(rank, full_accum=16) == pytest.approx(1 + 15 * 3 + 0.5)
+    assert _step_seconds(rank, full_accum=2) == pytest.approx(4.5)  # what the trial ran, as timed
+    older = {k: v for k, v in rank.items() if k != "first_micro_batch_s"}  # results written before the split
+    assert _step_seconds(older, full_accum=16) == pytest.approx(4.0 * 8 + 0.5)
 
 
 def test_gpu_check_plumbing_runs_on_cpu(tmp_path):

@@ -266,9 +266,11 @@ class RealBackend(TrialBackend):
         timing = f"the slowest rank's {timed_steps} timed steps"
         if run_accum < full_accum:
             timing = (f"the slowest rank's {timed_steps} timed steps of {run_accum} micro-batches, the "
-                      f"micro-batch time scaled to {full_accum} plus the optimizer step (timed apart)")
+                      f"later micro-batches' time scaled to {full_accum - 1} after the first, plus the "
+                      "optimizer step (timed apart)")
             notes.append(f"ran {run_accum} of {full_accum} micro-batches per step (a short trial); the step "
-                         f"time counts {full_accum} micro-batches from the measured per-micro-batch time")
+                         f"time counts the first micro-batch as measured and {full_accum - 1} more at the "
+                         "measured time of the later ones")
         extras.update(
             tensor_peak_bytes=int(worst["tensor_peak_bytes"]),
             rss_peak_bytes=max(int(r["rss_peak_bytes"] or 0) for r in ranks),
@@ -379,11 +381,17 @@ def predicted_offload_host_need(spec: TrialSpec) -> tuple[int | None, str]:
 
 
 def _step_seconds(rank: dict[str, Any], *, full_accum: int) -> float:
-    """Mean seconds per optimizer step of the real job on one rank."""
+    """Mean seconds per optimizer step of the real job on one rank: the first micro-batch as timed,
+    each later one of the job at the timed later ones' mean (under CPU offload they copy gradients
+    back blocking and the first does not), plus the optimizer step."""
     micro, optimizer = rank.get("micro_batches_s") or [], rank.get("optimizer_step_s") or []
     if not micro:  # no phase timing: the whole measured step
         return statistics.fmean(rank["step_times"])
-    return statistics.fmean(micro) * full_accum / rank["grad_accum"] + statistics.fmean(optimizer)
+    run, first = rank["grad_accum"], rank.get("first_micro_batch_s") or []
+    if run > 1 and first:
+        later = (statistics.fmean(micro) - statistics.fmean(first)) / (run - 1)
+        return statistics.fmean(first) + later * (full_accum - 1) + statistics.fmean(optimizer)
+    return statistics.fmean(micro) * full_accum / run + statistics.fmean(optimizer)
 
 
 def _world(spec: TrialSpec) -> tuple[int, int]:

@@ -144,7 +144,7 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
         batches = _reset_before_each_forward(batches, tracker)
     step_times: list[float] = []
     warmup_times: list[float] = []  # the first step of a compiled trial compiles its blocks
-    phases: list[tuple[float, float]] = []  # (micro-batches, optimizer step) of each timed step
+    phases: list[tuple[float, float, float]] = []  # (micro-batches, optimizer step, first micro-batch) per timed step
     losses: list[float] = []
 
     def clock() -> float:
@@ -180,6 +180,7 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
     figures: dict[str, Any] = dict(
         rank=rank, losses=losses, step_times=step_times, warmup_times=warmup_times, grad_accum=grad_accum,
         micro_batches_s=[p[0] for p in phases], optimizer_step_s=[p[1] for p in phases],
+        first_micro_batch_s=[p[2] for p in phases],
         tokens_per_micro_batch=spec.train.micro_batch_size * spec.seq_len,
         tokens_per_step=spec.train.micro_batch_size * spec.seq_len * grad_accum,
         rss_peak_bytes=rss_peak_bytes(), notes=notes, finite=all(math.isfinite(x) for x in losses))
