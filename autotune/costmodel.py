@@ -1050,19 +1050,40 @@ COMPILE_SPEEDUPS = tuple(compiled / eager for _, eager, compiled in COMPILE_PUBL
 COMPILE_SPEEDUP = sum(COMPILE_SPEEDUPS) / len(COMPILE_SPEEDUPS)
 
 
-def compiled_throughput(tokens_per_sec: float, low: float | None = None, high: float | None = None
-                        ) -> tuple[float, float | None, float | None, str]:
-    """A compiled configuration's estimated tokens/s from its eager estimate: the eager figure times
-    the published compiled/eager ratio (COMPILE_SPEEDUP, 1.16), its range the eager range times the
-    smallest and largest published ratio. A published ratio on one model and GPU, applied as is: not
-    a fit, and not validated here (no GPU measured it; the CPU trials' inductor runs do not speak for
-    GPUs, docs/COMPILE.md). Returns (tokens/s, low, high, basis)."""
+def host_offload_seconds(step_time: dict) -> float:
+    """The part of an estimated step (StepTime or OpStepTime as a dict) the host spends on CPU
+    offload's own work, which compiling the blocks does not touch: the host optimizer step and the
+    accumulating micro-batches' blocking gradient copies and adds. 0 without offload."""
+    accumulate = step_time.get("offload_accumulate_s", 0.0)
+    host_optimizer = step_time.get("cpu_optimizer_s", 0.0)  # the roofline's; the per-op model's optimizer_s
+    if "cpu_optimizer_s" not in step_time and step_time.get("offload_s"):  # is the host's under offload
+        host_optimizer = step_time.get("optimizer_s", 0.0)
+    return accumulate + host_optimizer
+
+
+def compiled_throughput(tokens_per_sec: float, low: float | None = None, high: float | None = None, *,
+                        host_share: float = 0.0) -> tuple[float, float | None, float | None, str]:
+    """A compiled configuration's estimated tokens/s from its eager estimate: the eager step's time
+    divided by the published compiled/eager ratio (COMPILE_SPEEDUP, 1.16), its range the eager range
+    at the smallest and largest published ratio, all but `host_share` of it: the fraction of the
+    eager step that is CPU offload's host work (host_offload_seconds), which compiling the blocks
+    does not speed. A published ratio on one model and GPU, applied as is: not a fit, and not
+    validated here (no GPU measured it; the CPU trials' inductor runs do not speak for GPUs,
+    docs/COMPILE.md). Returns (tokens/s, low, high, basis)."""
     speedups = COMPILE_SPEEDUPS
+    share = min(max(host_share, 0.0), 1.0)
+
+    def compiled(eager: float, ratio: float) -> float:
+        return eager / ((1 - share) / ratio + share)
+
     basis = (f"compiled blocks: the eager estimate x {COMPILE_SPEEDUP:.3f}, the published compiled/eager ratio "
              f"({' and '.join(f'{s:.3f}' for s in speedups)}; {COMPILE_SOURCE}); a published ratio applied as is, "
              "not a fit and not validated by autotune")
-    return (tokens_per_sec * COMPILE_SPEEDUP, None if low is None else low * min(speedups),
-            None if high is None else high * max(speedups), basis)
+    if share:
+        basis += (f"; applied to the {1 - share:.0%} of the eager step that is not CPU offload's host work "
+                  f"(its optimizer step and gradient copies: {share:.0%})")
+    return (compiled(tokens_per_sec, COMPILE_SPEEDUP), None if low is None else compiled(low, min(speedups)),
+            None if high is None else compiled(high, max(speedups)), basis)
 
 
 # --- float8 training (issue 28) ---------------------------------------------------------------------

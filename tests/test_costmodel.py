@@ -289,6 +289,37 @@ def test_offload_accumulation_holds_on_hosts_and_models_left_out_of_its_fit():
     assert all(e > within for e in report["before"])  # what the trials caught before the term
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_the_mfu_reported_is_that_of_the_throughput_reported(offload):
+    """A compiled configuration's MFU is counted from its own estimated tokens/s (model FLOPs per
+    token x tokens/s over the GPUs' bf16 peak, counted here), not the eager step's it was derived
+    from (the winner line printed eager's MFU beside compiled float8's tokens/s until 2026-11-28).
+    With CPU offload, compiling speeds only the GPU's part: the host's optimizer step and blocking
+    gradient copies stay (costmodel.host_offload_seconds)."""
+    from autotune.backends.analytic import AnalyticBackend
+    from autotune.backends.sim import SimBackend
+    from autotune.catalog.models import model_flops_per_token, resolve_model
+
+    model = resolve_model("llama3.2-1b")
+    cluster = Cluster(num_gpus=8, gpu=GPUS["h100-80gb"])
+
+    def spec(compile_mode: str) -> TrialSpec:
+        return TrialSpec(model=model, cluster=cluster, seq_len=2048, grad_accum_steps=4,
+                         train=TrainConfig(micro_batch_size=2, compile=compile_mode, cpu_offload=offload,
+                                           activation_checkpointing="full" if offload else "none"))
+
+    for backend in (SimBackend(device_kind="cuda"), AnalyticBackend()):
+        eager, compiled = backend.evaluate(spec("none")), backend.evaluate(spec("blocks"))
+        tokens = compiled.tokens_per_sec.value
+        mfu = compiled.extras.get("mfu", compiled.extras.get("mfu_estimated"))
+        assert mfu == pytest.approx(model_flops_per_token(model, 2048) * tokens / (8 * 989e12), rel=1e-6)
+        speedup = tokens / eager.tokens_per_sec.value
+        if offload:
+            assert 1.0 < speedup < cm.COMPILE_SPEEDUP - 0.01, type(backend).__name__
+        else:
+            assert speedup == pytest.approx(cm.COMPILE_SPEEDUP) or speedup == pytest.approx(1.0)  # 1: host-bound
+
+
 def test_hsdp_moves_the_gather_traffic_onto_the_node_links():
     """On 8 nodes, sharding within a node leaves only the gradient shards' all-reduce on the
     inter-node links, each ring on one GPU's NIC; groups of whole nodes keep all their traffic

@@ -461,7 +461,8 @@ class AnalyticBackend(TrialBackend):
         if spec.train.compile != "none":
             # The published compiled/eager ratio. The closed form's memory stays eager's: what a
             # compiled block saves is the partitioner's choice, which only the trace sees (docs/COMPILE.md).
-            tokens_per_sec, _, _, compiled_basis = costmodel.compiled_throughput(tokens_per_sec)
+            tokens_per_sec, _, _, compiled_basis = costmodel.compiled_throughput(
+                tokens_per_sec, host_share=costmodel.host_offload_seconds(step.to_dict()) / step.seconds)
             tps_basis += f"; {compiled_basis}"
             compile_speedup = dict(ratio=costmodel.COMPILE_SPEEDUP, source="estimated", basis=compiled_basis)
         if spec.train.float8 != "none":
@@ -498,7 +499,9 @@ class AnalyticBackend(TrialBackend):
             tokens_per_sec=Figure(tokens_per_sec, "estimated", tps_basis),
             host_memory_per_node=host,
             message=message,
-            extras=dict(step_time=step.to_dict(), mfu=step.mfu, tensor_peak_bytes=memory.tensor_peak_bytes,
+            # MFU of the figure reported (compiled, with activation copies), not of the eager step's.
+            extras=dict(step_time=step.to_dict(), mfu=step.mfu * tokens_per_sec / step.tokens_per_sec
+                        if step.tokens_per_sec else step.mfu, tensor_peak_bytes=memory.tensor_peak_bytes,
                         peak_at=memory.peak_at, **({"compile_speedup": compile_speedup} if compile_speedup else {})),
             duration_s=time.perf_counter() - started,
         )

@@ -445,6 +445,7 @@ class SimBackend(TrialBackend):
                           predicted_device_bytes=int(total))
         throughput, message = self._throughput(spec, trace, notes["flops_per_microbatch"], extras,
                                                op_work=notes.get("op_work"))
+        costed = throughput.value if throughput is not None else None  # before compile, float8, copies
         if spec.train.compile != "none" and throughput is not None and throughput.value and self.device_kind == "cuda":
             throughput = _compiled(throughput, extras)
         if (spec.train.float8 != "none" and throughput is not None and throughput.value and self.device_kind == "cuda"
@@ -452,6 +453,8 @@ class SimBackend(TrialBackend):
             throughput = _float8(throughput, spec, notes.get("op_work") or {}, extras)
         if offloaded and throughput is not None and throughput.value:
             throughput = _with_activation_transfers(throughput, spec, offloaded, extras)
+        if costed and "mfu_estimated" in extras:  # the MFU of the figure reported, not of the eager step
+            extras["mfu_estimated"] *= throughput.value / costed
         host_figure = None
         if host_per_node is not None:
             host_figure = Figure(host_per_node, "estimated",
@@ -629,7 +632,9 @@ def _compiled(throughput: Figure, extras: dict[str, Any]) -> Figure:
                  "and is not applied")
         extras["compile_speedup"] = dict(ratio=1.0, source="estimated", basis=basis)
         return Figure(throughput.value, "estimated", f"{throughput.basis}; {basis}")
-    value, low, high, basis = costmodel.compiled_throughput(throughput.value, low, high)
+    step_time = extras.get("step_time") or {}
+    host_share = costmodel.host_offload_seconds(step_time) / step_time["seconds"] if step_time.get("seconds") else 0.0
+    value, low, high, basis = costmodel.compiled_throughput(throughput.value, low, high, host_share=host_share)
     if low is not None:
         extras["tokens_per_sec_range"] = [low, high]
     extras["compile_speedup"] = dict(ratio=costmodel.COMPILE_SPEEDUP, source="estimated", basis=basis)
