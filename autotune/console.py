@@ -425,6 +425,14 @@ class Console:
             side_by_side = _side_by_side_line(document)
             if side_by_side:
                 self.out.print(_indented(Text(side_by_side)))
+        offload = document.get("offload_host_time")
+        if offload and offload["host_s"] > 0.1 * offload["eager_step_s"]:
+            accumulating = document["grad_accum_steps"] - 1
+            self.out.print(_indented(Text(
+                f"CPU offload: {offload['host_s']:.3g} s of each step is the host's work (E): its AdamW step"
+                + (f" and {offload['accumulate_s']:.3g} s of blocking gradient copies in {accumulating} accumulating "
+                   "micro-batches; fewer, larger micro-batches cut those" if offload["accumulate_s"] else ""),
+                style="yellow")))
         offloads = [what for what, on in (("CPU offload", fsdp["cpu_offload"]),
                                           ("activation offload", fsdp.get("activation_offload"))) if on]
         if offloads and document.get("host_memory_bytes") is None and document.get("host_memory_per_node_bytes"):

@@ -304,6 +304,21 @@ def finetuning_flags(finetuning) -> str:
             f"--lora-dropout {finetuning.dropout:g} --lora-targets {finetuning.targets}")
 
 
+def offload_host_time(result, train) -> dict | None:
+    """CPU offload's host work in the winner's estimated step: FSDP2's blocking gradient copies and
+    host adds in every micro-batch after the first, and the host AdamW step (costmodel,
+    "CPU offload while gradients accumulate"). None without offload or without an estimated step."""
+    from autotune import costmodel
+
+    step = result.extras.get("step_time") or {}
+    if not train.cpu_offload or not step.get("seconds"):
+        return None
+    return dict(accumulate_s=float(step.get("offload_accumulate_s", 0.0)),
+                host_s=costmodel.host_offload_seconds(step), eager_step_s=float(step["seconds"]),
+                source="estimated", basis=f"{costmodel.OFFLOAD_ACCUMULATE_BASIS}; and the host AdamW step "
+                "(the hardware profile's cpu_adam_params_per_s: by default the median of the same trials')")
+
+
 def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backend: str, wrap: str,
                  run_id: str, study: str, notes: list[str], sampling: dict | None = None) -> dict[str, Any]:
     train, result, batch = winner.train, winner.result, winner.batch
@@ -356,6 +371,7 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
         "memory_limit_bytes": request.memory_limit_bytes,
         "headroom": request.headroom,
         "host_memory_per_node_bytes": int(host.value) if host and host.value is not None else None,
+        "offload_host_time": offload_host_time(result, train),
         "tokens_per_sec": result.throughput,
         "throughput_source": tps.source if tps else "estimated",
         "throughput_basis": tps.basis if tps else "no throughput figure from this backend",

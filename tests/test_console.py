@@ -90,6 +90,26 @@ def test_verbose_prints_every_basis_in_full_wrapped_at_words(tmp_path):
     assert max(len(line) for line in out[True].splitlines()) <= 80
 
 
+def test_an_offloaded_winner_says_how_much_of_its_step_is_the_hosts(tmp_path):
+    """llama3.2-1b on 2 GPUs of 12 GiB fits only with CPU offload; at 64Ki tokens it accumulates 8
+    micro-batches, and FSDP2 copies every later one's gradients back blocking. The winner's lines say
+    how much of the estimated step that host work is, so a slow offloaded estimate explains itself."""
+    from autotune.api import tune
+
+    document = tune(model="llama3.2-1b", gpus=2, global_tokens="64Ki", backend="analytic", seq_len=2048,
+                    gpu_memory="12GiB", runs_dir=str(tmp_path / "runs"))
+    offload = document["offload_host_time"]
+    assert document["fsdp"]["cpu_offload"] and document["grad_accum_steps"] > 1
+    assert 0 < offload["accumulate_s"] <= offload["host_s"] <= offload["eager_step_s"]
+    assert offload["source"] == "estimated"
+    console = Console()
+    console.out = RealRichConsole(file=io.StringIO(), width=400, highlight=False)
+    console.winner(document, tmp_path / "run", None)
+    text = console.out.file.getvalue()
+    assert (f"CPU offload: {offload['host_s']:.3g} s of each step is the host's work (E)" in text
+            and f"{document['grad_accum_steps'] - 1} accumulating micro-batches" in text), text
+
+
 def test_piped_progress_says_what_runs_how_long_and_what_is_left(monkeypatch, capsys):
     """No terminal: a start line for slow work and a heartbeat while it runs, on stderr; stdout
     (the summary, or --json's document) gets nothing from it. The library's quiet console says nothing."""
