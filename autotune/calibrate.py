@@ -553,6 +553,10 @@ def _worker(rank: int, world_size: int, port: int, job: dict[str, Any], out_path
         job = {**job, "alloc_conf": os.environ[ALLOC_CONF_ENV]}
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
+        if world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+            # torchrun's default for several local ranks, as the real trials run: the host's AdamW under
+            # CPU offload and its gradient adds take one thread per rank (bench_adamw, bench_offload_accumulate).
+            torch.set_num_threads(1)
         before = torch.cuda.mem_get_info(device)  # creates the context
         context = before[1] - before[0] - torch.cuda.memory_reserved(device)
         # device_id= initialises the communicator eagerly: NCCL's memory is what appears outside
