@@ -99,6 +99,13 @@ def _model_shapes(model) -> dict[str, int]:
                 kv_heads=model.num_key_value_heads, head_dim=model.head_dim)
 
 
+def _block_linear_shapes(s: dict[str, int]) -> list[tuple[int, int]]:
+    """The (out, in) shapes of a Llama-like block's linears from `_model_shapes`: q and o, k and v,
+    the MLP's three."""
+    kv = s["kv_heads"] * s["head_dim"]
+    return [(s["hidden"], s["hidden"])] * 2 + [(kv, s["hidden"])] * 2 + [(s["ffn"], s["hidden"])] * 3
+
+
 def attention_inputs(batch: int, seq_len: int, heads: int, head_dim: int, *, device, dtype):
     """q, k and v in the layout transformers' attention passes them to SDPA in training (no KV
     cache): views of the projections' [batch, seq, heads, head_dim] output, transposed. torch's CPU
@@ -314,8 +321,7 @@ def bench_adamw(model, *, device, world_size: int, impl: str) -> dict[str, Any]:
     layers = model.num_layers
     shapes = [(s["vocab"], s["hidden"]), (s["vocab"], s["hidden"])]
     for _ in range(layers):
-        shapes += [(s["hidden"], s["hidden"])] * 2 + [(s["kv_heads"] * s["head_dim"], s["hidden"])] * 2
-        shapes += [(s["ffn"], s["hidden"])] * 3
+        shapes += _block_linear_shapes(s)
     holder = nn.Module()
     holder.params = nn.ParameterList(
         nn.Parameter(torch.randn(max(rows // world_size, 1), cols, device=device)) for rows, cols in shapes)
@@ -368,10 +374,8 @@ def bench_offload_accumulate(model, *, device, world_size: int, repeats: int = 3
 
     from autotune import costmodel
 
-    s = _model_shapes(model)
-    kv = s["kv_heads"] * s["head_dim"]
-    shapes = [(s["hidden"], s["hidden"])] * 2 + [(kv, s["hidden"])] * 2 + [(s["ffn"], s["hidden"])] * 3
-    shards = [torch.randn(max(rows // world_size, 1), cols, device=device) for rows, cols in shapes]
+    shards = [torch.randn(max(rows // world_size, 1), cols, device=device)
+              for rows, cols in _block_linear_shapes(_model_shapes(model))]
     grads = [torch.zeros(shard.shape) for shard in shards]  # the offloaded gradients on the host
 
     def accumulate():

@@ -186,17 +186,11 @@ def fresh_page_bytes(param_shapes, *, shard_ranks: int) -> float:
     """Bytes of one rank's fp32 gradient shards (FSDP2 shards dim 0, padded to equal chunks) in
     tensors of at least HOST_MMAP_THRESHOLD_BYTES: `param_shapes` is (shape, count) pairs
     (ModelSpec.param_shapes)."""
-    total = 0
-    for shape, count in param_shapes:
-        if not shape:
-            continue
-        rest = 1
-        for size in shape[1:]:
-            rest *= size
-        shard = -(-shape[0] // max(shard_ranks, 1)) * rest * 4
-        if shard >= HOST_MMAP_THRESHOLD_BYTES:
-            total += shard * count
-    return float(total)
+    import math
+
+    shards = ((-(-shape[0] // max(shard_ranks, 1)) * math.prod(shape[1:]) * 4, count)
+              for shape, count in param_shapes if shape)
+    return float(sum(nbytes * count for nbytes, count in shards if nbytes >= HOST_MMAP_THRESHOLD_BYTES))
 
 
 # --- Host memory (GPU memory beyond tensors: autotune/runtime_memory.py) -------------------------
