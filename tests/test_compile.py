@@ -62,6 +62,39 @@ def test_compiled_tensor_peak_matches_a_real_compiled_gloo_run(measured_and_pred
         f"{specs[index].train.label()}: predicted {sim_peak:,} B, measured {real_peak:,} B")
 
 
+def test_a_trace_that_reuses_compiled_blocks_records_what_the_compiling_trace_did():
+    """A second simulator (new models, new tracker) tracing the same compiled configuration compiles
+    nothing (autotune/backends/sim/_compile_reuse.py: the trackers' module hooks no longer fail
+    dynamo's guards) and records the same step: every site, the peak and the op counts. Before, each
+    trace compiled every block again; a reusing trace then differed from a compiling one by the
+    tensors the compile's garbage held (the blocks' cache_position) and by the first call's
+    aliasing-check ops."""
+    import torch._dynamo
+    from torch._dynamo.callback import callback_handler
+
+    from autotune.backends.sim import SimBackend
+
+    spec = _spec("micro-llama", "none")
+    compiles: list[object] = []
+    torch._dynamo.reset()  # the first trace compiles, whatever this process traced before
+    callback_handler.register_end_callback(compiles.append)
+    try:
+        recorded = []
+        for _ in range(2):
+            with SimBackend(device_kind="cpu") as sim:
+                result = sim.evaluate(spec)
+                (trace,) = sim._traces.values()
+            recorded.append((len(compiles), result, trace))
+    finally:
+        callback_handler.remove_end_callback(compiles.append)
+    (compiled_first, first, first_trace), (compiled_both, second, second_trace) = recorded
+    assert first.status == second.status == "ok"
+    assert compiled_first > 0 and compiled_both == compiled_first  # the second trace compiled nothing
+    assert second_trace.sites == first_trace.sites
+    assert second.extras["tensor_peak_bytes"] == first.extras["tensor_peak_bytes"]
+    assert second.extras["op_work"] == first.extras["op_work"]
+
+
 def test_tune_explores_compiled_candidates_and_best_json_compares_them(tmp_path):
     """--compile explore: the graph walks eager, then its fastest fitting configurations are tried
     with compiled blocks; best.json shows both, and the compiled throughput says it is a published

@@ -163,6 +163,7 @@ def _tensor_bytes(values) -> int:
             total += _tensor_bytes(value)
     return total
 
+from autotune.backends.sim._compile_reuse import compile_reuse, route_module_hooks  # noqa: E402
 from autotune.catalog.blocks import Blocks, fused_experts  # noqa: E402
 from autotune.catalog.models import ModelSpec
 from autotune.config import TRL_STEPS, FineTuning, TrainConfig
@@ -358,6 +359,7 @@ class _SiteTracker(FSDPMemTracker):
     def __init__(self, model: nn.Module, optimizer, *, position_of: Callable[[nn.Module], tuple[str, ...]],
                  gloo: bool) -> None:
         super().__init__(model, optimizer)
+        route_module_hooks(self._mod_tracker)  # compiled blocks reused by later traces (_compile_reuse)
         keep_leaf_inputs_collectable(self._mod_tracker)
         self._gloo = gloo
         self._transient = 0
@@ -658,7 +660,7 @@ class Tracer:
             # Activation offload on a GPU run (a CPU run cannot apply it): the same hooks a real
             # trial enters, keeping no copy, so the device side is traced exactly.
             offload = OffloadedActivations(to_host=False) if train.activation_offload and not gloo else None
-            with tracker, _trl_kernels_as_on_a_gpu(step in TRL_STEPS and not gloo):
+            with tracker, compile_reuse(), _trl_kernels_as_on_a_gpu(step in TRL_STEPS and not gloo):
                 # One micro-batch: later ones repeat it; their gradients are added below.
                 train_step(built.model, optimizer, batches, grad_accum_steps=1, saved_activations=offload, step=step)
                 if sync_now:
