@@ -19,6 +19,8 @@ calibrated against. Callers count the work (FLOPs, collective bytes, offload cop
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, replace
 
 from autotune.catalog.gpus import GPUSpec
@@ -186,8 +188,6 @@ def fresh_page_bytes(param_shapes, *, shard_ranks: int) -> float:
     """Bytes of one rank's fp32 gradient shards (FSDP2 shards dim 0, padded to equal chunks) in
     tensors of at least HOST_MMAP_THRESHOLD_BYTES: `param_shapes` is (shape, count) pairs
     (ModelSpec.param_shapes)."""
-    import math
-
     shards = ((-(-shape[0] // max(shard_ranks, 1)) * math.prod(shape[1:]) * 4, count)
               for shape, count in param_shapes if shape)
     return float(sum(nbytes * count for nbytes, count in shards if nbytes >= HOST_MMAP_THRESHOLD_BYTES))
@@ -268,14 +268,20 @@ def attention_kernel_tflops(gpu: GPUSpec, kernel: str, *, span: int, head_dim: i
     (flat beyond), linearly in the head dim between 64 and 128 (flat beyond), at the GPU's peak over
     the measured part's, times the kernel's ATTENTION_KERNEL_SPEEDUP (`speedup` replaces it: the
     leave-one-out checks refit it). None where no figure covers the GPU's family."""
-    import math
-
     if speedup is None:
         speedup = ATTENTION_KERNEL_SPEEDUP.get(kernel, 1.0)
     family = "a100" if gpu.name.startswith("a100") else "hopper" if gpu.name.startswith(("h100", "h200")) else None
     if family is None:
         return None
-    kernel = ATTENTION_KERNEL_ON.get(kernel, {}).get(family, kernel)
+    measured = _measured_attention_tflops(ATTENTION_KERNEL_ON.get(kernel, {}).get(family, kernel), family,
+                                          span, head_dim)
+    return None if measured is None else measured * gpu.peak_tflops / ATTENTION_KERNEL_PEAK[family] * speedup
+
+
+@functools.lru_cache(maxsize=4096)
+def _measured_attention_tflops(kernel: str, family: str, span: int, head_dim: int) -> float | None:
+    """ATTENTION_KERNEL_TFLOPS of (kernel, family) interpolated at `span` keys and `head_dim` (on the
+    measured part; cached: the published checks' fits ask for the same rows thousands of times)."""
     table = ATTENTION_KERNEL_TFLOPS.get((kernel, family))
     if table is None:
         return None
@@ -292,7 +298,7 @@ def attention_kernel_tflops(gpu: GPUSpec, kernel: str, *, span: int, head_dim: i
 
     lo, hi = at_seq(table[64]), at_seq(table[128])
     w = min(max((head_dim - 64) / 64, 0.0), 1.0)
-    return (lo + w * (hi - lo)) * gpu.peak_tflops / ATTENTION_KERNEL_PEAK[family] * speedup
+    return lo + w * (hi - lo)
 
 
 def memory_bytes_per_token(kernels: str, *, hidden: int, ffn: int, kv_width: int, forward: bool = False) -> float:
@@ -797,7 +803,6 @@ def rate_at(profile, name: str, tokens: float) -> float | None:
     """A profile rate at `tokens` per micro-batch: its `name@T` figures (measured at the model's
     shapes by calibrate) interpolated linearly in log(tokens), held flat beyond the ends; else
     the plain `name` figure, or None."""
-    import math
 
     table = sorted((int(key.split("@", 1)[1]), fig.value) for key, fig in profile.figures.items()
                    if key.startswith(name + "@"))
