@@ -77,10 +77,11 @@ class _RoutedModTracker(ModTracker):
 
 def route_module_hooks(mod_tracker: ModTracker) -> None:
     """Make `mod_tracker` (a plain ModTracker, before it is entered) register its global hooks as
-    every other trace's do. Its own `_fw_pre_hook` and `_fw_post_hook` still do the tracking."""
-    if type(mod_tracker) is not ModTracker:
-        raise TypeError(f"expected torch's ModTracker, got {type(mod_tracker).__name__}")
-    mod_tracker.__class__ = _RoutedModTracker
+    every other trace's do. Its own `_fw_pre_hook` and `_fw_post_hook` still do the tracking. A
+    tracker of another class (a later torch's) is left as it is: its traces then compile again,
+    which costs time, not accuracy."""
+    if type(mod_tracker) is ModTracker:
+        mod_tracker.__class__ = _RoutedModTracker
 
 
 def _collect_after_compile(*_args) -> None:
