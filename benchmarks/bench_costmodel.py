@@ -16,7 +16,7 @@
    worst |error| per source and over all rows): what a user of a cluster the fit never saw gets.
    Also the share of held-out rows inside the printed range and same-model same-hardware pairs of
    one table in the published order. Targets: median |error| <= 10%, worst <= 25%, coverage >= 90%.
-   Secondary (`--by-row`, ~15 minutes): leave-one-row-out (a row's siblings of the same source stay
+   Secondary (`--by-row`, about 3.5 minutes): leave-one-row-out (a row's siblings of the same source stay
    in the fit), with pairs across two tables of one source printed apart. A row whose GPU family
    has no other row falls back to the data-sheet default efficiency. Then: is every published run,
    which trained, predicted to fit by the closed form, or over it by a named cause?
@@ -779,9 +779,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", action="store_true", help="the CPU grid (about 4 minutes)")
     parser.add_argument("--published", action="store_true",
-                        help="leave-one-source-out over the published runs (the headline, about 2 minutes)")
+                        help="leave-one-source-out over the published runs (the headline, about 30 s on a 2-core VM)")
     parser.add_argument("--by-row", action="store_true",
-                        help="with --published: also leave-one-row-out (secondary; one fit per row, ~15 minutes)")
+                        help="with --published: also leave-one-row-out (secondary; one fit per row, about 3.5 minutes)")
     parser.add_argument("--gpu-recorded", action="store_true",
                         help="estimates against the recorded real H100 trials in benchmarks/results (no GPU needed, "
                              "about 5 minutes)")
