@@ -803,7 +803,6 @@ def rate_at(profile, name: str, tokens: float) -> float | None:
     """A profile rate at `tokens` per micro-batch: its `name@T` figures (measured at the model's
     shapes by calibrate) interpolated linearly in log(tokens), held flat beyond the ends; else
     the plain `name` figure, or None."""
-
     table = sorted((int(key.split("@", 1)[1]), fig.value) for key, fig in profile.figures.items()
                    if key.startswith(name + "@"))
     if not table:
