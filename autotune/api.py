@@ -76,7 +76,10 @@ def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
     check_float8_gpu(space.float8, cluster.gpu)  # before the run folder: nothing half-written
     formats = parse_formats(options.export) if options.export else []
     check_out_file(options.out)
-    check_wrappable(model)
+    backend_name, backend_why = choose_backend(options.backend, cluster)
+    if space.float8 not in ("none", "auto") and cluster.gpu.has_float8 and backend_name != "analytic":
+        check_float8_library(f"--float8 {space.float8}")  # traced or run: torchao's float8 linears
+    check_wrappable(model)  # builds the model on the meta device: after the checks that need no model
     check_precision_runs(model, space.precision)
     vllm_share = None
     if workload.kind == "grpo":  # before the run folder: a share vLLM cannot start in is a usage error
@@ -86,10 +89,7 @@ def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
                                  completion_given=options.max_completion_length is not None)
         workload, vllm_share = chosen.workload, chosen.vllm_share
     runs_dir = ensure_writable(Path(options.runs_dir))
-    backend_name, backend_why = choose_backend(options.backend, cluster)
     check_backend_traces(model, backend_name)
-    if space.float8 not in ("none", "auto") and cluster.gpu.has_float8 and backend_name != "analytic":
-        check_float8_library(f"--float8 {space.float8}")  # traced or run: torchao's float8 linears
     if backend_name in ("cpu", "cuda") and cluster.host_memory_bytes is None:
         # Real trials run where the job will run: this machine's memory is the host memory per node.
         detected = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -305,6 +305,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise SystemExit(EXIT_OK)
     if args.command in ("tune", "trial"):
         check_multi_node(args)
+    if getattr(args, "hardware", None):  # a bad profile is refused before a model is built (seconds)
+        from autotune.hardware import load_profile
+
+        load_profile(args.hardware)
     return args
 
 
@@ -436,7 +440,10 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
     finetuning = resolve_finetuning(args, recorded_finetuning)
     stack = resolve_stack(args, recorded_stack)
     model, cluster, seq_len, gpu_note = resolve_problem(args)
-    check_wrappable(model)
+    backend_name, why = choose_backend(args.backend, cluster)
+    if train.float8 != "none" and backend_name != "analytic":
+        check_float8_library(f"--float8 {train.float8}")  # traced or run: torchao's float8 linears
+    check_wrappable(model)  # builds the model on the meta device: after the checks that need no model
     check_precision_runs(model, train.precision, instead="run it in bf16-pure (--precision bf16-pure)")
     console.note(gpu_note)
     left_out = text_only_section(model, num_gpus=cluster.num_gpus, precision=train.precision)
@@ -456,10 +463,7 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
                      memory_limit_bytes=memory_limit_bytes(cluster.capacity_bytes, headroom=headroom,
                                                            workload=workload),
                      workload=workload, finetuning=finetuning, stack=stack)
-    backend_name, why = choose_backend(args.backend, cluster)
     check_backend_traces(model, backend_name)
-    if train.float8 != "none" and backend_name != "analytic":
-        check_float8_library(f"--float8 {train.float8}")  # traced or run: torchao's float8 linears
     console.note(f"backend: {backend_name} ({why})")
     backend = make_backend(backend_name, args)
     try:

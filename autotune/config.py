@@ -465,6 +465,7 @@ def check_float8_library(flag: str) -> None:
         raise UsageError(f"{flag}: float8 training needs torchao, the float8 extra: pip install 'autotune[float8]' "
                          "(beside a CUDA torch: pip install --no-deps torchao); or use --float8 none")
 
+
 def check_expert_parallel(train: TrainConfig, model: ModelSpec, gpus: int) -> None:
     """UsageError (one line) where --ep cannot apply: a dense model, a degree dividing not both the
     experts and the GPUs, or a knob expert parallelism is not built with here."""

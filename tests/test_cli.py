@@ -632,11 +632,14 @@ def test_float8_without_torchao_is_one_line_before_anything_is_traced():
     if has_torchao:
         pytest.skip("torchao is installed in this environment: nothing to refuse")
     problem = ["--model", "micro-llama", "--gpus", "2", "--gpu-type", "h100-80gb", "--float8", "tensorwise"]
+    # Refused before the model is built: the process never imported transformers.
+    script = ("import sys; from autotune.cli import main; code = main(sys.argv[1:]); "
+              "print('transformers' in sys.modules); sys.exit(code)")
     for argv in (["trial", *problem, "--backend", "sim"], [*problem, "--global-tokens", "4096", "--backend", "sim"]):
-        proc = subprocess.run([sys.executable, "-m", "autotune", *argv], env=env, capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-c", script, *argv], env=env, capture_output=True, text=True,
                               timeout=300, cwd=ROOT)
         errors = [line for line in proc.stderr.splitlines() if "error" in line]
-        assert proc.returncode == EXIT_USAGE, proc.stderr
+        assert proc.returncode == EXIT_USAGE and proc.stdout.split() == ["False"], proc.stderr
         assert len(errors) == 1 and "pip install 'autotune[float8]'" in errors[0] and "Traceback" not in proc.stderr
     analytic = subprocess.run([sys.executable, "-m", "autotune", "trial", *problem, "--backend", "analytic"], env=env,
                               capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -378,10 +378,13 @@ def test_shipped_profiles_cover_the_catalog_with_sources():
 def test_a_bad_profile_is_a_one_line_usage_error(tmp_path, content, message):
     path = tmp_path / "profile.json"
     path.write_text(content)
-    proc = subprocess.run([sys.executable, "-m", "autotune", "trial", "--model", "micro-llama", "--gpus", "2",
+    # Refused before the model is built: the process never imported transformers.
+    script = ("import sys; from autotune.cli import main; code = main(sys.argv[1:]); "
+              "print('transformers' in sys.modules); sys.exit(code)")
+    proc = subprocess.run([sys.executable, "-c", script, "trial", "--model", "micro-llama", "--gpus", "2",
                            "--backend", "sim", "--hardware", str(path)], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
-    assert proc.returncode == 2
+    assert proc.returncode == 2 and proc.stdout.split() == ["False"], proc.stdout
     errors = [line for line in proc.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and message in errors[0] and "Traceback" not in proc.stderr
 
