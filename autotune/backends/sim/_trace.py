@@ -18,6 +18,7 @@ exist throughout forward and backward (added per site from the exact reduce-scat
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import time
 from collections.abc import Callable
@@ -660,7 +661,8 @@ class Tracer:
             # Activation offload on a GPU run (a CPU run cannot apply it): the same hooks a real
             # trial enters, keeping no copy, so the device side is traced exactly.
             offload = OffloadedActivations(to_host=False) if train.activation_offload and not gloo else None
-            with tracker, compile_reuse(), _trl_kernels_as_on_a_gpu(step in TRL_STEPS and not gloo):
+            with _collections_skip_what_was_alive(), tracker, compile_reuse(), \
+                    _trl_kernels_as_on_a_gpu(step in TRL_STEPS and not gloo):
                 # One micro-batch: later ones repeat it; their gradients are added below.
                 train_step(built.model, optimizer, batches, grad_accum_steps=1, saved_activations=offload, step=step)
                 if sync_now:
@@ -818,6 +820,20 @@ def _warm_up(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
             param.grad = torch.zeros_like(param)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+@contextmanager
+def _collections_skip_what_was_alive():
+    """While a step is traced, the garbage collector's scans skip the objects alive when it began
+    (torch, transformers, the built model: some 400,000), as a real trial's do
+    (real/_trial.py `release_memory`); they are handed back after it. The step's own garbage is
+    collected as before. Measured on the main job: its full collections 3.0-3.6 -> 0.9-1.0 s of
+    about 20 CPU s, and `compile_reuse`'s collection after each compile no longer walks them."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @contextmanager
