@@ -525,7 +525,8 @@ def test_lightning_fsdp2_export_trains_on_cpu_ranks(run_result, tmp_path, ranks,
 
 def _run_to_completion(command: list[str], cwd: Path, *, timeout_s: float) -> str:
     """Run a launcher (torchrun, Lightning) in its own session; on a timeout kill the whole group."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # TMPDIR: torchrun's own logs (torchelastic_*, which it leaves) go to the test's folder, not /tmp.
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(cwd))
     process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
     try:

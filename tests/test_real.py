@@ -253,7 +253,9 @@ def test_controller_killed_with_sigkill_leaves_no_trial_processes(tmp_path):
                 found.append(int(pid))
         return found
 
-    env = dict(os.environ, **{FAULT_ENV: "hang:rank=1"}, AUTOTUNE_TEST_TAG=tag.split(b"=")[1].decode())
+    # TMPDIR: the killed controller cannot remove its log folder; it is left in tmp_path, not /tmp.
+    env = dict(os.environ, **{FAULT_ENV: "hang:rank=1"}, AUTOTUNE_TEST_TAG=tag.split(b"=")[1].decode(),
+               TMPDIR=str(tmp_path))
     controller = subprocess.Popen([sys.executable, "-m", "autotune", "trial", "--model", "micro-llama", "--gpus", "2",
                                    "--backend", "cpu", "--timeout", "600", "--micro-batch", "2"],
                                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
