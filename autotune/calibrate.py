@@ -567,10 +567,10 @@ def _worker(rank: int, world_size: int, port: int, job: dict[str, Any], out_path
         # the allocator from here to after the first all-gather and reduce-scatter.
         dist.init_process_group("nccl", device_id=device)
     else:
-        from autotune.backends.real._cpu_bf16 import compute_bf16_matmuls_in_fp32
+        from autotune.backends.real._cpu_bf16 import compute_bf16_kernels_in_fp32
 
         torch.set_num_threads(1)  # torchrun's OMP_NUM_THREADS=1, as every cpu trial runs
-        compute_bf16_matmuls_in_fp32()  # as every cpu trial runs
+        compute_bf16_kernels_in_fp32()  # as every cpu trial runs
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     model = resolve_model(job["model"])

@@ -7,8 +7,9 @@ fresh process so that the bf16 kernels are registered or not:
 
 1. one bf16 matrix product (256 x 256 @ 256 x 8000, tiny-llama's output layer): torch's kernel
    against autotune's fp32-computed bf16 kernel (autotune/backends/real/_cpu_bf16.py);
-2. a bf16 forward and backward of tiny-llama (seq 256, micro-batch 1), both ways;
-3. the same step of gemma3_text-shaped tiny model (20 blocks) under torch's MemTracker and under
+2. bf16 flash attention forward and backward at tiny-llama's heads (2 x 256 tokens), both ways;
+3. a bf16 forward and backward of tiny-llama (seq 256, micro-batch 1), both ways;
+4. the same step of gemma3_text-shaped tiny model (20 blocks) under torch's MemTracker and under
    CapacityTracker (autotune/backends/real/_capacity.py), with the fast kernels.
 """
 
@@ -25,8 +26,8 @@ import json, sys, time, torch
 torch.set_num_threads(1)
 fast, what = sys.argv[1] == "fast", sys.argv[2]
 if fast:
-    from autotune.backends.real._cpu_bf16 import compute_bf16_matmuls_in_fp32
-    compute_bf16_matmuls_in_fp32()
+    from autotune.backends.real._cpu_bf16 import compute_bf16_kernels_in_fp32
+    compute_bf16_kernels_in_fp32()
 from autotune.catalog.models import resolve_model
 from autotune.training import build_model
 
@@ -40,6 +41,9 @@ def timed(fn, n=3):
 if what == "mm":
     a, b = torch.randn(256, 256, dtype=torch.bfloat16), torch.randn(256, 8000, dtype=torch.bfloat16)
     print(json.dumps(timed(lambda: a @ b)))
+elif what == "attention":  # tiny-llama's heads as its model passes them: a transposed [batch, seq, heads, dim]
+    q, k, v = (torch.randn(2, 256, 4, 64, dtype=torch.bfloat16).transpose(1, 2).requires_grad_() for _ in range(3))
+    print(json.dumps(timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward())))
 elif what == "step":
     model = build_model(resolve_model("tiny-llama"), seed=0).to(torch.bfloat16)
     ids = torch.randint(0, 8000, (1, 256))
@@ -80,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     from autotune.backends.real._cpu_bf16 import native_bf16_matmul
 
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM: {native_bf16_matmul()}")
-    rows = [("bf16 product 256x256 @ 256x8000", "mm"), ("tiny-llama bf16 fwd+bwd, seq 256", "step")]
+    rows = [("bf16 product 256x256 @ 256x8000", "mm"), ("bf16 flash attention fwd+bwd, 2x256 tok", "attention"),
+            ("tiny-llama bf16 fwd+bwd, seq 256", "step")]
     for label, what in rows:
         slow, fast = measure("torch", what, args.repeats), measure("fast", what, args.repeats)
         print(f"{label:40s} torch's kernel {slow * 1e3:9.1f} ms   fp32-computed {fast * 1e3:9.1f} ms   "

@@ -71,13 +71,13 @@ def _rank(rank: int, port: int, cases, stack: str, queue) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotune.backends.real._cpu_bf16 import compute_bf16_matmuls_in_fp32
+    from autotune.backends.real._cpu_bf16 import compute_bf16_kernels_in_fp32
     from autotune.backends.real._trial import run_trial
 
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         torch.set_num_threads(1)  # as the cpu backend's ranks run
-        compute_bf16_matmuls_in_fp32()
+        compute_bf16_kernels_in_fp32()
         dist.init_process_group("gloo", rank=rank, world_size=2)
         mesh = init_device_mesh("cpu", (2,))
         for index, case in enumerate(cases):

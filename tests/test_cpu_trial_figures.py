@@ -23,7 +23,7 @@ from autotune.training import build_model
 _BF16_CHECK = textwrap.dedent("""
     import json, torch
     from torch.distributed._tools.mem_tracker import MemTracker
-    from autotune.backends.real._cpu_bf16 import compute_bf16_matmuls_in_fp32, native_bf16_matmul
+    from autotune.backends.real._cpu_bf16 import compute_bf16_kernels_in_fp32, native_bf16_matmul
     from autotune.catalog.models import resolve_model
     from autotune.training import build_model
 
@@ -42,9 +42,23 @@ _BF16_CHECK = textwrap.dedent("""
             model(input_ids=ids, labels=ids).loss.backward()
         return max(tracker._peak_mem.values())
 
-    native, native_peak = products(), tracked_step()
-    registered = compute_bf16_matmuls_in_fp32()
-    mine, mine_peak = products(), tracked_step()
+    # Flash attention as a trial's model calls it: heads as a transposed view of [batch, seq, heads, dim].
+    q, k, v = (torch.randn(2, 128, 4, 32, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
+    grad = torch.randn(2, 128, 4, 32, dtype=torch.bfloat16).transpose(1, 2)
+    flash, flash_backward = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+                             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
+
+    def attention():
+        out, lse = flash(q, k, v, is_causal=True)
+        return [out, lse, *flash_backward(grad, q, k, v, out, lse, 0.0, True)]
+
+    native, native_peak, native_attention = products(), tracked_step(), attention()
+    registered = compute_bf16_kernels_in_fp32()
+    mine, mine_peak, mine_attention = products(), tracked_step(), attention()
+    # The fp32 kernel (fp32 operands still reach torch's own) on the upcast operands, rounded once.
+    out, lse = flash(q.float(), k.float(), v.float(), is_causal=True)
+    upcast_attention = [out.bfloat16(), lse, *(g.bfloat16() for g in flash_backward(
+        grad.float(), q.float(), k.float(), v.float(), mine_attention[0].float(), mine_attention[1], 0.0, True))]
     upcast = [(a.float() @ b.float()).bfloat16(), torch.addmm(bias.float(), a.float(), b.float(), beta=0.5, alpha=2.0).bfloat16(),
               torch.bmm(batch.float(), b.float().expand(3, -1, -1)).bfloat16(), (a.float() @ b.float()).bfloat16(),
               a.float() @ b.float()]
@@ -53,7 +67,12 @@ _BF16_CHECK = textwrap.dedent("""
         same_layout=[(x.dtype, x.shape, x.stride()) == (y.dtype, y.shape, y.stride()) for x, y in zip(native, mine)],
         equals_upcast=[bool(torch.equal(x, y)) for x, y in zip(mine, upcast)],
         worst_vs_native=[float(((x.float() - y.float()).abs() / y.float().abs().clamp_min(1e-3)).max()) for x, y in zip(mine, native)],
-        native_peak=native_peak, mine_peak=mine_peak)))
+        native_peak=native_peak, mine_peak=mine_peak,
+        attention_same_layout=[(x.dtype, x.shape, x.stride()) == (y.dtype, y.shape, y.stride())
+                               for x, y in zip(native_attention, mine_attention)],
+        attention_equals_upcast=[bool(torch.equal(x, y)) for x, y in zip(mine_attention, upcast_attention)],
+        attention_worst_vs_native=[float((x.float() - y.float()).abs().max() / y.float().abs().max())
+                                   for x, y in zip(mine_attention, native_attention)])))
 """)
 
 
@@ -72,6 +91,12 @@ def test_bf16_products_are_fp32_products_rounded_and_leave_the_tensor_peak_alone
     assert all(result["equals_upcast"]), result
     # And within bf16's rounding (2^-8 relative, one ulp) of torch's reference bf16 kernel.
     assert max(result["worst_vs_native"]) <= 2 ** -7, result
+    # Flash attention (output, logsumexp, three gradients): the dtypes and strides of torch's bf16
+    # kernel, exactly its fp32 kernel's results rounded once, and within a few bf16 ulps of the
+    # largest value of torch's bf16 kernel, which rounds its tiles to bf16 on the way.
+    assert all(result["attention_same_layout"]) and len(result["attention_same_layout"]) == 5, result
+    assert all(result["attention_equals_upcast"]), result
+    assert max(result["attention_worst_vs_native"]) <= 2 ** -6, result
     # The fp32 operands are kernel temporaries: MemTracker's peak of a training step is unchanged.
     assert result["mine_peak"] == result["native_peak"] > 0, result
 

@@ -77,10 +77,10 @@ def _our_step_peak(step: str, tokens) -> int:
 
 @pytest.fixture(scope="module")
 def tokens():
-    from autotune.backends.real._cpu_bf16 import compute_bf16_matmuls_in_fp32
+    from autotune.backends.real._cpu_bf16 import compute_bf16_kernels_in_fp32
     from autotune.training import token_batches
 
-    compute_bf16_matmuls_in_fp32()  # as CPU trials run bf16 products; the tensors are the same
+    compute_bf16_kernels_in_fp32()  # as CPU trials run bf16 products; the tensors are the same
     return next(token_batches(vocab_size=8000, micro_batch_size=2, seq_len=96, device="cpu"))
 
 

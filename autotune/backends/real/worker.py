@@ -184,9 +184,9 @@ def _setup(job: dict[str, Any]):
         runtime = dict(after_setup=measure_outside_allocator(device),
                        alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     else:
-        from autotune.backends.real._cpu_bf16 import compute_bf16_matmuls_in_fp32
+        from autotune.backends.real._cpu_bf16 import compute_bf16_kernels_in_fp32
 
-        compute_bf16_matmuls_in_fp32()  # bf16 GEMMs at fp32 speed where the CPU has no bf16 units
+        compute_bf16_kernels_in_fp32()  # bf16 GEMMs and attention at fp32 speed where the CPU has no bf16 units
         dist.init_process_group(backend, timeout=timeout)
     return device, _Meshes(device.type), faults, runtime
 
