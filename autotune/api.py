@@ -76,6 +76,7 @@ def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
     check_float8_gpu(space.float8, cluster.gpu)  # before the run folder: nothing half-written
     formats = parse_formats(options.export) if options.export else []
     check_out_file(options.out)
+    check_hardware(options)
     backend_name, backend_why = choose_backend(options.backend, cluster)
     if space.float8 not in ("none", "auto") and cluster.gpu.has_float8 and backend_name != "analytic":
         check_float8_library(f"--float8 {space.float8}")  # traced or run: torchao's float8 linears
@@ -367,6 +368,15 @@ def check_backend_traces(model, backend: str) -> None:
     if backend == "sim" and model.untraceable:
         raise UsageError(f"{model.name} cannot be simulated: {model.untraceable}; tune it with real trials, "
                          "--backend cpu or cuda")
+
+
+def check_hardware(options) -> None:
+    """UsageError (one line) for a --hardware profile that cannot be read, before the model is
+    built (seconds with the cache off); make_backend loads it again for the sim."""
+    if getattr(options, "hardware", None):
+        from autotune.hardware import load_profile
+
+        load_profile(options.hardware)
 
 
 def check_out_file(out: str | None) -> None:

@@ -19,9 +19,10 @@ import sys
 from pathlib import Path
 
 from autotune import knobs as knob_registry
-from autotune.api import (check_backend_traces, check_multi_node, check_out_file, check_precision_runs,
-                          check_wrappable, choose_backend, make_backend, parse_formats, resolve_finetuning,
-                          resolve_problem, resolve_stack, resolve_workload, run_tune, write_formats)
+from autotune.api import (check_backend_traces, check_hardware, check_multi_node, check_out_file,
+                          check_precision_runs, check_wrappable, choose_backend, make_backend, parse_formats,
+                          resolve_finetuning, resolve_problem, resolve_stack, resolve_workload, run_tune,
+                          write_formats)
 from autotune.errors import AutotuneError, NothingFits, StorageUnavailable, UsageError
 from autotune.interrupts import raised_where_safe
 from autotune.config import PEFT_METHODS, STACKS, check_float8_library
@@ -305,10 +306,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise SystemExit(EXIT_OK)
     if args.command in ("tune", "trial"):
         check_multi_node(args)
-    if getattr(args, "hardware", None):  # a bad profile is refused before a model is built (seconds)
-        from autotune.hardware import load_profile
-
-        load_profile(args.hardware)
     return args
 
 
@@ -440,6 +437,7 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
     finetuning = resolve_finetuning(args, recorded_finetuning)
     stack = resolve_stack(args, recorded_stack)
     model, cluster, seq_len, gpu_note = resolve_problem(args)
+    check_hardware(args)
     backend_name, why = choose_backend(args.backend, cluster)
     if train.float8 != "none" and backend_name != "analytic":
         check_float8_library(f"--float8 {train.float8}")  # traced or run: torchao's float8 linears

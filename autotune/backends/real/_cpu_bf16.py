@@ -52,8 +52,8 @@ def compute_bf16_kernels_in_fp32() -> bool:
         library.impl("mm", _mm, "CPU")
         library.impl("addmm", _addmm, "CPU")
         library.impl("bmm", _bmm, "CPU")
-        for name, kernel in _ATTENTION_KERNELS.items():
-            if hasattr(torch.library, "get_kernel"):  # torch >= 2.10: the original kernel stays callable
+        if hasattr(torch.library, "get_kernel"):  # torch >= 2.10: the original kernel stays callable
+            for name, kernel in _ATTENTION_KERNELS.items():
                 _ORIGINAL[name] = torch.library.get_kernel(f"aten::{name}", "CPU")
                 library.impl(name, kernel, "CPU", with_keyset=True)
     _LIBRARY = library
