@@ -53,9 +53,9 @@ def gloo_runs(request, tmp_path_factory):
     from tests.shared_runs import SharedRuns
 
     wanted = {item.module.__name__ for item in request.session.items if "gloo_runs" in item.fixturenames}
+    folder = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        # Under pytest-xdist (make test: `-n 3 --dist loadfile`) a worker runs whole modules, but
-        # which ones is not known here: each module's set is launched when it first asks, so no
-        # trial runs on two workers.
-        wanted = set()
-    return SharedRuns(wanted_modules=wanted, folder=tmp_path_factory.mktemp("shared-gloo-runs"))
+        # Under pytest-xdist (make test: `-n 3 --dist loadfile`) every worker collects every test, so
+        # `wanted` is the same in each; the parent of a worker's base folder is common to all of them.
+        folder = folder.parent
+    return SharedRuns(wanted_modules=wanted, folder=folder / "shared-gloo-runs")

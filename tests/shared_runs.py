@@ -1,25 +1,32 @@
 """Real 2-rank gloo trials that several test modules compare with, run in one torchrun launch.
 
 Every launch pays torchrun's start-up, two interpreters importing torch and transformers, and
-gloo's rendezvous before its first trial; the trials themselves are a few seconds each. So the
-modules that compare the simulator or the cost model with real CPU runs do not launch their own:
-each registers the trials it needs (`register`, at import), and the session's `gloo_runs`
-fixture (tests/conftest.py) runs every registered set whose module has a selected test, in one
-launch of the real cpu backend in persistent mode, the first time any of them asks. A module then
-reads its own trials back (`SharedRuns.run(name)`), in its own order. Under pytest-xdist (the
-README's `make test` runs three workers, each taking whole modules) a worker launches only the set of
-the module that asks: the other sets may be another worker's, and no trial runs twice.
+gloo's rendezvous before its first trial (about 14 CPU s on the 2-core VM); the trials themselves are
+a few seconds each. So the modules that compare the simulator or the cost model with real CPU runs
+do not launch their own: each registers the trials it needs (`register`, at import), and the
+session's `gloo_runs` fixture (tests/conftest.py) runs every registered set of a kind (below) whose
+module has a selected test, in one launch of the real cpu backend in persistent mode, the first time
+any of them asks. A module then reads its own trials back (`SharedRuns.run(name)`), in its own order.
+
+Under pytest-xdist (the README's `make test` runs three workers, each taking whole modules) the
+workers share the launch too: the first worker to ask runs every wanted set of the same kind (below)
+and writes each set's specs and results to a folder all workers see, under a file lock; a worker
+asking later waits on the lock and reads them back. No trial runs twice, and one launch's start-up
+serves every worker.
 
 The launch is made by a fresh Python process, not by the test process: the launcher's fork runs
 Python before exec, which deadlocks in a process whose other threads hold a simulator's gloo
 group. Trials run one warm-up step and the timed steps their set asks for: a memory check needs
 one (the second step is the steady state whose tensor peak the simulator predicts: optimizer state
-exists), the cost model's check times three. Sets with different step counts run in separate
-launches (a step of these models takes longer than a launch's start-up over a set).
+exists), the cost model's check times two. Sets with different step counts, or with folders of
+their own on the path (torchao, which transformers then imports on every model build), run in
+separate launches; within a launch, sets with compiled trials run last (a compile leaves dynamo's
+and inductor's state in the process for the trials after it).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -30,6 +37,7 @@ from pathlib import Path
 
 from autotune.backends.base import TrialResult
 from autotune.config import TrialSpec
+from autotune.files import write_json
 
 WORLD = 2
 WARMUP_STEPS = 1
@@ -68,45 +76,68 @@ def register(name: str, module: str, make_specs: Callable[[Path], list[TrialSpec
 
 
 class SharedRuns:
-    """The session's shared launch: started on the first `run`, with every set a selected test needs."""
+    """The session's shared launch: started on the first `run`, with every set a selected test needs.
+
+    `folder` holds the sets' files and results; under pytest-xdist it is one folder for every worker
+    (conftest.py), and a lock in it makes the workers launch each kind of set once between them."""
 
     def __init__(self, *, wanted_modules: set[str], folder: Path) -> None:
         self._wanted = wanted_modules
         self._folder = folder
-        self._specs: dict[str, list[TrialSpec]] = {}
-        self._results: dict[str, list[TrialResult]] = {}
+        self._runs: dict[str, tuple[list[TrialSpec], list[TrialResult]]] = {}
 
-    def _launch(self, required: str) -> None:
-        sets = [s for s in _SETS.values()
-                if s.name not in self._results and (s.module in self._wanted or s.name == required)]
+    def run(self, name: str) -> tuple[list[TrialSpec], list[TrialResult]]:
+        """The set's specs and their real results (launching every wanted set of its kind, once, if not yet)."""
+        if name not in _SETS:
+            raise KeyError(f"no shared trial set {name!r}: register it at import (tests/shared_runs.py)")
+        if name not in self._runs:
+            self._folder.mkdir(parents=True, exist_ok=True)
+            with open(self._folder / f"{_kind_name(_SETS[name])}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # another worker may be running this kind's launch: wait for it
+                if not self._saved(name).exists():
+                    self._launch(_SETS[name])
+            saved = json.loads(self._saved(name).read_text())
+            self._runs[name] = ([TrialSpec.from_dict(d) for d in saved["specs"]],
+                                [TrialResult.from_dict(d) for d in saved["results"]])
+        return self._runs[name]
+
+    def _saved(self, name: str) -> Path:
+        return self._folder / f"{name}.json"
+
+    def _launch(self, required: TrialSet) -> None:
+        """One launch of `required` and every other wanted set of its kind not yet run."""
+        sets = [s for s in _SETS.values() if _kind(s) == _kind(required) and not self._saved(s.name).exists()
+                and (s.module in self._wanted or s is required)]
+        specs = {}
         for trial_set in sets:
             folder = self._folder / trial_set.name
             folder.mkdir(parents=True, exist_ok=True)
-            self._specs[trial_set.name] = trial_set.make_specs(folder)
-        for steps in sorted({trial_set.timed_steps for trial_set in sets}):
-            self._launch_sets([trial_set for trial_set in sets if trial_set.timed_steps == steps], steps)
-
-    def _launch_sets(self, sets: list[TrialSet], timed_steps: int) -> None:
-        every = [spec for trial_set in sets for spec in self._specs[trial_set.name]]
-        log = self._folder / f"launch-{timed_steps}-timed.stderr.log"
-        job = json.dumps(dict(timed_steps=timed_steps, specs=[s.to_dict() for s in every]))
-        extra = [folder for trial_set in sets for folder in trial_set.python_path]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([*extra, os.environ.get("PYTHONPATH", "")])) if extra else None
+            specs[trial_set.name] = trial_set.make_specs(folder)
+        # Compiled trials last (stable: registration order otherwise).
+        sets.sort(key=lambda trial_set: any(spec.train.compile != "none" for spec in specs[trial_set.name]))
+        every = [spec for trial_set in sets for spec in specs[trial_set.name]]
+        log = self._folder / f"{_kind_name(required)}.stderr.log"
+        job = json.dumps(dict(timed_steps=required.timed_steps, specs=[s.to_dict() for s in every]))
+        env = (dict(os.environ, PYTHONPATH=os.pathsep.join([*required.python_path, os.environ.get("PYTHONPATH", "")]))
+               if required.python_path else None)
         with open(log, "w") as stderr:  # a file, not a pipe: nothing to fill while the ranks run
             done = subprocess.run([sys.executable, "-c", _RUN_FOR_REAL], input=job, env=env,
                                   stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=1800)
         assert done.returncode == 0, log.read_text()[-3000:]
-        results = [TrialResult.from_dict(r) for r in json.loads(done.stdout.strip().splitlines()[-1])]
+        results = json.loads(done.stdout.strip().splitlines()[-1])
         start = 0
         for trial_set in sets:
-            count = len(self._specs[trial_set.name])
-            self._results[trial_set.name] = results[start:start + count]
+            count = len(specs[trial_set.name])
+            saved = dict(specs=[s.to_dict() for s in specs[trial_set.name]], results=results[start:start + count])
+            write_json(self._saved(trial_set.name), saved)  # atomic: a reader never sees half a file
             start += count
 
-    def run(self, name: str) -> tuple[list[TrialSpec], list[TrialResult]]:
-        """The set's specs and their real results (launching every wanted set, once, if not yet)."""
-        if name not in _SETS:
-            raise KeyError(f"no shared trial set {name!r}: register it at import (tests/shared_runs.py)")
-        if name not in self._results:
-            self._launch(name)
-        return self._specs[name], self._results[name]
+
+def _kind(trial_set: TrialSet) -> tuple:
+    """Sets of one kind run in one launch: the same timed steps and the same folders on the path."""
+    return trial_set.timed_steps, trial_set.python_path
+
+
+def _kind_name(trial_set: TrialSet) -> str:
+    """The kind as a file name: its launch's lock and log."""
+    return "-".join([f"launch-{trial_set.timed_steps}-timed", *(Path(p).name for p in trial_set.python_path)])

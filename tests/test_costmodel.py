@@ -412,9 +412,9 @@ def test_cpu_estimates_rank_real_trials_on_a_calibrated_profile(tmp_path, gloo_r
     """Calibrate this machine, then estimate the grid's configurations on the profile and rank
     them against their real runs (measured tokens/s, 2 gloo ranks).
 
-    Slow (3-6 minutes on a 2-core VM) because it is the first test to ask for the shared launch,
-    so it runs every comparing module's real trials (about 40, tests/shared_runs.py), then a
-    calibration of this machine (about 1 minute): both are what the test checks against."""
+    Slow (about 2 minutes of CPU on a 2-core VM): the grid's 4 real trials (2 timed steps each: a
+    launch of their own, tests/shared_runs.py), then a calibration of this machine (about 1 minute):
+    both are what the test checks against."""
     bench = _bench()
     specs, results = gloo_runs.run("cost-grid")
     profile = calibrate_with_the_command(tmp_path / "cpu.json", "cpu")

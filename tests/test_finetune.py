@@ -1,7 +1,7 @@
 """Fine-tuning (issue 27): LoRA through the real peft library and pure bf16, against real runs.
 
-One launch of 2 gloo ranks runs every row for real with the cpu backend (peft wraps the model
-before FSDP2, as in the simulator); the simulator predicts each row's CPU run. Tensor peaks must
+The session's shared launch of 2 gloo ranks (tests/shared_runs.py) runs every row for real with the
+cpu backend (peft wraps the model before FSDP2, as in the simulator); the simulator predicts each row's CPU run. Tensor peaks must
 agree within 1%, and the measured peaks must move the way fine-tuning says they do (independent of
 the simulator). Trainable-parameter counts are checked against peft's own count and against a
 count of the adapters' shapes made from the plain model.
@@ -20,7 +20,8 @@ import torch
 from autotune.catalog.models import resolve_model
 from autotune.config import Cluster, FineTuning, TrainConfig, TrialSpec
 from autotune.training import build_model, parameter_counts
-from tests.test_sim_accuracy import assert_tensor_peaks_agree, measure_and_predict
+from tests.shared_runs import register
+from tests.test_sim_accuracy import assert_tensor_peaks_agree, predict_cpu_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,10 +48,14 @@ def _spec(model: str, ac: str, precision: str, peft: str) -> TrialSpec:
                      finetuning=FineTuning(peft=peft))
 
 
+register("finetune", __name__, lambda folder: [_spec(*row) for row in MATRIX])
+
+
 @pytest.fixture(scope="module")
-def measured_and_predicted():
-    """A launch of its own: 2 gloo ranks, 7 trials, 9 with QLoRA's (seq 128: about two minutes on a 2-core VM)."""
-    return measure_and_predict([_spec(*row) for row in MATRIX])
+def measured_and_predicted(gloo_runs):
+    """7 trials on 2 gloo ranks, 9 with QLoRA's, in the session's shared launch (tests/shared_runs.py)."""
+    specs, measured = gloo_runs.run("finetune")
+    return specs, measured, predict_cpu_runs(specs)
 
 
 @pytest.mark.slow
