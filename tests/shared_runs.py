@@ -41,6 +41,7 @@ from autotune.files import write_json
 
 WORLD = 2
 WARMUP_STEPS = 1
+LAUNCH_TIMEOUT_S = 1800
 
 
 @dataclass(frozen=True)
@@ -92,10 +93,14 @@ class SharedRuns:
             raise KeyError(f"no shared trial set {name!r}: register it at import (tests/shared_runs.py)")
         if name not in self._runs:
             self._folder.mkdir(parents=True, exist_ok=True)
-            with open(self._folder / f"{_kind_name(_SETS[name])}.lock", "w") as lock:
+            kind = _kind_name(_SETS[name])
+            with open(self._folder / f"{kind}.lock", "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # another worker may be running this kind's launch: wait for it
+                failed = self._folder / f"{kind}.failed"
+                # A launch that failed in another worker fails here too, with its log, and is not run again.
+                assert not failed.exists(), failed.read_text()
                 if not self._saved(name).exists():
-                    self._launch(_SETS[name])
+                    self._launch(_SETS[name], failed=failed)
             saved = json.loads(self._saved(name).read_text())
             self._runs[name] = ([TrialSpec.from_dict(d) for d in saved["specs"]],
                                 [TrialResult.from_dict(d) for d in saved["results"]])
@@ -104,7 +109,7 @@ class SharedRuns:
     def _saved(self, name: str) -> Path:
         return self._folder / f"{name}.json"
 
-    def _launch(self, required: TrialSet) -> None:
+    def _launch(self, required: TrialSet, *, failed: Path) -> None:
         """One launch of `required` and every other wanted set of its kind not yet run."""
         sets = [s for s in _SETS.values() if _kind(s) == _kind(required) and not self._saved(s.name).exists()
                 and (s.module in self._wanted or s is required)]
@@ -120,10 +125,17 @@ class SharedRuns:
         job = json.dumps(dict(timed_steps=required.timed_steps, specs=[s.to_dict() for s in every]))
         env = (dict(os.environ, PYTHONPATH=os.pathsep.join([*required.python_path, os.environ.get("PYTHONPATH", "")]))
                if required.python_path else None)
-        with open(log, "w") as stderr:  # a file, not a pipe: nothing to fill while the ranks run
-            done = subprocess.run([sys.executable, "-c", _RUN_FOR_REAL], input=job, env=env,
-                                  stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=1800)
-        assert done.returncode == 0, log.read_text()[-3000:]
+        try:
+            with open(log, "w") as stderr:  # a file, not a pipe: nothing to fill while the ranks run
+                done = subprocess.run([sys.executable, "-c", _RUN_FOR_REAL], input=job, env=env,
+                                      stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=LAUNCH_TIMEOUT_S)
+            problem = f"exited {done.returncode}" if done.returncode else None
+        except subprocess.TimeoutExpired:
+            problem = f"ran past {LAUNCH_TIMEOUT_S} s"
+        if problem:
+            failed.write_text(f"the shared launch of {', '.join(s.name for s in sets)} {problem}; "
+                              f"the end of {log}:\n{log.read_text()[-3000:]}")
+            raise AssertionError(failed.read_text())
         results = json.loads(done.stdout.strip().splitlines()[-1])
         start = 0
         for trial_set in sets:
