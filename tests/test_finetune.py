@@ -1,10 +1,10 @@
 """Fine-tuning (issue 27): LoRA through the real peft library and pure bf16, against real runs.
 
 The session's shared launch of 2 gloo ranks (tests/shared_runs.py) runs every row for real with the
-cpu backend (peft wraps the model before FSDP2, as in the simulator); the simulator predicts each row's CPU run. Tensor peaks must
-agree within 1%, and the measured peaks must move the way fine-tuning says they do (independent of
-the simulator). Trainable-parameter counts are checked against peft's own count and against a
-count of the adapters' shapes made from the plain model.
+cpu backend (peft wraps the model before FSDP2, as in the simulator); the simulator predicts each
+row's CPU run. Tensor peaks must agree within 1%, and the measured peaks must move the way
+fine-tuning says they do (independent of the simulator). Trainable-parameter counts are checked
+against peft's own count and against a count of the adapters' shapes made from the plain model.
 """
 
 from __future__ import annotations
