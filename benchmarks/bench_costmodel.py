@@ -410,16 +410,16 @@ def run_published_fits(held_out_errors: list[float] | None = None) -> dict:
         print("| closed form / GPU memory | rows | median error | beyond +-10% |")
         print("|---|---|---|---|")
         near_limit = {}
-        for low, high in ((0.0, 0.8), (0.8, 0.9), (0.9, float("inf"))):
-            errs = [e for e, f in zip(held_out_errors, fractions) if low <= f < high]
+        for low, high, label in ((0.0, 0.8, "0%-80%"), (0.8, 0.9, "80%-90%"), (0.9, float("inf"), ">= 90%")):
+            inside = [i for i, fraction in enumerate(fractions) if low <= fraction < high]
+            if not inside:
+                continue
+            median = statistics.median(held_out_errors[i] for i in inside)
             beyond = [f"{rows[i].model} {rows[i].num_gpus}x {rows[i].gpu} mb{rows[i].micro_batch_size} "
-                      f"s{rows[i].seq_len} {held_out_errors[i]:+.0%}" for i, f in enumerate(fractions)
-                      if low <= f < high and abs(held_out_errors[i]) > 0.10]
-            label = f">= {low:.0%}" if high == float("inf") else f"{low:.0%}-{high:.0%}"
-            if errs:
-                print(f"| {label} | {len(errs)} | {statistics.median(errs):+.1%} | "
-                      f"{len(beyond)}{': ' + '; '.join(beyond) if low >= 0.9 and beyond else ''} |")
-                near_limit[label] = dict(rows=len(errs), median_error=statistics.median(errs), beyond_10pct=len(beyond))
+                      f"s{rows[i].seq_len} {held_out_errors[i]:+.0%}" for i in inside if abs(held_out_errors[i]) > 0.10]
+            named = ": " + "; ".join(beyond) if low >= 0.9 and beyond else ""  # the near-limit rows, by name
+            print(f"| {label} | {len(inside)} | {median:+.1%} | {len(beyond)}{named} |")
+            near_limit[label] = dict(rows=len(inside), median_error=median, beyond_10pct=len(beyond))
     return dict(rows=len(rows), fit=fits, explained=len(explained), unexplained=len(unexplained),
                 fractions=fractions, near_limit=near_limit)
 
