@@ -523,18 +523,29 @@ def test_lightning_fsdp2_export_trains_on_cpu_ranks(run_result, tmp_path, ranks,
     assert applied["global_step"] == 2 and math.isfinite(applied["loss"]), output[-2000:]
 
 
+GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+"""What a gloo rank prints when std::terminate ends it at teardown, after its training: seen in 2 of
+about 30 suite runs, once in the 2-rank script test after its checkpoint was saved (421184d) and once
+in the 4-rank HSDP one after both steps (851c919's run; 0 in 40 runs of that script alone). Torch's
+(pytorch/pytorch#179291 describes gloo threads outliving finalisation), not the export's: such a run is
+tried once more, and a second abort fails the test (docs/BENCHMARKS.md)."""
+
+
 def _run_to_completion(command: list[str], cwd: Path, *, timeout_s: float) -> str:
     """Run a launcher (torchrun, Lightning) in its own session; on a timeout kill the whole group."""
     # TMPDIR: torchrun's own logs (torchelastic_*, which it leaves) go to the test's folder, not /tmp.
     env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(cwd))
-    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # the launcher and its ranks: nothing left behind
-        output, _ = process.communicate()
-        pytest.fail(f"{Path(command[1]).name} did not finish in {timeout_s:.0f} s:\n{output[-3000:]}")
+    for attempt in (1, 2):
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, start_new_session=True)
+        try:
+            output, _ = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # the launcher and its ranks: nothing left behind
+            output, _ = process.communicate()
+            pytest.fail(f"{Path(command[1]).name} did not finish in {timeout_s:.0f} s:\n{output[-3000:]}")
+        if process.returncode == 0 or GLOO_TEARDOWN_ABORT not in output or attempt == 2:
+            break
     # A rank's own error comes before the launcher's summary of who was killed: keep both.
     said = [line for line in output.splitlines() if any(w in line for w in ("Error", "error:", "terminate", "what()"))]
     assert process.returncode == 0, "\n".join(said[:20]) + "\n...\n" + output[-3000:]
