@@ -39,7 +39,6 @@ from autotune.backends.base import TrialResult
 from autotune.config import TrialSpec
 from autotune.files import write_json
 
-WORLD = 2
 WARMUP_STEPS = 1
 LAUNCH_TIMEOUT_S = 1800
 
@@ -93,14 +92,13 @@ class SharedRuns:
             raise KeyError(f"no shared trial set {name!r}: register it at import (tests/shared_runs.py)")
         if name not in self._runs:
             self._folder.mkdir(parents=True, exist_ok=True)
-            kind = _kind_name(_SETS[name])
+            kind = _kind(_SETS[name])
             with open(self._folder / f"{kind}.lock", "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # another worker may be running this kind's launch: wait for it
-                failed = self._folder / f"{kind}.failed"
                 # A launch that failed in another worker fails here too, with its log, and is not run again.
-                assert not failed.exists(), failed.read_text()
+                assert not self._failed(kind).exists(), self._failed(kind).read_text()
                 if not self._saved(name).exists():
-                    self._launch(_SETS[name], failed=failed)
+                    self._launch(_SETS[name], kind)
             saved = json.loads(self._saved(name).read_text())
             self._runs[name] = ([TrialSpec.from_dict(d) for d in saved["specs"]],
                                 [TrialResult.from_dict(d) for d in saved["results"]])
@@ -109,9 +107,12 @@ class SharedRuns:
     def _saved(self, name: str) -> Path:
         return self._folder / f"{name}.json"
 
-    def _launch(self, required: TrialSet, *, failed: Path) -> None:
+    def _failed(self, kind: str) -> Path:
+        return self._folder / f"{kind}.failed"
+
+    def _launch(self, required: TrialSet, kind: str) -> None:
         """One launch of `required` and every other wanted set of its kind not yet run."""
-        sets = [s for s in _SETS.values() if _kind(s) == _kind(required) and not self._saved(s.name).exists()
+        sets = [s for s in _SETS.values() if _kind(s) == kind and not self._saved(s.name).exists()
                 and (s.module in self._wanted or s is required)]
         specs = {}
         for trial_set in sets:
@@ -121,7 +122,7 @@ class SharedRuns:
         # Compiled trials last (stable: registration order otherwise).
         sets.sort(key=lambda trial_set: any(spec.train.compile != "none" for spec in specs[trial_set.name]))
         every = [spec for trial_set in sets for spec in specs[trial_set.name]]
-        log = self._folder / f"{_kind_name(required)}.stderr.log"
+        log = self._folder / f"{kind}.stderr.log"
         job = json.dumps(dict(timed_steps=required.timed_steps, specs=[s.to_dict() for s in every]))
         env = (dict(os.environ, PYTHONPATH=os.pathsep.join([*required.python_path, os.environ.get("PYTHONPATH", "")]))
                if required.python_path else None)
@@ -133,6 +134,7 @@ class SharedRuns:
         except subprocess.TimeoutExpired:
             problem = f"ran past {LAUNCH_TIMEOUT_S} s"
         if problem:
+            failed = self._failed(kind)
             failed.write_text(f"the shared launch of {', '.join(s.name for s in sets)} {problem}; "
                               f"the end of {log}:\n{log.read_text()[-3000:]}")
             raise AssertionError(failed.read_text())
@@ -145,11 +147,7 @@ class SharedRuns:
             start += count
 
 
-def _kind(trial_set: TrialSet) -> tuple:
-    """Sets of one kind run in one launch: the same timed steps and the same folders on the path."""
-    return trial_set.timed_steps, trial_set.python_path
-
-
-def _kind_name(trial_set: TrialSet) -> str:
-    """The kind as a file name: its launch's lock and log."""
+def _kind(trial_set: TrialSet) -> str:
+    """Sets of one kind run in one launch: the same timed steps and the same folders on the path. The
+    kind is a file name (its launch's lock, log and failure mark)."""
     return "-".join([f"launch-{trial_set.timed_steps}-timed", *(Path(p).name for p in trial_set.python_path)])
