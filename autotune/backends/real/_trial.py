@@ -151,7 +151,16 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
         _synchronize(device)
         return time.perf_counter()
 
-    with tracker if tracker is not None else nullcontext():
+    # A CPU run counts the attention dropout it meets (calls passed through unchanged): torch's CPU
+    # SDPA runs the math kernel for it, not a GPU's fused one, and the result says so (issue 56).
+    # Not under compile, where dynamo would trace the counting wrapper into the blocks' graphs.
+    dropout: dict[str, int] = {}
+    counting = nullcontext()
+    if not on_cuda and spec.train.compile == "none":
+        from autotune.backends.sim._gpu_kernels import sdpa_as_on_a_gpu
+
+        counting = sdpa_as_on_a_gpu(False, seen=dropout)
+    with tracker if tracker is not None else nullcontext(), counting:
         for step in range(warmup_steps + timed_steps):
             timed = step >= warmup_steps
             _synchronize(device)
@@ -177,6 +186,10 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
             raise RuntimeError(f"fp16: the grad scaler skipped all {len(losses)} optimizer steps (inf/NaN "
                                "gradients at every scale): the optimizer state was never allocated")
 
+    if dropout.get("math_with_dropout"):
+        from autotune.backends.sim._gpu_kernels import CPU_DROPOUT_NOTE
+
+        notes.append(CPU_DROPOUT_NOTE)
     figures: dict[str, Any] = dict(
         rank=rank, losses=losses, step_times=step_times, warmup_times=warmup_times, grad_accum=grad_accum,
         micro_batches_s=[p[0] for p in phases], optimizer_step_s=[p[1] for p in phases],

@@ -63,6 +63,14 @@ def _why_untraceable(exc: Exception) -> str:
     return ""
 
 
+def _has_dropout(config: dict) -> bool:
+    """Whether a config sets any dropout above 0: only then does the GPU's attention kernel choice
+    (by compute capability) change a trace, so only then do traces differ by GPU type (the plan's
+    options on A100s and H100s share the rest)."""
+    return any(("dropout" in key or "pdrop" in key) and isinstance(value, (int, float))
+               and not isinstance(value, bool) and value > 0 for key, value in config.items())
+
+
 class SimBackend(TrialBackend):
     """Simulated trials. `device_kind="cuda"` predicts a GPU run on `spec.cluster.gpu` (tensor
     peak plus an estimated runtime margin, estimated tokens/s); `"cpu"` predicts the cpu
@@ -160,8 +168,11 @@ class SimBackend(TrialBackend):
         except AutotuneError:
             raise  # the user's to fix (unsupported model, a real process group in the way)
         except Exception as exc:  # an estimate that failed is an error trial, never a fit
+            import traceback
+
             result = TrialResult(status="error", message=f"simulation failed: {type(exc).__name__}: {exc}"
-                                                         f"{_why_untraceable(exc)}")
+                                                         f"{_why_untraceable(exc)}",
+                                 extras={"traceback": traceback.format_exc()})  # for the run's log
         result.duration_s = time.perf_counter() - start
         if result.status in ("ok", "oom"):
             cache.store("sim-result", key, result.to_dict())
@@ -219,7 +230,14 @@ class SimBackend(TrialBackend):
         train = spec.train.with_(micro_batch_size=micro_batch_size, cpu_offload=False)
         return (spec.model.name, repr(sorted(spec.model.config_dict.items())), depth, spec.cluster.num_gpus,
                 spec.seq_len, train.cache_key(), spec.grad_accum_steps > 1, keep_middle, self.device_kind,
-                spec.workload.weight_sync, spec.finetuning.key(), spec.step)
+                spec.workload.weight_sync, spec.finetuning.key(), spec.step,
+                self._gpu_sm(spec) if _has_dropout(spec.model.config_dict) else None)
+
+    def _gpu_sm(self, spec: TrialSpec) -> tuple[int, int] | None:
+        """The compute capability a GPU run's attention kernels are chosen for (_gpu_kernels); None on CPU."""
+        from autotune.backends.sim._gpu_kernels import gpu_sm
+
+        return gpu_sm(spec.cluster.gpu.name) if self.device_kind == "cuda" else None
 
     def _trace(self, spec: TrialSpec, *, depth: int, micro_batch_size: int, keep_middle: bool) -> StepTrace:
         train = spec.train.with_(micro_batch_size=micro_batch_size, cpu_offload=False)
@@ -232,7 +250,7 @@ class SimBackend(TrialBackend):
                 spec.model, depth=depth, mesh=mesh, world_size=world_size, train=train, seq_len=spec.seq_len,
                 grad_accum_steps=spec.grad_accum_steps, keep_middle=keep_middle,
                 gloo=self.device_kind == "cpu", weight_sync=spec.workload.weight_sync,
-                finetuning=spec.finetuning, step=spec.step))
+                finetuning=spec.finetuning, step=spec.step, gpu_sm=self._gpu_sm(spec)))
         return self._traces[key]
 
     def _keep(self, key: tuple, trace: StepTrace) -> None:
@@ -431,11 +449,19 @@ class SimBackend(TrialBackend):
         if offloaded:
             basis += ("; saved activations offloaded to pinned host memory (the offload hooks traced: the device "
                       "frees each at pack and allocates it again at unpack)")
+        from autotune.backends.sim._gpu_kernels import attention_note
+
+        dropout_note = attention_note(trace.dropout, gpu=self.device_kind == "cuda")
+        if dropout_note:
+            basis += "; " + dropout_note
         source = "estimated" if offload else "predicted+estimated" if runtime else "predicted"
         peak = Figure(total, source, basis)
 
         extras: dict[str, Any] = dict(tensor_peak_bytes=int(tensor_peak), runtime_overhead_bytes=int(overhead),
                                       peak_site=" / ".join(str(part) for part in peak_key), **notes)
+        if trace.dropout:  # calls in one traced step (of `trace.depth` blocks), recomputation included
+            extras["dropout"] = dict(calls=dict(sorted(trace.dropout.items())), traced_blocks=trace.depth,
+                                     note=dropout_note)
         if sync:
             extras["weight_sync"] = {k: v for k, v in sync.items() if k != "basis"}
         if runtime:

@@ -165,6 +165,7 @@ def _tensor_bytes(values) -> int:
     return total
 
 from autotune.backends.sim._compile_reuse import compile_reuse, route_module_hooks  # noqa: E402
+from autotune.backends.sim._gpu_kernels import DEFAULT_SM, sdpa_as_on_a_gpu  # noqa: E402
 from autotune.catalog.blocks import Blocks, fused_experts  # noqa: E402
 from autotune.catalog.models import ModelSpec
 from autotune.config import TRL_STEPS, FineTuning, TrainConfig
@@ -245,6 +246,10 @@ class StepTrace:
     offloaded: dict[str, int] = field(default_factory=dict)
     """Activation offload (GPU runs): 'host_bytes', the most one rank holds in pinned host memory
     at once, and 'moved_bytes', what one micro-batch copies each way (training.OffloadedActivations)."""
+    dropout: dict[str, int] = field(default_factory=dict)
+    """Dropout the step met, by how it was traced (_gpu_kernels.sdpa_as_on_a_gpu): SDPA calls with
+    dropout as 'dropout_in_kernel:<CUDA backend>' (a GPU run: traced as the fused kernel) or
+    'math_with_dropout', and 'other_dropout' (residual, embedding); recomputation included."""
     derived_from: tuple[int, ...] = ()
     """The two world sizes this trace was derived from (_world.derive), the one it is the same as
     (_world.replicated, HSDP), or () where it was traced."""
@@ -634,12 +639,15 @@ class Tracer:
     def trace(self, model_spec: ModelSpec, *, depth: int, mesh, world_size: int, train: TrainConfig,
               seq_len: int, grad_accum_steps: int, count_flops: bool = True,
               keep_middle: bool = True, gloo: bool = False, weight_sync: bool = False,
-              finetuning: FineTuning | None = None, step: str = "autotune") -> StepTrace:
+              finetuning: FineTuning | None = None, step: str = "autotune",
+              gpu_sm: tuple[int, int] | None = None) -> StepTrace:
         """Trace one steady-state step of `model_spec` cut to `depth` blocks. `keep_middle=False`
         records only the sites that exist at every depth (for extrapolation); `gloo` adds the
         copy gloo's reduce-scatter makes (a CPU run), which NCCL does not; `weight_sync` adds the
         sites of TRL's weight sync to vLLM after the step (GRPO, `training.sync_weights_to_vllm`);
-        `step`: whose forward and loss (config.stack_step), as a real trial runs it."""
+        `step`: whose forward and loss (config.stack_step), as a real trial runs it; `gpu_sm`: the
+        compute capability of a GPU run's GPU (None: SM 9.0), for the attention kernel CUDA's SDPA
+        picks there (_gpu_kernels: with dropout, a fused kernel keeps no mask and no scores)."""
         start = time.perf_counter()
         built = self._built(model_spec, depth=depth, mesh=mesh, world_size=world_size, train=train,
                             finetuning=finetuning or FineTuning(), step=step, seq_len=seq_len)
@@ -661,8 +669,10 @@ class Tracer:
             # Activation offload on a GPU run (a CPU run cannot apply it): the same hooks a real
             # trial enters, keeping no copy, so the device side is traced exactly.
             offload = OffloadedActivations(to_host=False) if train.activation_offload and not gloo else None
+            dropout: dict[str, int] = {}
             with _collections_skip_what_was_alive(), tracker, compile_reuse(), \
-                    _trl_kernels_as_on_a_gpu(step in TRL_STEPS and not gloo):
+                    _trl_kernels_as_on_a_gpu(step in TRL_STEPS and not gloo), \
+                    sdpa_as_on_a_gpu(not gloo, sm=gpu_sm or DEFAULT_SM, seen=dropout):
                 # One micro-batch: later ones repeat it; their gradients are added below.
                 train_step(built.model, optimizer, batches, grad_accum_steps=1, saved_activations=offload, step=step)
                 if sync_now:
@@ -684,7 +694,7 @@ class Tracer:
             return self.trace(model_spec, depth=depth, mesh=mesh, world_size=world_size, train=train,
                               seq_len=seq_len, grad_accum_steps=grad_accum_steps, count_flops=count_flops,
                               keep_middle=keep_middle, gloo=gloo, weight_sync=weight_sync,
-                              finetuning=finetuning, step=step)
+                              finetuning=finetuning, step=step, gpu_sm=gpu_sm)
         sites = {}
         if sync_now:
             built.sync_sites = {key: _as_gathered(cats) for key, (_, cats, _) in tracker.sites.items()
@@ -719,6 +729,7 @@ class Tracer:
                          sync_largest_allocation_bytes=built.sync_largest_allocation if weight_sync else 0,
                          op_work=dict(tracker.op_work),
                          offloaded=dict(host_bytes=offload.host_bytes, moved_bytes=offload.moved_bytes) if offload else {},
+                         dropout=dropout,
                          repeats=repeats, accumulating=steady_accum, pending_grad=pending)
 
     def _built(self, model_spec: ModelSpec, *, depth: int, mesh, world_size: int, train: TrainConfig,
