@@ -231,15 +231,11 @@ def test_eager_exports_do_not_compile(compiled_result, tmp_path):
 
 
 def test_fsdp2_and_lightning_exports_compile_in_parallelize(compiled_result, tmp_path):
-    """Both embed autotune's parallelize(), which compiles each block (apply_compile) between
-    checkpointing and fully_shard, as real trials and the simulator do."""
-    import inspect
-
-    from autotune import parallel
-
-    script = _write(tmp_path, compiled_result, "fsdp2")[0].read_text()
-    assert inspect.getsource(parallel.apply_compile) in script
-    compile(script, "train_fsdp2.py", "exec")
+    """Both run autotune's parallelize() (the fsdp2 script imports it, Lightning's embeds it), which
+    compiles each block (apply_compile) between checkpointing and fully_shard, as real trials and
+    the simulator do."""
+    fsdp2 = runpy.run_path(str(_write(tmp_path, compiled_result, "fsdp2")[0]), run_name="fsdp2_export")
+    assert fsdp2["TUNED"].compile == "blocks"
     path, exported = _write(tmp_path, compiled_result, "lightning")
     module = runpy.run_path(str(path), run_name="lightning_export")
     assert module["TUNED"].compile == "blocks" and "apply_compile" in module

@@ -22,8 +22,7 @@ import yaml
 
 from autotune.catalog.models import resolve_model
 from autotune.errors import UsageError
-from autotune.export import FORMATS, KNOBS, export_result, write_exports
-from autotune.export._fsdp2 import copied_sources
+from autotune.export import DESCRIPTIONS, FORMATS, KNOBS, export_result, write_exports
 from tests import float8_site
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,6 +106,40 @@ def test_all_means_every_format_but_those_on_request():
     assert parse_formats("all") == [f for f in FORMATS if f != "lightning-fsdp1"]
     assert "litgpt" in parse_formats("all")
     assert parse_formats("lightning-fsdp1,litgpt") == ["lightning-fsdp1", "litgpt"]  # by name it is written
+    assert parse_formats("FSDP2, Accelerate,fsdp2") == ["fsdp2", "accelerate"]  # any case, each once
+    assert parse_formats("ALL") == parse_formats("all")
+    with pytest.raises(UsageError, match="unknown export format 'Fsdp3'"):
+        parse_formats("Fsdp3,fsdp2")
+
+
+def test_a_named_format_that_cannot_be_written_is_skipped_and_the_others_written(run_result, tmp_path, capsys):
+    """`--format TorchTitan,FSDP2` (any case) on a model torchtitan lacks: the fsdp2 script is
+    written and torchtitan skipped with a warning, as `all` does; torchtitan alone writes nothing and
+    exits 2 with the reason in one line."""
+    from autotune.cli import EXIT_OK, EXIT_USAGE, main
+
+    best = tmp_path / "best.json"
+    best.write_text(json.dumps(run_result))
+    assert main(["export", str(best), "--format", "TorchTitan,FSDP2", "--out-dir", str(tmp_path / "both")]) == EXIT_OK
+    assert [p.name for p in (tmp_path / "both").iterdir()] == ["train_fsdp2.py"]
+    assert "warning: torchtitan not written: torchtitan 0.3 has no model" in capsys.readouterr().err
+    assert main(["export", str(best), "--format", "torchtitan", "--out-dir", str(tmp_path / "none")]) == EXIT_USAGE
+    said = capsys.readouterr().err.strip()
+    assert said.startswith("autotune: error: torchtitan not written:") and len(said.splitlines()) == 1, said
+    assert not (tmp_path / "none").exists()
+
+
+def test_export_help_lists_every_format_with_one_line(run_result, capsys):
+    """Each format on a line of its own, naming the file the format writes."""
+    from autotune.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", "--help"])
+    assert exit_.value.code == 0
+    listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert list(DESCRIPTIONS) == list(FORMATS)  # no format left out of the list, none listed that is not one
+    for fmt in FORMATS:
+        assert export_result(for_format(run_result, fmt), fmt).filename in listed[fmt], (fmt, listed.get(fmt))
 
 
 def test_unknown_format_and_bad_result_are_usage_errors(run_result):
@@ -400,8 +433,7 @@ def test_pure_bf16_is_exact_where_the_stack_trains_in_bf16(run_result):
     for fmt in ("accelerate", "hf-trainer", "trl", "torchtitan"):
         assert any(w.startswith("precision: approximated") and "pure bf16" in w
                    for w in export_result(llama3_8b(result), fmt).warnings), fmt
-    script = export_result(result, "fsdp2").text
-    assert 'precision=\'bf16-pure\'' in script and "torch.bfloat16 if TUNED.precision == \"bf16-pure\"" in script
+    assert "precision='bf16-pure'" in export_result(result, "fsdp2").text  # training.build_model: bf16 throughout
 
 
 def test_trl_config_turns_model_checkpointing_off_when_fsdp_checkpoints(run_result, tmp_path):
@@ -653,15 +685,18 @@ def test_fp32_reduction_is_exact_where_the_stack_reduces_in_fp32(run_result):
         assert any(w.startswith("reduce_dtype") for w in export_result(result, "llama-cookbook").warnings)
 
 
-def test_fsdp2_script_embeds_the_wrapping_code_of_autotune_parallel(run_result):
-    import inspect
+def test_fsdp2_script_imports_the_wrapping_and_step_that_trials_run(run_result, tmp_path):
+    """The script holds the tuned values and its loop; parallelize(), the step and the sharded
+    checkpoint loading are autotune's own functions, imported (not copies that could drift)."""
+    from autotune import hf_checkpoint, parallel, training
+    from autotune.config import TrainConfig
 
-    from autotune import parallel
-
-    text = export_result(run_result, "fsdp2").text
-    assert copied_sources() in text
-    for function in (parallel.parallelize, parallel.apply_fsdp, parallel.apply_ac, parallel.mixed_precision_policy):
-        assert inspect.getsource(function) in text
+    path, _ = write(tmp_path, run_result, "fsdp2")
+    module = runpy.run_path(str(path), run_name="fsdp2_export")
+    assert module["sharded_model"] is hf_checkpoint.sharded_model and module["train_step"] is training.train_step
+    assert module["ParallelDims"] is parallel.ParallelDims and module["make_optimizer"] is training.make_optimizer
+    assert isinstance(module["TUNED"], TrainConfig) and module["TUNED"].micro_batch_size == run_result["micro_batch_size"]
+    assert "def parallelize" not in path.read_text() and len(path.read_text().splitlines()) < 200
 
 
 def _micro_llama_result(run_result: dict) -> dict:
@@ -676,15 +711,49 @@ def _micro_llama_result(run_result: dict) -> dict:
 
 
 @pytest.mark.slow
-def test_fsdp2_script_trains_on_two_cpu_ranks_with_gloo(run_result, tmp_path):
-    path, _ = write(tmp_path, _micro_llama_result(run_result), "fsdp2")
-    checkpoint = tmp_path / "checkpoint"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(path), "--steps", "2", "--save", str(checkpoint)]
+def test_fsdp2_script_trains_a_hf_checkpoint_and_saves_one_transformers_loads(run_result, tmp_path):
+    """The exported script on 2 gloo ranks reads a checkpoint transformers saved in several
+    safetensors files onto its shards (its first loss is transformers' own on the same batches),
+    trains two steps and saves a folder that AutoModelForCausalLM.from_pretrained loads whole:
+    every tensor moved by the two AdamW steps, and by no more than they can move it."""
+    from transformers import AutoModelForCausalLM
+
+    from autotune.training import token_batches
+
+    result = _micro_llama_result(run_result)  # every:2 checkpointing: wrapped blocks' names are the saved ones
+    result["precision"] = "fp32"  # the loss then matches transformers' fp32 forward to rounding
+    result["fsdp"].update(param_dtype="float32", reduce_dtype="float32")
+    path, _ = write(tmp_path, result, "fsdp2")
+    config = resolve_model("micro-llama").hf_config()
+    config.initializer_range = 0.3  # far from a fresh init's loss (about log(vocab)): the loss says what was loaded
+    torch.manual_seed(1)
+    source = AutoModelForCausalLM.from_config(config)
+    source.save_pretrained(tmp_path / "source", max_shard_size="100KB")
+    assert len(list((tmp_path / "source").glob("*.safetensors"))) > 1
+    trained = tmp_path / "trained"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(path),
+               "--checkpoint", str(tmp_path / "source"), "--steps", "2", "--lr", "1e-4", "--save", str(trained)]
     output = _run_to_completion(command, tmp_path, timeout_s=150)
     losses = [float(v) for v in re.findall(r"step \d+ loss (\S+)", output)]
-    assert len(losses) == 2 and all(math.isfinite(v) for v in losses), output[-2000:]
-    assert (checkpoint / ".metadata").exists()  # a sharded DCP checkpoint, as recommended
+    assert len(losses) == 2, output[-2000:]
+    # Step 0: each rank's micro-batches (token_batches seeded with its rank), the mean over both ranks.
+    expected = []
+    with torch.no_grad():
+        for rank in range(2):
+            batches = token_batches(vocab_size=config.vocab_size, micro_batch_size=result["micro_batch_size"],
+                                    seq_len=result["seq_len"], device="cpu", seed=rank)
+            for _ in range(result["grad_accum_steps"]):
+                tokens = next(batches)
+                expected.append(source(input_ids=tokens, labels=tokens).loss.item())
+    assert losses[0] == pytest.approx(sum(expected) / len(expected), rel=1e-5)
+    assert abs(losses[0] - math.log(config.vocab_size)) > 1  # not what random weights would give
+    loaded, info = AutoModelForCausalLM.from_pretrained(trained, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
+    assert (trained / "generation_config.json").exists() and not (trained / "sharded").exists()
+    before = dict(source.named_parameters())
+    for name, param in loaded.named_parameters():
+        moved = (param.detach() - before[name].detach()).abs().max().item()
+        assert 0 < moved <= 2.5e-4, (name, moved)  # AdamW moves a weight by about lr a step
 
 
 @pytest.mark.slow
@@ -698,7 +767,7 @@ def test_fsdp2_script_trains_hsdp_with_op_level_checkpointing_on_four_cpu_ranks(
     assert not exported.warnings or not any(w.startswith(("shard_group_size", "activation_checkpointing"))
                                             for w in exported.warnings)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-               str(path), "--steps", "2"]
+               str(path), "--random-init", "--steps", "2"]
     output = _run_to_completion(command, tmp_path, timeout_s=200)
     losses = [float(v) for v in re.findall(r"step \d+ loss (\S+)", output)]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses), output[-2000:]
@@ -1101,7 +1170,7 @@ def test_fsdp2_script_trains_experts_sharded_on_their_largest_dimension_on_four_
     assert not any(w.startswith("shard_placement") for w in exported.warnings)
     report = tmp_path / "report.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-               str(path), "--steps", "1", "--report", str(report)]
+               str(path), "--random-init", "--steps", "1", "--report", str(report)]
     output = _run_to_completion(command, tmp_path, timeout_s=200)
     assert re.search(r"step \d+ loss \S+", output), output[-2000:]
     placements = json.loads(report.read_text())["placements"]

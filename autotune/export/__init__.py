@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.errors import UsageError
+from autotune.export_formats import DESCRIPTIONS
 from autotune.export._base import KNOBS, Export, ExportRefused, KnobMapping, Tuned
 from autotune.export._cookbook import export_cookbook
 from autotune.export._fsdp1 import export_fsdp1, export_lightning_fsdp1
@@ -24,7 +25,8 @@ from autotune.export._litgpt import export_litgpt
 from autotune.export._hf import export_accelerate, export_hf_trainer, export_trl
 from autotune.export._torchtitan import export_torchtitan
 
-__all__ = ["FORMATS", "KNOBS", "ON_REQUEST", "Export", "KnobMapping", "Tuned", "export_result", "write_exports"]
+__all__ = ["DESCRIPTIONS", "FORMATS", "KNOBS", "ON_REQUEST", "Export", "KnobMapping", "Tuned", "export_result",
+           "write_exports"]
 
 FORMATS: dict[str, Callable[[Tuned], Export]] = {
     "fsdp2": export_fsdp2,
@@ -59,9 +61,8 @@ def write_exports(result: dict[str, Any], formats: Iterable[str], out_dir: str |
 
     `on_written(export, path)` is called per file, e.g. to show its warnings. A format that cannot
     express this result at all (torchtitan without a model of these shapes) raises ExportRefused,
-    or, given `on_refused(format, why)` (for `all`), is reported there and skipped."""
+    or, given `on_refused(format, why)` (the CLI's), is reported there and skipped."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     exports = []
     for fmt in formats:  # all checked before any is written
         try:
@@ -72,6 +73,8 @@ def write_exports(result: dict[str, Any], formats: Iterable[str], out_dir: str |
             on_refused(fmt, str(exc))
     from autotune.files import write_atomic
 
+    if exports:  # a folder only where something goes into it
+        out.mkdir(parents=True, exist_ok=True)
     paths = []
     for exported in exports:
         path = out / exported.filename

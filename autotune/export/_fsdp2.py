@@ -1,9 +1,10 @@
 """PyTorch FSDP2: a runnable training script (torchrun; gloo on CPUs, nccl on GPUs).
 
-The wrapping and the training step are not written here: the exporter copies the source of
-`autotune.parallel` (the function real trials apply and the simulator traces) and of
-`autotune.training.train_step` into the script with `inspect.getsource`, so there is one
-source of truth for what was tuned.
+The script holds the tuned values and its main loop only: it imports the wrapping
+(`autotune.parallel.parallelize`, which real trials apply and the simulator traces), the training
+step (`autotune.training`) and the sharded loading and saving of Hugging Face checkpoints
+(`autotune.hf_checkpoint`) from the installed autotune, so there is one source of truth for what
+was tuned. The Lightning export still embeds copies of them (`tuned_and_wrapping`, below).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from autotune.export._base import Export, Mapper, Tuned, build_export, torchrun_
 
 TARGET = f"PyTorch FSDP2 (torch.distributed.fsdp.fully_shard), torch {torch.__version__.split('+')[0]}"
 
-# Copied verbatim, in dependency order.
+# Copied verbatim into the Lightning export, in dependency order.
 _SOURCES = (
     _knobs.Checkpointing, _knobs.shard_dim, _knobs.float8_converts, _parallel.ParallelDims,
     _blocks.Blocks, _blocks.find_decoder_blocks, _blocks._config_depth, _blocks._block_class_name,
@@ -74,7 +75,9 @@ def export_fsdp2(tuned: Tuned) -> Export:
     m.mapped("grad_accum_steps", "GRAD_ACCUM_STEPS")
     m.mapped("wrap", "fully_shard per block (find_decoder_blocks), then the root")
     m.mapped("world_size", torchrun_launch(tuned))
-    m.mapped("state_dict_type", f"save_checkpoint ({tuned.state_dict_type})")
+    m.mapped("state_dict_type", "--save: save_hf_checkpoint (each rank writes its own shards with DCP's "
+                                "HuggingFaceStorageWriter, nothing gathered on any device; rank 0 consolidates "
+                                "them into safetensors)")
     m.mapped("optimizer_impl", f"make_optimizer(impl={tuned.optimizer_impl!r})")
     m.mapped("shard_group_size", "ParallelDims.of(TUNED, world).build_mesh(): 1-D, or 2-D (replicate, shard) for HSDP")
     return build_export(fmt="fsdp2", filename="train_fsdp2.py", target=TARGET, tuned=tuned, mapper=m,
@@ -87,68 +90,78 @@ def _model_config(t: Tuned) -> dict:
 
 
 def _script(t: Tuned) -> str:
-    launch = f"{torchrun_launch(t)} train_fsdp2.py --steps 10"
-    return f'''"""The tuned FSDP2 configuration as a training script, on random tokens.
+    launch = f"{torchrun_launch(t)} train_fsdp2.py"
+    knobs = ", ".join(f"{knob.name}={getattr(t, knob.name)!r}" for knob in _knobs.KNOBS)  # TrainConfig's fields
+    knobs = "\n                    ".join(textwrap.wrap(knobs, 96, break_long_words=False, break_on_hyphens=False))
+    return f'''"""The tuned FSDP2 configuration as a training script, for a Hugging Face checkpoint of any size.
 
-Run: {launch}
-(on CPUs: torchrun --standalone --nproc_per_node 2 train_fsdp2.py --steps 2). Replace
-build_model() and token_batches() with your model loading and data; keep parallelize(),
-make_optimizer() and train_step(), which are the code autotune measured.
+Run: {launch} --checkpoint MODEL_DIR --steps 10 --save OUT_DIR
+(MODEL_DIR: a folder save_pretrained wrote: config.json and safetensors files. A smoke test on CPUs:
+torchrun --standalone --nproc_per_node 2 train_fsdp2.py --random-init --steps 2.)
+Each rank builds the model on the meta device, wraps it with autotune's parallelize() (the code autotune
+measured), allocates only its own shards and reads only its slices of the checkpoint; --save writes
+the trained weights as a folder AutoModelForCausalLM.from_pretrained loads. It imports autotune (the
+version that wrote it) for all of that. Replace batches() with your data.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import time
-import warnings
-from collections.abc import Iterator
-import re
-from dataclasses import dataclass
-from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-{tuned_and_wrapping(t)}
-# ---- Model, checkpoint and main loop -----------------------------------------------------
+from autotune.backends.real._trial import make_grad_scaler
+from autotune.catalog.models import ModelSpec, resolve_model
+from autotune.config import TrainConfig
+from autotune.errors import UsageError
+from autotune.hf_checkpoint import save_hf_checkpoint, sharded_model
+from autotune.parallel import ParallelDims
+from autotune.training import OffloadedActivations, make_optimizer, token_batches, train_step
+
+TUNED = TrainConfig({knobs})
+GRAD_ACCUM_STEPS = {t.grad_accum_steps}
+SEQ_LEN = {t.seq_len}
+WORLD_SIZE = {t.gpus}
+# The model tuned: what --random-init builds, and what a --checkpoint is compared with.
+MODEL = ModelSpec(name={t.model_name!r}, model_type={t.model_type!r}, default_seq_len=SEQ_LEN,
+                  source="autotune run {t.run_id}", config_dict={_model_config(t)!r})
+# As tuned: gradients are reduce-scattered after every micro-batch. True would call
+# model.set_requires_gradient_sync(False) on all but the last micro-batch: fewer reduce-scatters,
+# but unsharded gradients of every block are kept until then (more memory than was tuned).
+DEFER_GRAD_SYNC = False
+SHAPES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+          "vocab_size")
 
 
-{build_model_source()}def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, folder: str) -> None:
-    """Save in the form autotune recommends for this run (see the header)."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    if STATE_DICT_TYPE == "sharded":
-        import torch.distributed.checkpoint as dcp
-
-        # Each rank writes its own shards: no all-gather, no full copy on any host.
-        state = {{"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}}
-        dcp.save(state, checkpoint_id=folder)
-    else:
-        # One tensor gathered at a time, copied to rank 0's host memory.
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = {{"model": get_model_state_dict(model, options=options),
-                 "optim": get_optimizer_state_dict(model, optimizer, options=options)}}
-        if dist.get_rank() == 0:
-            os.makedirs(folder, exist_ok=True)
-            torch.save(state, os.path.join(folder, "full_state_dict.pt"))
-        dist.barrier()
+def batches(vocab_size: int, device: torch.device, rank: int):
+    """Random token micro-batches (TUNED.micro_batch_size x SEQ_LEN): replace with your data."""
+    return token_batches(vocab_size=vocab_size, micro_batch_size=TUNED.micro_batch_size, seq_len=SEQ_LEN,
+                         device=device, seed=rank)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Train with the FSDP2 configuration autotune found.")
+    weights = parser.add_mutually_exclusive_group(required=True)
+    weights.add_argument("--checkpoint", help="Hugging Face model folder to start from (config.json and "
+                                              "safetensors, one file or several: what save_pretrained writes)")
+    weights.add_argument("--random-init", action="store_true",
+                         help="random weights for the tuned model instead (smoke tests)")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps to run")
-    parser.add_argument("--save", help="folder to save a checkpoint to after the last step")
+    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
+    parser.add_argument("--save", help="folder to write the trained model to after the last step (safetensors and "
+                                       "config.json, plus the --checkpoint folder's tokenizer files); on several "
+                                       "nodes a folder every node sees")
     parser.add_argument("--report", help="write what FSDP2 applied (each parameter's shard dimension and "
                                          "unsharded shape: an expert-parallel rank's own experts) to this JSON file")
     args = parser.parse_args(argv)
+    if args.checkpoint and not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
+        parser.error(f"--checkpoint {{args.checkpoint}} has no config.json: give the folder save_pretrained wrote")
+    if TUNED.expert_parallel > 1 and (args.checkpoint or args.save):
+        # Each expert-parallel rank holds other experts under the same tensor names: not one checkpoint's slices.
+        parser.error("--checkpoint and --save are not built for expert parallelism: use --random-init, no --save")
 
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
@@ -158,31 +171,32 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if world != WORLD_SIZE and rank == 0:
-        print(f"note: tuned for {{WORLD_SIZE}} ranks, running on {{world}}: memory and speed will differ")
-    mesh = ParallelDims.of(TUNED, world).build_mesh(device.type)
-
-    model = build_model()
-    parallelize(model, mesh, TUNED, allow_offload=use_cuda)
-    optimizer = make_optimizer(model, impl=TUNED.optimizer_impl)
-    scaler = None
-    if TUNED.precision == "fp16":
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        scaler = ShardedGradScaler()
-    batches = token_batches(vocab_size=MODEL_CONFIG["vocab_size"], micro_batch_size=TUNED.micro_batch_size,
-                            seq_len=SEQ_LEN, device=device, seed=rank)
+    try:  # a checkpoint that is not this model's: one line (every rank finds the same)
+        spec = resolve_model(args.checkpoint) if args.checkpoint else MODEL
+        differ = [k for k in SHAPES if spec.config_dict.get(k) != MODEL.config_dict.get(k)]
+        if rank == 0 and differ:
+            print(f"note: {{args.checkpoint}} is not the model tuned ({{', '.join(differ)}} differ): memory and "
+                  "speed will differ")
+        if rank == 0 and world != WORLD_SIZE:
+            print(f"note: tuned for {{WORLD_SIZE}} ranks, running on {{world}}: memory and speed will differ")
+        mesh = ParallelDims.of(TUNED, world).build_mesh(device.type)
+        model = sharded_model(spec, mesh, TUNED, device=device, checkpoint=args.checkpoint)
+    except UsageError as exc:
+        parser.exit(2, f"train_fsdp2.py: error: {{exc}}\\n")
+    optimizer = make_optimizer(model, impl=TUNED.optimizer_impl, lr=args.lr)
+    scaler = make_grad_scaler(TUNED.precision, device)
+    tokens = batches(spec.config_dict["vocab_size"], device, rank)
     tokens_per_step = TUNED.micro_batch_size * SEQ_LEN * GRAD_ACCUM_STEPS * world
     # Activation offload needs an accelerator: on CPUs the host is the device.
     offloaded = OffloadedActivations() if TUNED.activation_offload and use_cuda else None
     for step in range(args.steps):
         start = time.perf_counter()
-        loss = train_step(model, optimizer, batches, grad_accum_steps=GRAD_ACCUM_STEPS, scaler=scaler,
+        loss = train_step(model, optimizer, tokens, grad_accum_steps=GRAD_ACCUM_STEPS, scaler=scaler,
                           defer_grad_sync=DEFER_GRAD_SYNC, saved_activations=offloaded)
         dist.all_reduce(loss)
         elapsed = time.perf_counter() - start
         if rank == 0:
-            print(f"step {{step}} loss {{loss.item() / world:.4f}} "
+            print(f"step {{step}} loss {{loss.item() / world:.6f}} "
                   f"tokens/s {{tokens_per_step / elapsed:.0f}} (measured here)", flush=True)
     if args.report and rank == 0:
         # Read from the live model: each sharded parameter is a DTensor, its placements the mesh's.
@@ -192,9 +206,9 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.report, "w") as fh:
             json.dump({{"placements": placements, "shapes": shapes}}, fh, indent=1)
     if args.save:
-        save_checkpoint(model, optimizer, args.save)
+        save_hf_checkpoint(model, args.save, copy_from=args.checkpoint)
         if rank == 0:
-            print(f"saved {{STATE_DICT_TYPE}} checkpoint to {{args.save}}", flush=True)
+            print(f"saved the trained model to {{args.save}}", flush=True)
     dist.barrier()  # no rank tears its groups down while another still talks to it
     dist.destroy_process_group()
 
