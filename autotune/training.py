@@ -73,6 +73,18 @@ def apply_finetuning(net: nn.Module, finetuning: FineTuning, *, precision: str) 
     return net
 
 
+def fused_expert_targets(model: ModelSpec, finetuning: FineTuning) -> list[str]:
+    """The parameters that `finetuning`'s targets reach in `model` as parameters, not linear layers
+    (an MoE's fused experts and router: gate_up_proj, down_proj, gate.weight), as peft resolves
+    them on a meta build of one layer period: peft adapts them directly (its ParamWrapper), which
+    takes no dropout. Empty for a dense model."""
+    import dataclasses
+
+    with torch.device("meta"):
+        net = build_model(model, num_layers=model.layer_period, finetuning=dataclasses.replace(finetuning, dropout=0.0))
+    return sorted(net.peft_config["default"].target_parameters or ())
+
+
 QUANT_STATE_BUFFERS = ("absmax", "code", "offset", "nested_absmax", "nested_code")
 """A 4-bit linear's quantization statistics, registered as its (unsharded) buffers: each rank holds
 every layer's, as under FSDP-QLoRA, and memory trackers count them."""
@@ -165,48 +177,104 @@ def requantize_base(net: nn.Module, *, seed: int) -> None:
 
 
 @dataclass(frozen=True)
-class ParameterCounts:
-    """Parameters of the model as it trains, per decoder block and outside the blocks (the root)."""
+class BlockCounts:
+    """One decoder block's parameters as it trains."""
 
-    block_trainable: int
-    block_total: int
+    trainable: int
+    total: int
+    frozen_bytes: int = 0
+    """Storage of its frozen parameters as FSDP2 shards and gathers them (QLoRA: the packed 4-bit codes)."""
+    quant_state_bytes: int = 0
+    """QLoRA: its quantization statistics (buffers, on every rank unsharded)."""
+    adapted_inputs: tuple[tuple[str, int], ...] = ()
+    """LoRA: (name, input width) of each linear layer peft wrapped with an adapter (not the fused
+    experts' parameters), in module order: what the adapters save for backward."""
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Parameters of the model as it trains: each block of one layer period (blocks repeat with it)
+    and outside the blocks (the root). `block_*` are the largest block's: what one block gathers
+    and reduces at once."""
+
+    blocks: tuple[BlockCounts, ...]
     root_trainable: int
     root_total: int
     num_layers: int
-    block_frozen_bytes: int = 0
-    """Storage of a block's frozen parameters as FSDP2 shards and gathers them (QLoRA: the packed 4-bit codes)."""
     root_frozen_bytes: int = 0
-    block_quant_state_bytes: int = 0
-    """QLoRA: a block's quantization statistics (buffers, on every rank unsharded)."""
+
+    def _largest(self, field: str) -> int:
+        return max(getattr(block, field) for block in self.blocks)
+
+    def _all_blocks(self, field: str) -> int:
+        return sum(getattr(self.blocks[i % len(self.blocks)], field) for i in range(self.num_layers))
+
+    @property
+    def block_trainable(self) -> int:
+        return self._largest("trainable")
+
+    @property
+    def block_total(self) -> int:
+        return self._largest("total")
+
+    @property
+    def block_frozen_bytes(self) -> int:
+        return self._largest("frozen_bytes")
+
+    @property
+    def adapted_inputs(self) -> tuple[tuple[str, int], ...]:
+        """The adapted linears of the block whose adapters read the widest inputs (LoRA)."""
+        return max((block.adapted_inputs for block in self.blocks), key=lambda inputs: sum(w for _, w in inputs))
+
+    @property
+    def blocks_frozen_bytes(self) -> int:
+        """Every block's frozen storage, at full depth."""
+        return self._all_blocks("frozen_bytes")
+
+    @property
+    def blocks_quant_state_bytes(self) -> int:
+        """Every block's quantization statistics, at full depth (QLoRA)."""
+        return self._all_blocks("quant_state_bytes")
 
     @property
     def trainable(self) -> int:
-        return self.root_trainable + self.num_layers * self.block_trainable
+        return self.root_trainable + self._all_blocks("trainable")
 
     @property
     def total(self) -> int:
-        return self.root_total + self.num_layers * self.block_total
+        return self.root_total + self._all_blocks("total")
 
 
 def parameter_counts(model: ModelSpec, finetuning: FineTuning) -> ParameterCounts:
-    """Counted on meta builds of one and two blocks (blocks repeat: the difference is one block),
-    so a 70B model costs no more than a small one."""
+    """Counted block by block on a meta build of one layer period (the shortest copy with every
+    kind of layer), so a 70B model costs no more than a small one."""
+    from autotune.catalog.blocks import find_decoder_blocks
+
     key = (model.model_type, repr(sorted(model.config_dict.items())), finetuning.key())
     if key not in _PARAMETER_COUNTS:
-        counts = []
-        for depth in (1, 2):
-            with torch.device("meta"):
-                net = build_model(model, num_layers=depth, finetuning=finetuning)
-            frozen = [p for p in net.parameters() if not p.requires_grad]
-            counts.append((sum(p.numel() for p in trainable_parameters(net)), sum(map(logical_numel, net.parameters())),
-                           sum(p.nbytes for p in frozen),
-                           quant_state_bytes(net)))
-        (t1, n1, f1, q1), (t2, n2, f2, q2) = counts
-        _PARAMETER_COUNTS[key] = ParameterCounts(block_trainable=t2 - t1, block_total=n2 - n1, root_trainable=2 * t1 - t2,
-                                                 root_total=2 * n1 - n2, num_layers=model.num_layers,
-                                                 block_frozen_bytes=f2 - f1, root_frozen_bytes=2 * f1 - f2,
-                                                 block_quant_state_bytes=q2 - q1)
+        with torch.device("meta"):
+            net = build_model(model, num_layers=model.layer_period, finetuning=finetuning)
+        blocks = tuple(_counts_of(block, lora=finetuning.lora) for block in find_decoder_blocks(net).layers)
+        whole = _counts_of(net, lora=False)  # the blocks' and the root's
+        _PARAMETER_COUNTS[key] = ParameterCounts(
+            blocks=blocks, root_trainable=whole.trainable - sum(b.trainable for b in blocks),
+            root_total=whole.total - sum(b.total for b in blocks), num_layers=model.num_layers,
+            root_frozen_bytes=whole.frozen_bytes - sum(b.frozen_bytes for b in blocks))
     return _PARAMETER_COUNTS[key]
+
+
+def _counts_of(module: nn.Module, *, lora: bool) -> BlockCounts:
+    """`module`'s parameters as it trains, and with `lora` the linears peft adapted in it."""
+    adapted = ()
+    if lora:
+        from peft.tuners.lora import LoraLayer, ParamWrapper
+
+        adapted = tuple((name.rsplit(".", 1)[-1], layer.in_features) for name, layer in module.named_modules()
+                        if isinstance(layer, LoraLayer) and not isinstance(layer, ParamWrapper))
+    return BlockCounts(trainable=sum(p.numel() for p in trainable_parameters(module)),
+                       total=sum(map(logical_numel, module.parameters())),
+                       frozen_bytes=sum(p.nbytes for p in module.parameters() if not p.requires_grad),
+                       quant_state_bytes=quant_state_bytes(module), adapted_inputs=adapted)
 
 
 _PARAMETER_COUNTS: dict[tuple, ParameterCounts] = {}

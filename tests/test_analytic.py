@@ -1,5 +1,6 @@
 """The analytic backend: closed-form memory and roofline throughput behave as FSDP2 does."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -197,6 +198,30 @@ def test_closed_form_knows_each_stacks_loss_as_the_trace_does(ac):
     assert traced["trl-padding-free"] > traced["trl"] and estimated["trl-padding-free"] > estimated["trl"]
     assert traced["hf-trainer"] == pytest.approx(traced["fsdp2"], abs=16)
     assert estimated["hf-trainer"] == estimated["fsdp2"]
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("finetuning", [
+    dict(peft="lora"),
+    dict(peft="lora", dropout=0, targets="q_proj,v_proj,down_proj"),
+    pytest.param(dict(peft="qlora"), marks=pytest.mark.skipif(
+        importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed (the qlora extra)")),
+], ids=["lora", "lora-no-dropout", "qlora"])
+def test_closed_form_knows_what_a_frozen_base_saves_as_the_trace_does(model, finetuning):
+    """LoRA and QLoRA (peft's adapters on a frozen base), with dropout and without (each adapter
+    then keeps its input, shared with the other adapters that read it), traced by the simulator for
+    a GPU run with and without checkpointing: the closed form is within its tolerance of each trace."""
+    import dataclasses
+
+    from autotune.backends.sim import SimBackend
+    from autotune.config import FineTuning
+
+    with SimBackend(device_kind="cuda") as sim:
+        for ac in ("none", "full"):
+            spec = make_spec(model, gpus=2, seq=256, micro_batch_size=4, activation_checkpointing=ac)
+            spec = dataclasses.replace(spec, finetuning=FineTuning(**finetuning))
+            traced = sim.evaluate(spec).extras["tensor_peak_bytes"]
+            assert estimate_memory(spec).tensor_peak_bytes == pytest.approx(traced, rel=TRACE_TOLERANCE), ac
+
 
 if __name__ == "__main__":
     print(json.dumps(trace_tiny_llama(sys.argv[1:])))

@@ -158,6 +158,48 @@ def test_trainable_parameters_match_peft_and_the_adapter_shapes(model):
     assert dtypes == {(True, torch.float32), (False, torch.bfloat16)}
 
 
+def test_lora_counts_and_estimates_a_model_whose_layers_alternate(tmp_path):
+    """Gemma 2's sliding and full attention alternate (layer period 2), so no 1-layer copy has every
+    kind of layer: LoRA's counts are peft's own on the full-depth model, and the analytic backend
+    estimates the LoRA trial."""
+    from autotune.backends.analytic import AnalyticBackend
+    from autotune.catalog.shrink import shrunk_config
+
+    shrunk_config("gemma2", num_layers=4).save_pretrained(tmp_path / "gemma2")
+    spec, lora = resolve_model(str(tmp_path / "gemma2")), FineTuning(peft="lora", rank=8)
+    assert spec.layer_period == 2
+    counts = parameter_counts(spec, lora)
+    with torch.device("meta"):
+        net = build_model(spec, finetuning=lora)
+    assert (counts.trainable, counts.total) == net.get_nb_trainable_parameters()
+    result = AnalyticBackend().evaluate(TrialSpec(model=spec, cluster=Cluster(num_gpus=2), seq_len=64,
+                                                  train=TrainConfig(), finetuning=lora))
+    assert result.status == "ok", result.message
+
+
+def test_lora_on_fused_experts_trains_without_the_dropout_peft_refuses_there(tmp_path, capsys):
+    """tiny-mixtral's experts are fused parameters, which the default targets (all-linear) reach and
+    peft adapts without dropout: the tune and the trial run with dropout 0 and say so, and peft
+    builds the adapters they report; a dropout given there is a one-line usage error."""
+    from autotune.cli import EXIT_OK, EXIT_USAGE, main
+
+    problem = ["--model", "tiny-mixtral", "--gpus", "2", "--seq-len", "128", "--backend", "analytic", "--peft", "lora"]
+    out = tmp_path / "best.json"
+    runs = ["--runs-dir", str(tmp_path / "runs"), "--out", str(out)]
+    assert main([*problem, "--global-tokens", "8Ki", *runs]) == EXIT_OK
+    best = json.loads(out.read_text())
+    assert best["finetuning"]["dropout"] == 0
+    assert any("dropout 0" in note and "fused experts" in note for note in best["notes"])
+    with torch.device("meta"):
+        build_model(resolve_model("tiny-mixtral"), finetuning=FineTuning.from_dict(best["finetuning"]))
+    capsys.readouterr()
+    assert main(["trial", *problem]) == EXIT_OK
+    assert json.loads(capsys.readouterr().out)["finetuning"]["dropout"] == 0
+    assert main(["trial", *problem, "--lora-dropout", "0.1"]) == EXIT_USAGE
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("autotune: error: --lora-dropout 0.1:"), error
+
+
 def test_a_lora_tune_records_what_trained(tmp_path):
     """The main job with --peft lora: best.json says what trained (valid against the schema), the
     study is not the full fine-tune's, and the winner's trial command asks for the same LoRA."""
