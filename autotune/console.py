@@ -28,6 +28,12 @@ def _basis(source: str, basis: str) -> str:
     return basis if basis.startswith(source) else f"{source}: {basis}"
 
 
+def _first_line(message: str | None) -> str:
+    """A message's first line: a torch error can run to dozens (the rest goes to autotune.log)."""
+    lines = (message or "").strip().splitlines()
+    return lines[0] if lines else "no message"
+
+
 def _tps(value: float) -> str:
     return f"{value:,.0f} tok/s"
 
@@ -133,6 +139,13 @@ def _throughput_line(document: dict) -> str:
     return line
 
 
+def _precision_words(train) -> str:
+    """'bf16', or 'float8 tensorwise block linears, else bf16': a float8 winner is not a bf16 one."""
+    if train.float8 == "none":
+        return train.precision
+    return f"float8 {train.float8} block linears, else {train.precision}"
+
+
 _COMPILE_WORDS = {"none": "eager", "blocks": "compiled"}
 
 
@@ -165,14 +178,13 @@ def _short_why(document: dict, why: dict) -> str:
     runner_tps = entry and entry.get("tokens_per_sec")
     text = f"ahead of the runner-up, trial {runner}"
     if runner_tps and document["tokens_per_sec"]:
-        text = f"{document['tokens_per_sec'] / runner_tps - 1:+.1%} against the runner-up, trial {runner}"
+        text = (f"{document['tokens_per_sec'] / runner_tps - 1:+.1%} "
+                f"{_SOURCE_LETTER.get(document['throughput_source'], '?')} against the runner-up, trial {runner}")
+    margin = why.get("close_call_margin")
     if why.get("close_call"):
-        return text + ("; a close call, not settled: the two estimates are within each other's range, "
-                       "a real trial of each decides")
+        return text + f": a close call, not settled (two estimates can be {margin:.1%} apart); a real trial of each decides"
     if why.get("close_call") is False:
-        return text + ", outside the winner's estimated range"
-    if document["throughput_source"] == "estimated":
-        return text + "; both are estimates: a real trial of the two decides a close call"
+        return text + f", beyond the {margin:.1%} two estimates can be apart"
     return text
 
 
@@ -307,11 +319,11 @@ class Console:
         self.out.print(_Wrapped(Text(
             f"{model.name} ({format_count(model.num_parameters)} parameters, {model.num_layers} × "
             f"{model.block_class}) on {cluster.num_gpus} × {cluster.gpu.name} ({cluster.num_nodes} "
-            f"node{'s' if cluster.num_nodes > 1 else ''}), seq_len {request.seq_len}"), 0,
-            first=Text("autotune ", style="bold")))
+            f"node{'s' if cluster.num_nodes > 1 else ''}), seq_len {request.seq_len}, workload "
+            f"{request.workload.label()}"), 0, first=Text("autotune ", style="bold")))
         self.note(f"backend: {backend_name} ({backend_why})")
-        self.note(f"figures: {backend_description}")
-        self.note(f"workload: {request.workload.label()}")
+        if self.verbose:  # the backend's line above says what its figures are; this is their full basis
+            self.note(f"figures: {backend_description}")
         if request.vllm_share:
             self.note(request.vllm_share["note"])
         if request.stack != "fsdp2":
@@ -326,11 +338,11 @@ class Console:
             counts = parameter_counts(request.model, request.finetuning)
             self.note(f"training: {request.finetuning.label()}: {format_count(counts.trainable)} of "
                       f"{format_count(counts.total)} parameters train (counted on the model as peft wraps it)")
-        self.note(f"memory limit per GPU: {request.describe_limit()}")
+        self.note(f"memory limit: {request.describe_limit()}")
         self.note(f"global batch target: {request.target_tokens:,} tokens per step "
                   f"(tolerance {request.tolerance:.1%}); micro-batch at most {request.max_micro_batch}")
         resumed = f", resuming {len(finished)} finished trials" if finished else ""
-        self.note(f"study: {store.name}{resumed}; run folder: {run_dir}")
+        self.note(f"run folder: {run_dir} (study {store.name}{resumed})")
 
     # -- progress ----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -357,13 +369,20 @@ class Console:
                          expected_s=expected, basis=basis, announce=self._slow_work)
 
     def step(self, step, trial_number: int) -> None:
-        """A finished trial, one line (wrapped at words), then why it was run."""
+        """A finished trial. Each trial is printed once, in the table at the end; with --verbose also
+        here as it finishes, with why it was run. A trial that failed says so now in one line (its
+        message's first line: the rest, and any traceback, are in autotune.log)."""
         self._last_step = step.step
         if self._live is not None:
             seconds = self._live.end()
             if seconds is not None and step.reused_from is None:
                 self._trial_seconds.append(seconds)
         result = step.result
+        if result.status in ("error", "timeout") and not self.verbose:
+            self.note(f"trial {step.step} {_short_label(step.train)}: {_first_line(result.message)} "
+                      "(in full: autotune.log)")
+        if not self.verbose:
+            return
         style = _STATUS_STYLE.get(result.status, "white")
         verdict = "fits" if step.fits else result.status
         line = Text(f"{step.step:>2} ", style="bold") + Text(
@@ -379,32 +398,40 @@ class Console:
         self.out.print(_Wrapped(Text(""), first=line))
         self.out.print(_indented(Text(f"why: {step.reason}", style="dim")))
         if result.message and result.status != "ok":
-            self.out.print(_indented(Text(result.message, style="dim")))
+            self.out.print(_indented(Text(_first_line(result.message), style="dim")))
 
     # -- summaries ---------------------------------------------------------------------------------
-    def trial_table(self, steps, request, winner=None) -> None:
-        """One row per trial, narrow enough for an 80-column terminal (details are in report.html)."""
+    def trial_table(self, steps, request, winner=None, runnable=None) -> None:
+        """One row per trial, narrow enough for an 80-column terminal; the last column says how each
+        ended, and for a trial that ran but lost, why in one word (records.why_lost; the sentence is in
+        trials.csv and report.html)."""
         if not steps:
             return
+        from autotune.records import why_lost
+
         precisions = sorted({s.train.precision for s in steps})
         legend = "".join(f"; {word}" for word, shown in (
             ("cmp: compiled blocks", any(s.train.compile != "none" for s in steps)),
-            ("f8t/f8r: float8 tensorwise/rowwise", any(s.train.float8 != "none" for s in steps))) if shown)
+            ("f8t/f8r: float8 tensorwise/rowwise", any(s.train.float8 != "none" for s in steps)),
+            ("+: reused from the study", any(s.reused_from is not None for s in steps))) if shown)
         self.out.print(_Wrapped(Text(f"trials, {'/'.join(precisions)} (* winner; P/E/M: predicted/estimated/"
                                      f"measured{legend})", style="italic"), 0))
         table = Table(box=None, pad_edge=False, padding=(0, 1), header_style="bold underline")
         # Figures keep their width; a long configuration wraps at its spaces instead of being cut.
-        for column, justify, width in (("#", "right", 3), ("stage", "left", 7), ("configuration", "left", None),
-                                       ("acc", "right", 3), ("status", "left", 6), ("peak/GPU", "right", 13),
-                                       ("job tok/s", "right", 10)):
-            table.add_column(column, justify=justify, no_wrap=column != "configuration", min_width=width)
+        for column, justify in (("#", "right"), ("stage", "left"), ("configuration", "left"), ("acc", "right"),
+                                ("peak/GPU", "right"), ("job tok/s", "right"), ("result", "left")):
+            table.add_column(column, justify=justify, no_wrap=column != "configuration")
         for s in steps:
             result = s.result
-            mark = "*" if winner is not None and s is winner else ""
+            mark = ("*" if winner is not None and s is winner else "") + ("+" if s.reused_from is not None else "")
+            lost = why_lost(s, winner, request, runnable)
+            outcome = "won" if winner is not None and s is winner else lost[0] if lost else \
+                "fits" if s.fits else result.status
             table.add_row(f"{mark}{s.step}", _SHORT_STAGE.get(s.stage, s.stage), _short_label(s.train),
-                          str(s.batch.grad_accum_steps), "fits" if s.fits else result.status,
+                          str(s.batch.grad_accum_steps),
                           _short_figure(result.peak_memory, format_bytes),
-                          _short_figure(result.tokens_per_sec, lambda v: f"{v:,.0f}"))
+                          _short_figure(result.tokens_per_sec, lambda v: f"{v:,.0f}"),
+                          Text(outcome, style=_STATUS_STYLE.get(result.status, "white")))
         self.out.print(_Trimmed(table))
 
     def winner(self, document: dict, run_dir: Path, out: str | None) -> None:
@@ -412,7 +439,7 @@ class Console:
         fsdp = document["fsdp"]
         train = TrainConfig.from_result(document)
         self.out.print(_Wrapped(Text(
-            f"{_short_label(train)} ({document['precision']}), {document['grad_accum_steps']} accumulation "
+            f"{_short_label(train)} ({_precision_words(train)}), {document['grad_accum_steps']} accumulation "
             f"step{'s' if document['grad_accum_steps'] != 1 else ''} "
             f"x {document['gpus']} GPUs x seq {document['seq_len']} = {document['global_tokens']:,} tokens/step "
             f"({document['global_tokens_deviation']:+.2%} vs target)"), first=Text("winner: ", style="bold green")))
@@ -450,9 +477,8 @@ class Console:
         result_path = run_dir / "best.json"
         self.out.print(_indented(Text(f"wrote {result_path}" + (f" and {out}" if out else ""))))
         if not self.verbose:
-            self.out.print(_indented(Text(
-                "bases, ranges, checkpoint advice" + (", the trial commands" if why.get("decide_with") else "")
-                + ": report.html and best.json there, or --verbose", style="dim")))
+            self.out.print(_indented(Text(  # one line: best.json holds them too, and the trial commands
+                "why each trial lost, bases, ranges: report.html, trials.csv; --verbose: more", style="dim")))
         self.out.print(_indented(Text(f"next: autotune export {run_dir} --format fsdp2 (or accelerate, trl, "
                                       "torchtitan, ...: autotune export --help)", style="dim")))
 
@@ -524,3 +550,46 @@ class Console:
         self.note(f"export {fmt}: {path}")
         for warning in warnings:
             self.err.print(f"autotune: warning: {fmt}: {warning}", markup=False)
+
+    # -- the catalog (autotune models, autotune gpus) ----------------------------------------------
+    def models_table(self, rows: list[dict]) -> None:
+        """The catalog's models in 80 columns, then each one's source."""
+        from autotune.catalog.listing import MODELS_WHAT
+
+        table = Table(title=f"catalog models: {MODELS_WHAT}", box=None, pad_edge=False, padding=(0, 1),
+                      title_justify="left", header_style="bold underline")
+        for column, justify in (("model", "left"), ("type", "left"), ("params", "right"), ("layers", "right"),
+                                ("hidden", "right"), ("heads", "right"), ("experts", "right"), ("seq", "right")):
+            table.add_column(column, justify=justify, no_wrap=True)
+        for row in rows:
+            table.add_row(row["name"], row["model_type"], format_count(row["num_parameters"]), str(row["num_layers"]),
+                          f"{row['hidden_size']:,}", f"{row['num_attention_heads']}/{row['num_key_value_heads']}",
+                          str(row["num_experts"] or "-"), str(row["default_seq_len"]))
+        self.out.print(_Trimmed(table))
+        self.out.print(_Wrapped(Text("heads: query/key-value; seq: the default --seq-len; --json for every field; "
+                                     "sources:"), 0))
+        self._sources(rows, "name")
+
+    def _sources(self, rows: list[dict], key: str) -> None:
+        for row in rows:
+            source = row["source"] + (f"; float8: {row['float8_source']}" if row.get("float8_source") else "")
+            self.out.print(_hanging(Text("•", style="cyan"), Text(f"{row[key]}: {source}")))
+
+    def gpus_table(self, rows: list[dict]) -> None:
+        """The catalog's GPUs in 80 columns, then each one's sources (the figures are data-sheet ones)."""
+        from autotune.catalog.listing import GPUS_WHAT
+
+        table = Table(title=f"catalog GPUs: {GPUS_WHAT}", box=None, pad_edge=False, padding=(0, 1),
+                      title_justify="left", header_style="bold underline")
+        for column, justify in (("gpu", "left"), ("memory", "right"), ("bf16", "right"), ("float8", "right"),
+                                ("fp32", "right"), ("HBM", "right"), ("in node", "right"), ("network", "right")):
+            table.add_column(column, justify=justify, no_wrap=True)
+        for row in rows:
+            table.add_row(row["type"] + (" *" if row["default"] else ""), format_bytes(row["memory_bytes"]),
+                          f"{row['peak_tflops']:g}", f"{row['float8_tflops']:g}" if row["float8_tflops"] else "-",
+                          f"{row['fp32_tflops']:g}" if row["fp32_tflops"] else "-", f"{row['hbm_gbps']:,g}",
+                          f"{row['intra_node_gbps']:g}", f"{row['inter_node_gbps']:g}")
+        self.out.print(_Trimmed(table))
+        self.out.print(_Wrapped(Text("* the default --gpu-type where none is detected; bf16 is fp16 where a GPU "
+                                     "has no bf16; sources:"), 0))
+        self._sources(rows, "type")

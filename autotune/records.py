@@ -111,6 +111,35 @@ def eligible(steps: list[Step], tolerance: float) -> list[Step]:
     return [s for s in steps if s.fits and within_tolerance(s.batch, tolerance)]
 
 
+def why_lost(step: Step, winner: Step | None, request: TuneRequest,
+             runnable: list[Step] | None = None) -> tuple[str, str] | None:
+    """Why a trial that ran to its figures did not win: one word for the console's table and the
+    sentence for trials.csv and report.html. None for the winner, and for trials whose status
+    already says it (oom, pruned, error)."""
+    from autotune.units import format_bytes
+
+    result = step.result
+    if winner is None or step is winner or not result.ok:
+        return None
+    if not step.fits:
+        peak = result.peak_memory
+        return "headroom", (f"peak {format_bytes(peak.value)} ({peak.source}) is over the memory limit of "
+                            f"{request.describe_limit()}")
+    if not within_tolerance(step.batch, request.tolerance):
+        return "batch", (f"global batch {step.batch.global_tokens:,} tokens is {step.batch.deviation:+.1%} off the "
+                         f"target {step.batch.target_tokens:,}, beyond the {request.tolerance:.1%} tolerance")
+    if runnable is not None and step not in runnable:
+        return "stack", f"needs a knob --stack {request.stack}'s file cannot set (the run's notes say which)"
+    if step.train == winner.train:
+        return "same", f"the winner's configuration; trial {winner.step} ({winner.stage}) is the one that counts"
+
+    def figure(s: Step) -> str:
+        tps = s.result.tokens_per_sec
+        return f"{tps.value:,.0f} tokens/s ({tps.source})" if tps and tps.value else "no throughput figure"
+
+    return "slower", f"{figure(step)} against the winner's {figure(winner)} (trial {winner.step})"
+
+
 def prediction_summary(steps: list[Step]) -> dict | None:
     """How far the simulator's tensor peaks were from the measured ones over a run."""
     errors = [s.prediction_error for s in steps if s.prediction_error is not None]

@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from autotune.records import Step, TuneRequest, eligible, prediction_summary
+from autotune.records import Step, TuneRequest, eligible, prediction_summary, why_lost
 from autotune.version import __version__
 from autotune import knobs
 from autotune.config import (MASTER_DTYPE_BYTES, MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, PARAM_DTYPE_NAMES,
@@ -107,7 +107,9 @@ def text_only_note(section: dict[str, Any]) -> str:
             "their image/patch activations, none of it traced: the memory figures here are the language model's")
 
 
-def decision_path(steps: list[Step]) -> list[dict[str, Any]]:
+def decision_path(steps: list[Step], winner: Step, request: TuneRequest) -> list[dict[str, Any]]:
+    """Every trial, with why it lost where it ran (records.why_lost: a word and its sentence)."""
+    lost = {s.step: why_lost(s, winner, request) or (None, None) for s in steps}
     return [{
         "step": s.step,
         "stage": s.stage,
@@ -120,6 +122,8 @@ def decision_path(steps: list[Step]) -> list[dict[str, Any]]:
         "tokens_per_sec": s.result.throughput,
         "throughput_source": s.result.tokens_per_sec.source if s.result.tokens_per_sec else None,
         "reason": s.reason + (" (reused trial: no new trial)" if s.reused_from is not None else ""),
+        "lost": lost[s.step][0],
+        "lost_detail": lost[s.step][1],
     } for s in steps]
 
 
@@ -198,25 +202,44 @@ def why_winner(winner: Step, steps: list[Step], request: TuneRequest) -> dict[st
     sentence = (f"step {winner.step} ({winner.train.label()}) won with {figure(winner)}, {gain:+.1%} against the "
                 f"runner-up, step {runner.step} ({runner.train.label()}) at {figure(runner)}")
     section = {"winner_step": winner.step, "runner_up_step": runner.step}
-    estimated = winner.result.tokens_per_sec and winner.result.tokens_per_sec.source == "estimated"
-    span = winner.result.extras.get("tokens_per_sec_range") if estimated else None
-    if span and winner.result.tokens_per_sec.value:
-        # The ranges come from the cost model's validation errors (autotune/costmodel.py).
-        low = span[0] / winner.result.tokens_per_sec.value
-        close = (runner.result.throughput or 0) >= (winner.result.throughput or 0) * low
-        section.update(range_tokens_per_sec=span, close_call=close)
+    tps = winner.result.tokens_per_sec
+    if tps and tps.source == "estimated" and tps.value:
+        margin, basis = ranking_margin(winner, runner)
+        close = (runner.result.throughput or 0) >= tps.value * (1 - margin)
+        span = winner.result.extras.get("tokens_per_sec_range")
+        section.update(close_call=close, close_call_margin=margin, range_tokens_per_sec=_range(span))
         if close:
             commands = [_trial_command(request, s) for s in (winner, runner)]
             section["decide_with"] = commands
-            sentence += (f"; the two estimates are within the estimate's range ({span[0]:,.0f}-{span[1]:,.0f} "
-                         f"tokens/s) of each other, so the ranking is not settled: a real trial of each decides "
-                         f"({commands[0]}; {commands[1]})")
+            sentence += (f"; a close call: a lead within {margin:.1%} ({basis}), so the ranking is not settled: a real "
+                         f"trial of each decides ({commands[0]}; {commands[1]})")
         else:
-            sentence += (f"; the runner-up is outside the winner's estimated range ({span[0]:,.0f}-{span[1]:,.0f} "
-                         "tokens/s)")
-    elif estimated:
-        sentence += "; both are estimates, so a real trial of the two decides a close call"
+            sentence += f"; the lead is beyond the {margin:.1%} two such estimates can be off ({basis})"
     return {**section, "sentence": sentence}
+
+
+def ranking_margin(winner: Step, runner: Step) -> tuple[float, str]:
+    """How far below the runner-up's estimate the winner's could really be, by the validation figures
+    (costmodel): (the fraction, what it is). Two GPU estimates of one model on one cluster share most
+    of their error, so their ratio is surer than either (costmodel.RANKING_ERROR); a float8 speed-up only
+    the winner has can fall short of its estimate (costmodel.FLOAT8_RANGE_LOW). CPU profiles and host-bound
+    estimates have no validated ranking: there the winner's whole range."""
+    from autotune import costmodel
+
+    extras = winner.result.extras
+    span = extras.get("tokens_per_sec_range")
+    unvalidated = extras.get("real_backend") == "cpu" or (extras.get("step_time") or {}).get("host_bound")
+    if unvalidated and span:
+        return (1 - span[0] / winner.result.tokens_per_sec.value,
+                f"the winner's estimated range {span[0]:,.0f}-{span[1]:,.0f} tokens/s: no ranking of such estimates "
+                "is validated")
+    margin = costmodel.RANKING_ERROR
+    basis = f"the worst a ratio of two GPU estimates has been off, costmodel.RANKING_ERROR {margin:.1%}"
+    if winner.train.float8 not in ("none", runner.train.float8):
+        margin = 1 - (1 - costmodel.RANKING_ERROR) * costmodel.FLOAT8_RANGE_LOW
+        basis += (f", with the winner's float8 speed-up at the worst measured against its estimate "
+                  f"(x{costmodel.FLOAT8_RANGE_LOW:.2f})")
+    return margin, basis
 
 
 def _trial_command(request: TuneRequest, step: Step) -> str:
@@ -381,7 +404,7 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
         "mfu": result.extras.get("mfu", result.extras.get("mfu_estimated")),
         "predicted": winner.predicted.to_dict() if winner.predicted else None,
         "prediction_error": prediction_summary(steps),
-        "decision_path": decision_path(steps),
+        "decision_path": decision_path(steps, winner, request),
         # Which part of the search found the winner: the graph's stages, or `sample` beyond it.
         "found_by": found_by(winner, steps),
         "sampling": sampling,

@@ -74,6 +74,7 @@ def trials_csv(records: list[dict[str, Any]]) -> str:
             "peak_memory_bytes": peak.get("value"), "memory_source": peak.get("source"),
             "predicted_peak_bytes": predicted.get("value"),
             "tokens_per_sec": tps.get("value"), "throughput_source": tps.get("source"),
+            "lost": r.get("lost") or "", "lost_detail": r.get("lost_detail") or "",
             "backend": r["backend"], "reason": r["reason"], "message": result.get("message", ""),
             "duration_s": result.get("duration_s"),
         })
@@ -116,3 +117,72 @@ class RunLog:
     def close(self) -> None:
         self.logger.removeHandler(self.handler)
         self.handler.close()
+
+
+class LibraryOutput:
+    """What the libraries a run uses print on their own (torch's and transformers' log records,
+    bitsandbytes' "Failed to load CPU gemm_4bit_forward", FutureWarnings) goes to the run's
+    autotune.log instead of the console, while this is open. The loggers that write to stderr have
+    that handler swapped for one into the log; the root logger gets one too (libraries that set up
+    none, like bitsandbytes); warnings.warn's messages are written there. What arrives before the run's
+    log exists is held and written once `attach` gives it; with no log by the end, it is shown on
+    stderr as it would have been."""
+
+    def __init__(self) -> None:
+        self._held: list[str] = []
+        self._log: RunLog | None = None
+        self._swapped: list[tuple[logging.Logger, logging.Handler]] = []
+        self._warnings = None
+        outer = self
+
+        class _ToLog(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                outer.write(f"{record.name} {record.levelname}: {record.getMessage()}")
+
+        self._handler = _ToLog(logging.WARNING)
+
+    def write(self, text: str) -> None:
+        if self._log is None:
+            self._held.append(text)
+        else:
+            self._log(f"library: {text}")
+
+    def attach(self, log: RunLog) -> None:
+        self._log = log
+        for text in self._held:
+            log(f"library: {text}")
+        self._held.clear()
+
+    def __enter__(self) -> "LibraryOutput":
+        import sys
+        import warnings
+
+        loggers = [logging.root, *(logger for logger in logging.root.manager.loggerDict.values()
+                                   if isinstance(logger, logging.Logger))]
+        for logger in loggers:
+            for handler in list(logger.handlers):
+                if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stderr, sys.__stderr__):
+                    logger.removeHandler(handler)
+                    logger.addHandler(self._handler)
+                    self._swapped.append((logger, handler))
+        if self._handler not in logging.root.handlers:
+            logging.root.addHandler(self._handler)
+            self._swapped.append((logging.root, None))
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: self.write(
+            f"{category.__name__}: {message} ({filename}:{lineno})")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import sys
+
+        self._warnings.__exit__(*exc)
+        for logger, handler in self._swapped:
+            logger.removeHandler(self._handler)
+            if handler is not None:
+                logger.addHandler(handler)
+        self._swapped.clear()
+        for text in self._held:  # no run log came to be (the run stopped before its folder)
+            print(text, file=sys.stderr)
+        self._held.clear()

@@ -659,3 +659,31 @@ def test_qlora_without_bitsandbytes_is_one_line():
     errors = [line for line in proc.stderr.splitlines() if "error" in line]
     assert proc.returncode == EXIT_USAGE, proc.stderr
     assert len(errors) == 1 and "pip install 'autotune[qlora]'" in errors[0] and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["models", "gpus"])
+def test_the_catalog_lists_each_entry_with_its_figures_and_source_in_80_columns(command, capsys):
+    """`autotune models` and `autotune gpus`: one table row per catalog entry with its key figures,
+    then each entry's source, every line within 80 columns; --json gives every field for machines."""
+    from autotune.catalog.gpus import GPUS
+    from autotune.catalog.models import MODELS
+
+    catalog = MODELS if command == "models" else GPUS
+    assert main([command]) == EXIT_OK
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    flat = " ".join(" ".join(lines).split())
+    for name, entry in catalog.items():
+        assert f"{name}: {' '.join(entry.source.split())}" in flat  # its source, named
+        (row,) = [line for line in lines if line.split()[:1] == [name] or line.split()[:2] == [name, "*"]]
+        figure = (f"{resolve_model(name).num_layers}" if command == "models" else f"{entry.peak_tflops:g}")
+        assert figure in row.split(), row
+    assert main([command, "--json"]) == EXIT_OK
+    rows = json.loads(capsys.readouterr().out)
+    key = "name" if command == "models" else "type"
+    assert [row[key] for row in rows] == list(catalog)
+    assert all(row["source"] for row in rows)
+    if command == "models":
+        assert {row["name"]: row["num_parameters"] for row in rows}["llama-7b"] == resolve_model("llama-7b").num_parameters
+    else:
+        assert {row["type"]: row["memory_bytes"] for row in rows}["h100-80gb"] == GPUS["h100-80gb"].memory_bytes

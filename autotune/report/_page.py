@@ -100,7 +100,7 @@ def _cards(result: dict[str, Any]) -> str:
         f'<span class="muted">{escape(note)}</span></div>' for title, value, note in cards) + "</div>"
 
 
-def _trial_table(trials: list[dict[str, Any]], winner_step: int | None) -> str:
+def _trial_table(trials: list[dict[str, Any]], winner_step: int | None, lost: dict[int, str]) -> str:
     head = ("step", "stage", "config", "accum", "status", "peak memory", "tokens/s", "backend", "why / message")
     rows = []
     for t in trials:
@@ -108,8 +108,9 @@ def _trial_table(trials: list[dict[str, Any]], winner_step: int | None) -> str:
         peak, tps = result.get("peak_memory") or {}, result.get("tokens_per_sec") or {}
         fits = t.get("fits", t["status"] == "ok")
         css = "win" if t["step"] == winner_step else ("bad" if not fits else "")
-        why = escape(t.get("reason", "")) + (f'<br><span class="muted">{escape(result["message"])}</span>'
-                                              if result.get("message") else "")
+        why = escape(t.get("reason", "")) + "".join(
+            f'<br><span class="muted">{escape(text)}</span>' for text in (lost.get(t["step"]), result.get("message"))
+            if text)
         rows.append(
             f'<tr class="{css}"><td class="num">{t["step"]}</td>'
             f'<td>{escape(t["stage"])}</td><td>{escape(_config_label(t["config"]))}</td>'
@@ -120,6 +121,12 @@ def _trial_table(trials: list[dict[str, Any]], winner_step: int | None) -> str:
             f'<td>{escape(t.get("backend", ""))}</td><td>{why}</td></tr>')
     return ('<div class="scroll"><table id="trials"><thead><tr>' + "".join(f"<th>{h}</th>" for h in head)
             + "</tr></thead><tbody>" + "".join(rows) + "</tbody></table></div>")
+
+
+def _lost(result: dict[str, Any]) -> dict[int, str]:
+    """'lost (batch): global batch ... beyond the 1.0% tolerance' by trial, from best.json's decision path."""
+    return {s["step"]: f"lost ({s['lost']}): {s['lost_detail']}" for s in result.get("decision_path", [])
+            if s.get("lost")}
 
 
 def _decision_path(result: dict[str, Any]) -> str:
@@ -243,7 +250,7 @@ capacity, dashed: usable limit after headroom.</p>
 <h2>Checkpointing</h2>
 {_checkpoint(result)}
 <h2>All trials</h2>
-{_trial_table(trials, winner_step)}
+{_trial_table(trials, winner_step, _lost(result))}
 <p class="muted">Sources: <span class="src measured">measured</span> a real run;
 <span class="src predicted">predicted</span> an exact trace of the real model;
 <span class="src estimated">estimated</span> a model of the hardware.</p>
