@@ -40,9 +40,17 @@ def tune(model: str, *, gpus: int, global_tokens: int | str, **options: Any) -> 
 
 def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
     """A whole tuning run: the result document, or NothingFits (its message says why and where the
-    trials are). Progress goes to `console` (the CLI's; autotune.tune() passes a quiet one).
+    trials are). Progress goes to `console` (the CLI's; autotune.tune() passes a quiet one), what the
+    libraries print on their own to the run's autotune.log (run_folder.LibraryOutput).
     `backend`: a trial backend of options.backend's kind to use (and not close), so that runs of
     one `autotune plan` share its traces; None makes one for this run."""
+    from autotune.run_folder import LibraryOutput
+
+    with LibraryOutput() as library:
+        return _run_tune(options, console, backend=backend, library=library)
+
+
+def _run_tune(options: TuneOptions, console, *, backend, library) -> dict[str, Any]:
     from autotune.batch import DEFAULT_TOLERANCE, check_reachable, check_target
     from autotune.records import DEFAULT_HEADROOM, TuneRequest
     from autotune.search_space import load_space
@@ -67,6 +75,8 @@ def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
 
     model, cluster, seq_len, gpu_note = resolve_problem(options, check_batch=check_batch)
     space = load_space(options.space)
+    if options.precision is not None:  # --precision overrides the search space's baseline.precision
+        space = dataclasses.replace(space, precision=options.precision)
     if options.compile is not None:  # --compile overrides the search space's compile.mode
         space = dataclasses.replace(space, compile=options.compile)
     if options.float8 is not None:  # --float8 overrides the search space's float8.mode
@@ -82,6 +92,10 @@ def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
         check_float8_library(f"--float8 {space.float8}")  # traced or run: torchao's float8 linears
     check_wrappable(model)  # builds the model on the meta device: after the checks that need no model
     check_precision_runs(model, space.precision)
+    finetuning, finetuning_note = fit_finetuning(options, finetuning, model)
+    if space.precision == "bf16-pure" and not cluster.gpu.supports_bf16:  # bf16 mixed falls back to fp16; pure cannot
+        given = "--precision bf16-pure" if options.precision else f"search space {options.space!r}: baseline.precision bf16-pure"
+        raise UsageError(f"{given}: {cluster.gpu.name} has no bf16; use fp16 (mixed) or fp32")
     vllm_share = None
     if workload.kind == "grpo":  # before the run folder: a share vLLM cannot start in is a usage error
         chosen = with_vllm_share(TuneRequest(model=model, cluster=cluster, seq_len=seq_len, target_tokens=target,
@@ -105,12 +119,14 @@ def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
     finished = store.finished()
     run_dir = new_run_dir(request, runs_dir)
     log = RunLog(run_dir / "autotune.log")
+    library.attach(log)
     write_run_state(run_dir, "running", log)
     state = "failed"
     try:
         document = _tune_in_run_dir(options, console, request=request, store=store, finished=finished,
                                     run_dir=run_dir, log=log, backend_name=backend_name,
-                                    backend_why=backend_why, gpu_note=gpu_note, formats=formats, backend=backend)
+                                    backend_why=backend_why, gpu_note=gpu_note, formats=formats, backend=backend,
+                                    notes=[finetuning_note] if finetuning_note else [])
         state = "done"
         return document
     except NothingFits:
@@ -126,11 +142,12 @@ def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
 
 def _tune_in_run_dir(options: TuneOptions, console, *, request, store, finished, run_dir: Path, log,
                      backend_name: str, backend_why: str, gpu_note: str, formats: list[str],
-                     backend=None) -> dict[str, Any]:
-    """The run itself, once its folder is claimed: trials, then the files."""
+                     backend=None, notes: list[str] = ()) -> dict[str, Any]:
+    """The run itself, once its folder is claimed: trials, then the files. `notes`: what the run
+    changed of what was asked, first among the outcome's notes."""
     from autotune.backends import get_backend
     from autotune.controller import Controller
-    from autotune.records import why_nothing_fits
+    from autotune.records import why_lost, why_nothing_fits
     from autotune.files import write_atomic
     from autotune.result import build_result, dumps, text_only_note, text_only_section
     from autotune.run_folder import trials_csv
@@ -148,8 +165,12 @@ def _tune_in_run_dir(options: TuneOptions, console, *, request, store, finished,
     def on_step(step) -> None:
         number = store.record(step, run_id=run_id)
         console.step(step, number)
+        record = dict(step_record(step)["result"])
+        record["extras"] = dict(record.get("extras") or {})
+        trace = record["extras"].pop("traceback", None)
         log(f"step {step.step} [{step.stage}] {step.train.label()} -> {step.result.status} "
-            f"fits={step.fits} {json.dumps(step_record(step)['result'], default=str)} reason: {step.reason}")
+            f"fits={step.fits} {json.dumps(record, default=str)} reason: {step.reason}"
+            + (f"\n{trace}" if trace else ""))  # a failed trace's whole traceback: the console has its first line
 
     controller = Controller(request, backend, predictor=predictor, estimator=get_backend("analytic"),
                             finished=finished, on_step=on_step, on_start=console.trial_started)
@@ -161,57 +182,165 @@ def _tune_in_run_dir(options: TuneOptions, console, *, request, store, finished,
             backend.close()
         if predictor is not None:
             predictor.close()
+    def build(step, steps=None) -> dict:
+        return build_result(request, step, steps or outcome.steps, backend=backend_name, wrap=model.block_class,
+                            run_id=run_id, study=store.name, notes=outcome.notes, sampling=outcome.sampling)
+
+    # The stack the user runs: a winner whose knobs its file cannot set gives way to the fastest it can,
+    # before the table and trials.csv say which trial won and why the others lost.
+    runnable = None
+    if outcome.winner is not None:
+        stack_winner, runnable = winner_for_stack(request, outcome, build(outcome.winner), build)
+        if stack_winner is not None:
+            outcome.winner = stack_winner
+        outcome.notes.extend(note for note in stack_notes(request, build(outcome.winner))
+                             if note not in outcome.notes)
     records = store.trials(run_id=run_id)
+    lost = {s.step: why_lost(s, outcome.winner, request, runnable) for s in outcome.steps}
+    for record in records:  # why a trial that ran lost, for trials.csv and report.html
+        word, detail = lost.get(record["step"]) or (None, None)
+        record.update(lost=word, lost_detail=detail)
     write_atomic(run_dir / "trials.csv", trials_csv(records))
     if model.text_tower_of and outcome.winner is not None:  # what --text-only left out, at the winner's precision
         left_out = text_only_section(model, num_gpus=request.cluster.num_gpus, precision=outcome.winner.train.precision)
         outcome.notes.insert(0, text_only_note(left_out))
+    outcome.notes[:0] = notes
     for note in outcome.notes:
         console.note(note)
         log(f"note: {note}")
-    console.trial_table(outcome.steps, request, winner=outcome.winner)
+    console.trial_table(outcome.steps, request, winner=outcome.winner, runnable=runnable)
     if outcome.winner is None:
         reason = why_nothing_fits(outcome.steps[-1], request) if outcome.steps else "no configuration was evaluated"
         raise NothingFits(f"{reason}; trials are in {run_dir}")
-    document = build_result(request, outcome.winner, outcome.steps, backend=backend_name,
-                            wrap=model.block_class, run_id=run_id, study=store.name, notes=outcome.notes,
-                            sampling=outcome.sampling)
+    document = build(outcome.winner, runnable)
     text = dumps(document)
     write_atomic(run_dir / "best.json", text)
     if options.out:
         write_atomic(Path(options.out), text)
     _write_report(run_dir, document, records, console)
     if formats:
-        write_formats(document, formats, run_dir, console, every=options.export.strip() == "all")
+        write_formats(document, formats, run_dir, console)
     log(f"winner: step {outcome.winner.step} {outcome.winner.train.label()}; wrote {run_dir / 'best.json'}")
     console.winner(document, run_dir, options.out)
     return document
 
 
-def parse_formats(text: str) -> list[str]:
+STACK_FORMATS = {"trl-padding-free": "trl"}
+"""A stack's export format, where the names differ (config.STACKS)."""
+WRITTEN_PER_STACK = ("compile", "float8", "activation_offload", "expert_parallel", "shard_placement",
+                     "shard_group_size", "reshard_group_size")
+"""Knobs an export may leave unwritten (export._base.map_knobs_not_expressed): a stack whose file marks one
+of them unsupported does not run the winner as tuned."""
+
+
+def not_run_as_tuned(document: dict, fmt: str) -> list[str] | None:
+    """The winner's knobs `fmt`'s file cannot set (the real exporter's mapping says so), or None where
+    the format cannot express the result at all (torchtitan without a model of these shapes)."""
+    from autotune.export import ExportRefused, export_result
+
+    try:
+        export = export_result(document, fmt)
+    except ExportRefused:
+        return None
+    return [m.knob for m in export.mappings if m.status == "unsupported" and m.knob in WRITTEN_PER_STACK]
+
+
+def winner_for_stack(request, outcome, document: dict, build):
+    """Under --stack S (not fsdp2): (the fastest eligible step whose every knob S's file sets, the steps
+    without the knobs S cannot set) where the winner needs one S cannot, else (None, None): the winner
+    stands. A knob the user's stack cannot run is not picked for it; the note says what the faster
+    configuration was."""
+    from autotune.records import eligible
+
+    from autotune import knobs
+
+    fmt = STACK_FORMATS.get(request.stack, request.stack)
+    missing = not_run_as_tuned(document, fmt) if fmt != "fsdp2" else []
+    if not missing:
+        return None, None
+    winner = outcome.winner
+    runnable = [s for s in outcome.steps
+                if all(getattr(s.train, name) == knobs.BY_NAME[name].default for name in missing)]
+    for step in sorted(eligible(outcome.steps, request.tolerance), key=lambda s: -(s.result.throughput or 0.0)):
+        if step is winner or step.stage == "confirm":
+            continue
+        if not_run_as_tuned(build(step), fmt) == []:
+            gain = (winner.result.throughput or 0) / (step.result.throughput or 1) - 1
+            outcome.notes.append(
+                f"winner for --stack {request.stack}: {step.train.label()} (step {step.step}); the fastest, "
+                f"{winner.train.label()} (step {winner.step}, {gain:+.1%} tokens/s, estimated), needs "
+                f"{', '.join(missing)}, which {fmt}'s file cannot set (autotune export --format {fmt} says how "
+                "to by hand); best.json's decision path lists the trials that stack runs")
+            return step, runnable
+    return None, None
+
+
+def stack_notes(request, document: dict) -> list[str]:
+    """Which stacks' exports run the winner as tuned: one note where some cannot (checked with each
+    format's real exporter), and the stack the memory was predicted for."""
+    from autotune import cache, knobs
+    from autotune.config import TrainConfig
+
+    train = TrainConfig.from_result(document)
+    if all(getattr(train, name) == knobs.BY_NAME[name].default for name in WRITTEN_PER_STACK):
+        return []  # every knob a file may leave unwritten is at its default: every stack runs it
+    # The exporters import torch: a repeated tune answered from the cache keeps not needing it.
+    same = {k: v for k, v in document.items() if k not in ("run_id", "study", "provenance", "notes")}
+    return cache.cached("stack-notes", {"stack": request.stack, "result": same},
+                        lambda: _stack_notes(request, document))
+
+
+def _stack_notes(request, document: dict) -> list[str]:
     from autotune.export import FORMATS, ON_REQUEST
 
-    if text.strip() == "all":
-        names = [f for f in FORMATS if f not in ON_REQUEST]
-    else:
-        names = [f.strip() for f in text.split(",") if f.strip()]
-    unknown = [n for n in names if n not in FORMATS]
-    if unknown or not names:
+    runs, not_runs = [], {}
+    for fmt in FORMATS:
+        if fmt in ON_REQUEST:
+            continue
+        missing = not_run_as_tuned(document, fmt)
+        if missing == []:
+            runs.append(fmt)
+        elif missing:
+            not_runs.setdefault(", ".join(missing), []).append(fmt)
+    if not not_runs:
+        return []
+    others = "; ".join(f"{', '.join(fmts)} cannot set its {knobs}" for knobs, fmts in not_runs.items())
+    from autotune.config import STACKS
+
+    stacks = [fmt for fmts in not_runs.values() for fmt in fmts if fmt in STACKS]
+    tip = f" (--stack {stacks[0]} tunes for that stack)" if stacks else ""
+    return [f"predicted for {request.stack}'s step; runs as tuned in {', '.join(runs)}; {others}{tip}"]
+
+
+def parse_formats(text: str) -> list[str]:
+    """--format / --export: comma-separated format names in any case, or 'all'."""
+    from autotune.export import FORMATS, ON_REQUEST
+
+    if text.strip().lower() == "all":
+        return [f for f in FORMATS if f not in ON_REQUEST]
+    given = [f.strip() for f in text.split(",") if f.strip()]
+    unknown = [g for g in given if g.lower() not in FORMATS]
+    if unknown or not given:
         raise UsageError(f"unknown export format {', '.join(unknown) or text!r}: choose from "
                          f"{', '.join(FORMATS)} or 'all' (every one but {', '.join(ON_REQUEST)})")
-    return names
+    return list(dict.fromkeys(g.lower() for g in given))  # fsdp2,FSDP2 is one file
 
 
-def write_formats(document: dict, formats: list[str], out_dir: Path, console, *, every: bool = False) -> list[Path]:
-    """`every` (the user asked for 'all'): a format that cannot express this result is skipped with a
-    warning; asked for by name, it is an error."""
+def write_formats(document: dict, formats: list[str], out_dir: Path, console) -> list[Path]:
+    """Write each format; one that cannot express this result (torchtitan without a model it has) is
+    skipped with a warning, named or in 'all', and the others are written. Nothing written at all is
+    a UsageError (exit 2) that says why."""
     from autotune.export import write_exports
 
-    def refused(fmt: str, why: str) -> None:
-        console.err.print(f"autotune: warning: {fmt} not written: {why}", markup=False)
-
-    return write_exports(document, formats, out_dir, on_refused=refused if every else None,
-                         on_written=lambda exported, path: console.exported(exported.format, path, exported.warnings))
+    refused: list[str] = []
+    paths = write_exports(document, formats, out_dir,
+                          on_refused=lambda fmt, why: refused.append(f"{fmt} not written: {why}"),
+                          on_written=lambda exported, path: console.exported(exported.format, path, exported.warnings))
+    if refused and not paths:
+        raise UsageError("; ".join(refused))
+    for line in refused:
+        console.err.print(f"autotune: warning: {line}", markup=False)
+    return paths
 
 
 def _write_report(run_dir: Path, document: dict, records: list[dict], console) -> None:
@@ -259,7 +388,11 @@ def resolve_problem(options: Options, *, check_batch=None) -> tuple[Any, Any, in
     host_memory = parse_bytes(options.host_memory, what="--host-memory") if options.host_memory else None
     if gpu_memory is not None and gpu_memory < 1:
         raise UsageError("--gpu-memory must be positive, e.g. 40GiB")
-    Cluster(num_gpus=options.gpus, num_nodes=options.nodes)  # the cluster's shape first: the first error is the real one
+    from autotune.config import cluster_nodes
+
+    nodes, shape_note = cluster_nodes(options.gpus, nodes=options.nodes,
+                                      gpus_per_node=getattr(options, "gpus_per_node", None))
+    Cluster(num_gpus=options.gpus, num_nodes=nodes)  # the cluster's shape first: the first error is the real one
     if check_batch is not None:
         check_batch(options.gpus, seq_len)
     if options.gpu_type:
@@ -268,9 +401,9 @@ def resolve_problem(options: Options, *, check_batch=None) -> tuple[Any, Any, in
         gpu, gpu_note = detect_gpu(), "detected"
         if gpu is None:
             gpu, gpu_note = GPUS[DEFAULT_GPU], "the default: no GPU detected here; set --gpu-type"
-    cluster = Cluster(num_gpus=options.gpus, num_nodes=options.nodes, gpu=gpu, gpu_memory_bytes=gpu_memory,
+    cluster = Cluster(num_gpus=options.gpus, num_nodes=nodes, gpu=gpu, gpu_memory_bytes=gpu_memory,
                       host_memory_bytes=host_memory)
-    return model, cluster, seq_len, f"GPU type {gpu.name} ({gpu_note})"
+    return model, cluster, seq_len, f"GPU type {gpu.name} ({gpu_note})" + (f"; {shape_note}" if shape_note else "")
 
 
 def resolve_workload(options: Options, recorded: dict | None = None):
@@ -339,6 +472,26 @@ def resolve_finetuning(options: Options, recorded: dict | None = None):
     return FineTuning.from_dict({**base, "peft": peft})
 
 
+def fit_finetuning(options: Options, finetuning, model):
+    """(`finetuning` as peft can build it on `model`, a note saying what changed or None). Where its
+    targets reach an MoE's fused experts, which peft adapts without dropout, the dropout is 0,
+    said in a note; a dropout given with --lora-dropout there is refused."""
+    if not finetuning.lora or not finetuning.dropout:
+        return finetuning, None
+    from autotune.training import fused_expert_targets
+
+    experts = fused_expert_targets(model, finetuning)
+    if not experts:
+        return finetuning, None
+    targets = (f"--lora-targets {finetuning.targets}" if getattr(options, "lora_targets", None) is not None
+               else f"the default targets ({finetuning.targets})")
+    reach = f"{targets} reach {model.name}'s fused experts ({', '.join(experts)}), which peft adapts without dropout"
+    if getattr(options, "lora_dropout", None) is not None:
+        raise UsageError(f"--lora-dropout {finetuning.dropout:g}: {reach}; give --lora-dropout 0, or --lora-targets "
+                         f"naming linear layers only (e.g. q_proj,k_proj,v_proj,o_proj)")
+    return dataclasses.replace(finetuning, dropout=0.0), f"LoRA dropout 0, not {finetuning.dropout:g}: {reach}"
+
+
 def check_wrappable(model) -> None:
     """Fail now, with the supported families, if FSDP cannot wrap the model (a meta build: run it
     after the cheap checks, so a typo in a number is refused at once)."""
@@ -374,6 +527,9 @@ def check_hardware(options) -> None:
     """UsageError (one line) for a --hardware profile that cannot be read, before the model is
     built (seconds with the cache off); make_backend loads it again for the sim."""
     if getattr(options, "hardware", None):
+        if options.backend in ("analytic", "cpu", "cuda"):  # only the simulator's cost model reads a profile
+            raise UsageError(f"--hardware applies to --backend sim (its per-operation cost model on the profile); "
+                             f"--backend {options.backend} would ignore it: drop --hardware or use --backend sim")
         from autotune.hardware import load_profile
 
         load_profile(options.hardware)
@@ -423,7 +579,11 @@ def make_backend(name: str, options: Options):
     if name == "cpu" and not options.shared_dir:  # every rank on this machine, whatever --nodes says
         return get_backend(name, timeout_s=options.timeout)
     if name in ("cpu", "cuda"):
-        return get_backend(name, timeout_s=options.timeout, nnodes=options.nodes or 1, rdzv_endpoint=options.rdzv_endpoint,
+        from autotune.config import cluster_nodes
+
+        nodes = options.nodes or (cluster_nodes(options.gpus, gpus_per_node=getattr(options, "gpus_per_node", None))[0]
+                                  if options.gpus else 1)
+        return get_backend(name, timeout_s=options.timeout, nnodes=nodes, rdzv_endpoint=options.rdzv_endpoint,
                            shared_dir=options.shared_dir)
     if name == "sim":  # the two shallow depths of each configuration traced on two cores
         if getattr(options, "hardware", None):

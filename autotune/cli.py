@@ -39,7 +39,7 @@ class Terminated(KeyboardInterrupt):
     are kept, trial workers are stopped and temporary folders removed on the way out."""
 
 
-COMMANDS = ("tune", "plan", "trial", "export", "report", "agent", "sweep", "regress", "calibrate")
+COMMANDS = ("tune", "plan", "trial", "export", "report", "agent", "sweep", "regress", "calibrate", "models", "gpus")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,7 +54,10 @@ def _add_problem_options(parser: argparse.ArgumentParser, *, model_required: boo
     group = parser.add_argument_group("model and cluster")
     _add_model_options(group, required=model_required)
     group.add_argument("--gpus", type=positive_int, help="total GPUs (ranks) of the job")
-    group.add_argument("--nodes", type=positive_int, default=1, help="nodes; GPUs per node = gpus / nodes")
+    group.add_argument("--nodes", type=positive_int, default=None,
+                       help="nodes (default: --gpus / --gpus-per-node; one node up to that many GPUs)")
+    group.add_argument("--gpus-per-node", type=positive_int, default=None,
+                       help="GPUs per node (default 8, or --gpus / --nodes where --nodes is given)")
     group.add_argument("--gpu-type", help="GPU catalog entry (h100-80gb, a100-40gb, ...); default: the "
                                           "one detected here, else h100-80gb")
     group.add_argument("--gpu-memory", help="override the memory per GPU, e.g. 40GiB; on the cpu backend "
@@ -162,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       "torchtitan, llama-cookbook, litgpt; 'all': all but lightning-fsdp1)")
     run.add_argument("--max-trials", type=positive_int, help="stop after this many new trials")
     run.add_argument("--time-budget", type=duration, help="stop starting trials after this long, e.g. 10m")
+    run.add_argument("--precision", choices=knob_registry.PRECISIONS, default=None,
+                     help="the numerics of every trial: bf16 (mixed: fp32 master weights; fp16 on GPUs without "
+                          "bf16), fp16, fp32 or bf16-pure (everything in bf16, no fp32 copy); default: the search "
+                          "space's baseline.precision (bf16)")
     run.add_argument("--compile", choices=COMPILE_SEARCH, default=None,
                      help="torch.compile of the decoder blocks: auto (explore, but not on real CPU trials), none "
                           "(eager), explore (the graph eager, then its best candidates compiled) or blocks (every "
@@ -188,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="GPU counts: a list (8,16,32) and/or doubling ranges (8..256 = 8,16,...,256)")
     what.add_argument("--gpu-type", default=DEFAULT_GPU,
                       help=f"comma-separated GPU catalog entries (default {DEFAULT_GPU})")
-    what.add_argument("--gpus-per-node", type=positive_int, default=GPUS_PER_NODE,
+    what.add_argument("--gpus-per-node", type=positive_int, default=None,
                       help=f"GPUs per node (default {GPUS_PER_NODE})")
     what.add_argument("--global-tokens", required=True, help="target tokens per optimizer step, as in tune: 4Mi")
     what.add_argument("--price", help="price per GPU-hour by type, e.g. h100-80gb=2.49,a100-80gb=1.79; no "
@@ -203,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--storage", help="Optuna storage URL (default: sqlite in --runs-dir)")
     how.add_argument("--runs-dir", default="runs", help="output folder: each option's run and plan-<time>/ (default runs)")
     how.add_argument("--jobs", type=positive_int, help="processes (default: one per two free cores on sim)")
+    how.add_argument("--compile", choices=COMPILE_SEARCH, default=None,
+                     help="as in tune: each option's search explores compiled blocks where tune would (auto, the "
+                          "default); none plans eager, at half the traces")
+    how.add_argument("--float8", choices=FLOAT8_SEARCH, default=None, help="as in tune (default auto)")
     how.add_argument("--out", help="also write plan.json here")
     how.add_argument("--json", action="store_true", help="print plan.json on stdout, nothing else")
 
@@ -215,11 +226,19 @@ def build_parser() -> argparse.ArgumentParser:
     knobs.add_argument("--headroom", type=fraction, default=None,
                        help="fraction of GPU memory kept free (default 0.10)")
 
-    export = sub.add_parser("export", help="write a result in the format of another training stack")
+    from autotune.export_formats import DESCRIPTIONS
+
+    formats_list = "\n".join(f"  {name:<16} {line}" for name, line in DESCRIPTIONS.items())
+    export = sub.add_parser("export", help="write a result in the format of another training stack",
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog=f"formats (--format, any case):\n{formats_list}\n\n"
+                                   "A format that cannot express this result (torchtitan for a model it does not "
+                                   "have) is\nskipped with a warning and the others are written; when none is "
+                                   "written, the command\nsays why and exits 2.")
     export.add_argument("result", help="runs/<run-id>/best.json (or the run folder), or a plan.json with --option")
     export.add_argument("--option", help="a plan.json's option to export: <gpu-type>x<gpus>, e.g. h100-80gbx64")
     export.add_argument("--format", required=True,
-                        help="comma-separated formats, or 'all' (every format but lightning-fsdp1)")
+                        help="comma-separated formats (below), or 'all' (every format but lightning-fsdp1)")
     export.add_argument("--out-dir", help="where to write (default: next to the result)")
 
     agent = sub.add_parser("agent", help="multi-node trials: run this node's part of the launches of a "
@@ -267,6 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="rebuild runs/<run-id>/report.html from the study")
     report.add_argument("run_dir", help="runs/<run-id>")
     report.add_argument("--storage", help="Optuna storage URL (default: sqlite in the run's parent folder)")
+
+    for name, what in (("models", "models: their shapes, parameter counts and sources"),
+                       ("gpus", "GPUs: their data-sheet figures and sources")):
+        listing = sub.add_parser(name, help=f"list the catalog's {what}")
+        listing.add_argument("--json", action="store_true", help="print the list as JSON (every field)")
     return root
 
 
@@ -353,7 +377,7 @@ def cmd_plan(args: argparse.Namespace, console) -> int:
                           gpus_per_node=args.gpus_per_node, headroom=args.headroom,
                           global_tolerance=args.global_tolerance, space=args.space, runs_dir=args.runs_dir,
                           storage=args.storage, trust_remote_code=args.trust_remote_code,
-                          text_only=args.text_only, jobs=args.jobs)
+                          text_only=args.text_only, jobs=args.jobs, compile=args.compile, float8=args.float8)
     seq_len_max = None
     if args.seq_len == "max":
         from autotune.plan import plan_max_seq_len
@@ -443,7 +467,12 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
         check_float8_library(f"--float8 {train.float8}")  # traced or run: torchao's float8 linears
     check_wrappable(model)  # builds the model on the meta device: after the checks that need no model
     check_precision_runs(model, train.precision, instead="run it in bf16-pure (--precision bf16-pure)")
-    console.note(gpu_note)
+    from autotune.api import fit_finetuning
+
+    finetuning, finetuning_note = fit_finetuning(args, finetuning, model)
+    for note in (gpu_note, finetuning_note):
+        if note:
+            console.note(note)
     left_out = text_only_section(model, num_gpus=cluster.num_gpus, precision=train.precision)
     if left_out:
         console.note(text_only_note(left_out))
@@ -468,6 +497,8 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
         result = backend.evaluate(spec)
     finally:
         backend.close()
+    if (trace := result.extras.pop("traceback", None)) and os.environ.get("AUTOTUNE_DEBUG"):
+        console.error_line(trace)  # the message has its first line; the whole traceback on request
     out = {"backend": backend_name, "model": model.name, "gpus": cluster.num_gpus, "gpu": cluster.gpu.name,
            "seq_len": seq_len, "config": train.to_dict(), "grad_accum_steps": grad_accum,
            "workload": workload.to_dict(), "finetuning": finetuning.to_dict(),
@@ -493,7 +524,7 @@ def cmd_export(args: argparse.Namespace, console) -> int:
     formats = parse_formats(args.format)
     source = Path(args.result)
     out_dir = Path(args.out_dir) if args.out_dir else (source if source.is_dir() else source.parent)
-    write_formats(document, formats, out_dir, console, every=args.format.strip() == "all")
+    write_formats(document, formats, out_dir, console)
     return EXIT_OK
 
 
@@ -595,6 +626,20 @@ def cmd_regress(args: argparse.Namespace, console) -> int:
     return EXIT_REGRESSION if regressions else EXIT_OK
 
 
+def cmd_catalog(args: argparse.Namespace, console) -> int:
+    """`autotune models`, `autotune gpus`: the catalog, a table in 80 columns or JSON."""
+    from autotune.catalog.listing import gpu_rows, model_rows
+
+    rows = model_rows() if args.command == "models" else gpu_rows()
+    if args.json:
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+    elif args.command == "models":
+        console.models_table(rows)
+    else:
+        console.gpus_table(rows)
+    return EXIT_OK
+
+
 def cmd_agent(args: argparse.Namespace, console) -> int:
     """This node's part of a multi-node job: the controller's launches, nothing else."""
     from autotune.backends.real.multinode import run_agent
@@ -655,7 +700,7 @@ def _main(argv: list[str], console) -> int:
         args = parse_args(argv)
         handler = {"tune": cmd_tune, "plan": cmd_plan, "trial": cmd_trial, "export": cmd_export, "report": cmd_report,
                    "agent": cmd_agent, "sweep": cmd_sweep, "regress": cmd_regress,
-                   "calibrate": cmd_calibrate}[args.command]
+                   "calibrate": cmd_calibrate, "models": cmd_catalog, "gpus": cmd_catalog}[args.command]
         return handler(args, console)
     except UsageError as exc:
         console.error_line(f"error: {exc}")

@@ -108,6 +108,35 @@ class TrainConfig:
         return cls(**knobs.from_result(document))
 
 
+GPUS_PER_NODE = 8
+"""GPUs per node where the user does not say (--gpus-per-node): what HGX/DGX nodes hold."""
+
+
+def cluster_nodes(gpus: int, *, nodes: int | None = None, gpus_per_node: int | None = None) -> tuple[int, str]:
+    """(nodes, a note or '') from --gpus and what the user gave of --nodes and --gpus-per-node, the one
+    convention of tune, trial, plan and sweep: --nodes given wins (GPUs per node = gpus / nodes);
+    else nodes of --gpus-per-node GPUs (default 8), one node where the job has no more than that.
+    The note says where a single node holds more GPUs than nodes commonly do."""
+    if nodes is not None and gpus_per_node is not None and nodes * gpus_per_node != gpus:
+        raise UsageError(f"--gpus {gpus} is not --nodes {nodes} x --gpus-per-node {gpus_per_node}: give two of them")
+    if nodes is None:
+        per_node = gpus_per_node or GPUS_PER_NODE
+        if gpus <= per_node:
+            nodes = 1
+        elif gpus % per_node:
+            given = f"--gpus-per-node {gpus_per_node}" if gpus_per_node else f"{per_node} GPUs a node (the default)"
+            raise UsageError(f"--gpus {gpus} is not a whole number of nodes of {given}: choose a multiple of "
+                             f"{per_node}, or set --gpus-per-node (or --nodes)")
+        else:
+            nodes = gpus // per_node
+    note = ""
+    if nodes == 1 and gpus > GPUS_PER_NODE:
+        note = (f"one node of {gpus} GPUs (more than the {GPUS_PER_NODE} a node commonly holds: every collective "
+                "costed on its links, no HSDP across nodes explored); if they span nodes, pass --nodes or "
+                "--gpus-per-node")
+    return nodes, note
+
+
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
     num_gpus: int
@@ -466,26 +495,9 @@ def check_float8_library(flag: str) -> None:
                          "(beside a CUDA torch: pip install --no-deps torchao); or use --float8 none")
 
 
-def check_expert_parallel(train: TrainConfig, model: ModelSpec, gpus: int) -> None:
-    """UsageError (one line) where --ep cannot apply: a dense model, a degree dividing not both the
-    experts and the GPUs, or a knob expert parallelism is not built with here."""
-    ep = train.expert_parallel
-    if ep == 1:
-        return
-    flag = f"--ep {ep}"
-    if not model.num_experts:
-        raise UsageError(f"{flag}: {model.name} has no fused experts (not a mixture-of-experts model); use --ep 1")
-    if model.num_experts % ep or gpus % ep:
-        raise UsageError(f"{flag}: the expert-parallel degree must divide both the {model.num_experts} experts of "
-                         f"{model.name} and the {gpus} GPUs")
-    if train.shard_group_size:
-        raise UsageError(f"{flag} with --hsdp {train.shard_group_size}: expert parallelism with replicated shard "
-                         "groups is not built here; drop one of them")
-    if train.reshard_group_size:
-        raise UsageError(f"{flag} with --reshard-group {train.reshard_group_size}: not built here; drop one of them")
-    if train.compile != "none":
-        raise UsageError(f"{flag} with --compile {train.compile}: the all-to-all's split sizes are read back to the "
-                         "host (.tolist()), which a fullgraph compile of the block refuses; use --compile none")
+def problem_shape(model: ModelSpec, cluster: "Cluster") -> knobs.ProblemShape:
+    """What knobs.check_combination checks a configuration against, for this model and cluster."""
+    return knobs.ProblemShape(num_gpus=cluster.num_gpus, gpus_per_node=cluster.gpus_per_node, model=model)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -510,28 +522,10 @@ class TrialSpec:
         if self.train.float8 != "none" and self.finetuning.lora:
             raise UsageError(f"--float8 {self.train.float8} with --peft {self.finetuning.peft}: float8 training converts the frozen "
                              "base linears too (not supported here); use --float8 none")
-        size, gpus, per_node = self.train.shard_group_size, self.cluster.num_gpus, self.cluster.gpus_per_node
-        if size == gpus:  # one group of every GPU is plain FSDP: one configuration, one name
-            object.__setattr__(self, "train", self.train.with_(shard_group_size=0))
-        elif size and (per_node % size if size <= per_node else size % per_node or gpus % size):
-            raise UsageError(f"--hsdp {size}: the shard group size must divide the {per_node} GPUs per node "
-                             f"(or be a multiple of it dividing {gpus}); 0 shards over every GPU")
-        shard = self.train.shard_group_size or gpus
-        group = self.train.reshard_group_size
-        if group == shard:  # resharding to the whole shard group is plain resharding: one name
-            object.__setattr__(self, "train", self.train.with_(reshard_group_size=0))
-        elif group and (group > shard or shard % group):
-            raise UsageError(f"--reshard-group {group}: the group must be a factor of the {shard} GPUs parameters "
-                             f"are sharded over (e.g. {min(per_node, shard)}, a node's); 0 reshards over all of them")
-        check_expert_parallel(self.train, self.model, gpus)
-        if self.train.shard_placement != "dim0":
-            if not knobs.shapes_moved_by_placement(self.model.block_param_shapes, shard):  # nothing moves: the default (one name)
-                object.__setattr__(self, "train", self.train.with_(shard_placement="dim0"))
-            elif self.train.reshard_group_size:
-                # FSDP2 reshards after forward to a smaller group by splitting dimension 0 only.
-                raise UsageError(f"--reshard-group {self.train.reshard_group_size} with --shard-placement "
-                                 f"{self.train.shard_placement}: FSDP2 reshards to a group only parameters sharded on "
-                                 "dimension 0; drop one of them")
+        # Every knob against the cluster, the model and the other knobs: knobs.check_combination.
+        values = knobs.check_combination(self.train.knob_values(), problem_shape(self.model, self.cluster))
+        if values != self.train.knob_values():
+            object.__setattr__(self, "train", TrainConfig(**values))
 
     @property
     def limit_bytes(self) -> int:

@@ -31,7 +31,7 @@ from autotune import knobs
 from autotune.backends.analytic import screen_margin
 from autotune.backends.base import TrialBackend, TrialResult
 from autotune.batch import within_tolerance
-from autotune.config import TrainConfig, check_expert_parallel
+from autotune.config import TrainConfig, problem_shape
 from autotune.errors import UsageError
 from autotune.knobs import Checkpointing
 from autotune.records import Step, TuneOutcome, TuneRequest, config_key, eligible, why_nothing_fits
@@ -95,12 +95,22 @@ class Controller:
         """What the sampler beyond the graph did (None: it did not run)."""
         self.compile_search, self.float8_search = self._searched_compile_and_float8()
         """The search space's compile and float8 modes, `auto` resolved for this run."""
+        self.shape = problem_shape(request.model, request.cluster)
+        """What every candidate is checked against before it is tried (knobs.check_combination)."""
 
     # -- one trial -------------------------------------------------------------------------------
     def run(self, stage: str, train: TrainConfig, reason: str, *, reuse: bool = True) -> Step:
         """Evaluate `train` and record the step. With `reuse` (all but the confirmation), a
-        configuration already evaluated in this run, or finished in the study, is not run again."""
-        spec = self.request.spec(train)
+        configuration already evaluated in this run, or finished in the study, is not run again.
+        A candidate the problem cannot hold (knobs.check_combination) is skipped with the reason in
+        the notes, never an error for the whole run: only the baseline, which the user's own flags and
+        search space make, is refused as their error."""
+        try:
+            spec = self.request.spec(train)
+        except UsageError as exc:
+            if stage == "baseline":
+                raise
+            return self._skip(stage, train, reason, str(exc))
         train = spec.train  # its one name (e.g. a placement that moves nothing is dim0)
         known = self._find(train) if reuse else None
         if known is not None:
@@ -118,16 +128,21 @@ class Controller:
         else:
             self._check_budget()
             self.on_start(stage, train, reason)
-            if self.predictor is not None:
-                predicted = self.predictor.evaluate(spec)
-            if predicted is not None and predicted.status == "oom":
-                result = TrialResult(status="pruned", peak_memory=predicted.peak_memory,
-                                     memory_breakdown=predicted.memory_breakdown,
-                                     message=f"not launched: {predicted.message or 'predicted out of memory'}")
-            else:
-                began = time.monotonic()
-                result = self.backend.evaluate(spec)
-                self._longest_trial_s = max(self._longest_trial_s, time.monotonic() - began)
+            try:
+                if self.predictor is not None:
+                    predicted = self.predictor.evaluate(spec)
+                if predicted is not None and predicted.status == "oom":
+                    result = TrialResult(status="pruned", peak_memory=predicted.peak_memory,
+                                         memory_breakdown=predicted.memory_breakdown,
+                                         message=f"not launched: {predicted.message or 'predicted out of memory'}")
+                else:
+                    began = time.monotonic()
+                    result = self.backend.evaluate(spec)
+                    self._longest_trial_s = max(self._longest_trial_s, time.monotonic() - began)
+            except UsageError as exc:  # a backend refusing what the search chose: skipped, not the user's error
+                if stage == "baseline":
+                    raise
+                return self._skip(stage, train, reason, str(exc))
             self._evaluated += 1
         peak = result.peak_bytes
         fits = result.ok and (peak is None or peak <= request.memory_limit_bytes)
@@ -139,6 +154,20 @@ class Controller:
         self.steps.append(step)
         self.on_step(step)
         return step
+
+    def _skip(self, stage: str, train: TrainConfig, reason: str, why: str) -> Step:
+        """A candidate that cannot be built: noted once, not recorded as a trial, and treated by the
+        caller as not fitting (a bug in a generator below, where it happens: they propose only what
+        check_combination accepts)."""
+        note = f"skipped {train.label()} ({stage}: {reason}): cannot be built: {why}"
+        if note not in self.notes:
+            self.notes.append(note)
+        return Step(step=0, stage=stage, train=train, batch=self.request.global_batch(train.micro_batch_size),
+                    result=TrialResult(status="error", message=f"not built: {why}"), fits=False, reason=reason,
+                    backend=self.backend.name)
+
+    def _buildable(self, train: TrainConfig) -> bool:
+        return not knobs.why_not_buildable(train.knob_values(), self.shape)
 
     def _could_win(self, train: TrainConfig) -> bool:
         """False if the estimator puts `train` clearly below the best so far (then noted)."""
@@ -208,8 +237,8 @@ class Controller:
                            optimizer_impl=space.optimizer_impl, shard_placement=placement,
                            compile="blocks" if self.compile_search == "blocks" else "none",
                            float8=self.float8_search if self.float8_search in knobs.FLOAT8_RECIPES else "none")
-        step = self.run("baseline", base, f"start of the graph: {precision} mixed precision, micro-batch 1"
-                                          f"{why_placement}")
+        numerics = f"{precision} mixed precision" if precision in ("bf16", "fp16") else precision
+        step = self.run("baseline", base, f"start of the graph: {numerics}, micro-batch 1{why_placement}")
         if not step.fits and space.checkpointing:
             step = self.run("checkpointing", base.with_(activation_checkpointing="full"),
                             f"baseline {self._why(step)}: checkpoint every decoder block")
@@ -350,7 +379,7 @@ class Controller:
                 if not self._could_win(largest.with_(activation_checkpointing=ac)):
                     continue
                 step = self.run("explore", largest.with_(activation_checkpointing=ac),
-                                f"if memory allows, checkpoint only every {ac.split(':')[1]}th block: less "
+                                f"if memory allows, checkpoint only one block in {ac.split(':')[1]}: less "
                                 "recompute than checkpointing all of them")
                 if step.fits:
                     break
@@ -529,26 +558,25 @@ class Controller:
             return
         shard = best.train.shard_group_size or cluster.num_gpus
         group = cluster.gpus_per_node
-        if shard <= group or shard % group:
+        if group < 2 or shard <= group or shard % group:  # one GPU a node: a node's group is no resharding
             return
         train = best.train.with_(reshard_group_size=group)
-        if self._could_win(train):
+        if self._buildable(train) and self._could_win(train):
             self.run("explore", train,
                      f"reshard after forward to a node's {group} GPUs: backward's all-gather stays within a node "
                      f"(not across {shard // group} nodes), each block keeping 1/{group} of its parameters")
 
     def _explore_hsdp(self) -> None:
-        """On several nodes: shard within groups of a node (then 2, 4, ... nodes) and replicate across
+        """On several nodes: shard within groups of a node (then 2, 3, ... nodes dividing the node count) and replicate across
         them, smallest group first: the all-gathers and reduce-scatters stay on the fastest links,
         and only a gradient all-reduce of each shard crosses groups. A smaller group holds a larger
         shard per GPU, so the first group that fits is the one to grow."""
         cluster, best = self.request.cluster, self._choose()
         if not self.request.space.hsdp or cluster.num_nodes < 2 or best is None:
             return
-        group = cluster.gpus_per_node
-        while group < cluster.num_gpus:
+        for group in knobs.hsdp_group_sizes(self.shape):
             train = best.train.with_(shard_group_size=group)
-            if self._could_win(train):
+            if self._buildable(train) and self._could_win(train):
                 where = ("all-gathers and reduce-scatters stay within a node" if group == cluster.gpus_per_node
                          else f"all-gathers and reduce-scatters span {group // cluster.gpus_per_node} nodes, "
                               f"not {cluster.num_nodes}")
@@ -559,23 +587,16 @@ class Controller:
                 if step.fits:
                     self._align(self._grow(step.train, stage="explore", until_saturated=True))
                     return
-            group *= 2
 
     def _expert_parallel_degrees(self, train: TrainConfig) -> tuple[int, ...]:
         """Expert-parallel degrees above 1 that apply to `train`: a MoE model, degrees dividing its
         experts and the GPUs, up to a node's GPUs (the all-to-all stays on the node's links), with
-        knobs expert parallelism is built with here: what config.check_expert_parallel accepts."""
+        knobs expert parallelism is built with here: what knobs.check_combination accepts."""
         model, cluster = self.request.model, self.request.cluster
         if not self.request.space.expert_parallel or not model.num_experts:
             return ()
-        degrees = []
-        for degree in (2 ** k for k in range(1, cluster.gpus_per_node.bit_length())):
-            try:
-                check_expert_parallel(train.with_(expert_parallel=degree), model, cluster.num_gpus)
-            except UsageError:
-                continue
-            degrees.append(degree)
-        return tuple(degrees)
+        return tuple(degree for degree in (2 ** k for k in range(1, cluster.gpus_per_node.bit_length()))
+                     if self._buildable(train.with_(expert_parallel=degree)))
 
     def _explore_expert_parallel(self) -> None:
         """A MoE model: split each block's experts over 2, 4, ... GPUs of a node (--ep), smallest
@@ -604,11 +625,7 @@ class Controller:
     def _sample_domains(self) -> dict[str, tuple]:
         request, space, cluster = self.request, self.request.space, self.request.cluster
         base = self.steps[0].train
-        groups = []
-        group = cluster.gpus_per_node
-        while space.hsdp and cluster.num_nodes > 1 and group < cluster.num_gpus:
-            groups.append(group)
-            group *= 2
+        groups = knobs.hsdp_group_sizes(self.shape) if space.hsdp else ()
         ctx = knobs.SampleContext(
             precision=base.precision, micro_batches=tuple(sorted(self._aligned_sizes(request.max_micro_batch))),
             num_layers=request.model.num_layers, checkpointing=space.checkpointing, op_level=space.checkpointing,
@@ -622,6 +639,7 @@ class Controller:
             hsdp_groups=tuple(groups),
             expert_parallel=(1, *self._expert_parallel_degrees(base)) if not groups else (1,),
             reshard_groups=(cluster.gpus_per_node,) if (space.explore_no_reshard and cluster.num_nodes > 1
+                                                        and cluster.gpus_per_node > 1
                                                         and base.shard_placement == "dim0") else ())
         return knobs.sample_domains(ctx)
 
@@ -666,7 +684,7 @@ class Controller:
                 study.add_trial(optuna.trial.create_trial(params=p, distributions=distributions, value=value))
         stats = {"sampler": "optuna TPESampler", "seed": SAMPLER_SEED, "space_size": size,
                  "from_graph": len(tried), "sampled": 0, "predicted_not_to_fit": 0, "estimated_not_to_fit": 0,
-                 "estimated_slower": 0,
+                 "estimated_slower": 0, "not_buildable": 0,
                  "stopped": "", "source": "knob domains in autotune/knobs.py"}
         self.sampling = stats
         rng = random.Random(SAMPLER_SEED)
@@ -703,7 +721,8 @@ class Controller:
                           f"configurations in the knob space): {stats['sampled']} trials, "
                           f"{stats['predicted_not_to_fit']} predicted not to fit (not launched), "
                           f"{stats['estimated_not_to_fit']} estimated far over the memory limit and "
-                          f"{stats['estimated_slower']} estimated slower than the best (neither traced); "
+                          f"{stats['estimated_slower']} estimated slower than the best (neither traced), "
+                          f"{stats['not_buildable']} combining knobs the problem cannot hold (not tried); "
                           f"stopped: {stats['stopped']}")
 
     def _untried(self, domains: dict[str, tuple], tried: dict, rng: random.Random) -> TrainConfig:
@@ -715,7 +734,12 @@ class Controller:
                 return train
 
     def _sample_one(self, train: TrainConfig, stats: dict) -> float:
-        """Evaluate one sampled configuration, the free oracle first; returns the sampler's value."""
+        """Evaluate one sampled configuration, the free oracle first; returns the sampler's value. A
+        draw that combines knobs the problem cannot hold (each domain is valid alone: e.g. HSDP with
+        expert parallelism) is counted, not tried."""
+        if not self._buildable(train):
+            stats["not_buildable"] += 1
+            return 0.0
         spec = self.request.spec(train)
         if self.predictor is not None:  # real trials: the simulator predicts first, for free
             predicted = self.predictor.evaluate(spec)

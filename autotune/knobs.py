@@ -449,6 +449,97 @@ KNOBS: tuple[Knob, ...] = (
 BY_NAME: dict[str, Knob] = {knob.name: knob for knob in KNOBS}
 
 
+# --- what may combine: the one place a configuration is checked against its problem --------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProblemShape:
+    """What bounds which knob values a problem can hold: its cluster and its model (a
+    catalog.ModelSpec: its name, experts and block parameter shapes are read only by the checks
+    that need them, since they build the model on the meta device)."""
+
+    num_gpus: int
+    gpus_per_node: int
+    model: Any
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_gpus // self.gpus_per_node
+
+
+def hsdp_group_sizes(shape: ProblemShape) -> tuple[int, ...]:
+    """HSDP shard group sizes the search proposes, smallest first: a node's GPUs, then whole numbers of
+    nodes that divide the node count (3 nodes of 8: 8 only; 6 nodes: 8, 16, 24; 55 nodes: 8, 40, 88, 440
+    is plain FSDP and not listed). Only sizes check_combination accepts."""
+    per_node, nodes = shape.gpus_per_node, shape.num_nodes
+    if nodes < 2 or per_node < 1:
+        return ()
+    return tuple(per_node * k for k in range(1, nodes) if nodes % k == 0)
+
+
+def check_combination(values: dict[str, Any], shape: ProblemShape) -> dict[str, Any]:
+    """The knob values of one configuration, checked against `shape` and each other: the values to
+    run (a value that names the default configuration another way, e.g. one HSDP group of every
+    GPU, becomes the default: one configuration, one name), or a UsageError (one line, the flags
+    that clash and how to fix it). The CLI's flags, a stored result and every candidate the search
+    proposes go through this one function (config.TrialSpec calls it)."""
+    values = dict(values)
+    size, gpus, per_node = values["shard_group_size"], shape.num_gpus, shape.gpus_per_node
+    if size == gpus:
+        values["shard_group_size"] = 0
+    elif size and (per_node % size if size <= per_node else size % per_node or gpus % size):
+        raise UsageError(f"--hsdp {size}: the shard group size must divide the {per_node} GPUs per node "
+                         f"(or be a multiple of it dividing {gpus}); 0 shards over every GPU")
+    shard = values["shard_group_size"] or gpus
+    group = values["reshard_group_size"]
+    if group == shard:  # resharding to the whole shard group is plain resharding
+        values["reshard_group_size"] = 0
+    elif group and (group > shard or shard % group):
+        raise UsageError(f"--reshard-group {group}: the group must be a factor of the {shard} GPUs parameters "
+                         f"are sharded over (e.g. {min(per_node, shard)}, a node's); 0 reshards over all of them")
+    _check_expert_parallel(values, shape)
+    if values["shard_placement"] != "dim0":
+        if not shapes_moved_by_placement(shape.model.block_param_shapes, shard):  # nothing moves: the default
+            values["shard_placement"] = "dim0"
+        elif values["reshard_group_size"]:
+            # FSDP2 reshards after forward to a smaller group by splitting dimension 0 only.
+            raise UsageError(f"--reshard-group {values['reshard_group_size']} with --shard-placement "
+                             f"{values['shard_placement']}: FSDP2 reshards to a group only parameters sharded on "
+                             "dimension 0; drop one of them")
+    return values
+
+
+def _check_expert_parallel(values: dict[str, Any], shape: ProblemShape) -> None:
+    """--ep: a MoE model, a degree dividing both its experts and the GPUs, and only the knobs expert
+    parallelism is built with here."""
+    ep = values["expert_parallel"]
+    if ep == 1:
+        return
+    flag, model = f"--ep {ep}", shape.model
+    if not model.num_experts:
+        raise UsageError(f"{flag}: {model.name} has no fused experts (not a mixture-of-experts model); use --ep 1")
+    if model.num_experts % ep or shape.num_gpus % ep:
+        raise UsageError(f"{flag}: the expert-parallel degree must divide both the {model.num_experts} experts of "
+                         f"{model.name} and the {shape.num_gpus} GPUs")
+    if values["shard_group_size"]:
+        raise UsageError(f"{flag} with --hsdp {values['shard_group_size']}: expert parallelism with replicated shard "
+                         "groups is not built here; drop one of them")
+    if values["reshard_group_size"]:
+        raise UsageError(f"{flag} with --reshard-group {values['reshard_group_size']}: not built here; drop one of them")
+    if values["compile"] != "none":
+        raise UsageError(f"{flag} with --compile {values['compile']}: the all-to-all's split sizes are read back to "
+                         "the host (.tolist()), which a fullgraph compile of the block refuses; use --compile none")
+
+
+def why_not_buildable(values: dict[str, Any], shape: ProblemShape) -> str:
+    """'' where check_combination accepts `values`, else its reason (for a candidate the search skips)."""
+    try:
+        check_combination(values, shape)
+    except UsageError as exc:
+        return str(exc)
+    return ""
+
+
 def to_json(values: dict[str, Any]) -> dict[str, Any]:
     """A TrainConfig's fields as JSON values, in registry order."""
     return {knob.name: knob.to_json(values[knob.name]) for knob in KNOBS}

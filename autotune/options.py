@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from autotune.config import PEFT_METHODS, STACKS
-from autotune.knobs import COMPILE_SEARCH, FLOAT8_SEARCH
+from autotune.knobs import COMPILE_SEARCH, FLOAT8_SEARCH, PRECISIONS
 from autotune.errors import UsageError
 
 BACKENDS = ("auto", "sim", "analytic", "cpu", "cuda")
@@ -81,7 +81,10 @@ class TuneOptions:
     trust_remote_code: bool = False
     text_only: bool = False
     """A multimodal config's language model alone (its text_config); the run says what is left out."""
-    nodes: int = _option(1, check=positive_int)
+    nodes: int | None = _option(check=positive_int)
+    """None: --gpus / --gpus-per-node (config.cluster_nodes)."""
+    gpus_per_node: int | None = _option(check=positive_int)
+    """None: 8 (config.GPUS_PER_NODE), or gpus / nodes where --nodes is given."""
     gpu_type: str | None = None
     gpu_memory: str | None = None
     host_memory: str | None = None
@@ -118,6 +121,9 @@ class TuneOptions:
     export: str | None = None
     max_trials: int | None = _option(check=positive_int)
     time_budget: float | None = _option(check=duration)
+    precision: str | None = _option(choices=PRECISIONS)
+    """The numerics of every trial (bf16, fp16, fp32, bf16-pure); None: the search space's
+    (baseline.precision, bf16 by default)."""
     compile: str | None = _option(choices=COMPILE_SEARCH)
     """torch.compile in the search: none, explore or blocks; None: the search space's (compile.mode)."""
     float8: str | None = _option(choices=FLOAT8_SEARCH)

@@ -1,5 +1,5 @@
 """The one FSDP2 wrapping function and the one device mesh: real trials apply them, the
-simulator traces them, exports copy them.
+simulator traces them, the fsdp2 export's script imports them (Lightning's export copies them).
 
 `ParallelDims` (after torchtitan's) says how the world is split: `dp_shard` ranks hold one
 copy of the parameters between them, `dp_replicate` such groups each hold a copy (HSDP:
@@ -352,6 +352,10 @@ def register_rng_rules(mode_class: type) -> None:
 
     @run_with_rng_state.py_impl(mode_class)
     def _with(mode, rng_state, op, *args, **kwargs):
+        from torch._subclasses.fake_tensor import is_fake
+
+        if is_fake(rng_state):  # the simulator's trace draws no numbers (a state activation offload
+            return mode.__torch_dispatch__(op, (), args, kwargs)  # brought back holds no data either)
         current = torch.get_rng_state()
         torch.set_rng_state(rng_state)
         try:

@@ -29,13 +29,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from autotune.config import GPUS_PER_NODE  # an 8-GPU node unless --gpus-per-node says otherwise
 from autotune.errors import NothingFits, UsageError
 from autotune.options import TuneOptions, positive_int
 
 PLAN_SCHEMA_VERSION = 1
 PLAN_BACKENDS = ("sim", "analytic")  # the first is the default; real trials would need the cluster asked about
-GPUS_PER_NODE = 8
-"""An 8-GPU node (HGX/DGX) unless --gpus-per-node says otherwise: the node count of each option."""
 
 COMMUNICATION_BOUND = 0.3
 """Exposed (not hidden under compute) communication at or above this share of the step time: the
@@ -54,7 +53,8 @@ class PlanOptions:
     prices: dict[str, float] = field(default_factory=dict)
     seq_len: int | None = None
     backend: str = "sim"
-    gpus_per_node: int = GPUS_PER_NODE
+    gpus_per_node: int | None = None
+    """None: tune's default (config.GPUS_PER_NODE), not named in an error as if the user gave it."""
     headroom: float | None = None
     global_tolerance: float | None = None
     space: str | None = None
@@ -63,6 +63,10 @@ class PlanOptions:
     trust_remote_code: bool = False
     text_only: bool = False
     jobs: int | None = None
+    compile: str | None = None
+    """As tune's --compile: None, the search space's (auto: compiled candidates explored where tune would)."""
+    float8: str | None = None
+    """As tune's --float8."""
     whole_sequences: bool = False
     """--seq-len max: --global-tokens rounded to whole sequences per GPU at the length found, as
     each probe had it (autotune/seqlen.py), so no option is refused for a length only it divides."""
@@ -76,16 +80,16 @@ class PlanOptions:
         return global_tokens_at(parse_count(self.global_tokens, what="--global-tokens"), gpus=gpus, seq_len=seq_len)
 
     def tune_options(self, gpu_type: str, gpus: int, *, seq_len: int | None = None) -> TuneOptions:
-        """The `autotune tune` options of one option: the command it stands for. Eager bf16: a plan
-        compares GPU counts and types, and compile's and float8's candidates would double its traces
-        (docs/PLAN.md); `autotune tune` of the chosen option explores them."""
+        """The `autotune tune` options of one option: the command it stands for, with the same search
+        (compile's and float8's candidates explored where tune would; --compile none --float8 none
+        plans eager, at half the traces: docs/PLAN.md)."""
         seq_len = seq_len or self.seq_len
         return TuneOptions(model=self.model, gpus=gpus, nodes=nodes_for(gpus, self.gpus_per_node),
                            global_tokens=self.global_tokens_for(gpus, seq_len) if seq_len else self.global_tokens,
                            gpu_type=gpu_type, seq_len=seq_len, backend=self.backend, headroom=self.headroom,
                            global_tolerance=self.global_tolerance, space=self.space, runs_dir=self.runs_dir,
                            storage=self.storage, trust_remote_code=self.trust_remote_code,
-                           text_only=self.text_only, compile="none", float8="none")
+                           text_only=self.text_only, compile=self.compile, float8=self.float8)
 
 
 # -- parsing the flags ------------------------------------------------------------------------------
@@ -145,13 +149,11 @@ def parse_prices(text: str | None, gpu_types: tuple[str, ...]) -> dict[str, floa
     return prices
 
 
-def nodes_for(gpus: int, gpus_per_node: int) -> int:
-    if gpus <= gpus_per_node:
-        return 1
-    if gpus % gpus_per_node:
-        raise UsageError(f"--gpus {gpus} is not a whole number of {gpus_per_node}-GPU nodes: choose multiples "
-                         f"of {gpus_per_node} or set --gpus-per-node")
-    return gpus // gpus_per_node
+def nodes_for(gpus: int, gpus_per_node: int | None) -> int:
+    """Nodes of a plan's option: tune's convention (config.cluster_nodes)."""
+    from autotune.config import cluster_nodes
+
+    return cluster_nodes(gpus, gpus_per_node=gpus_per_node)[0]
 
 
 # -- running the options ----------------------------------------------------------------------------
@@ -445,7 +447,7 @@ def run_plan(options: PlanOptions, log, *, seq_len_max=None, progress=None) -> d
         "global_tokens": options.global_tokens,
         "seq_len": seq_len,
         "backend": options.backend,
-        "gpus_per_node": options.gpus_per_node,
+        "gpus_per_node": options.gpus_per_node or GPUS_PER_NODE,
         "prices": options.prices,
         "options": option_figures(rows, options),
         "sequence_length": sequence,

@@ -10,7 +10,7 @@ A sweep file (TOML) names the matrix; every combination is one problem, tuned ex
     gpu_type = ["h100-80gb"]
     global_tokens = ["4Mi"]
     seq_len = [4096]              # optional (default: each model's)
-    nodes = [1]                   # optional
+    nodes = [1]                   # optional (default: gpus / 8, one node up to 8 GPUs)
     backend = ["sim"]             # optional (default sim)
     workload = ["sft", "grpo"]    # optional (default sft); grpo: TRL GRPO with vLLM colocated
     [options]                     # optional, the same for every problem

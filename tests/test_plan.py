@@ -18,7 +18,10 @@ RUN_IDENTITY = ("run_id", "provenance", "study")
 
 
 def _plan(tmp_path: Path, *argv: str) -> dict:
-    assert main(["plan", *argv, "--runs-dir", str(tmp_path / "runs")]) == EXIT_OK
+    """A plan, eager unless asked otherwise: these tests are about the plan, not compile's candidates
+    (tests/test_compile.py; test_a_plan_option_explores_compile_as_tune_does below)."""
+    eager = () if "--compile" in argv else ("--compile", "none", "--float8", "none")
+    assert main(["plan", *argv, *eager, "--runs-dir", str(tmp_path / "runs")]) == EXIT_OK
     (path,) = (tmp_path / "runs").glob("plan-*/plan.json")
     plan = json.loads(path.read_text())
     jsonschema.validate(plan, PLAN_SCHEMA)
@@ -160,7 +163,7 @@ def test_global_batch_binds_where_it_cannot_be_kept(tmp_path):
 BAD_PLANS = [
     (["--gpus", "8..x"], "is not a GPU count"),
     (["--gpus", "16..8"], "runs backwards"),
-    (["--gpus", "12"], "not a whole number of 8-GPU nodes"),
+    (["--gpus", "12"], "not a whole number of nodes of 8 GPUs a node (the default)"),
     (["--gpu-type", "h100"], "did you mean h100-80gb"),
     (["--price", "a100-80gb=1.5"], "not in --gpu-type"),
     (["--price", "h100-80gb=cheap"], "is not a number"),
@@ -420,3 +423,16 @@ def test_a_trace_for_the_other_accumulation_equals_a_fresh_trace():
         if "memory_bytes_large" not in converted.op_work:
             fresh_fields["op_work"] = {k: v for k, v in fresh.op_work.items() if k != "memory_bytes_large"}
         assert derived_fields == fresh_fields
+
+
+def test_a_plan_option_explores_compile_as_tune_does(tmp_path):
+    """Without --compile, a plan's option searches what `autotune tune` searches (compiled candidates
+    included), so its row is the tune's answer: checked on the closed form, figure for figure."""
+    plan = _plan(tmp_path / "plan", "--model", "llama3.2-1b", "--train-tokens", "100G", "--gpus", "16",
+                 "--global-tokens", "4Mi", "--backend", "analytic", "--compile", "auto")
+    (option,) = plan["options"]
+    assert main(["--model", "llama3.2-1b", "--gpus", "16", "--global-tokens", "4Mi", "--backend", "analytic",
+                 "--runs-dir", str(tmp_path / "tune"), "--out", str(tmp_path / "best.json")]) == EXIT_OK
+    tuned = json.loads((tmp_path / "best.json").read_text())
+    assert any(step["config"]["compile"] == "blocks" for step in tuned["decision_path"])
+    assert _answer(option["result"]) == _answer(tuned)
