@@ -251,11 +251,12 @@ def shipped_profile(gpu: GPUSpec) -> HardwareProfile:
         "inter_node_latency_us": HardwareFigure(40.0, "data sheet", "NCCL ring latency across nodes: unvalidated"),
         "comm_overlap": HardwareFigure(1.0, "data sheet", "FSDP2 runs collectives on side CUDA streams"),
         "host_link_gbps": HardwareFigure(pcie, "data sheet", f"~80% of PCIe Gen{5 if pcie > 30 else 4} x16"),
-        "cpu_adam_params_per_s": HardwareFigure(costmodel.CPU_ADAM_PARAMS_PER_S_PER_NODE, "published run",
+        # Measured by autotune on the lent GPU hosts named in the basis, not this machine, nor a publisher's.
+        "cpu_adam_params_per_s": HardwareFigure(costmodel.CPU_ADAM_PARAMS_PER_S_PER_NODE, "measured",
                                                 costmodel.CPU_ADAM_BASIS),
         "optimizer_gbps": HardwareFigure(gpu.hbm_gbps * 0.5, "data sheet", "50% of memory bandwidth for the "
                                          "multi-tensor AdamW: unvalidated"),
-        "host_op_us": HardwareFigure(costmodel.HOST_OP_US, "published run", costmodel.HOST_OP_BASIS),
+        "host_op_us": HardwareFigure(costmodel.HOST_OP_US, "measured", costmodel.HOST_OP_BASIS),
     }
     if gpu.fp32_tflops:  # fp32 matmuls and attention run on the CUDA cores (TF32 off: torch's default)
         for kind in ("matmul", "attention"):

@@ -365,7 +365,9 @@ def test_shipped_profiles_cover_the_catalog_with_sources():
         assert not profile.calibrated and profile.device == "cuda"
         for name in hardware.REQUIRED:
             figure = profile.figures[name]
-            assert figure.source in ("data sheet", "published run") and figure.basis, (gpu.name, name)
+            assert figure.source in ("data sheet", "published run", "measured") and figure.basis, (gpu.name, name)
+            if figure.source == "measured":  # by autotune, on GPU hosts the basis names: not this machine
+                assert "H100" in figure.basis or "H200" in figure.basis, (gpu.name, name, figure.basis)
         again = hardware.HardwareProfile.from_dict(json.loads(json.dumps(profile.to_dict())))
         assert again.figures == profile.figures
 
