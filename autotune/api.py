@@ -250,9 +250,8 @@ def winner_for_stack(request, outcome, document: dict, build):
     without the knobs S cannot set) where the winner needs one S cannot, else (None, None): the winner
     stands. A knob the user's stack cannot run is not picked for it; the note says what the faster
     configuration was."""
-    from autotune.records import eligible
-
     from autotune import knobs
+    from autotune.records import eligible
 
     fmt = STACK_FORMATS.get(request.stack, request.stack)
     missing = not_run_as_tuned(document, fmt) if fmt != "fsdp2" else []
@@ -266,9 +265,10 @@ def winner_for_stack(request, outcome, document: dict, build):
             continue
         if not_run_as_tuned(build(step), fmt) == []:
             gain = (winner.result.throughput or 0) / (step.result.throughput or 1) - 1
+            source = winner.result.tokens_per_sec.source if winner.result.tokens_per_sec else "no figure"
             outcome.notes.append(
                 f"winner for --stack {request.stack}: {step.train.label()} (step {step.step}); the fastest, "
-                f"{winner.train.label()} (step {winner.step}, {gain:+.1%} tokens/s, estimated), needs "
+                f"{winner.train.label()} (step {winner.step}, {gain:+.1%} tokens/s, {source}), needs "
                 f"{', '.join(missing)}, which {fmt}'s file cannot set (autotune export --format {fmt} says how "
                 "to by hand); best.json's decision path lists the trials that stack runs")
             return step, runnable
