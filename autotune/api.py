@@ -156,7 +156,7 @@ def _tune_in_run_dir(options: TuneOptions, console, *, request, store, finished,
     run_id = run_dir.name
     model = request.model
     shared = backend is not None
-    backend = backend or make_backend(backend_name, options)
+    backend = backend or make_backend(backend_name, options, nodes=request.cluster.num_nodes)
     predictor = _predictor_for(backend_name)
     console.header(request, backend_name, backend_why, backend.describe(), store, finished, run_dir)
     console.note(gpu_note)
@@ -183,18 +183,19 @@ def _tune_in_run_dir(options: TuneOptions, console, *, request, store, finished,
         if predictor is not None:
             predictor.close()
     def build(step, steps=None) -> dict:
-        return build_result(request, step, steps or outcome.steps, backend=backend_name, wrap=model.block_class,
-                            run_id=run_id, study=store.name, notes=outcome.notes, sampling=outcome.sampling)
+        return build_result(request, step, outcome.steps if steps is None else steps, backend=backend_name,
+                            wrap=model.block_class, run_id=run_id, study=store.name, notes=outcome.notes,
+                            sampling=outcome.sampling)
 
     # The stack the user runs: a winner whose knobs its file cannot set gives way to the fastest it can,
     # before the table and trials.csv say which trial won and why the others lost.
     runnable = None
     if outcome.winner is not None:
-        stack_winner, runnable = winner_for_stack(request, outcome, build(outcome.winner), build)
+        document = build(outcome.winner)
+        stack_winner, runnable = winner_for_stack(request, outcome, document, build)
         if stack_winner is not None:
-            outcome.winner = stack_winner
-        outcome.notes.extend(note for note in stack_notes(request, build(outcome.winner))
-                             if note not in outcome.notes)
+            outcome.winner, document = stack_winner, build(stack_winner, runnable)
+        outcome.notes.extend(note for note in stack_notes(request, document) if note not in outcome.notes)
     records = store.trials(run_id=run_id)
     lost = {s.step: why_lost(s, outcome.winner, request, runnable) for s in outcome.steps}
     for record in records:  # why a trial that ran lost, for trials.csv and report.html
@@ -233,6 +234,13 @@ WRITTEN_PER_STACK = ("compile", "float8", "activation_offload", "expert_parallel
 of them unsupported does not run the winner as tuned."""
 
 
+def _at_default(train, names) -> bool:
+    """Whether every knob of `names` is at its default in `train`."""
+    from autotune import knobs
+
+    return all(getattr(train, name) == knobs.BY_NAME[name].default for name in names)
+
+
 def not_run_as_tuned(document: dict, fmt: str) -> list[str] | None:
     """The winner's knobs `fmt`'s file cannot set (the real exporter's mapping says so), or None where
     the format cannot express the result at all (torchtitan without a model of these shapes)."""
@@ -250,7 +258,6 @@ def winner_for_stack(request, outcome, document: dict, build):
     without the knobs S cannot set) where the winner needs one S cannot, else (None, None): the winner
     stands. A knob the user's stack cannot run is not picked for it; the note says what the faster
     configuration was."""
-    from autotune import knobs
     from autotune.records import eligible
 
     fmt = STACK_FORMATS.get(request.stack, request.stack)
@@ -258,8 +265,7 @@ def winner_for_stack(request, outcome, document: dict, build):
     if not missing:
         return None, None
     winner = outcome.winner
-    runnable = [s for s in outcome.steps
-                if all(getattr(s.train, name) == knobs.BY_NAME[name].default for name in missing)]
+    runnable = [s for s in outcome.steps if _at_default(s.train, missing)]
     for step in sorted(eligible(outcome.steps, request.tolerance), key=lambda s: -(s.result.throughput or 0.0)):
         if step is winner or step.stage == "confirm":
             continue
@@ -278,11 +284,10 @@ def winner_for_stack(request, outcome, document: dict, build):
 def stack_notes(request, document: dict) -> list[str]:
     """Which stacks' exports run the winner as tuned: one note where some cannot (checked with each
     format's real exporter), and the stack the memory was predicted for."""
-    from autotune import cache, knobs
+    from autotune import cache
     from autotune.config import TrainConfig
 
-    train = TrainConfig.from_result(document)
-    if all(getattr(train, name) == knobs.BY_NAME[name].default for name in WRITTEN_PER_STACK):
+    if _at_default(TrainConfig.from_result(document), WRITTEN_PER_STACK):
         return []  # every knob a file may leave unwritten is at its default: every stack runs it
     # The exporters import torch: a repeated tune answered from the cache keeps not needing it.
     same = {k: v for k, v in document.items() if k not in ("run_id", "study", "provenance", "notes")}
@@ -573,16 +578,13 @@ def choose_backend(name: str, cluster) -> tuple[str, str]:
     return "sim", f"{reason}: memory predicted by tracing the real model with fake tensors, throughput estimated"
 
 
-def make_backend(name: str, options: Options):
+def make_backend(name: str, options: Options, *, nodes: int = 1):
+    """The trial backend `name` for `options`; `nodes`: the resolved cluster's (real trials launch on them)."""
     from autotune.backends import get_backend
 
     if name == "cpu" and not options.shared_dir:  # every rank on this machine, whatever --nodes says
         return get_backend(name, timeout_s=options.timeout)
     if name in ("cpu", "cuda"):
-        from autotune.config import cluster_nodes
-
-        nodes = options.nodes or (cluster_nodes(options.gpus, gpus_per_node=getattr(options, "gpus_per_node", None))[0]
-                                  if options.gpus else 1)
         return get_backend(name, timeout_s=options.timeout, nnodes=nodes, rdzv_endpoint=options.rdzv_endpoint,
                            shared_dir=options.shared_dir)
     if name == "sim":  # the two shallow depths of each configuration traced on two cores

@@ -188,6 +188,15 @@ def _short_why(document: dict, why: dict) -> str:
     return text
 
 
+def _catalog_table(title: str, left: tuple[str, ...], right: tuple[str, ...]) -> Table:
+    """A catalog listing's table: names left-aligned, figures right-aligned, no cell wrapped."""
+    table = Table(title=title, box=None, pad_edge=False, padding=(0, 1), title_justify="left",
+                  header_style="bold underline")
+    for column in left + right:
+        table.add_column(column, justify="left" if column in left else "right", no_wrap=True)
+    return table
+
+
 class _LiveWork:
     """The piece of work running now (a trial, a plan's options), its elapsed time and what is left.
 
@@ -556,11 +565,8 @@ class Console:
         """The catalog's models in 80 columns, then each one's source."""
         from autotune.catalog.listing import MODELS_WHAT
 
-        table = Table(title=f"catalog models: {MODELS_WHAT}", box=None, pad_edge=False, padding=(0, 1),
-                      title_justify="left", header_style="bold underline")
-        for column, justify in (("model", "left"), ("type", "left"), ("params", "right"), ("layers", "right"),
-                                ("hidden", "right"), ("heads", "right"), ("experts", "right"), ("seq", "right")):
-            table.add_column(column, justify=justify, no_wrap=True)
+        table = _catalog_table(f"catalog models: {MODELS_WHAT}", ("model", "type"),
+                               ("params", "layers", "hidden", "heads", "experts", "seq"))
         for row in rows:
             table.add_row(row["name"], row["model_type"], format_count(row["num_parameters"]), str(row["num_layers"]),
                           f"{row['hidden_size']:,}", f"{row['num_attention_heads']}/{row['num_key_value_heads']}",
@@ -579,11 +585,8 @@ class Console:
         """The catalog's GPUs in 80 columns, then each one's sources (the figures are data-sheet ones)."""
         from autotune.catalog.listing import GPUS_WHAT
 
-        table = Table(title=f"catalog GPUs: {GPUS_WHAT}", box=None, pad_edge=False, padding=(0, 1),
-                      title_justify="left", header_style="bold underline")
-        for column, justify in (("gpu", "left"), ("memory", "right"), ("bf16", "right"), ("float8", "right"),
-                                ("fp32", "right"), ("HBM", "right"), ("in node", "right"), ("network", "right")):
-            table.add_column(column, justify=justify, no_wrap=True)
+        table = _catalog_table(f"catalog GPUs: {GPUS_WHAT}", ("gpu",),
+                               ("memory", "bf16", "float8", "fp32", "HBM", "in node", "network"))
         for row in rows:
             table.add_row(row["type"] + (" *" if row["default"] else ""), format_bytes(row["memory_bytes"]),
                           f"{row['peak_tflops']:g}", f"{row['float8_tflops']:g}" if row["float8_tflops"] else "-",

@@ -30,24 +30,12 @@ MAX_FILE_BYTES = 5 * 2**30
 def sharded_model(spec: ModelSpec, mesh, train: TrainConfig, *, device: torch.device,
                   checkpoint: str | None, seed: int = 0) -> nn.Module:
     """The model wrapped as tuned, holding this rank's shards only: loaded from `checkpoint` (a
-    save_pretrained folder), or randomly initialised (the model's own init) when it is None."""
-    from autotune.backends.real._trial import _move_buffers, init_weights
-    from autotune.parallel import parallelize
-    from autotune.training import build_model
+    save_pretrained folder), or randomly initialised (the model's own init) when it is None. Built
+    as a real trial builds it (backends.real._trial.build_sharded)."""
+    from autotune.backends.real._trial import build_sharded
 
-    offload = train.cpu_offload and device.type == "cuda"
-    with torch.device("meta"):
-        model = build_model(spec, seed=seed, precision=train.precision)
-    parallelize(model, mesh, train, allow_offload=device.type == "cuda")
-    # Offloaded shards live on the host; FSDP2 moves them for compute.
-    model.to_empty(device="cpu" if offload else device)
-    # Also with a checkpoint: non-persistent buffers (RoPE's inv_freq) are in no checkpoint, and the
-    # model's own init is what recomputes them after to_empty.
-    init_weights(model, seed=seed)
-    if checkpoint is not None:
-        load_hf_checkpoint(model, checkpoint)
-    if offload:
-        _move_buffers(model, device)
+    load = (lambda model: load_hf_checkpoint(model, checkpoint)) if checkpoint is not None else None
+    model, _ = build_sharded(spec, train, mesh=mesh, device=device, seed=seed, load=load)
     return model
 
 

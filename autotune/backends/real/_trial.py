@@ -10,7 +10,7 @@ import gc
 import math
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from typing import Any
 
@@ -251,26 +251,41 @@ def allocator_fraction(*, limit_bytes: int, outside_allocator_bytes: int, total_
 
 
 def materialise(spec: TrialSpec, *, mesh, device: torch.device, seed: int) -> tuple[nn.Module, list[str]]:
-    """Build on meta, apply THE wrapping function, allocate only this rank's shards, initialise.
-    Returns the model and notes on what could not be applied here."""
+    """A trial's model: build_sharded, then the stack's step prepared. Returns the model and notes on
+    what could not be applied here."""
+    model, notes = build_sharded(spec.model, spec.train, mesh=mesh, device=device, seed=seed,
+                                 finetuning=spec.finetuning, step=spec.step, seq_len=spec.seq_len)
+    prepare_step(model, step=spec.step, precision=spec.train.precision, device_type=device.type)
+    return model, notes
+
+
+def build_sharded(model_spec, train, *, mesh, device: torch.device, seed: int, finetuning=None,
+                  step: str = "autotune", seq_len: int | None = None,
+                  load: Callable[[nn.Module], None] | None = None) -> tuple[nn.Module, list[str]]:
+    """Build on meta, apply THE wrapping function, allocate only this rank's shards, initialise with
+    the model's own init (which also recomputes the non-persistent buffers no checkpoint holds, RoPE's
+    inv_freq), then `load` real weights into the shards if given (the exported script's checkpoint).
+    Real trials and the fsdp2 export's script both build their model here. Returns the model and notes
+    on what could not be applied here."""
     notes: list[str] = []
-    offload = spec.train.cpu_offload and device.type == "cuda"
+    offload = train.cpu_offload and device.type == "cuda"
     with torch.device("meta"):
-        model = build_model(spec.model, seed=seed, precision=spec.train.precision, finetuning=spec.finetuning,
-                            step=spec.step, seq_len=spec.seq_len)
-    if spec.train.cpu_offload and not offload:
+        model = build_model(model_spec, seed=seed, precision=train.precision, finetuning=finetuning, step=step,
+                            seq_len=seq_len)
+    if train.cpu_offload and not offload:
         notes.append("cpu_offload requested but not applied: CPUOffloadPolicy needs an accelerator")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the offload warning is in the notes
-        parallelize(model, mesh, spec.train, allow_offload=device.type == "cuda", step=spec.step)
+        parallelize(model, mesh, train, allow_offload=device.type == "cuda", step=step)
     # Offloaded shards live on the host (as in torchtitan); FSDP2 moves them for compute.
     model.to_empty(device="cpu" if offload else device)
     init_weights(model, seed=seed)
-    if spec.finetuning.qlora:
+    if finetuning is not None and finetuning.qlora:
         requantize_base(model, seed=seed)
+    if load is not None:
+        load(model)
     if offload:
         _move_buffers(model, device)
-    prepare_step(model, step=spec.step, precision=spec.train.precision, device_type=device.type)
     return model, notes
 
 
