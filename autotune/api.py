@@ -156,7 +156,7 @@ def _tune_in_run_dir(options: TuneOptions, console, *, request, store, finished,
     run_id = run_dir.name
     model = request.model
     shared = backend is not None
-    backend = backend or make_backend(backend_name, options, nodes=request.cluster.num_nodes)
+    backend = backend or make_backend(backend_name, options)
     predictor = _predictor_for(backend_name)
     console.header(request, backend_name, backend_why, backend.describe(), store, finished, run_dir)
     console.note(gpu_note)
@@ -578,13 +578,17 @@ def choose_backend(name: str, cluster) -> tuple[str, str]:
     return "sim", f"{reason}: memory predicted by tracing the real model with fake tensors, throughput estimated"
 
 
-def make_backend(name: str, options: Options, *, nodes: int = 1):
-    """The trial backend `name` for `options`; `nodes`: the resolved cluster's (real trials launch on them)."""
+def make_backend(name: str, options: Options):
     from autotune.backends import get_backend
 
     if name == "cpu" and not options.shared_dir:  # every rank on this machine, whatever --nodes says
         return get_backend(name, timeout_s=options.timeout)
     if name in ("cpu", "cuda"):
+        from autotune.config import cluster_nodes
+
+        # Real trials launch on the problem's nodes, by the one convention (resolve_problem's too).
+        nodes = options.nodes or (cluster_nodes(options.gpus, gpus_per_node=getattr(options, "gpus_per_node", None))[0]
+                                  if options.gpus else 1)
         return get_backend(name, timeout_s=options.timeout, nnodes=nodes, rdzv_endpoint=options.rdzv_endpoint,
                            shared_dir=options.shared_dir)
     if name == "sim":  # the two shallow depths of each configuration traced on two cores

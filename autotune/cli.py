@@ -492,7 +492,7 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
                      workload=workload, finetuning=finetuning, stack=stack)
     check_backend_traces(model, backend_name)
     console.note(f"backend: {backend_name} ({why})")
-    backend = make_backend(backend_name, args, nodes=cluster.num_nodes)
+    backend = make_backend(backend_name, args)
     try:
         result = backend.evaluate(spec)
     finally:
