@@ -17,6 +17,7 @@ import torch
 from autotune import knobs as _knobs
 from autotune.catalog import blocks as _blocks
 from autotune import parallel as _parallel
+from autotune.parallel import expert as _expert
 from autotune import training as _training
 from autotune.export._base import Export, Mapper, Tuned, build_export, torchrun_launch
 
@@ -26,7 +27,7 @@ TARGET = f"PyTorch FSDP2 (torch.distributed.fsdp.fully_shard), torch {torch.__ve
 _SOURCES = (
     _knobs.Checkpointing, _knobs.shard_dim, _knobs.float8_converts, _parallel.ParallelDims,
     _blocks.Blocks, _blocks.find_decoder_blocks, _blocks._config_depth, _blocks._block_class_name,
-    _blocks.fused_experts, _parallel.expert_meshes, _parallel.balanced_splits, _parallel._AllToAll,
+    _blocks.fused_experts, _parallel.expert_meshes, _parallel.balanced_splits, _expert._AllToAll,
     _parallel.ExpertDispatch, _parallel.apply_ep,
     _parallel.mixed_precision_policy,
     _parallel.op_sac_policy, _parallel.apply_ac, _parallel.apply_compile, _parallel.float8_linear_config,

@@ -1,0 +1,65 @@
+"""The one FSDP2 wrapping function and the one device mesh: real trials apply them, the
+simulator traces them, the fsdp2 export's script imports them (Lightning's export copies them).
+
+`ParallelDims` (after torchtitan's) says how the world is split: `dp_shard` ranks hold one
+copy of the parameters between them, `dp_replicate` such groups each hold a copy (HSDP:
+sharded within a group, the gradients all-reduced across groups). `build_mesh` makes the mesh
+`fully_shard` receives: 1-D for plain FSDP, 2-D `(dp_replicate, dp_shard)` for HSDP.
+
+Order matters, as in torchtitan's parallelize_llama: activation checkpointing wraps blocks
+first (fully_shard must see the wrapper so the recompute also all-gathers), then each block is
+compiled (torch.compile knob), then each decoder block is sharded bottom-up, then the root. float8
+converts the blocks' linears before all of it, as torchtitan's model converters run at build time.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from autotune.catalog.blocks import Blocks, find_decoder_blocks
+from autotune.config import TrainConfig
+from autotune.knobs import COMPILE_BACKEND
+from autotune.parallel.checkpointing import apply_ac, op_sac_policy
+from autotune.parallel.compile import apply_compile
+from autotune.parallel.dims import ParallelDims, expert_meshes
+from autotune.parallel.expert import ExpertDispatch, apply_ep, balanced_splits
+from autotune.parallel.float8 import FLOAT8_SKIPPED, apply_float8, float8_linear_config
+from autotune.parallel.fsdp import PARAM_DTYPES, apply_fsdp, mixed_precision_policy, shard_placement_fn
+from autotune.parallel.tracing import keep_leaf_inputs_collectable, register_rng_rules
+
+__all__ = [
+    "FLOAT8_SKIPPED", "PARAM_DTYPES", "ExpertDispatch", "ParallelDims", "apply_ac", "apply_compile", "apply_ep",
+    "apply_float8", "apply_fsdp", "balanced_splits", "expert_meshes", "float8_linear_config",
+    "keep_leaf_inputs_collectable", "mixed_precision_policy", "op_sac_policy", "parallelize", "register_rng_rules",
+    "shard_placement_fn",
+]
+
+
+def parallelize(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bool = True,
+                compile_backend: str = COMPILE_BACKEND, step: str = "autotune") -> Blocks:
+    """Apply the tuned configuration to a freshly built model, in place.
+
+    `allow_offload=False` is for places that cannot pin host memory (no accelerator): the
+    simulator then models offload from the trace instead of applying it. `compile_backend`: what
+    compiled blocks are compiled with (the simulator's fake tensors cannot run inductor's kernels).
+    `step` (config.stack_step): a stack's own mixed-precision policy where it differs; 'torchtitan':
+    torchtitan's own parallelize_llama pieces on its own model (titan.parallelize_titan); 'litgpt': LitGPT's
+    GPT, its Blocks the units (litgpt_step.litgpt_blocks) and Fabric's bf16-mixed policy.
+    """
+    if step == "torchtitan":
+        from autotune.titan import parallelize_titan
+
+        return parallelize_titan(model, mesh, train, allow_offload=allow_offload)
+    if step == "litgpt":
+        from autotune.litgpt_step import check_litgpt_train, litgpt_blocks
+
+        check_litgpt_train(train)
+        blocks = litgpt_blocks(model)
+    else:
+        blocks = find_decoder_blocks(model)
+    apply_ep(blocks, mesh, train.expert_parallel)
+    apply_float8(blocks, train.float8)
+    apply_ac(blocks, train.activation_checkpointing)
+    apply_compile(blocks, train.compile, backend=compile_backend)
+    apply_fsdp(model, blocks, mesh, train, allow_offload=allow_offload, step=step)
+    return blocks

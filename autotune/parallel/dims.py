@@ -1,0 +1,70 @@
+"""How the ranks split (ParallelDims, after torchtitan's) and the device mesh each dimension reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autotune.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """How the ranks split: `dp_replicate` groups of `dp_shard` ranks. Ranks are numbered node by
+    node (torchrun), and a mesh is laid out row-major, so a shard group of up to a node's GPUs
+    stays within a node: its all-gathers and reduce-scatters never leave it.
+
+    Expert parallelism (`ep` > 1, torchtitan's layout: the EP degree borrowed from dp_shard) splits
+    the shard group as (dp_shard / ep, ep): ep neighbouring ranks hold different experts (their
+    all-to-alls stay within a node where ep divides it), and the dp_shard / ep ranks that hold the
+    same experts shard them with FSDP. Every other parameter is sharded over all dp_shard ranks."""
+
+    dp_replicate: int
+    dp_shard: int
+    ep: int = 1
+
+    @classmethod
+    def of(cls, train: TrainConfig, world_size: int) -> "ParallelDims":
+        shard = train.shard_group_size or world_size
+        if world_size % shard:
+            raise ValueError(f"shard group size {shard} does not divide the world size {world_size}")
+        ep = train.expert_parallel
+        if shard % ep:
+            raise ValueError(f"expert-parallel degree {ep} does not divide the shard group of {shard} ranks")
+        if ep > 1 and shard != world_size:
+            raise ValueError("expert parallelism with HSDP is not built here: use a shard group of every rank")
+        return cls(dp_replicate=world_size // shard, dp_shard=shard, ep=ep)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def hsdp(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.dp_replicate, self.dp_shard) if self.hsdp else (self.dp_shard,)
+
+    @property
+    def dim_names(self) -> tuple[str, ...]:
+        return ("dp_replicate", "dp_shard") if self.hsdp else ("dp_shard",)
+
+    def build_mesh(self, device_type: str):
+        """The mesh fully_shard takes: a 2-D one shards over its last dimension and replicates over
+        the first (HSDP). With expert parallelism, the 1-D dp_shard mesh flattened from the 2-D
+        (dp_shard_mod_ep, ep) one that `expert_meshes` reads back."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.ep > 1:
+            experts = init_device_mesh(device_type, (self.dp_shard // self.ep, self.ep),
+                                       mesh_dim_names=("dp_shard_mod_ep", "ep"))
+            return experts._flatten("dp_shard")
+        return init_device_mesh(device_type, self.shape, mesh_dim_names=self.dim_names)
+
+
+def expert_meshes(mesh):
+    """(ep, dp_shard_mod_ep) sub-meshes of a mesh `ParallelDims.build_mesh` made with ep > 1: the
+    ranks holding different experts, and those holding the same experts (FSDP shards them there)."""
+    root = mesh._get_root_mesh()
+    return root["ep"], root["dp_shard_mod_ep"]
