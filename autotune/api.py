@@ -53,6 +53,7 @@ def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
 def _run_tune(options: TuneOptions, console, *, backend, library) -> dict[str, Any]:
     from autotune.batch import DEFAULT_TOLERANCE, check_reachable, check_target
     from autotune.records import DEFAULT_HEADROOM, TuneRequest
+    from autotune.routing import parse_routing_skew
     from autotune.search_space import load_space
     from autotune.run_folder import RunLog, ensure_writable, new_run_dir, write_run_state
     from autotune.store import TrialStore, default_storage, study_name
@@ -69,9 +70,9 @@ def _run_tune(options: TuneOptions, console, *, backend, library) -> dict[str, A
     finetuning = resolve_finetuning(options)
     stack = resolve_stack(options)
 
-    def check_batch(num_gpus: int, seq_len: int) -> None:
-        check_target(target_tokens=target, num_gpus=num_gpus, seq_len=seq_len)
-        check_reachable(target_tokens=target, num_gpus=num_gpus, seq_len=seq_len, tolerance=tolerance)
+    def check_batch(num_gpus: int, seq_len: int, ranks: str = "") -> None:
+        check_target(target_tokens=target, num_gpus=num_gpus, seq_len=seq_len, ranks=ranks)
+        check_reachable(target_tokens=target, num_gpus=num_gpus, seq_len=seq_len, tolerance=tolerance, ranks=ranks)
 
     model, cluster, seq_len, gpu_note = resolve_problem(options, check_batch=check_batch)
     space = load_space(options.space)
@@ -91,6 +92,9 @@ def _run_tune(options: TuneOptions, console, *, backend, library) -> dict[str, A
     if space.float8 not in ("none", "auto") and cluster.gpu.has_float8 and backend_name != "analytic":
         check_float8_library(f"--float8 {space.float8}")  # traced or run: torchao's float8 linears
     check_wrappable(model)  # builds the model on the meta device: after the checks that need no model
+    routing = parse_routing_skew(options.routing_skew)  # parsed once (options.routing_skew)
+    if not routing.balanced:
+        routing.check_experts(model.num_experts, model.name)
     check_precision_runs(model, space.precision)
     finetuning, finetuning_note = fit_finetuning(options, finetuning, model)
     if space.precision == "bf16-pure" and not cluster.gpu.supports_bf16:  # bf16 mixed falls back to fp16; pure cannot
@@ -114,7 +118,8 @@ def _run_tune(options: TuneOptions, console, *, backend, library) -> dict[str, A
                           tolerance=tolerance,
                           headroom=DEFAULT_HEADROOM if options.headroom is None else options.headroom,
                           space=space, max_trials=options.max_trials, time_budget_s=options.time_budget,
-                          workload=workload, finetuning=finetuning, stack=stack, vllm_share=vllm_share)
+                          workload=workload, finetuning=finetuning, stack=stack, vllm_share=vllm_share,
+                          routing_skew=routing)
     store = TrialStore(options.storage or default_storage(runs_dir), options.study or study_name(request, backend_name))
     finished = store.finished()
     run_dir = new_run_dir(request, runs_dir)
@@ -196,6 +201,13 @@ def _tune_in_run_dir(options: TuneOptions, console, *, request, store, finished,
         if stack_winner is not None:
             outcome.winner, document = stack_winner, build(stack_winner, runnable)
         outcome.notes.extend(note for note in stack_notes(request, document) if note not in outcome.notes)
+        if not request.routing_skew.balanced:  # the assumption, the rank that binds, what it ruled out
+            from autotune.routing import tune_note
+
+            tried = [(s.train.label(short=True), s.result.peak_bytes, s.fits, s.result.throughput) for s in outcome.steps
+                     if s.train.expert_parallel > 1 and s.result.status in ("ok", "oom")]
+            outcome.notes.append(tune_note(request.routing_skew, model.num_experts,
+                                           outcome.winner.train.expert_parallel, tried))
     records = store.trials(run_id=run_id)
     lost = {s.step: why_lost(s, outcome.winner, request, runnable) for s in outcome.steps}
     for record in records:  # why a trial that ran lost, for trials.csv and report.html
@@ -211,7 +223,10 @@ def _tune_in_run_dir(options: TuneOptions, console, *, request, store, finished,
         log(f"note: {note}")
     console.trial_table(outcome.steps, request, winner=outcome.winner, runnable=runnable)
     if outcome.winner is None:
-        reason = why_nothing_fits(outcome.steps[-1], request) if outcome.steps else "no configuration was evaluated"
+        # The last FSDP configuration says which limit binds (a tensor-parallel one tried after it fitted no better).
+        last = next((s for s in reversed(outcome.steps) if s.train.tensor_parallel == 1),
+                    outcome.steps[-1] if outcome.steps else None)
+        reason = why_nothing_fits(last, request) if last is not None else "no configuration was evaluated"
         raise NothingFits(f"{reason}; trials are in {run_dir}")
     document = build(outcome.winner, runnable)
     text = dumps(document)
@@ -399,7 +414,19 @@ def resolve_problem(options: Options, *, check_batch=None) -> tuple[Any, Any, in
                                       gpus_per_node=getattr(options, "gpus_per_node", None))
     Cluster(num_gpus=options.gpus, num_nodes=nodes)  # the cluster's shape first: the first error is the real one
     if check_batch is not None:
-        check_batch(options.gpus, seq_len)
+        try:
+            check_batch(options.gpus, seq_len)
+        except UsageError:
+            # Past FSDP's batch wall, tensor parallelism lets a group of GPUs share one sequence: the wall is
+            # then at the data ranks of the largest degree the model and a node allow.
+            from autotune.knobs import ProblemShape, tensor_parallel_degrees
+
+            shape = ProblemShape(num_gpus=options.gpus, gpus_per_node=options.gpus // nodes, model=model)
+            widest = max(tensor_parallel_degrees(shape))
+            if widest == 1:
+                raise
+            check_batch(options.gpus // widest, seq_len,
+                        f"{options.gpus // widest} data ranks ({options.gpus} GPUs / tensor parallel {widest})")
     if options.gpu_type:
         gpu, gpu_note = resolve_gpu(options.gpu_type), "given with --gpu-type"
     else:

@@ -30,23 +30,26 @@ MAX_GRAD_ACCUM_STEPS = 100_000
 """More accumulation steps than this per optimizer step is a typo, not a training run."""
 
 
-def check_target(*, target_tokens: int, num_gpus: int, seq_len: int) -> None:
+def check_target(*, target_tokens: int, num_gpus: int, seq_len: int, ranks: str = "") -> None:
+    """`num_gpus`: the ranks that each take a batch; `ranks` says who they are where they are not the GPUs."""
+    ranks = ranks or f"{num_gpus} GPUs"
     smallest = num_gpus * seq_len
     if target_tokens > MAX_GRAD_ACCUM_STEPS * smallest:
         raise UsageError(
             f"--global-tokens {target_tokens:,} would take more than {MAX_GRAD_ACCUM_STEPS:,} accumulation steps "
-            f"at micro-batch 1 ({num_gpus} GPUs x {seq_len} seq_len = {smallest:,} tokens each): check the value "
+            f"at micro-batch 1 ({ranks} x {seq_len} seq_len = {smallest:,} tokens each): check the value "
             "(4M = 4,000,000)")
     if target_tokens < smallest:
         raise UsageError(
             f"--global-tokens {target_tokens:,} is smaller than one sequence per GPU "
-            f"({num_gpus} GPUs x {seq_len} seq_len = {smallest:,}): raise it or lower --seq-len"
+            f"({ranks} x {seq_len} seq_len = {smallest:,}): raise it or lower --seq-len"
         )
 
 
 def plan_global_batch(*, target_tokens: int, num_gpus: int, seq_len: int, micro_batch_size: int) -> GlobalBatch:
-    """The accumulation steps (>= 1) whose global tokens come closest to the target."""
-    check_target(target_tokens=target_tokens, num_gpus=num_gpus, seq_len=seq_len)
+    """The accumulation steps (>= 1) whose global tokens come closest to the target (one micro-step may
+    overshoot it: callers check a target reachable up front, check_target; a configuration past the batch
+    wall then misses the tolerance)."""
     per_step = micro_batch_size * num_gpus * seq_len
     low = max(1, target_tokens // per_step)
     candidates = {low, low + 1}
@@ -54,7 +57,7 @@ def plan_global_batch(*, target_tokens: int, num_gpus: int, seq_len: int, micro_
     return GlobalBatch(micro_batch_size, best, best * per_step, target_tokens)
 
 
-def check_reachable(*, target_tokens: int, num_gpus: int, seq_len: int, tolerance: float) -> None:
+def check_reachable(*, target_tokens: int, num_gpus: int, seq_len: int, tolerance: float, ranks: str = "") -> None:
     """Refuse a target no micro-batch can reach within tolerance. Micro-batch 1 has the finest
     granularity (multiples of GPUs x seq_len), so if it misses, every micro-batch misses."""
     finest = plan_global_batch(target_tokens=target_tokens, num_gpus=num_gpus, seq_len=seq_len,
@@ -65,7 +68,7 @@ def check_reachable(*, target_tokens: int, num_gpus: int, seq_len: int, toleranc
         nearest = ", ".join(f"{t:,}" for t in (below, above) if t > 0)
         raise UsageError(
             f"--global-tokens {target_tokens:,} cannot be reached within {tolerance:.1%}: global batches "
-            f"come in steps of {num_gpus} GPUs x {seq_len} seq_len = {unit:,} tokens; use {nearest} or "
+            f"come in steps of {ranks or f'{num_gpus} GPUs'} x {seq_len} seq_len = {unit:,} tokens; use {nearest} or "
             f"raise --global-tolerance (closest now {finest.deviation:+.2%})"
         )
 

@@ -27,7 +27,7 @@ from autotune.errors import AutotuneError, NothingFits, StorageUnavailable, Usag
 from autotune.interrupts import raised_where_safe
 from autotune.config import PEFT_METHODS, STACKS, check_float8_library
 from autotune.options import (BACKENDS, COMPILE_SEARCH, FLOAT8_SEARCH, SEQ_LEN_STEP, WORKLOADS, TuneOptions, duration, fraction, number,
-                              positive_int, usage_error)
+                              positive_int, routing_skew, usage_error)
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
@@ -92,6 +92,12 @@ def _add_problem_options(parser: argparse.ArgumentParser, *, model_required: boo
                                "the same on padding-free batches (TRL's default bfd packing); torchtitan, "
                                "litgpt: their own model and step where the package is importable (llama; "
                                "torchtitan also qwen3); llama-cookbook: not traced (docs/STACKS.md)")
+    workload.add_argument("--routing-skew", type=routing_skew, default=None, metavar="PROFILE",
+                          help="MoE models: how the router spreads tokens over the experts, an assumption of the "
+                               "problem: balanced (default), zipf:S (expert e's share ~ 1/(e+1)^S), capacity:C "
+                               "(the hottest expert-parallel rank receives C x its balanced share) or a file of "
+                               "measured per-expert token counts; with --ep the binding rank is traced "
+                               "(docs/KNOBS.md)")
     tuning = parser.add_argument_group("fine-tuning")
     tuning.add_argument("--peft", choices=PEFT_METHODS, default=None,
                         help="none (default): every parameter trains; lora: peft LoRA adapters on a frozen base "
@@ -438,6 +444,7 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
     from autotune.config import TrainConfig, TrialSpec, memory_limit_bytes, stack_section
     from autotune.records import DEFAULT_HEADROOM
     from autotune.result import text_only_note, text_only_section
+    from autotune.routing import RoutingSkew, routing_section
 
     recorded = recorded_finetuning = recorded_stack = None
     if args.config:
@@ -454,6 +461,8 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
         recorded = document.get("workload")
         recorded_finetuning = document.get("finetuning")
         recorded_stack = (document.get("stack") or {}).get("name")
+        if args.routing_skew is None and document.get("routing_skew"):  # the assumption the result was tuned under
+            args.routing_skew = RoutingSkew.from_dict(document["routing_skew"])
     else:
         train = TrainConfig(**knob_registry.from_args(args))
         grad_accum = args.grad_accum
@@ -489,9 +498,12 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
     spec = TrialSpec(model=model, cluster=cluster, seq_len=seq_len, train=train, grad_accum_steps=grad_accum,
                      memory_limit_bytes=memory_limit_bytes(cluster.capacity_bytes, headroom=headroom,
                                                            workload=workload),
-                     workload=workload, finetuning=finetuning, stack=stack)
+                     workload=workload, finetuning=finetuning, stack=stack, routing_skew=args.routing_skew)
     check_backend_traces(model, backend_name)
     console.note(f"backend: {backend_name} ({why})")
+    if not spec.routing_skew.balanced:
+        section = routing_section(spec.routing_skew, model, train.expert_parallel)
+        console.note(f"{section['assumption']}; {section['note']}")
     backend = make_backend(backend_name, args)
     try:
         result = backend.evaluate(spec)
@@ -503,6 +515,8 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
            "seq_len": seq_len, "config": train.to_dict(), "grad_accum_steps": grad_accum,
            "workload": workload.to_dict(), "finetuning": finetuning.to_dict(),
            "stack": stack_section(stack, train.precision, model.model_type),
+           **({"routing_skew": routing_section(spec.routing_skew, model, train.expert_parallel)}
+              if not spec.routing_skew.balanced else {}),
            "memory_limit_bytes": spec.limit_bytes, "fits": result.ok, **result.to_dict(),
            **({"text_only": left_out} if left_out else {})}
     sys.stdout.write(json.dumps(out, indent=2, default=str) + "\n")

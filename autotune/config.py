@@ -16,6 +16,7 @@ from autotune.catalog.models import ModelSpec
 from autotune import knobs
 from autotune.errors import UsageError
 from autotune.knobs import Checkpointing
+from autotune.routing import RoutingSkew, parse_routing_skew
 
 Precision = Literal["bf16", "fp16", "fp32", "bf16-pure"]
 PARAM_DTYPE_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
@@ -62,6 +63,8 @@ class TrainConfig:
     expert_parallel: int = _D["expert_parallel"].default
     """Expert-parallel degree: each MoE block's fused experts split over groups of this many GPUs
     (parallel.apply_ep); 1: none."""
+    tensor_parallel: int = _D["tensor_parallel"].default
+    """Tensor-parallel degree: each block's linears split over groups of this many GPUs (parallel.apply_tp); 1: none."""
     compile: str = _D["compile"].default
     """torch.compile of the decoder blocks: none or blocks (parallel.apply_compile)."""
     float8: str = _D["float8"].default
@@ -515,9 +518,15 @@ class TrialSpec:
     finetuning: FineTuning = field(default_factory=FineTuning)
     stack: str = "fsdp2"
     """Whose training step runs (STACKS): what the simulator traces and a real trial runs."""
+    routing_skew: RoutingSkew = field(default_factory=RoutingSkew)
+    """How the MoE router spreads tokens over the experts (autotune/routing.py): an assumption of the
+    problem; with expert parallelism the simulator traces the binding rank and a real trial forces it."""
 
     def __post_init__(self) -> None:
         check_stack(self.stack)
+        object.__setattr__(self, "routing_skew", parse_routing_skew(self.routing_skew))
+        if not self.routing_skew.balanced:
+            self.routing_skew.check_experts(self.model.num_experts, self.model.name)
         check_float8_gpu(self.train.float8, self.cluster.gpu)
         if self.train.float8 != "none" and self.finetuning.lora:
             raise UsageError(f"--float8 {self.train.float8} with --peft {self.finetuning.peft}: float8 training converts the frozen "
@@ -538,7 +547,9 @@ class TrialSpec:
         return dict(model=self.model.to_dict(), cluster=self.cluster.to_dict(), seq_len=self.seq_len,
                     train=self.train.to_dict(), grad_accum_steps=self.grad_accum_steps,
                     memory_limit_bytes=self.memory_limit_bytes, workload=self.workload.to_dict(),
-                    finetuning=self.finetuning.to_dict(), stack=self.stack)
+                    finetuning=self.finetuning.to_dict(), stack=self.stack,
+                    # Only where stated: balanced specs keep the keys (and cached predictions) they had.
+                    **({"routing_skew": self.routing_skew.to_dict()} if not self.routing_skew.balanced else {}))
 
     @property
     def step(self) -> str:
@@ -552,4 +563,5 @@ class TrialSpec:
                    grad_accum_steps=data.get("grad_accum_steps", 1),
                    memory_limit_bytes=data.get("memory_limit_bytes"),
                    workload=Workload.from_dict(data.get("workload")),
-                   finetuning=FineTuning.from_dict(data.get("finetuning")), stack=data.get("stack", "fsdp2"))
+                   finetuning=FineTuning.from_dict(data.get("finetuning")), stack=data.get("stack", "fsdp2"),
+                   routing_skew=RoutingSkew.from_dict(data.get("routing_skew")))

@@ -127,12 +127,15 @@ def _peak_line(document: dict) -> str:
 
 
 def _throughput_line(document: dict) -> str:
-    """'31,990 tok/s E for the job (24,952-39,028), 3,999/GPU, 125 s/step, MFU 35.6%'."""
+    """'31,990 tok/s E for the job (27,150-36,830: from 61 held-out rows (...)), 3,999/GPU, 125 s/step,
+    MFU 35.6%': the range names the held-out rows it comes from, or the line says "not validated on <gpu>"."""
     tps, gpus = document["tokens_per_sec"], document["gpus"]
     line = f"{tps:,.0f} tok/s {_SOURCE_LETTER.get(document['throughput_source'], '?')} for the job"
-    span = document.get("tokens_per_sec_range")
+    span, source = document.get("tokens_per_sec_range"), document.get("tokens_per_sec_range_from")
     if span:
-        line += f" ({span[0]:,.0f}-{span[1]:,.0f})"
+        line += f" ({span[0]:,.0f}-{span[1]:,.0f}" + (f": {source})" if source else ")")
+    elif source:  # an estimate with no held-out row on its GPU family: "not validated on <gpu>"
+        line += f" ({source})"
     line += f", {tps / gpus:,.0f}/GPU, {document['global_tokens'] / tps:.3g} s/step"
     if document.get("mfu"):
         line += f", MFU {document['mfu']:.1%}"
@@ -347,6 +350,9 @@ class Console:
             counts = parameter_counts(request.model, request.finetuning)
             self.note(f"training: {request.finetuning.label()}: {format_count(counts.trainable)} of "
                       f"{format_count(counts.total)} parameters train (counted on the model as peft wraps it)")
+        if not request.routing_skew.balanced:
+            self.note(f"MoE routing: {request.routing_skew.describe()}; with expert parallelism every trial "
+                      "is predicted on the rank that receives the most tokens")
         self.note(f"memory limit: {request.describe_limit()}")
         self.note(f"global batch target: {request.target_tokens:,} tokens per step "
                   f"(tolerance {request.tolerance:.1%}); micro-batch at most {request.max_micro_batch}")
@@ -450,7 +456,8 @@ class Console:
         self.out.print(_Wrapped(Text(
             f"{_short_label(train)} ({_precision_words(train)}), {document['grad_accum_steps']} accumulation "
             f"step{'s' if document['grad_accum_steps'] != 1 else ''} "
-            f"x {document['gpus']} GPUs x seq {document['seq_len']} = {document['global_tokens']:,} tokens/step "
+            f"x {_data_ranks(document['gpus'], train.tensor_parallel)} x seq {document['seq_len']} = "
+            f"{document['global_tokens']:,} tokens/step "
             f"({document['global_tokens_deviation']:+.2%} vs target)"), first=Text("winner: ", style="bold green")))
         self.out.print(_indented(Text(_peak_line(document))))
         stack = document.get("stack") or {}
@@ -596,3 +603,10 @@ class Console:
         self.out.print(_Wrapped(Text("* the default --gpu-type where none is detected; bf16 is fp16 where a GPU "
                                      "has no bf16; sources:"), 0))
         self._sources(rows, "type")
+
+
+def _data_ranks(gpus: int, tensor_parallel: int) -> str:
+    """Who takes a batch each: the GPUs, or their tensor-parallel groups."""
+    if tensor_parallel == 1:
+        return f"{gpus} GPUs"
+    return f"{gpus // tensor_parallel} data ranks ({gpus} GPUs / tensor parallel {tensor_parallel})"

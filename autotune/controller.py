@@ -116,7 +116,7 @@ class Controller:
         if known is not None:
             return known
         request = self.request
-        batch = request.global_batch(train.micro_batch_size)
+        batch = request.global_batch(train.micro_batch_size, tensor_parallel=train.tensor_parallel)
         key = config_key(train, grad_accum_steps=batch.grad_accum_steps, backend=self.backend.name)
         cached = self.finished.get(key) if reuse else None
         predicted: TrialResult | None = None
@@ -162,7 +162,7 @@ class Controller:
         note = f"skipped {train.label()} ({stage}: {reason}): cannot be built: {why}"
         if note not in self.notes:
             self.notes.append(note)
-        return Step(step=0, stage=stage, train=train, batch=self.request.global_batch(train.micro_batch_size),
+        return Step(step=0, stage=stage, train=train, batch=self.request.global_batch(train.micro_batch_size, tensor_parallel=train.tensor_parallel),
                     result=TrialResult(status="error", message=f"not built: {why}"), fits=False, reason=reason,
                     backend=self.backend.name)
 
@@ -238,6 +238,17 @@ class Controller:
                            compile="blocks" if self.compile_search == "blocks" else "none",
                            float8=self.float8_search if self.float8_search in knobs.FLOAT8_RECIPES else "none")
         numerics = f"{precision} mixed precision" if precision in ("bf16", "fp16") else precision
+        if not self._aligned_sizes(1):
+            # The batch wall: with FSDP alone every GPU takes a whole sequence per micro-step, and one
+            # micro-step of one sequence each already overshoots the global batch.
+            batch = self.request.global_batch(1)
+            self.notes.append(f"FSDP alone cannot hit the global batch: one sequence per GPU is {batch.global_tokens:,} "
+                              f"tokens per step, {batch.deviation:+.0%} off the target; tensor parallelism lets "
+                              "several GPUs share one sequence")
+            if not self._explore_tensor_parallel(start=base.with_(
+                    activation_checkpointing="full" if space.checkpointing else "none")):
+                self.notes.append("no tensor-parallel degree the model and a node allow fits either")
+            return
         step = self.run("baseline", base, f"start of the graph: {numerics}, micro-batch 1{why_placement}")
         if not step.fits and space.checkpointing:
             step = self.run("checkpointing", base.with_(activation_checkpointing="full"),
@@ -257,6 +268,8 @@ class Controller:
         if not step.fits and self._searches_offload and space.offload_activations:
             step = self.run("offload", checkpointed.with_(cpu_offload=True, activation_offload=True),
                             f"{self._why(step)} with parameters offloaded: offload the saved activations too")
+        if not step.fits and self._explore_tensor_parallel(start=checkpointed):
+            return  # the memory wall: FSDP alone holds nothing, a tensor-parallel mesh does
         if not step.fits:
             self.notes.append(why_nothing_fits(step, self.request))
             return
@@ -299,7 +312,7 @@ class Controller:
 
         until_saturated (exploration): also stop once doubling no longer pays and the branch is
         still slower than the best configuration so far."""
-        limit = self.request.max_micro_batch
+        limit = self.request.max_micro_batch_at(mode.tensor_parallel)
         last_fit, first_fail = mode, None
         evaluated = self._find(mode)
         last_tps = evaluated.result.throughput if evaluated else None
@@ -340,18 +353,18 @@ class Controller:
                     high = middle
         return last_fit
 
-    def _aligned_sizes(self, upto: int) -> list[int]:
+    def _aligned_sizes(self, upto: int, tensor_parallel: int = 1) -> list[int]:
         """Micro-batches <= upto whose global batch is within tolerance, largest first."""
-        return [m for m in range(upto, 0, -1)
-                if within_tolerance(self.request.global_batch(m), self.request.tolerance)]
+        return [m for m in range(upto, 0, -1) if within_tolerance(
+            self.request.global_batch(m, tensor_parallel=tensor_parallel), self.request.tolerance)]
 
     def _align(self, largest: TrainConfig) -> None:
-        aligned = self._aligned_sizes(largest.micro_batch_size)
+        aligned = self._aligned_sizes(largest.micro_batch_size, largest.tensor_parallel)
         if aligned and aligned[0] != largest.micro_batch_size:
             m = aligned[0]
             self.run("align", largest.with_(micro_batch_size=m),
                      f"micro-batch {largest.micro_batch_size} misses the global batch by "
-                     f"{self.request.global_batch(largest.micro_batch_size).deviation:+.2%}: "
+                     f"{self.request.global_batch(largest.micro_batch_size, tensor_parallel=largest.tensor_parallel).deviation:+.2%}: "
                      f"{m} is the largest within {self.request.tolerance:.1%}")
 
     def _distinct_ac_modes(self, modes: list[str], *, exclude: tuple[str, ...] = ()) -> list[str]:
@@ -371,8 +384,20 @@ class Controller:
         return distinct
 
     def _explore(self, mode: TrainConfig, largest: TrainConfig) -> None:
+        self._explore_checkpointing(mode, largest)
+        self._explore_hsdp()
+        self._explore_expert_parallel()
+        self._explore_tensor_parallel()
+        self._explore_no_reshard()
+        self._explore_reshard_to_a_node()
+        self._explore_compile()
+        self._explore_float8()
+
+    def _explore_checkpointing(self, mode: TrainConfig, largest: TrainConfig) -> None:
+        """Lighter checkpointing than the graph's `mode` at its `largest` micro-batch, or checkpointing for a
+        larger micro-batch than the graph's no-checkpointing limit."""
         space = self.request.space
-        ceiling = self.request.max_micro_batch
+        ceiling = self.request.max_micro_batch_at(largest.tensor_parallel)
         lighter_first = [f"every:{k}" for k in sorted(space.lighter_every, reverse=True)]  # least recompute first
         if mode.activation_checkpointing.mode == "full" and not mode.cpu_offload:
             for ac in self._distinct_ac_modes(lighter_first, exclude=("full",)):
@@ -400,12 +425,6 @@ class Controller:
                 if step.fits:
                     self._grow_branch(step.train)
                     break
-        self._explore_hsdp()
-        self._explore_expert_parallel()
-        self._explore_no_reshard()
-        self._explore_reshard_to_a_node()
-        self._explore_compile()
-        self._explore_float8()
 
     def _explore_no_reshard(self) -> None:
         best = self._choose()
@@ -620,6 +639,47 @@ class Controller:
         if fitting:
             fastest = max(fitting, key=lambda s: s.result.throughput or 0.0)
             self._align(self._grow(fastest.train, stage="explore", until_saturated=True))
+
+    def _explore_tensor_parallel(self, *, start: TrainConfig | None = None) -> bool:
+        """Split each block's linears over 2, 4 or 8 GPUs of a node (--tp: the model's transformers plan), smallest
+        degree first, where FSDP alone cannot hold the problem (`start`: nothing fitted; or no configuration
+        hits the global batch, each GPU needing a whole sequence) or where the estimate says a mesh may win.
+        A degree that does not fit is tried again with every block checkpointed; the fastest that fits is grown.
+        True where one fits."""
+        best = self._choose()
+        base = start or (best.train if best is not None else self.steps[0].train if self.steps else None)
+        degrees = knobs.tensor_parallel_degrees(self.shape)[1:] if self.request.space.tensor_parallel else ()
+        if base is None or not degrees:
+            return False
+        base = base.with_(cpu_offload=False, activation_offload=False, compile="none", float8="none",
+                          shard_group_size=0, reshard_group_size=0, expert_parallel=1, shard_placement="dim0",
+                          micro_batch_size=1)  # grown below: a group of GPUs takes each batch
+        fitting = []
+        for degree in degrees:
+            train = base.with_(tensor_parallel=degree)
+            # The walls: nothing to beat (FSDP alone fits nothing, or misses the global batch), or only offloading
+            # holds the model: then the mesh is traced, not judged by two estimates of unlike costs.
+            best = self._choose()
+            wall = best is None or best.train.cpu_offload
+            if not wall and not self._could_win(train):
+                continue
+            why = ("FSDP alone holds no configuration of this problem" if best is None else
+                   f"FSDP holds this problem only with CPU offload ({best.train.label()})" if wall else
+                   "the estimate allows a mesh to win")
+            step = self.run("explore", train, f"{why}: tensor parallelism over {degree} GPUs of a node (each holds and "
+                                              f"computes 1/{degree} of every block's linears; {degree} GPUs share a batch)")
+            if not step.fits and train.activation_checkpointing.mode != "full" and self.request.space.checkpointing:
+                step = self.run("explore", train.with_(activation_checkpointing="full"),
+                                f"tensor parallelism over {degree} GPUs {self._why(step)}: checkpoint every block too")
+            if step.fits:
+                fitting.append(step)
+        if not fitting:
+            return False
+        fastest = max(fitting, key=lambda s: s.result.throughput or 0.0)
+        largest = self._grow(fastest.train, stage="explore", until_saturated=True)
+        self._align(largest)
+        self._explore_checkpointing(fastest.train, largest)
+        return True
 
     # -- beyond the graph: sampling under --time-budget ----------------------------------------------
     def _sample_domains(self) -> dict[str, tuple]:

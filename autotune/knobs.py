@@ -220,6 +220,13 @@ def _expert_parallel(value: Any) -> int:
     return value
 
 
+def _tensor_parallel(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"tensor-parallel degree must be a positive number of GPUs (1: no tensor parallelism), "
+                         f"got {value!r}")
+    return value
+
+
 def _reshard_group(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value == 1:
         raise UsageError(f"reshard group size must be 0 (reshard over the whole shard group, or not at all with "
@@ -302,6 +309,8 @@ class SampleContext:
     smaller than the shard group)."""
     expert_parallel: tuple[int, ...] = (1,)
     """Expert-parallel degrees that apply (an MoE model: degrees dividing both its experts and the GPUs)."""
+    tensor_parallel: tuple[int, ...] = (1,)
+    """Tensor-parallel degrees that apply (tensor_parallel_degrees: a model with a plan, degrees within a node)."""
     hsdp_groups: tuple[int, ...] = ()
     """HSDP group sizes that apply (several nodes): node, 2 nodes, ..."""
     reshard_groups: tuple[int, ...] = ()
@@ -430,6 +439,13 @@ KNOBS: tuple[Knob, ...] = (
               "(docs/KNOBS.md, expert parallelism)",
          label=lambda v: f"ep={v}" if v > 1 else "", optuna=lambda v: _int_param("expert_parallel", int)(v) if v > 1 else {},
          alternative=2, keyed_at_default=False, domain=lambda ctx: ctx.expert_parallel),
+    Knob(name="tensor_parallel", default=1, flag="--tp", parse=_tensor_parallel,
+         result_path=("parallelism", "tensor_parallel"),
+         help="tensor parallelism: each decoder block's linears split over groups of this many GPUs within a node, "
+              "as the model's tensor-parallel plan says (transformers' base_model_tp_plan: colwise/rowwise), the "
+              "group sharing one batch; FSDP shards over the GPUs/N data ranks. 1: none (docs/KNOBS.md)",
+         label=lambda v: f"tp={v}" if v > 1 else "", optuna=lambda v: _int_param("tensor_parallel", int)(v) if v > 1 else {},
+         alternative=2, keyed_at_default=False, domain=lambda ctx: ctx.tensor_parallel),
     Knob(name="compile", default="none", flag="--compile", choices=COMPILE_MODES,
          parse=_choice("compile", COMPILE_MODES), result_path=("compile", "mode"),
          help="torch.compile: none (eager) or blocks (each decoder block compiled, fullgraph=True, before FSDP2 "
@@ -477,6 +493,53 @@ def hsdp_group_sizes(shape: ProblemShape) -> tuple[int, ...]:
     return tuple(per_node * k for k in range(1, nodes) if nodes % k == 0)
 
 
+# --- tensor parallelism: what a model's plan allows (parallel/tensor.py applies it) ----------------------
+
+BUILT_STYLES = ("colwise", "rowwise")
+"""The plan styles this module applies (the ones the dense causal LMs' plans use)."""
+
+BLOCK_PREFIX = "layers.*."
+"""Where a base model's plan entries for the decoder blocks start (transformers' convention)."""
+
+
+def block_plan(tp_plan: dict[str, str] | None) -> dict[str, str]:
+    """The plan's entries for one decoder block, relative to the block ({} where the model has no
+    plan, or none for its blocks)."""
+    return {key.removeprefix(BLOCK_PREFIX): style for key, style in (tp_plan or {}).items()
+            if key.startswith(BLOCK_PREFIX)}
+
+
+def why_no_tensor_parallel(tp_plan: dict[str, str] | None, *, degree: int, heads: int, kv_heads: int,
+                           widths: dict[str, int]) -> str:
+    """'' where `degree`-way tensor parallelism can be built from this plan, else why not (one
+    clause, for an error or a skipped candidate). `widths`: each planned linear's output width."""
+    plan = block_plan(tp_plan)
+    if not plan:
+        return "its transformers config has no tensor-parallel plan (base_model_tp_plan) for its decoder blocks"
+    other = sorted({style for style in plan.values() if style not in BUILT_STYLES})
+    if other:
+        return f"its tensor-parallel plan uses {', '.join(other)}, which is not built here (only colwise/rowwise)"
+    for what, count in (("attention heads", heads), ("key/value heads", kv_heads)):
+        if count % degree:
+            return f"the degree must divide its {count} {what}"
+    for name, width in widths.items():
+        if width % degree:
+            return f"the degree must divide the {width} outputs of its {name}"
+    return ""
+
+
+TENSOR_PARALLEL_DEGREES = (2, 4, 8)
+"""Tensor-parallel degrees the search proposes (within a node: its per-layer collectives want NVLink)."""
+
+
+def tensor_parallel_degrees(shape: ProblemShape) -> tuple[int, ...]:
+    """Tensor-parallel degrees the search proposes for `shape`: 1, then those of TENSOR_PARALLEL_DEGREES
+    check_combination accepts (dividing a node's GPUs, the model's heads and MLP, a plan to apply)."""
+    base = {knob.name: knob.default for knob in KNOBS}
+    return (1, *(tp for tp in TENSOR_PARALLEL_DEGREES
+                 if not why_not_buildable({**base, "tensor_parallel": tp}, shape)))
+
+
 def check_combination(values: dict[str, Any], shape: ProblemShape) -> dict[str, Any]:
     """The knob values of one configuration, checked against `shape` and each other: the values to
     run (a value that names the default configuration another way, e.g. one HSDP group of every
@@ -484,6 +547,7 @@ def check_combination(values: dict[str, Any], shape: ProblemShape) -> dict[str, 
     that clash and how to fix it). The CLI's flags, a stored result and every candidate the search
     proposes go through this one function (config.TrialSpec calls it)."""
     values = dict(values)
+    _check_tensor_parallel(values, shape)
     size, gpus, per_node = values["shard_group_size"], shape.num_gpus, shape.gpus_per_node
     if size == gpus:
         values["shard_group_size"] = 0
@@ -507,6 +571,33 @@ def check_combination(values: dict[str, Any], shape: ProblemShape) -> dict[str, 
                              f"{values['shard_placement']}: FSDP2 reshards to a group only parameters sharded on "
                              "dimension 0; drop one of them")
     return values
+
+
+def _check_tensor_parallel(values: dict[str, Any], shape: ProblemShape) -> None:
+    """--tp: a degree within a node, dividing the model's heads and MLP, a plan of the model's to apply
+    (parallel/tensor.py), and only the knobs tensor parallelism is built with here."""
+    tp = values["tensor_parallel"]
+    if tp == 1:
+        return
+    flag, model, per_node = f"--tp {tp}", shape.model, shape.gpus_per_node
+    if per_node % tp or shape.num_gpus % tp:
+        raise UsageError(f"{flag}: the tensor-parallel degree must divide the {per_node} GPUs per node (its "
+                         f"all-reduces run every layer, within a node), e.g. --tp {_largest_divisor(per_node, 8)}")
+    why = why_no_tensor_parallel(model.tp_plan, degree=tp, heads=model.num_attention_heads,
+                                 kv_heads=model.num_key_value_heads, widths={"MLP": model.mlp_width})
+    if why:
+        raise UsageError(f"{flag}: {model.name} cannot be split: {why}; use --tp 1")
+    for name, flag_of in (("shard_group_size", "--hsdp"), ("reshard_group_size", "--reshard-group"),
+                          ("expert_parallel", "--ep"), ("compile", "--compile"), ("float8", "--float8"),
+                          ("cpu_offload", "--offload"),
+                          ("shard_placement", "--shard-placement")):
+        if values[name] != BY_NAME[name].default:
+            raise UsageError(f"{flag} with {flag_of}: not built here yet (docs/KNOBS.md, tensor parallelism); "
+                             "drop one of them")
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
 
 
 def _check_expert_parallel(values: dict[str, Any], shape: ProblemShape) -> None:

@@ -59,6 +59,16 @@ def duration(text: str) -> float:
     return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)]
 
 
+def routing_skew(text: str):
+    """--routing-skew: balanced, zipf:S, capacity:C or a histogram file (autotune/routing.py), parsed once."""
+    from autotune.routing import read_routing_skew
+
+    try:
+        return read_routing_skew(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def usage_error(message: str, prog: str = "autotune tune") -> UsageError:
     """A bad option, as the CLI's parser words it (the library words it the same)."""
     return UsageError(f"{message} (see '{prog} --help')")
@@ -100,6 +110,9 @@ class TuneOptions:
     num_generations: int | None = _option(check=positive_int)
     stack: str | None = _option(choices=tuple(STACKS))
     """Whose training step is predicted (config.STACKS); None: fsdp2, autotune's own loop."""
+    routing_skew: Any = _option(check=routing_skew)
+    """A MoE model's routing assumption (autotune.routing.RoutingSkew, parsed from --routing-skew's text);
+    None: balanced."""
     # fine-tuning
     peft: str | None = _option(choices=PEFT_METHODS)
     lora_rank: int | None = _option(check=positive_int)

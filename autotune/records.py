@@ -13,6 +13,7 @@ from autotune.batch import DEFAULT_TOLERANCE, GlobalBatch, plan_global_batch, wi
 from autotune.catalog.models import ModelSpec
 from autotune import knobs
 from autotune.config import Cluster, FineTuning, TrainConfig, TrialSpec, Workload, memory_limit_bytes
+from autotune.routing import RoutingSkew
 from autotune.search_space import SearchSpace
 
 DEFAULT_HEADROOM = 0.10
@@ -36,6 +37,8 @@ class TuneRequest:
     """Whose training step is predicted (config.STACKS)."""
     vllm_share: dict | None = field(default=None, compare=False)
     """grpo: how vLLM's share was fixed or chosen and its estimated need (vllm_share.choose_share)."""
+    routing_skew: RoutingSkew = field(default_factory=RoutingSkew)
+    """A MoE model's routing assumption (autotune/routing.py): every trial is predicted under it."""
 
     @property
     def memory_limit_bytes(self) -> int:
@@ -55,18 +58,25 @@ class TuneRequest:
     @property
     def max_micro_batch(self) -> int:
         """Beyond this, even one accumulation step overshoots the global batch."""
-        per_gpu_sequences = self.target_tokens // (self.cluster.num_gpus * self.seq_len)
-        return max(1, min(self.space.max_micro_batch, per_gpu_sequences))
+        return self.max_micro_batch_at(1)
 
-    def global_batch(self, micro_batch_size: int) -> GlobalBatch:
-        return plan_global_batch(target_tokens=self.target_tokens, num_gpus=self.cluster.num_gpus,
+    def max_micro_batch_at(self, tensor_parallel: int) -> int:
+        """max_micro_batch where each tensor-parallel group of `tensor_parallel` GPUs takes one batch."""
+        per_rank_sequences = self.target_tokens // (self.cluster.num_gpus // tensor_parallel * self.seq_len)
+        return max(1, min(self.space.max_micro_batch, per_rank_sequences))
+
+    def global_batch(self, micro_batch_size: int, *, tensor_parallel: int = 1) -> GlobalBatch:
+        """The accumulation that hits the target: each data rank (a tensor-parallel group shares one
+        batch) takes `micro_batch_size` sequences per micro-step."""
+        return plan_global_batch(target_tokens=self.target_tokens, num_gpus=self.cluster.num_gpus // tensor_parallel,
                                  seq_len=self.seq_len, micro_batch_size=micro_batch_size)
 
     def spec(self, train: TrainConfig) -> TrialSpec:
         return TrialSpec(model=self.model, cluster=self.cluster, seq_len=self.seq_len, train=train,
-                         grad_accum_steps=self.global_batch(train.micro_batch_size).grad_accum_steps,
+                         grad_accum_steps=self.global_batch(train.micro_batch_size,
+                                                           tensor_parallel=train.tensor_parallel).grad_accum_steps,
                          memory_limit_bytes=self.memory_limit_bytes, workload=self.workload,
-                         finetuning=self.finetuning, stack=self.stack)
+                         finetuning=self.finetuning, stack=self.stack, routing_skew=self.routing_skew)
 
 
 @dataclass(kw_only=True)

@@ -16,6 +16,7 @@ from autotune.version import __version__
 from autotune import knobs
 from autotune.config import (MASTER_DTYPE_BYTES, MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, PARAM_DTYPE_NAMES,
                              reduce_dtype_name, stack_section, stack_step)
+from autotune.routing import routing_section
 from autotune.runtime_memory import ALLOC_CONF_ENV, alloc_conf
 from autotune.secrets import mask
 
@@ -260,7 +261,9 @@ def _trial_command(request: TuneRequest, step: Step) -> str:
             + (f" --compile {t.compile}" if t.compile != "none" else "")
             + (f" --float8 {t.float8}" if t.float8 != "none" else "")
             + finetuning_flags(request.finetuning)
-            + (f" --stack {request.stack}" if request.stack != "fsdp2" else ""))
+            + (f" --stack {request.stack}" if request.stack != "fsdp2" else "")
+            + (f" --routing-skew {shlex.quote(request.routing_skew.source or request.routing_skew.label())}"
+               if not request.routing_skew.balanced else ""))
 
 
 def compile_section(winner: Step, steps: list[Step], *, tolerance: float) -> dict[str, Any]:
@@ -368,6 +371,9 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
         "workload": workload_section(request, winner),
         "finetuning": finetuning_section(request),
         "stack": stack_section(request.stack, train.precision, request.model.model_type),
+        # A MoE model's routing assumption, named, and the expert-parallel rank that binds under it.
+        **({"routing_skew": routing_section(request.routing_skew, request.model, train.expert_parallel)}
+           if not request.routing_skew.balanced or train.expert_parallel > 1 else {}),
         "fsdp": {
             "param_dtype": PARAM_DTYPE_NAMES[train.precision],
             "reduce_dtype": reduce_dtype_name(train.precision, stack_step(request.stack, train.precision,
@@ -375,6 +381,11 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
             **knobs.fsdp_section(train.knob_values()),
             "wrap": wrap,
             "sharded_grad_scaler": train.precision == "fp16",
+        },
+        "parallelism": {
+            "tensor_parallel": train.tensor_parallel,
+            "data_parallel_ranks": request.cluster.num_gpus // train.tensor_parallel,
+            "note": "each tensor-parallel group of GPUs takes one batch; FSDP shards over the data-parallel ranks",
         },
         "optimizer": {
             "name": "AdamW",
@@ -398,8 +409,11 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
         "tokens_per_sec": result.throughput,
         "throughput_source": tps.source if tps else "estimated",
         "throughput_basis": tps.basis if tps else "no throughput figure from this backend",
-        # An estimate's range from the cost model's validation errors; a measurement has none.
+        # An estimate's range from held-out errors (autotune.heldout); a measurement has none.
         "tokens_per_sec_range": _range(result.extras.get("tokens_per_sec_range")),
+        # The held-out rows the range comes from (count, publishers), or "not validated on <gpu>" (autotune.heldout).
+        "tokens_per_sec_range_from": result.extras.get("tokens_per_sec_range_from") if tps and tps.source == "estimated"
+        else None,
         # Measured by real trials, estimated by the simulator and the closed form (throughput_source says which).
         "mfu": result.extras.get("mfu", result.extras.get("mfu_estimated")),
         "predicted": winner.predicted.to_dict() if winner.predicted else None,

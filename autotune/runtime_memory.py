@@ -40,18 +40,23 @@ MEASURED_ON = ("NVIDIA H100 80GB HBM3, driver 580.159.04, torch 2.11.0+cu130, CU
 CUDA_CONTEXT_BYTES = 677 * MiB
 """The CUDA context (527 MiB as created) plus the kernels a training step loads lazily into it
 (cuBLAS 68 MiB at the first bf16 matmul, attention, loss and optimizer kernels 82 MiB more):
-measured on MEASURED_ON, outside the allocator, after NCCL's share is taken off."""
+measured on MEASURED_ON, outside the allocator, after NCCL's share is taken off. Where: one H100, world
+size 1; applied to every GPU and world size. Checked against the context that calibrations on other H100 VMs
+and an H200 measured (tests/test_runtime_memory.py::test_runtime_terms_against_recorded_calibrations)."""
 NCCL_COMMUNICATOR_BASE_BYTES = 654 * MiB
 """One NCCL communicator of one rank, eagerly initialised (init_process_group(device_id=...)):
 its kernels and state, measured on MEASURED_ON with world size 1 (no peers, so no channel
-buffers); more ranks add the channel buffers below."""
+buffers); more ranks add the channel buffers below, which are EXTRAPOLATED from NCCL's documented
+defaults: no communicator has been measured at world size >= 2 (no multi-GPU machine was lent).
+Checked at world size 1 against other H100 VMs' and an H200's calibrations (tests/test_runtime_memory.py)."""
 CUBLAS_WORKSPACE_BYTES = 32 * MiB
 """torch's default cuBLAS workspace on Hopper (CUBLAS_WORKSPACE_CONFIG=:4096:8, aten
 CublasHandlePool.cpp), allocated by the caching allocator once per stream that runs matmuls:
-measured 32 MiB after one bf16 matmul on MEASURED_ON."""
+measured 32 MiB after one bf16 matmul on MEASURED_ON (world size 1); every recorded calibration (H100 VMs, an
+H200) measured the same."""
 CUBLAS_WORKSPACE_STREAMS = 2
 """Workspaces an FSDP2 training step leaves allocated: 65-66 MiB stayed allocated after every
-trial on MEASURED_ON (two streams' workspaces)."""
+trial on MEASURED_ON at world size 1 (two streams' workspaces); not checked elsewhere."""
 @dataclass(frozen=True)
 class FragmentationRule:
     """Reserved-but-unallocated memory at the peak for one allocator setting: the larger of
@@ -73,7 +78,7 @@ FRAGMENTATION = {
     "default": FragmentationRule(
         1.0, 0.0, 0.12,
         "the gap was 0.87-1.58x the largest allocation over seven qwen2.5-0.5b configurations; 12% of the "
-        "peak is the median over a tiny-llama tune"),
+        "peak is the median over a tiny-llama tune (one H100, world size 1)"),
 }
 """By allocator setting, measured on MEASURED_ON. With expandable segments the gap is about half the
 largest allocation (the fp32 logits: at the loss the logits and their gradient are made while the
@@ -83,7 +88,8 @@ world size > 1: the root term is taken per shard there, as the tensors it follow
 
 # --- NCCL channel buffers (estimated from NCCL's documented defaults) -------------------------------
 NCCL_BUFFSIZE_DEFAULT = 4 * MiB
-"""NCCL_BUFFSIZE default (NCCL docs, Environment Variables): per channel, per peer, per direction."""
+"""NCCL_BUFFSIZE default (NCCL docs, Environment Variables): per channel, per peer, per direction. The
+channel-buffer term these three make is extrapolated, never measured (only world size 1 was)."""
 NCCL_CHANNELS_DEFAULT = {"intra": 32, "inter": 16}
 """Channels NCCL opens for ring collectives on NVLink/NVSwitch nodes and across InfiniBand
 (NCCL_MAX_NCHANNELS caps both); the counts NCCL's init log reports on DGX H100 systems."""
@@ -171,7 +177,8 @@ def nccl_communicator_bytes(*, ranks: int, inter_node: bool, environ: Mapping[st
     buffers = buffsize * channels * NCCL_RING_PEERS * 2  # send and receive
     return NCCL_COMMUNICATOR_BASE_BYTES + buffers, (
         f"base (measured, world size 1) + {channels} channels x {NCCL_RING_PEERS} ring peers x "
-        f"send/recv x NCCL_BUFFSIZE {buffsize // MiB} MiB (estimated)")
+        f"send/recv x NCCL_BUFFSIZE {buffsize // MiB} MiB (extrapolated from NCCL's defaults: never measured at world "
+        "size >= 2)")
 
 
 def runtime_memory(gpu: GPUSpec, *, world_size: int, gpus_per_node: int, tensor_peak_bytes: int,

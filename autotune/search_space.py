@@ -19,7 +19,8 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "hsdp": {"enabled": bool},
     "offload": {"enabled": bool, "activations": bool},
     "micro_batch": {"max": int, "refine": bool},
-    "explore": {"no_reshard": bool, "checkpointed_larger_micro_batch": bool, "expert_parallel": bool},
+    "explore": {"no_reshard": bool, "checkpointed_larger_micro_batch": bool, "expert_parallel": bool,
+                "tensor_parallel": bool},
     "compile": {"mode": str},
     "float8": {"mode": str},
 }
@@ -50,6 +51,9 @@ class SearchSpace:
     explore_checkpointed_larger_micro_batch: bool = True
     expert_parallel: bool = True
     """A MoE model: try expert parallelism over 2, 4, ... GPUs of a node after the graph (--ep)."""
+    tensor_parallel: bool = True
+    """Try tensor parallelism over 2, 4, 8 GPUs of a node (--tp) where FSDP alone holds nothing, misses the
+    global batch, or the estimate says a mesh may win."""
     compile: str = "auto"
     """torch.compile in the search: one of COMPILE_SEARCH (the tune command's --compile overrides it)."""
     float8: str = "auto"
@@ -143,6 +147,7 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
         explore_no_reshard=get("explore", "no_reshard", True),
         explore_checkpointed_larger_micro_batch=get("explore", "checkpointed_larger_micro_batch", True),
         expert_parallel=get("explore", "expert_parallel", True),
+        tensor_parallel=get("explore", "tensor_parallel", True),
         compile=compile_search,
         float8=float8_search,
         source=where,

@@ -40,7 +40,7 @@ BAD_INPUTS = [
     (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "four"], "cannot parse --global-tokens"),
     (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "1K"], "smaller than one sequence per GPU"),
     (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--gpu-type", "h100"], "did you mean h100-80gb"),
-    (["--model", "micro-llama", "--gpus", "2", "--global-tokens", "2000"], "cannot be reached within 1.0%"),
+    (["--model", "micro-llama", "--gpus", "2", "--global-tokens", "2020"], "cannot be reached within 1.0%"),
     (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--seq-len", "9000"], "longer than llama-7b supports"),
     (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--headroom", "1.5"], "fraction"),
     (["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--export", "deepspeed"], "unknown export format"),

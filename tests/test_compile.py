@@ -111,9 +111,16 @@ def test_tune_explores_compiled_candidates_and_best_json_compares_them(tmp_path)
     side_by_side = result["compile"]["eager_vs_compiled"]
     assert side_by_side["compiled"]["configuration"] == side_by_side["eager"]["configuration"] + " compile=blocks"
     assert "published" in side_by_side["compiled"]["speedup_basis"]
-    # The closed form keeps eager's memory, so the compiled configuration is the eager one at the
-    # published ratio: it wins, and best.json says on what basis.
-    assert side_by_side["compiled_over_eager"] == pytest.approx(costmodel.COMPILE_SPEEDUP)
+    # The closed form keeps eager's memory, so the compiled configuration is the eager one at a
+    # compiled/eager ratio: it wins, and best.json says on what basis. The ratio must lie among the
+    # published compiled/eager pairs (the same configuration run both ways by one publisher:
+    # autotune/data/published_runs.json, torchtitan's and fms-fsdp's, 1.16-1.28x), data the tool's
+    # ratio is not read from.
+    from autotune.constants import published_compile_ratios
+
+    published = published_compile_ratios()
+    assert len(published) >= 6
+    assert min(published) <= side_by_side["compiled_over_eager"] <= max(published), published
     assert result["compile"] == dict(result["compile"], mode="blocks", backend="inductor")
     assert "published" in result["throughput_basis"] and result["throughput_source"] == "estimated"
 

@@ -59,8 +59,9 @@ def test_main_job_reads_at_80_columns_and_says_the_same_as_wide(tmp_path, monkey
     assert any(len(line) > 80 for line in wide.splitlines())  # the wide one really was wider
     # The winner in a few short lines; its full bases are in best.json, not on the console.
     winner = lines[next(i for i, line in enumerate(lines) if line.startswith("winner:")):]
-    # 12, one for eager vs compiled (vs float8), one for the longer labels of a float8 winner.
-    assert len(winner) <= 14, winner
+    # 12, one for eager vs compiled (vs float8), one for the longer labels of a float8 winner, one for the
+    # held-out rows and publishers the throughput range comes from (issue 60).
+    assert len(winner) <= 15, winner
     best = next((tmp_path / "runs").glob("*/best.json"))
     document = json.loads(best.read_text())
     assert " ".join(document["memory_basis"].split()) not in " ".join(narrow.split())
@@ -219,7 +220,6 @@ def test_a_close_call_is_a_lead_within_what_two_estimates_can_be_off():
     """Two GPU estimates of one model on one cluster: a lead within costmodel.RANKING_ERROR is a close
     call, +11% is not; a float8 winner against a bf16 runner-up carries its float8 speed-up's worst
     shortfall too, so +11% is close there."""
-    from autotune import costmodel
     from autotune.result import why_winner
 
     request = _request()
@@ -230,7 +230,9 @@ def test_a_close_call_is_a_lead_within_what_two_estimates_can_be_off():
 
     assert why(0.05)["close_call"] and why(0.05)["decide_with"]
     assert why(0.11)["close_call"] is False and "decide_with" not in why(0.11)
-    assert why(0.11)["close_call_margin"] == costmodel.RANKING_ERROR
+    # The margin lies between the two leads (the published pairs' worst ratio error, 7.6%, sets it: not
+    # rebuilt here from the constant it checks).
+    assert 0.05 < why(0.11)["close_call_margin"] < 0.11
     assert why(0.11, compile="blocks", float8="tensorwise")["close_call"]
 
 

@@ -48,7 +48,12 @@ class FormulaBackend(TrialBackend):
                            tokens_per_sec=Figure(tps, self.memory_source, "formula"))
 
 
-def request_for(capacity_gib, *, target=4 * 2**20, space=SearchSpace(), **kw):
+# The FSDP graph's tests: tensor parallelism, which FormulaBackend does not model, is searched apart
+# (tests/test_tensor_parallel.py).
+FSDP_ONLY = SearchSpace(tensor_parallel=False)
+
+
+def request_for(capacity_gib, *, target=4 * 2**20, space=FSDP_ONLY, **kw):
     cluster = Cluster(num_gpus=8, gpu=GPUS["h100-80gb"], gpu_memory_bytes=int(capacity_gib * GiB))
     return TuneRequest(model=resolve_model("tiny-llama"), cluster=cluster, seq_len=256, target_tokens=target,
                        headroom=0.0, space=space, **kw)
@@ -108,7 +113,8 @@ def test_activation_offload_before_parameter_offload():
 
 
 def test_activation_offload_can_be_switched_off_in_the_space():
-    outcome = Controller(request_for(12, space=SearchSpace(offload_activations=False)), FormulaBackend()).tune()
+    space = SearchSpace(offload_activations=False, tensor_parallel=False)
+    outcome = Controller(request_for(12, space=space), FormulaBackend()).tune()
     assert [p[:3] for p in stages(outcome)[:3]] == [("baseline", "none", False), ("checkpointing", "full", False),
                                                    ("offload", "full", True)]
     assert not any(s.train.activation_offload for s in outcome.steps)
@@ -275,7 +281,7 @@ def test_hsdp_is_searched_on_several_nodes_only_and_wins_where_it_is_faster():
     tried = [s.train.shard_group_size for s in outcome.steps if s.train.shard_group_size]
     assert tried and tried[0] == 4  # a node's GPUs first
     assert outcome.winner.train.shard_group_size == 4
-    off = dataclasses.replace(request, space=SearchSpace(hsdp=False))
+    off = dataclasses.replace(request, space=SearchSpace(hsdp=False, tensor_parallel=False))
     assert not [s for s in Controller(off, HybridFaster()).tune().steps if s.train.shard_group_size]
 
 
@@ -290,7 +296,7 @@ def test_resharding_to_a_node_is_searched_when_shards_span_nodes():
     assert not [s for s in one_node.steps if s.train.reshard_group_size]
     request = request_for(75)
     request = dataclasses.replace(request, cluster=dataclasses.replace(request.cluster, num_nodes=2),
-                                  space=SearchSpace(hsdp=False, compile="none", float8="none"))
+                                  space=SearchSpace(hsdp=False, compile="none", float8="none", tensor_parallel=False))
     outcome = Controller(request, NodeLocalBackwardFaster()).tune()
     tried = [s.train.reshard_group_size for s in outcome.steps if s.train.reshard_group_size]
     assert tried == [request.cluster.gpus_per_node]
@@ -333,7 +339,7 @@ def test_the_fastest_compiled_configuration_grows_past_eagers_micro_batch():
     tolerance); compiled keeps half the activations, so the fastest compiled candidate (micro-batch 4)
     grows past eager's limit, to 11 (20 + 5 x 11 = 75), and wins."""
     space = SearchSpace(checkpointing=False, offload=False, explore_no_reshard=False, hsdp=False,
-                        compile="explore", float8="none")
+                        compile="explore", float8="none", tensor_parallel=False)
     backend = CompiledFormulaBackend()
     outcome = Controller(request_for(75, target=8 * 256 * 11 * 4, space=space), backend).tune()
     eager = [t.micro_batch_size for t in backend.calls if t.compile == "none"]
@@ -371,7 +377,8 @@ def test_the_sampler_finds_what_the_graph_did_not_try_after_the_graph_path():
 def test_the_sampler_stops_when_the_space_is_exhausted():
     # 4,096 tokens on 8 GPUs x 256: micro-batches 1 and 2; only the optimizer implementation varies
     # besides (no checkpointing, offload, reshard, HSDP or compile to sample): 2 x 3 configurations in all.
-    space = SearchSpace(checkpointing=False, offload=False, explore_no_reshard=False, compile="none", float8="none")
+    space = SearchSpace(checkpointing=False, offload=False, explore_no_reshard=False, compile="none", float8="none",
+                        tensor_parallel=False)
     backend = FormulaBackend()
     outcome = Controller(request_for(75, target=4096, space=space, time_budget_s=60), backend).tune()
     evaluated = {(t.micro_batch_size, t.optimizer_impl) for t in backend.calls}
@@ -432,7 +439,7 @@ def test_experts_fewer_than_the_gpus_are_sharded_on_another_dimension_and_the_ru
     assert "--shard-placement largest" in outcome.steps[0].reason
     dense = Controller(request_for(75), FormulaBackend()).tune()
     assert {s.train.shard_placement for s in dense.steps} == {"dim0"}
-    pinned = dataclasses.replace(request, space=SearchSpace(shard_placement="dim0"))
+    pinned = dataclasses.replace(request, space=SearchSpace(shard_placement="dim0", tensor_parallel=False))
     assert {s.train.shard_placement for s in Controller(pinned, FormulaBackend()).tune().steps} == {"dim0"}
 
 
@@ -446,5 +453,5 @@ def test_a_moe_model_is_tried_with_expert_parallelism_and_a_dense_one_is_not():
     assert expert_parallel and {s.train.expert_parallel for s in expert_parallel} == {2}
     assert "expert parallelism over 2 GPUs: each holds 1 of the 2 experts" in expert_parallel[0].reason
     assert all(s.train.expert_parallel == 1 for s in Controller(request_for(75), FormulaBackend()).tune().steps)
-    off = dataclasses.replace(request, space=SearchSpace(expert_parallel=False))
+    off = dataclasses.replace(request, space=SearchSpace(expert_parallel=False, tensor_parallel=False))
     assert all(s.train.expert_parallel == 1 for s in Controller(off, FormulaBackend()).tune().steps)

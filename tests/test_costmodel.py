@@ -16,8 +16,6 @@ from autotune.config import Cluster, TrainConfig, TrialSpec
 from tests.shared_runs import register
 
 H100 = GPUS["h100-80gb"]
-TAU_FLOOR = 0.6
-"""Kendall tau the 5-configuration CPU check must reach (one discordant pair of ten is 0.8)."""
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -133,7 +131,6 @@ def test_published_runs_leave_one_source_out():
     """The check of the throughput constants: every row of a source (one table: a cluster, a stack,
     a date) predicted with the constants refitted on the other sources only, so no sibling of the
     held-out rows shares its efficiency in the fit. Targets: median |error| <= 5% (issue 29's), worst <= 25%,
-    the printed range (+-ESTIMATE_ERROR["cuda"]) holding the published figure for >= 98% of rows,
     >= 97% of the same-model same-hardware pairs of one table in the published order (2026-11-27,
     third session: 128 rows, 12 sources from 5 publishers: 5.5%, 22.9%, 99%, 161 of 164; 2026-11-28
     with llm-foundry's Triton attention at a fitted speedup over its published bars
@@ -157,7 +154,8 @@ def test_published_runs_leave_one_source_out():
     assert scores["median_abs_error"] <= 0.05, scores["by_source"]
     assert scores["worst_abs_error"] <= 0.25, [(r.model, r.num_gpus, r.gpu, e) for r, e in
                                                zip(rows, scores["errors"]) if abs(e) > 0.25]
-    assert scores["coverage"] >= 0.98
+    # (No coverage target: the printed range is now itself a quantile of held-out errors, by publisher:
+    # tests/test_validation.py::test_published_runs_leave_one_publisher_out.)
     assert scores["same_source_pairs"] >= 50
     assert scores["pairs_in_order"] >= 0.97 * scores["same_source_pairs"], scores["out_of_order"]
     fit = scores["fit"]
@@ -276,7 +274,7 @@ def test_offload_accumulation_holds_on_hosts_and_models_left_out_of_its_fit():
     each refit 1.55-1.59 ns against the shipped 1.56. Fitted with both constants free, the
     fresh-page cost comes out 0.52 ns per byte on the GPUs' hosts, against 0.51 measured on this VM by
     calibrate.bench_fresh_pages: an independent agreement. Then the whole step, as the default
-    estimate (the roofline) gives it: inside the printed range for every trial (was +35% to +166%
+    estimate (the roofline) gives it: within 22% for every trial (was +35% to +166%
     over before the term)."""
     report = _bench().run_offload_recorded()
     assert len(report["rows"]) == 9 and len(report["held_out"]) >= 5
@@ -284,7 +282,7 @@ def test_offload_accumulation_holds_on_hosts_and_models_left_out_of_its_fit():
         assert all(abs(e) <= 0.15 for e in fold["errors"]), (held_out, fold)
         assert fold["a"] == pytest.approx(cm.OFFLOAD_ACCUMULATE_NS_PER_PARAM, rel=0.05), held_out
     assert report["fit"]["free_b"] == pytest.approx(cm.FRESH_PAGE_NS_PER_BYTE, rel=0.25)
-    within = cm.ESTIMATE_ERROR["cuda"][0]
+    within = 0.22  # this check's own bound (the old printed GPU range, kept as a fixed target)
     assert all(abs(e) <= within for e in report["after"]), report["after"]
     assert all(e > within for e in report["before"])  # what the trials caught before the term
 
@@ -299,6 +297,7 @@ def test_the_mfu_reported_is_that_of_the_throughput_reported(offload):
     from autotune.backends.analytic import AnalyticBackend
     from autotune.backends.sim import SimBackend
     from autotune.catalog.models import model_flops_per_token, resolve_model
+    from autotune.constants import published_compile_ratios
 
     model = resolve_model("llama3.2-1b")
     cluster = Cluster(num_gpus=8, gpu=GPUS["h100-80gb"])
@@ -317,7 +316,9 @@ def test_the_mfu_reported_is_that_of_the_throughput_reported(offload):
         if offload:
             assert 1.0 < speedup < cm.COMPILE_SPEEDUP - 0.01, type(backend).__name__
         else:
-            assert speedup == pytest.approx(cm.COMPILE_SPEEDUP) or speedup == pytest.approx(1.0)  # 1: host-bound
+            # Among the published compiled/eager pairs (autotune.constants), or 1 where host-bound.
+            published = published_compile_ratios()
+            assert min(published) <= speedup <= max(published) or speedup == pytest.approx(1.0), speedup
 
 
 def test_hsdp_moves_the_gather_traffic_onto_the_node_links():
@@ -433,13 +434,13 @@ def test_cpu_estimates_rank_real_trials_on_a_calibrated_profile(tmp_path, gloo_r
     scores = bench.grid_scores(estimated, measured)
     without_host = bench.grid_scores(estimated_without_host, measured)
     print(scores, "\nwithout host_op_us:", without_host)
-    # The estimates exist for every configuration and are not inverted; the ranking target (Kendall
-    # tau >= TAU_FLOOR, the pick within 10% of the measured best) is benchmarks/bench_costmodel.py
-    # --grid's: calibration and trials run minutes apart beside the other xdist worker's launches,
-    # and on this shared 2-core VM two suite runs an hour apart, with no change to what this test
-    # reaches, gave tau >= 0.6 and 0.2 (2026-11-25): a timing target, so a benchmark, not a test.
+    # A functional test: the estimates exist for every configuration. The ranking is not asserted here:
+    # calibration and trials run minutes apart beside the other xdist worker's launches, and on this
+    # shared 2-core VM two suite runs an hour apart, with no change to what this test reaches, gave tau
+    # >= 0.6 and 0.2 (2026-11-25): a timing figure. The ranking target is asserted on stored trials
+    # instead (tests/test_validation.py::test_recorded_gpu_trials_hold_their_ranges: Kendall tau over
+    # the recorded H100 trials); benchmarks/bench_costmodel.py --grid prints this grid's.
     assert all(e > 0 for e in estimated) and len(estimated) == len(measured) == len(GRID_CONFIGS)
-    assert scores["kendall_tau"] >= 0, scores
 
 
 def test_calibrate_times_attention_in_the_layout_the_model_passes(monkeypatch):
@@ -631,8 +632,10 @@ def test_a_close_call_between_estimates_names_the_real_trials_that_decide(tmp_pa
     best = json.loads(Path(glob.glob(str(tmp_path / "runs" / "*" / "best.json"))[0]).read_text())
     assert best["throughput_source"] == "estimated" and "profile test-cpu" in best["throughput_basis"]
     why = best["why_winner"]
-    low, high = why["range_tokens_per_sec"]
-    assert low < best["tokens_per_sec"] < high
+    # The range is a CPU estimate's: it names the held-out rows it comes from (autotune.heldout), not a
+    # figure this test could rebuild from the value it checks.
+    assert why["range_tokens_per_sec"] and "72 held-out rows" in best["tokens_per_sec_range_from"]
+    assert "CPU grid" in best["tokens_per_sec_range_from"]
     assert why["close_call"]  # micro-llama: the last configurations differ by a few percent
     assert len(why["decide_with"]) == 2 and all("--backend cpu" in c for c in why["decide_with"])
     assert "not settled" in why["sentence"] and "not settled" in proc.stdout
@@ -720,8 +723,8 @@ def test_default_gpu_estimate_is_host_bound_where_real_h100_trials_were():
     """Small models at small micro-batches wait on the host's dispatch of every op, not the GPU:
     real cuda trials of qwen2.5-0.5b on an H100 (benchmarks/results, measured by
     benchmarks/gpu_check.py) ran at 10-47k tokens/s where the roofline alone says 105-114k. The
-    default estimate (no --hardware) must say host-bound, put each measurement inside its printed
-    range, and rank the micro-batches as measured. The host figure is the median of calibrate's
+    default estimate (no --hardware) must say host-bound, come within 20% of each measurement, and
+    rank the micro-batches as measured. The host figure is the median of calibrate's
     own measurements, not of these trials."""
     from autotune.backends.sim import SimBackend
     from autotune.catalog.models import resolve_model
@@ -736,10 +739,11 @@ def test_default_gpu_estimate_is_host_bound_where_real_h100_trials_were():
                          train=TrainConfig(micro_batch_size=mb), grad_accum_steps=2)
         result = sim.evaluate(spec)
         figure = result.tokens_per_sec
-        low, high = result.extras["tokens_per_sec_range"]
         real = measured[f"bf16 mb{mb}"]
         assert result.extras["step_time"]["host_bound"] and "host-bound" in figure.basis
-        assert low <= real <= high, (mb, low, real, high)
+        # Within 20% (13%, 16%, -1% on 2026-11-28). Not "inside the printed range": that range is now
+        # the quantile of these very trials' errors (autotune.heldout), so it would check itself.
+        assert result.extras["tokens_per_sec_range"] and abs(figure.value / real - 1) <= 0.20, (mb, figure.value, real)
         estimates[mb] = figure.value
     assert sorted(estimates, key=estimates.get) == sorted(estimates, key=lambda mb: measured[f"bf16 mb{mb}"])
 

@@ -226,6 +226,28 @@ def test_accelerate_hsdp_and_multi_node_launch_through_accelerate(run_result, tm
     assert node["argv"][node["argv"].index("--main_process_ip") + 1] == "10.0.0.1"
 
 
+def test_accelerate_tensor_parallel_mesh_through_accelerate(run_result, tmp_path, monkeypatch):
+    """--tp 2 on 8 GPUs: accelerate launch's own validation turns the YAML's parallelism_config into the
+    environment its ParallelismConfig reads: a (dp_shard 4, tp 2) mesh of the 8 GPUs; the file says that
+    transformers' own TP classes (tp_plan='auto') apply the plan, not torch's that autotune traced."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    result = dict(run_result, parallelism={"tensor_parallel": 2, "data_parallel_ranks": run_result["gpus"] // 2})
+    path, exported = write(tmp_path, result, "accelerate")
+    assert any(w.startswith("tensor_parallel: approximated") and "tp_plan='auto'" in w for w in exported.warnings)
+    for key in [k for k in os.environ if k.startswith(("PARALLELISM_CONFIG_", "ACCELERATE_"))]:
+        monkeypatch.delenv(key)
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "x.py"]))
+    for key, value in prepare_multi_gpu_env(args).items():
+        if key.startswith(("PARALLELISM_CONFIG_", "ACCELERATE_")):
+            monkeypatch.setenv(key, value)
+    mesh = ParallelismConfig()
+    assert (mesh.tp_size, mesh.dp_shard_size, mesh.dp_replicate_size) == (2, run_result["gpus"] // 2, 1)
+    assert mesh.total_size == run_result["gpus"] and mesh.tp_enabled
+
+
 def _launched(tmp_path: Path, text: str, launcher: str, **env: str) -> dict:
     """Run an export's `# Use:` line with bash, `launcher` on PATH a stub that prints its arguments
     and the launch environment (Accelerate's and its parallelism settings) as JSON; with
@@ -773,6 +795,21 @@ def test_fsdp2_script_trains_hsdp_with_op_level_checkpointing_on_four_cpu_ranks(
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses), output[-2000:]
 
 
+def test_fsdp2_script_trains_tensor_parallel_with_checkpointing_on_two_cpu_ranks(run_result, tmp_path):
+    """--tp 2: the exported script builds the (dp_shard, tp) mesh with ParallelDims, splits each block by the
+    model's plan with sequence parallelism (the copied apply_tp) under full checkpointing, and trains."""
+    result = dict(_micro_llama_result(run_result), parallelism={"tensor_parallel": 2, "data_parallel_ranks": 1})
+    result["fsdp"].update(activation_checkpointing="full")
+    result.update(gpus=2, grad_accum_steps=1)
+    path, exported = write(tmp_path, result, "fsdp2")
+    assert not any(w.startswith("tensor_parallel") for w in exported.warnings)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(path), "--random-init", "--steps", "2"]
+    output = _run_to_completion(command, tmp_path, timeout_s=200)
+    losses = [float(v) for v in re.findall(r"step \d+ loss (\S+)", output)]
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses), output[-2000:]
+
+
 def test_knobs_a_stack_cannot_express_are_warned_about(run_result):
     """HSDP and op-level checkpointing: exact where the stack has them, a warning where it does not."""
     result = llama3_8b(variant(run_result, activation_checkpointing="op", shard_group_size=1))
@@ -918,6 +955,7 @@ for args in json.loads(sys.argv[1]):  # one exported command line per case
                              if ".layers." in f".{n}"),
         "head": type(model.lm_head).__name__,
         "ep": cfg.parallelism.expert_parallel_degree, "cuda_graphs_off": cfg.training.disable_cuda_graphs,
+        "tp": cfg.parallelism.tensor_parallel_degree,
     }), flush=True)
 """
 
@@ -1000,6 +1038,9 @@ def torchtitan_builds(run_result, tmp_path_factory) -> dict:
         shim = tmp_path_factory.mktemp("torchao-shim")
         (shim / "torchao").symlink_to(Path(importlib.util.find_spec("torchao").origin).parent)
         env["PYTHONPATH"] = os.pathsep.join([str(float8_path.parent), str(shim)])
+    tensor_parallel = dict(llama3_8b(run_result), gpus=8, parallelism={"tensor_parallel": 2, "data_parallel_ranks": 4})
+    tp_path = write(tmp_path_factory.mktemp("torchtitan"), tensor_parallel, "torchtitan")[0]
+    runs.append(overrides_of(tp_path.read_text()))
     moe = write(tmp_path_factory.mktemp("torchtitan"), qwen3_30b_a3b(run_result, expert_parallel=8), "torchtitan")[0]
     runs.append(overrides_of(moe.read_text()))
     proc = subprocess.run([python, "-c", TORCHTITAN_CHECK, json.dumps(runs)], env=env,
@@ -1008,12 +1049,14 @@ def torchtitan_builds(run_result, tmp_path_factory) -> dict:
     built = [json.loads(line[len("BUILT "):]) for line in proc.stdout.splitlines() if line.startswith("BUILT ")]
     assert len(built) == len(runs), proc.stdout[-3000:]
     moe_got = built.pop()
+    tp_got = built.pop()
     builds = {case: (result, path, got) for (case, (result, path)), got in zip(exports.items(), built)}
     builds["user-args"] = (None, last, built[-2 - (float8_path is not None)])
     builds["compiled"] = (compiled, compiled_path, built[-1 - (float8_path is not None)])
     if float8_path is not None:
         builds["float8"] = (None, float8_path, built[-1])
     builds["moe-ep"] = (None, moe, moe_got)
+    builds["tp"] = (tensor_parallel, tp_path, tp_got)
     return builds
 
 
@@ -1054,6 +1097,16 @@ def test_torchtitan_builds_the_tuned_moe_model_with_the_tuned_expert_parallel_de
     assert (got["module"], got["flavor"]) == ("qwen3", "30B-A3B")
     assert got["parameters"] == resolve_model("qwen3-30b-a3b").num_parameters
     assert got["ep"] == 8 and got["cuda_graphs_off"] is True and got["shard"] == 8
+    subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+@pytest.mark.slow
+def test_torchtitan_takes_the_tuned_tensor_parallel_degree_and_the_data_ranks_left(torchtitan_builds):
+    """--tp 2 on 8 GPUs: torchtitan 0.3 parses --parallelism.tensor-parallel-degree 2 with a data-parallel shard
+    degree of 4 (the GPUs left), and its global batch counts the 4 data ranks, not the 8 GPUs."""
+    result, path, got = torchtitan_builds["tp"]
+    assert (got["tp"], got["shard"], got["replicate"]) == (2, 4, 1)
+    assert got["global"] == result["micro_batch_size"] * 4 * result["grad_accum_steps"]
     subprocess.run(["bash", "-n", str(path)], check=True)
 
 

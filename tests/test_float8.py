@@ -182,13 +182,23 @@ def test_float8_gpu_throughput_is_costed_from_the_traced_float8_matmuls():
     assert rowwise.extras["memory_bytes_from"] == result.extras["memory_bytes_from"]
 
 
-def test_float8_range_holds_one_gpu_runs_it_was_not_taken_from():
-    """On one H200, float8 ran slower than bf16 where the estimate said faster (real cuda trials,
-    benchmarks/gpu_check.py). The range's low end takes the worst such shortfall of mistral-7b's and
-    qwen2.5-1.5b's compiled runs (costmodel.FLOAT8_ONE_GPU_MEASURED); llama3.2-1b's runs, not among them,
-    must fall inside the printed range: eager tensorwise (18,743 tokens/s measured; without the low end
-    the range starts at about 20,300) and both compiled recipes, whose ranges must also hold the compiled
-    bf16 estimate (a close call, named as such, that a real trial decides)."""
+FLOAT8_H200_RATIO_ERROR = {"bf16 mb4 float8:tensorwise": 0.85, "bf16 mb4 compile float8:tensorwise": 0.46,
+                           "bf16 mb4 compile float8:rowwise": 0.23}
+"""How far above the measured float8 / bf16 ratio the estimated one may be on llama3.2-1b, one H200 (estimated
+ratio / measured ratio - 1). Issue 56's target is the right direction and within 10%; it is NOT met: these are
+the figures of 2026-11-28 (0.796 estimated vs 0.431 measured: +84.8%; 1.152 vs 0.790: +45.8%; 1.058 vs 0.867:
++22.0%), so that a change that worsens them fails."""
+FLOAT8_PUBLISHED_POINTS = 0.05
+"""Issue 56's target for the published 8B float8 ratios: within 5 points (met: 1.269 estimated against
+torchtitan Table 1's 1.280 on 2026-11-28)."""
+
+
+def test_float8_ratios_against_published_and_measured_rows():
+    """The float8 over high-precision speed-up the estimate gives, against speed-ups it was not fitted to:
+    torchtitan's published Llama 3.1 8B tensorwise run (Table 1: 8 H100s, seq 8192, local batch 2, selective
+    AC, compiled: 8,532 / 6,667 tokens/s) and the real llama3.2-1b trials on one H200
+    (benchmarks/results/gpu_check_h200_llama3.2-1b_seq2048_speed.json; not among FLOAT8_ONE_GPU_MEASURED's
+    models). The eager float8 row is against eager bf16, the compiled ones against compiled bf16."""
     from pathlib import Path
 
     from autotune.backends.sim import SimBackend
@@ -199,21 +209,31 @@ def test_float8_range_holds_one_gpu_runs_it_was_not_taken_from():
                          "gpu_check_h200_llama3.2-1b_seq2048_speed.json").read_text())
     measured = {row["label"]: row["measured_tokens_per_sec"] for row in report["rows"]}
 
-    def spec(**knobs) -> TrialSpec:
+    def h200(**knobs) -> TrialSpec:
         return TrialSpec(model=resolve_model("llama3.2-1b"), cluster=Cluster(num_gpus=1, gpu=GPUS["h200-141gb"]),
                          seq_len=2048, train=TrainConfig(micro_batch_size=4, **knobs), grad_accum_steps=2)
 
+    def h100x8(**knobs) -> TrialSpec:
+        return TrialSpec(model=resolve_model("llama3-8b"), cluster=Cluster(num_gpus=8, gpu=GPUS["h100-80gb"]),
+                         seq_len=8192, train=TrainConfig(micro_batch_size=2, activation_checkpointing="op", **knobs))
+
+    errors = {}
     with SimBackend() as sim:
-        compiled_bf16 = sim.evaluate(spec(compile="blocks")).throughput
-        for label, knobs in (("bf16 mb4 float8:tensorwise", dict(float8="tensorwise")),
-                             ("bf16 mb4 compile float8:tensorwise", dict(compile="blocks", float8="tensorwise")),
-                             ("bf16 mb4 compile float8:rowwise", dict(compile="blocks", float8="rowwise"))):
-            result = sim.evaluate(spec(**knobs))
-            low, high = result.extras["tokens_per_sec_range"]
-            assert low <= measured[label] <= high, (label, low, measured[label], high)
-            assert "FLOAT8_ONE_GPU_MEASURED" in result.tokens_per_sec.basis
-            if "compile" in label:
-                assert low <= compiled_bf16 <= high, (label, low, compiled_bf16, high)
+        for label, knobs, base, base_label in (
+                ("bf16 mb4 float8:tensorwise", dict(float8="tensorwise"), {}, "bf16 mb4"),
+                ("bf16 mb4 compile float8:tensorwise", dict(compile="blocks", float8="tensorwise"),
+                 dict(compile="blocks"), "bf16 mb4 compile"),
+                ("bf16 mb4 compile float8:rowwise", dict(compile="blocks", float8="rowwise"),
+                 dict(compile="blocks"), "bf16 mb4 compile")):
+            estimated = sim.evaluate(h200(**knobs)).throughput / sim.evaluate(h200(**base)).throughput
+            errors[label] = estimated / (measured[label] / measured[base_label]) - 1
+        published = 8_532 / 6_667  # torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1
+        estimated_8b = (sim.evaluate(h100x8(compile="blocks", float8="tensorwise")).throughput
+                        / sim.evaluate(h100x8(compile="blocks")).throughput)
+    print(errors, estimated_8b, published)
+    assert abs(estimated_8b - published) <= FLOAT8_PUBLISHED_POINTS, (estimated_8b, published)
+    for label, error in errors.items():
+        assert abs(error) <= FLOAT8_H200_RATIO_ERROR[label], (label, error)
 
 
 def test_a_calibrated_profile_costs_each_recipes_gemms_at_its_measured_rate():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from autotune.batch import check_reachable, plan_global_batch, within_tolerance
+from autotune.batch import check_reachable, check_target, plan_global_batch, within_tolerance
 from autotune.errors import UsageError
 from autotune.units import format_bytes, format_count, parse_bytes, parse_count
 
@@ -54,7 +54,15 @@ def test_global_batch_never_drifts_with_micro_batch():
 
 def test_target_smaller_than_one_sequence_per_gpu_is_refused():
     with pytest.raises(UsageError, match="smaller than one sequence per GPU"):
-        plan_global_batch(target_tokens=8 * 4096 - 1, num_gpus=8, seq_len=4096, micro_batch_size=1)
+        check_target(target_tokens=8 * 4096 - 1, num_gpus=8, seq_len=4096)
+
+
+def test_a_configuration_past_the_batch_wall_misses_the_tolerance():
+    """Past the wall (tensor parallelism lets a tune get there), one micro-step already overshoots:
+    the batch is planned, one accumulation step, and says how far off it is."""
+    batch = plan_global_batch(target_tokens=4 * 4096, num_gpus=8, seq_len=4096, micro_batch_size=1)
+    assert (batch.grad_accum_steps, batch.global_tokens) == (1, 8 * 4096)
+    assert batch.deviation == 1.0 and not within_tolerance(batch, 0.01)
 
 
 def test_unreachable_target_is_refused_with_the_nearest_values():

@@ -302,6 +302,14 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
         per_token = activation_bytes_per_token(shape, d)
     per_layer = per_token * tokens + layer_mask
     checkpoint_input = shape.hidden * d * tokens
+    if train.tensor_parallel > 1:
+        # Tensor parallelism (with sequence parallelism): a lower bound, each block's gathered weights and
+        # activations as if all of them split (attention's and the MLP's gathered inputs are whole): it
+        # screens out no configuration the trace would fit. Parameters, gradients and optimizer state stay
+        # sharded over every GPU (dp x tp).
+        block_gathered /= train.tensor_parallel
+        per_layer /= train.tensor_parallel
+        checkpoint_input /= train.tensor_parallel
     ac = train.activation_checkpointing
     if ac.mode == "op":  # every block keeps its input and the op outputs its policy saves
         checkpoint_input += op_checkpoint_saved_bytes_per_token(shape, ac.policy, d) * tokens
@@ -420,6 +428,20 @@ def expert_parallel_work(spec: TrialSpec) -> dict:
         num_microbatches=spec.grad_accum_steps), all_to_all_inter_node=ep > spec.cluster.gpus_per_node)
 
 
+def tensor_parallel_work(spec: TrialSpec) -> dict:
+    """fsdp_step_work's tensor-parallel arguments for `spec` (nothing without tensor parallelism)."""
+    tp = spec.train.tensor_parallel
+    if tp == 1:
+        return {}
+    ac = spec.train.activation_checkpointing
+    return dict(tensor_parallel=tp, tp_all_reduce_bytes=costmodel.tp_all_reduce_bytes(
+        tokens_per_microbatch=spec.train.micro_batch_size * spec.seq_len, hidden_size=spec.model.hidden_size,
+        activation_bytes=PARAM_DTYPE_BYTES[spec.train.precision], num_blocks=spec.model.num_layers,
+        tensor_parallel=tp, checkpointed_blocks=0 if ac.mode == "op" else sum(
+            ac.wraps_block(i) for i in range(spec.model.num_layers)),
+        num_microbatches=spec.grad_accum_steps))
+
+
 def step_work(spec: TrialSpec, *, reduce_bytes: int = 4, kernels: str = "eager",
               attention_kernel: str = "flash2") -> costmodel.StepWork:
     """FLOPs, collective and offload bytes of one optimizer step on one GPU, gradients reduced in
@@ -460,15 +482,20 @@ def step_work(spec: TrialSpec, *, reduce_bytes: int = 4, kernels: str = "eager",
                                                                kv_width=shape.kv_width)
             + num_checkpointed * costmodel.memory_bytes_per_token(kernels, hidden=shape.hidden, ffn=shape.intermediate,
                                                                   kv_width=shape.kv_width, forward=True)))
+    # Tensor parallelism: each GPU of a group does a tp-th of its tokens' work (attention by heads too).
+    tp = train.tensor_parallel
+    if tp > 1:
+        attention = {k: v / tp if k.endswith("_per_gpu") else v for k, v in attention.items()}
     return costmodel.fsdp_step_work(
-        flops_per_gpu=tokens_per_gpu * (executed + recompute), model_flops_per_gpu=tokens_per_gpu * model_flops,
+        flops_per_gpu=tokens_per_gpu * (executed + recompute) / tp, model_flops_per_gpu=tokens_per_gpu * model_flops / tp,
         tokens_per_gpu_step=tokens_per_gpu, num_gpus=spec.cluster.num_gpus,
         block_params=gathered_block_params(spec, shape.block_params),
         num_blocks=shape.num_layers, root_params=shape.root_params, param_bytes=PARAM_BYTES[train.precision],
         reshard_after_forward=train.reshard_after_forward, cpu_offload=train.cpu_offload,
         num_microbatches=spec.grad_accum_steps, hidden_size=shape.hidden, reduce_bytes=reduce_bytes,
         trainable=trainable_split(spec), attention=attention, precision=train.precision,
-        offload_fresh_page_bytes=offload_fresh_page_bytes(spec), **expert_parallel_work(spec))
+        offload_fresh_page_bytes=offload_fresh_page_bytes(spec), **expert_parallel_work(spec),
+        **tensor_parallel_work(spec))
 
 
 class AnalyticBackend(TrialBackend):

@@ -607,6 +607,23 @@ class ModelSpec:
         """The MLP's inner width (for MoE, one expert's), measured from the block (see `mlp_width`)."""
         return int(self._meta_summary["mlp_width"])
 
+    @cached_property
+    def tp_plan(self) -> dict[str, str] | None:
+        """The base model's tensor-parallel plan as transformers' config class states it
+        (`base_model_tp_plan`: module pattern -> style), or None where it has none. Read once per config
+        class on this machine: a repeated tune need not import transformers for it."""
+        from autotune import cache
+
+        text = self.config_dict.get("text_config")
+        inputs = dict(model_type=self.model_type, remote=self.trust_remote_code,
+                      text=text.get("model_type") if isinstance(text, dict) else None)
+        return cache.cached("tp-plan", inputs, self._tp_plan) or None
+
+    def _tp_plan(self) -> dict[str, str]:
+        config = self._config(dict(self.config_dict))
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return dict(getattr(text, "base_model_tp_plan", None) or {})
+
     @property
     def block_class(self) -> str:
         """The decoder block class FSDP wraps one by one, e.g. LlamaDecoderLayer."""

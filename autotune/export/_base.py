@@ -104,6 +104,8 @@ class Tuned:
     """torch.compile of the decoder blocks: none or blocks (results from before the knob: none)."""
     expert_parallel: int = 1
     """Expert-parallel degree (1: none; results from before the knob: 1)."""
+    tensor_parallel: int = 1
+    """Tensor-parallel degree (1: none; results from before the knob: 1)."""
     stack: str = "fsdp2"
     """Whose step the memory was predicted for (results from before `--stack`: fsdp2, autotune's loop)."""
     float8: str = "none"
@@ -137,9 +139,10 @@ class Tuned:
 
     @property
     def hsdp_degrees(self) -> tuple[int, int]:
-        """(replicate, shard) degrees of the data-parallel mesh."""
-        shard = self.shard_group_size or self.gpus
-        return self.gpus // shard, shard
+        """(replicate, shard) degrees of the data-parallel mesh (a tensor-parallel group is one data rank)."""
+        data = self.gpus // self.tensor_parallel
+        shard = self.shard_group_size or data
+        return data // shard, shard
 
     @property
     def checkpointed_blocks(self) -> int:
@@ -159,9 +162,16 @@ class Tuned:
         return "SHARDED_STATE_DICT" if self.state_dict_type == "sharded" else "FULL_STATE_DICT"
 
     @property
+    def data_ranks_text(self) -> str:
+        """Who takes a batch each, for comments: the GPUs, or the tensor-parallel groups of them."""
+        if self.tensor_parallel == 1:
+            return f"{self.gpus} GPUs"
+        return f"{self.gpus // self.tensor_parallel} data ranks ({self.gpus} GPUs / tensor parallel {self.tensor_parallel})"
+
+    @property
     def global_batch_size(self) -> int:
-        """Sequences per optimizer step, all ranks together."""
-        return self.micro_batch_size * self.gpus * self.grad_accum_steps
+        """Sequences per optimizer step, all data ranks together (a tensor-parallel group takes one batch)."""
+        return self.micro_batch_size * (self.gpus // self.tensor_parallel) * self.grad_accum_steps
 
     @classmethod
     def from_result(cls, result: dict[str, Any]) -> "Tuned":
@@ -185,6 +195,7 @@ class Tuned:
                 compile=str(values["compile"]),
                 float8=str(values["float8"]),
                 expert_parallel=int(values["expert_parallel"]),
+                tensor_parallel=int(values["tensor_parallel"]),
                 cpu_offload=bool(fsdp["cpu_offload"]),
                 reshard_after_forward=bool(fsdp["reshard_after_forward"]),
                 micro_batch_size=int(result["micro_batch_size"]),
@@ -311,6 +322,12 @@ def map_knobs_not_expressed(tuned: Tuned, mapper: Mapper, *, stack: str, express
                         missing=f"expert parallelism over {tuned.expert_parallel} GPUs is not written for {stack}: "
                                 "every GPU would gather every expert (more memory and all-gather traffic than "
                                 "tuned); the fsdp2 script, Lightning and torchtitan exports apply it")
+    _map_unless_written(mapper, "tensor_parallel", at_default=tuned.tensor_parallel == 1,
+                        default="no tensor parallelism, as tuned",
+                        missing=f"tensor parallelism over {tuned.tensor_parallel} GPUs is not written for {stack}: "
+                                "each GPU would hold and compute whole blocks, and the global batch tuned (one batch "
+                                f"per {tuned.tensor_parallel} GPUs) would be {tuned.tensor_parallel}x larger; the "
+                                "fsdp2 script and torchtitan exports apply it")
     if "shard_placement" not in {m.knob for m in mapper.mappings}:
         if tuned.shard_placement == "dim0":
             mapper.mapped("shard_placement", "every parameter sharded on dimension 0 (FSDP's default), as tuned")

@@ -17,7 +17,9 @@ import torch
 from autotune import knobs as _knobs
 from autotune.catalog import blocks as _blocks
 from autotune import parallel as _parallel
+from autotune.parallel import dims as _dims
 from autotune.parallel import expert as _expert
+from autotune.parallel import tensor as _tensor
 from autotune import training as _training
 from autotune.export._base import Export, Mapper, Tuned, build_export, torchrun_launch
 
@@ -25,10 +27,12 @@ TARGET = f"PyTorch FSDP2 (torch.distributed.fsdp.fully_shard), torch {torch.__ve
 
 # Copied verbatim into the Lightning export, in dependency order.
 _SOURCES = (
-    _knobs.Checkpointing, _knobs.shard_dim, _knobs.float8_converts, _parallel.ParallelDims,
+    _knobs.Checkpointing, _knobs.shard_dim, _knobs.float8_converts, _knobs.block_plan, _parallel.ParallelDims,
+    _dims.tensor_mesh,
     _blocks.Blocks, _blocks.find_decoder_blocks, _blocks._config_depth, _blocks._block_class_name,
     _blocks.fused_experts, _parallel.expert_meshes, _parallel.balanced_splits, _expert._AllToAll,
-    _parallel.ExpertDispatch, _parallel.apply_ep,
+    _parallel.ExpertDispatch, _parallel.apply_ep, _tensor.model_tp_plan, _tensor._gather_sequence,
+    _tensor._is_norm, _tensor.apply_tp,
     _parallel.mixed_precision_policy,
     _parallel.op_sac_policy, _parallel.apply_ac, _parallel.apply_compile, _parallel.float8_linear_config,
     _parallel.apply_float8, _parallel.shard_placement_fn,
@@ -43,8 +47,13 @@ def copied_sources() -> str:
     return "\n\n".join(textwrap.dedent(inspect.getsource(obj)).rstrip() for obj in _SOURCES)
 
 
-def map_parallelize_knobs(m: Mapper, *, precision_also: str = "") -> None:
-    """The knobs autotune's own parallelize() applies, for every export that embeds it."""
+def map_parallelize_knobs(m: Mapper, *, precision_also: str = "", tensor_parallel: bool = True) -> None:
+    """The knobs autotune's own parallelize() applies, for every export that embeds it (`tensor_parallel`:
+    where the script builds ParallelDims' own mesh, which tensor parallelism reads its group from)."""
+    if tensor_parallel:
+        m.mapped("tensor_parallel", "apply_tp in parallelize() on ParallelDims.of(TUNED, world)'s (dp_shard, tp) mesh "
+                                    "(the model's transformers tensor-parallel plan, colwise/rowwise; one batch per "
+                                    "tensor-parallel group)")
     m.mapped("precision", "MixedPrecisionPolicy(param_dtype=...) in parallelize()" + precision_also)
     m.mapped("reduce_dtype", "mixed_precision_policy(TUNED.precision) in parallelize() (fp32 reduction in mixed "
                              "precision, bf16 in bf16-pure)")
@@ -140,7 +149,7 @@ SHAPES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attentio
 def batches(vocab_size: int, device: torch.device, rank: int):
     """Random token micro-batches (TUNED.micro_batch_size x SEQ_LEN): replace with your data."""
     return token_batches(vocab_size=vocab_size, micro_batch_size=TUNED.micro_batch_size, seq_len=SEQ_LEN,
-                         device=device, seed=rank)
+                         device=device, seed=rank // TUNED.tensor_parallel)  # a tensor-parallel group: one batch
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -187,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = make_optimizer(model, impl=TUNED.optimizer_impl, lr=args.lr)
     scaler = make_grad_scaler(TUNED.precision, device)
     tokens = batches(spec.config_dict["vocab_size"], device, rank)
-    tokens_per_step = TUNED.micro_batch_size * SEQ_LEN * GRAD_ACCUM_STEPS * world
+    tokens_per_step = TUNED.micro_batch_size * SEQ_LEN * GRAD_ACCUM_STEPS * (world // TUNED.tensor_parallel)
     # Activation offload needs an accelerator: on CPUs the host is the device.
     offloaded = OffloadedActivations() if TUNED.activation_offload and use_cuda else None
     for step in range(args.steps):
@@ -243,6 +252,7 @@ class TrainConfig:
     compile: str = "none"
     float8: str = "none"
     expert_parallel: int = 1
+    tensor_parallel: int = 1
 
     @property
     def fsdp_reshard_after_forward(self) -> bool | int:
@@ -280,6 +290,7 @@ MIN_OFFLOAD_BYTES = {_training.MIN_OFFLOAD_BYTES!r}
 TRL_STEPS = {_training.TRL_STEPS!r}
 COMPILE_BACKEND = {_knobs.COMPILE_BACKEND!r}
 FLOAT8_SKIPPED = {_parallel.FLOAT8_SKIPPED!r}
+BLOCK_PREFIX = {_knobs.BLOCK_PREFIX!r}
 PARAM_DTYPES = {{{dtypes}}}
 
 
@@ -291,7 +302,8 @@ TUNED = TrainConfig(precision={t.precision!r}, activation_checkpointing=Checkpoi
                     micro_batch_size={t.micro_batch_size!r}, optimizer_impl={t.optimizer_impl!r},
                     shard_group_size={t.shard_group_size!r}, reshard_group_size={t.reshard_group_size!r},
                     shard_placement={t.shard_placement!r}, activation_offload={t.activation_offload!r},
-                    compile={t.compile!r}, float8={t.float8!r}, expert_parallel={t.expert_parallel!r})
+                    compile={t.compile!r}, float8={t.float8!r}, expert_parallel={t.expert_parallel!r},
+                    tensor_parallel={t.tensor_parallel!r})
 
 '''
 

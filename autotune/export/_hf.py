@@ -144,6 +144,11 @@ def export_accelerate(t: Tuned) -> Export:
     if t.shard_group_size:
         m.mapped("shard_group_size", f"parallelism_config: dp_replicate_size {replicate} x dp_shard_size {shard} "
                                      "(Accelerate's FSDP2 mesh: replicate across groups, shard within)")
+    if t.tensor_parallel > 1:
+        m.approximated("tensor_parallel", f"parallelism_config: tp_size {t.tensor_parallel} x dp_shard_size {shard}",
+                       "Accelerate's ParallelismConfig mesh; load the model with from_pretrained(..., tp_plan='auto', "
+                       "device_mesh=accelerator.torch_device_mesh['tp']): transformers applies the same plan "
+                       "(base_model_tp_plan) with its own colwise/rowwise classes, not torch's that autotune traced")
     m.unsupported("optimizer_impl", f"not an accelerate config key: build torch.optim.AdamW(..., "
                   f"{', '.join(f'{k}={v}' for k, v in optimizer_kwargs(t.optimizer_impl).items())}) in your script, "
                   "the implementation traced")
@@ -180,7 +185,9 @@ def export_accelerate(t: Tuned) -> Export:
                               "dynamo_use_regional_compilation": True}} if t.compile != "none" else {}),
         # HSDP: Accelerate 1.15 builds a (dp_replicate, dp_shard) mesh for fully_shard from these.
         **({"parallelism_config": {"parallelism_config_dp_replicate_size": replicate,
-                                   "parallelism_config_dp_shard_size": shard}} if t.shard_group_size else {}),
+                                   "parallelism_config_dp_shard_size": shard,
+                                   **({"parallelism_config_tp_size": t.tensor_parallel} if t.tensor_parallel > 1 else {})}}
+           if t.shard_group_size or t.tensor_parallel > 1 else {}),
     }
     placeholders = (f"# (machine_rank: 0 and main_process_ip: {MAIN_ADDR_PLACEHOLDER} below are placeholders the "
                     "launch line overrides on each node)\n") if t.nodes > 1 else ""

@@ -6,6 +6,8 @@ Lightning runs is what autotune traced and measured. Lightning's FSDP1 `FSDPStra
 
 from __future__ import annotations
 
+import dataclasses
+
 from autotune.export._base import Export, Mapper, Tuned, build_export, fabric_nodes_note
 from autotune.export._fsdp2 import build_model_source, map_parallelize_knobs, tuned_and_wrapping
 
@@ -21,7 +23,7 @@ def _lightning_version() -> str:
 
 def export_lightning(t: Tuned) -> Export:
     m = Mapper()
-    map_parallelize_knobs(m, precision_also="; Trainer(precision='32-true')")  # parallelize() in configure_model()
+    map_parallelize_knobs(m, precision_also="; Trainer(precision='32-true')", tensor_parallel=False)  # parallelize() in configure_model()
     m.mapped("micro_batch_size", "DataLoader(batch_size=TUNED.micro_batch_size)")
     m.mapped("grad_accum_steps", "Trainer(accumulate_grad_batches=GRAD_ACCUM_STEPS)")
     m.mapped("wrap", "parallelize(): fully_shard per block, then the root (configure_model)")
@@ -70,7 +72,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-{tuned_and_wrapping(t)}
+{tuned_and_wrapping(dataclasses.replace(t, tensor_parallel=1))}
 # ---- Lightning ---------------------------------------------------------------------------
 
 

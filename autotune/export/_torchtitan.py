@@ -144,6 +144,14 @@ def export_torchtitan(t: Tuned) -> Export:
                  "which torchtitan requires of its all-to-all dispatcher (split sizes read back to the host)")
     else:
         m.mapped("expert_parallel", "--parallelism.expert-parallel-degree 1 (torchtitan's default: none)")
+    if t.tensor_parallel > 1:
+        m.approximated("tensor_parallel", f"--parallelism.tensor-parallel-degree {t.tensor_parallel}",
+                       "torchtitan applies its own Llama plan (colwise q/k/v and w1/w3, rowwise wo and w2, sequence "
+                       "parallelism on the norms), as traced, and also splits the embeddings and the output layer by "
+                       "vocabulary with a loss-parallel cross-entropy, which autotune keeps whole on each GPU: it "
+                       "needs less memory than predicted")
+    else:
+        m.mapped("tensor_parallel", "--parallelism.tensor-parallel-degree 1 (none)")
     m.mapped("cpu_offload", "--training.enable-cpu-offload / --training.no-enable-cpu-offload")
     m.mapped("reshard_after_forward", "--parallelism.fsdp-reshard-after-forward always|never")
     m.mapped("micro_batch_size", "--training.local-batch-size")
@@ -185,6 +193,7 @@ def export_torchtitan(t: Tuned) -> Export:
         ("--parallelism.data-parallel-shard-degree", shard),
         ("--parallelism.fsdp-reshard-after-forward", "always" if t.reshard_after_forward else "never"),
         ("--parallelism.expert-parallel-degree", t.expert_parallel),
+        ("--parallelism.tensor-parallel-degree", t.tensor_parallel),
         # Its all-to-all token dispatcher reads the split sizes back to the host, as autotune's does:
         # torchtitan 0.3 refuses it under CUDA graphs (its ConfigManager says so), so they are off.
         *((("--training.disable-cuda-graphs", None),) if t.expert_parallel > 1 else ()),
@@ -204,7 +213,7 @@ def export_torchtitan(t: Tuned) -> Export:
             "# (e.g. --checkpoint.interval 1000 --checkpoint.folder ckpt: they come after the values below, and the\n"
             "# last value given wins).\n"
             f"{nodes_note(t, ranks=False)}"
-            f"# (global batch {t.global_batch_size} sequences = {t.micro_batch_size} x {t.gpus} GPUs x "
+            f"# (global batch {t.global_batch_size} sequences = {t.micro_batch_size} x {t.data_ranks_text} x "
             f"{t.grad_accum_steps} accumulation steps).\n"
             "set -euo pipefail\n"
             + (f"# float8: torchtitan 0.3 sets it in a config-registry function; this one is written next to the script.\n"

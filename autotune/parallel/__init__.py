@@ -1,15 +1,16 @@
-"""The one FSDP2 wrapping function and the one device mesh: real trials apply them, the
-simulator traces them, the fsdp2 export's script imports them (Lightning's export copies them).
+"""How a model is parallelized: the one `parallelize` real trials apply, the simulator traces and
+the fsdp2 export's script copies (Lightning's export too), with one module per dimension, as
+torchtitan's distributed/ package has them.
 
-`ParallelDims` (after torchtitan's) says how the world is split: `dp_shard` ranks hold one
-copy of the parameters between them, `dp_replicate` such groups each hold a copy (HSDP:
-sharded within a group, the gradients all-reduced across groups). `build_mesh` makes the mesh
-`fully_shard` receives: 1-D for plain FSDP, 2-D `(dp_replicate, dp_shard)` for HSDP.
+`ParallelDims` (dims) says how the world is split: `dp_shard` ranks hold one copy of the parameters
+between them, `dp_replicate` such groups each hold a copy (HSDP), `tp` neighbouring ranks split each
+block's linears (tensor), `ep` ranks of a shard group split the experts (expert). `build_mesh` makes
+the data mesh `fully_shard` receives; the tp and ep meshes are read back from its root.
 
-Order matters, as in torchtitan's parallelize_llama: activation checkpointing wraps blocks
-first (fully_shard must see the wrapper so the recompute also all-gathers), then each block is
-compiled (torch.compile knob), then each decoder block is sharded bottom-up, then the root. float8
-converts the blocks' linears before all of it, as torchtitan's model converters run at build time.
+Order matters, as in torchtitan's parallelize_llama: expert and tensor parallelism split the blocks
+first, float8 converts their linears (torchtitan's converters run at build time), activation
+checkpointing wraps blocks (fully_shard must see the wrapper so the recompute also all-gathers), then
+each block is compiled, then each decoder block is sharded bottom-up (fsdp), then the root.
 """
 
 from __future__ import annotations
@@ -21,17 +22,18 @@ from autotune.config import TrainConfig
 from autotune.knobs import COMPILE_BACKEND
 from autotune.parallel.checkpointing import apply_ac, op_sac_policy
 from autotune.parallel.compile import apply_compile
-from autotune.parallel.dims import ParallelDims, expert_meshes
+from autotune.parallel.dims import ParallelDims, expert_meshes, tensor_mesh
 from autotune.parallel.expert import ExpertDispatch, apply_ep, balanced_splits
 from autotune.parallel.float8 import FLOAT8_SKIPPED, apply_float8, float8_linear_config
 from autotune.parallel.fsdp import PARAM_DTYPES, apply_fsdp, mixed_precision_policy, shard_placement_fn
+from autotune.parallel.tensor import apply_tp
 from autotune.parallel.tracing import keep_leaf_inputs_collectable, register_rng_rules
 
 __all__ = [
-    "FLOAT8_SKIPPED", "PARAM_DTYPES", "ExpertDispatch", "ParallelDims", "apply_ac", "apply_compile", "apply_ep",
+    "FLOAT8_SKIPPED", "PARAM_DTYPES", "ExpertDispatch", "ParallelDims", "apply_ac", "apply_compile", "apply_ep", "apply_tp",
     "apply_float8", "apply_fsdp", "balanced_splits", "expert_meshes", "float8_linear_config",
     "keep_leaf_inputs_collectable", "mixed_precision_policy", "op_sac_policy", "parallelize", "register_rng_rules",
-    "shard_placement_fn",
+    "shard_placement_fn", "tensor_mesh",
 ]
 
 
@@ -58,6 +60,8 @@ def parallelize(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bo
     else:
         blocks = find_decoder_blocks(model)
     apply_ep(blocks, mesh, train.expert_parallel)
+    if train.tensor_parallel > 1:
+        apply_tp(model, blocks, tensor_mesh(mesh), train.tensor_parallel)
     apply_float8(blocks, train.float8)
     apply_ac(blocks, train.activation_checkpointing)
     apply_compile(blocks, train.compile, backend=compile_backend)

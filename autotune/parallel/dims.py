@@ -16,26 +16,42 @@ class ParallelDims:
     Expert parallelism (`ep` > 1, torchtitan's layout: the EP degree borrowed from dp_shard) splits
     the shard group as (dp_shard / ep, ep): ep neighbouring ranks hold different experts (their
     all-to-alls stay within a node where ep divides it), and the dp_shard / ep ranks that hold the
-    same experts shard them with FSDP. Every other parameter is sharded over all dp_shard ranks."""
+    same experts shard them with FSDP. Every other parameter is sharded over all dp_shard ranks.
+
+    Tensor parallelism (`tp` > 1) is the mesh's last, fastest dimension, as in torchtitan: tp
+    neighbouring ranks (within a node where tp divides it) split each block's weights and share one
+    batch; FSDP shards what they hold over the dp_shard ranks, the data mesh."""
 
     dp_replicate: int
     dp_shard: int
     ep: int = 1
+    tp: int = 1
 
     @classmethod
     def of(cls, train: TrainConfig, world_size: int) -> "ParallelDims":
-        shard = train.shard_group_size or world_size
-        if world_size % shard:
+        tp = train.tensor_parallel
+        if world_size % tp:
+            raise ValueError(f"tensor-parallel degree {tp} does not divide the world size {world_size}")
+        if tp > 1 and (train.shard_group_size or train.expert_parallel > 1):
+            raise ValueError("tensor parallelism with HSDP or expert parallelism is not built here")
+        data = world_size // tp
+        shard = train.shard_group_size or data
+        if data % shard:
             raise ValueError(f"shard group size {shard} does not divide the world size {world_size}")
         ep = train.expert_parallel
         if shard % ep:
             raise ValueError(f"expert-parallel degree {ep} does not divide the shard group of {shard} ranks")
         if ep > 1 and shard != world_size:
             raise ValueError("expert parallelism with HSDP is not built here: use a shard group of every rank")
-        return cls(dp_replicate=world_size // shard, dp_shard=shard, ep=ep)
+        return cls(dp_replicate=data // shard, dp_shard=shard, ep=ep, tp=tp)
 
     @property
     def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that each take their own batch: the tensor-parallel ranks of a group share one."""
         return self.dp_replicate * self.dp_shard
 
     @property
@@ -60,7 +76,15 @@ class ParallelDims:
             experts = init_device_mesh(device_type, (self.dp_shard // self.ep, self.ep),
                                        mesh_dim_names=("dp_shard_mod_ep", "ep"))
             return experts._flatten("dp_shard")
+        if self.tp > 1:  # the data mesh of a (dp_shard, tp) mesh; tensor_mesh reads the tp one back
+            root = init_device_mesh(device_type, (*self.shape, self.tp), mesh_dim_names=(*self.dim_names, "tp"))
+            return root[self.dim_names]
         return init_device_mesh(device_type, self.shape, mesh_dim_names=self.dim_names)
+
+
+def tensor_mesh(mesh):
+    """The tp sub-mesh beside a data mesh `ParallelDims.build_mesh` made with tp > 1."""
+    return mesh._get_root_mesh()["tp"]
 
 
 def expert_meshes(mesh):

@@ -41,12 +41,16 @@ class ExpertDispatch:
     are applied where the tokens live. The split sizes depend on the router's choices: a real run
     reads them back to the host (`.tolist()`); under fake tensors (the simulator) their values
     do not exist, and every rank is assumed to send `balanced_splits` of its rows to each peer and
-    to receive as much (balanced routing: docs/KNOBS.md)."""
+    to receive as much (balanced routing: docs/KNOBS.md). With a stated routing skew (`routing`, an
+    autotune.routing.RoutingSkew set by `set_routing`), fake tensors take the binding rank's sizes
+    under it, and real tensors route by it: the router's top-k choices are replaced by the profile's
+    (a real trial's forced router), so both come from the same rows per expert."""
 
     def __init__(self, experts: nn.Module, ep_mesh) -> None:
         self.local_forward = experts.forward
         self.local_experts = experts.num_experts
         self.group, self.ranks = ep_mesh.get_group(), ep_mesh.size()
+        self.routing = None
 
     def split_sizes(self, rows: int, send_counts: torch.Tensor,
                     recv_counts: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -54,6 +58,8 @@ class ExpertDispatch:
         from torch._subclasses.fake_tensor import is_fake
 
         if is_fake(send_counts):
+            if self.routing is not None:
+                return self.routing.split_sizes(rows, self.local_experts * self.ranks, self.ranks)
             balanced = balanced_splits(rows, self.ranks)
             return balanced, balanced
         send, recv = torch.stack([send_counts.sum(dim=1), recv_counts.sum(dim=1)]).tolist()
@@ -63,7 +69,12 @@ class ExpertDispatch:
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
+        from torch._subclasses.fake_tensor import is_fake
+
         tokens, top_k = top_k_index.shape
+        if self.routing is not None and not is_fake(top_k_index):  # a real trial's forced router
+            forced = self.routing.forced_expert_ids(tokens, top_k, self.local_experts * self.ranks, self.ranks)
+            top_k_index = torch.tensor(forced, dtype=top_k_index.dtype, device=top_k_index.device)
         expert_ids = top_k_index.reshape(-1)
         # Sorted by expert, the rows are grouped by the rank owning it (each owns a contiguous range).
         order = torch.argsort(expert_ids, stable=True)
@@ -86,6 +97,17 @@ class ExpertDispatch:
         unsorted[order] = back
         weighted = unsorted.view(tokens, top_k, -1) * top_k_weights.unsqueeze(-1).to(unsorted.dtype)
         return weighted.sum(dim=1).to(hidden_states.dtype)
+
+
+def set_routing(model: nn.Module, routing) -> int:
+    """Route every expert-parallel dispatch of `model` by `routing` (an autotune.routing.RoutingSkew;
+    None or balanced: the router's own choices, balanced under fake tensors). Returns how many."""
+    skew = None if routing is None or routing.balanced else routing
+    dispatches = [m.__dict__["forward"] for m in model.modules()
+                  if isinstance(m.__dict__.get("forward"), ExpertDispatch)]
+    for dispatch in dispatches:
+        dispatch.routing = skew
+    return len(dispatches)
 
 
 def apply_ep(blocks: Blocks, mesh, degree: int) -> int:

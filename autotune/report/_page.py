@@ -95,6 +95,9 @@ def _cards(result: dict[str, Any]) -> str:
         ("global batch", f"{result['global_tokens']:,} tokens",
          f"target {result['global_tokens_target']:,}; seq_len {result['seq_len']}"),
     ]
+    routing = result.get("routing_skew")  # a MoE model's routing assumption (autotune/routing.py)
+    if routing:
+        cards.append(("MoE routing", escape(routing["kind"]), f"{routing['assumption']}; {routing['note']}"))
     return '<div class="cards">' + "".join(
         f'<div class="card"><span class="muted">{escape(title)}</span><b>{value}</b>'
         f'<span class="muted">{escape(note)}</span></div>' for title, value, note in cards) + "</div>"

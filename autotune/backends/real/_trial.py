@@ -24,6 +24,7 @@ from autotune.backends.real._faults import Fault, inject_faults
 from autotune.config import TrialSpec
 from autotune.litgpt_step import init_litgpt, is_litgpt_model
 from autotune.parallel import parallelize, register_rng_rules
+from autotune.parallel.expert import set_routing
 from autotune.training import (OffloadedActivations, build_model, make_optimizer, prepare_step, requantize_base,
                                sync_weights_to_vllm, token_batches, train_step)
 
@@ -133,7 +134,7 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
     grad_accum = min(spec.grad_accum_steps, MAX_TRIAL_GRAD_ACCUM)
     batches = token_batches(vocab_size=int(spec.model.config_dict["vocab_size"]),
                             micro_batch_size=spec.train.micro_batch_size, seq_len=spec.seq_len,
-                            device=device, seed=seed + rank)
+                            device=device, seed=seed + rank // spec.train.tensor_parallel)  # a tp group: one batch
     inject_faults(faults, rank=rank, trial=trial_index)
 
     reset_rss_peak()
@@ -255,6 +256,7 @@ def materialise(spec: TrialSpec, *, mesh, device: torch.device, seed: int) -> tu
     what could not be applied here."""
     model, notes = build_sharded(spec.model, spec.train, mesh=mesh, device=device, seed=seed,
                                  finetuning=spec.finetuning, step=spec.step, seq_len=spec.seq_len)
+    set_routing(model, spec.routing_skew)  # a stated skew: the router forced to it (parallel.ExpertDispatch)
     prepare_step(model, step=spec.step, precision=spec.train.precision, device_type=device.type)
     return model, notes
 

@@ -12,7 +12,7 @@ import os
 from typing import TYPE_CHECKING
 
 from autotune import cache, costmodel
-from autotune.backends.analytic import (attention_span, expert_parallel_work, model_shape,
+from autotune.backends.analytic import (attention_span, expert_parallel_work, tensor_parallel_work, model_shape,
                                       offload_fresh_page_bytes, screen_margin, trainable_split)
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
 from autotune.backends.sim._extrapolate import extrapolate, shallow_depths
@@ -231,7 +231,8 @@ class SimBackend(TrialBackend):
         return (spec.model.name, repr(sorted(spec.model.config_dict.items())), depth, spec.cluster.num_gpus,
                 spec.seq_len, train.cache_key(), spec.grad_accum_steps > 1, keep_middle, self.device_kind,
                 spec.workload.weight_sync, spec.finetuning.key(), spec.step,
-                self._gpu_sm(spec) if _has_dropout(spec.model.config_dict) else None)
+                self._gpu_sm(spec) if _has_dropout(spec.model.config_dict) else None,
+                *((spec.routing_skew.key(),) if train.expert_parallel > 1 and not spec.routing_skew.balanced else ()))
 
     def _gpu_sm(self, spec: TrialSpec) -> tuple[int, int] | None:
         """The compute capability a GPU run's attention kernels are chosen for (_gpu_kernels); None on CPU."""
@@ -250,7 +251,7 @@ class SimBackend(TrialBackend):
                 spec.model, depth=depth, mesh=mesh, world_size=world_size, train=train, seq_len=spec.seq_len,
                 grad_accum_steps=spec.grad_accum_steps, keep_middle=keep_middle,
                 gloo=self.device_kind == "cpu", weight_sync=spec.workload.weight_sync,
-                finetuning=spec.finetuning, step=spec.step, gpu_sm=self._gpu_sm(spec)))
+                finetuning=spec.finetuning, step=spec.step, gpu_sm=self._gpu_sm(spec), routing=spec.routing_skew))
         return self._traces[key]
 
     def _keep(self, key: tuple, trace: StepTrace) -> None:
@@ -530,6 +531,9 @@ class SimBackend(TrialBackend):
         if self.device_kind == "cpu" and hardware is None:
             return None, ("throughput not estimated for a CPU run without a CPU profile "
                           "(autotune calibrate --backend cpu, then --hardware PROFILE)")
+        if hardware is not None and spec.train.tensor_parallel > 1:
+            return None, ("throughput not estimated: the per-operation model (--hardware) does not cost tensor "
+                          "parallelism's all-reduces yet; without --hardware the roofline does")
         if op_work and hardware is not None:
             # The per-operation model on a profile given with --hardware (validated against real
             # CPU trials, docs/COSTMODEL.md); without one, the roofline the published runs check.
@@ -554,16 +558,23 @@ class SimBackend(TrialBackend):
             extras["step_time"] = op_step.to_dict()
             if op_step.mfu is not None:
                 extras["mfu_estimated"] = op_step.mfu
-            low, high = costmodel.estimate_range(op_step.tokens_per_sec, profile, host_bound=op_step.host_bound)
-            source = costmodel.range_source(profile, host_bound=op_step.host_bound)
+            span = costmodel.estimate_range(op_step.tokens_per_sec, profile, host_bound=op_step.host_bound,
+                                            per_op=True)
+            source = costmodel.range_source(profile, host_bound=op_step.host_bound, per_op=True)
+            extras["real_backend"] = self.device_kind  # the real trial that checks this estimate
+            extras["tokens_per_sec_range_from"] = costmodel.range_note(profile, host_bound=op_step.host_bound,
+                                                                       per_op=True)
+            if span is None:  # no held-out row on this GPU family: no range, and the basis says so
+                basis = f"{op_step.basis}; ops counted in the trace (recomputation included); {source}"
+                return Figure(op_step.tokens_per_sec, "estimated", basis), ""
+            low, high = span
             if spec.train.float8 != "none" and self.device_kind == "cuda":  # as _float8 widens the roofline's
                 low *= costmodel.FLOAT8_RANGE_LOW
                 source += (f"; low end x {costmodel.FLOAT8_RANGE_LOW:.2f}, the worst float8 speed-up measured "
                            "against its estimate (costmodel.FLOAT8_ONE_GPU_MEASURED)")
             extras["tokens_per_sec_range"] = [low, high]
-            extras["real_backend"] = self.device_kind  # the real trial that checks this estimate
             basis = (f"{op_step.basis}; ops counted in the trace (recomputation included); range "
-                     f"{low:,.0f}-{high:,.0f} from the validation errors ({source})")
+                     f"{low:,.0f}-{high:,.0f} from held-out errors ({source})")
             return Figure(op_step.tokens_per_sec, "estimated", basis), ""
         # Attention's traced FLOPs (torch's SDPA formulas: the full square, backward 2.5x forward) at the
         # flash kernel's published rate, which counts the causal half; the traced memory-bound ops' bytes
@@ -581,8 +592,9 @@ class SimBackend(TrialBackend):
             attention_span=attention_span(spec), attention_head_dim=shape.hidden // max(shape.num_heads, 1),
             memory_bytes_per_gpu=memory_bytes * accum)
         work = costmodel.fsdp_step_work(
-            flops_per_gpu=flops_per_microbatch * accum,
-            model_flops_per_gpu=model_flops_per_token(spec.model, spec.seq_len) * tokens_per_gpu_step,
+            flops_per_gpu=flops_per_microbatch * accum,  # the rank's own: a tensor-parallel shard's where split
+            model_flops_per_gpu=model_flops_per_token(spec.model, spec.seq_len) * tokens_per_gpu_step
+            / spec.train.tensor_parallel,
             tokens_per_gpu_step=tokens_per_gpu_step, num_gpus=world_size, block_params=trace.block_params,
             num_blocks=spec.model.num_layers, root_params=trace.root_params,
             param_bytes=PARAM_DTYPE_BYTES[spec.train.precision], reshard_after_forward=spec.train.reshard_after_forward,
@@ -592,16 +604,30 @@ class SimBackend(TrialBackend):
             dispatched_ops_per_microbatch=sum(op_work.get(k, 0.0) for k in ("dispatched_ops", "compiled_launches")),
             hidden_size=shape.hidden, trainable=trainable_split(spec),
             float8_block_params=trace.float8_gathered_params, attention=attention, precision=spec.train.precision,
-            offload_fresh_page_bytes=offload_fresh_page_bytes(spec), **expert_parallel_work(spec))
+            offload_fresh_page_bytes=offload_fresh_page_bytes(spec), **expert_parallel_work(spec),
+            **tensor_parallel_work(spec))
+        counted = "FLOPs counted in the trace (recomputation included)"
+        if spec.train.tensor_parallel > 1:
+            # The trace's FLOP count under tensor parallelism is not linear in depth yet (some shallow copies
+            # count full-width matmuls): the closed form's work, split over the group, stands in for it.
+            from autotune.backends.analytic import step_work
+
+            work = step_work(spec)
+            counted = "FLOPs and bytes by the closed form (backends/analytic.step_work), a tensor-parallel shard of them"
         step = costmodel.estimate_step_time(work, spec.cluster, shard_group_size=spec.train.shard_group_size,
                                             reshard_group_size=spec.train.reshard_group_size)
         extras["step_time"] = step.to_dict()
         extras["mfu_estimated"] = step.mfu
         shipped = profile_for(spec.cluster.gpu)
-        low, high = costmodel.estimate_range(step.tokens_per_sec, shipped, host_bound=step.host_bound)
+        span = costmodel.estimate_range(step.tokens_per_sec, shipped, host_bound=step.host_bound)
+        source = costmodel.range_source(shipped, host_bound=step.host_bound)
+        extras["tokens_per_sec_range_from"] = costmodel.range_note(shipped, host_bound=step.host_bound)
+        if span is None:  # no held-out row on this GPU family: no range, and the basis says so
+            return Figure(step.tokens_per_sec, "estimated", f"{step.basis}; {counted}; {source}"), ""
+        low, high = span
         extras["tokens_per_sec_range"] = [low, high]
-        basis = (f"{step.basis}; FLOPs counted in the trace (recomputation included); range {low:,.0f}-{high:,.0f} "
-                 f"({costmodel.range_source(shipped, host_bound=step.host_bound)})")
+        basis = (f"{step.basis}; {counted}; range {low:,.0f}-{high:,.0f} "
+                 f"({source})")
         return Figure(step.tokens_per_sec, "estimated", basis), ""
 
     def _eager_twin_memory_bytes(self, spec: TrialSpec, extras: dict[str, Any]) -> float | None:

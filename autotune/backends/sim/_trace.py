@@ -155,6 +155,14 @@ def _transformers_grouped_mm(func):
     return None
 
 
+def _any_dtensor(args) -> bool:
+    """Whether an op takes a DTensor (tensor parallelism's weights and activations)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_leaves
+
+    return any(isinstance(a, DTensor) for a in tree_leaves(args))
+
+
 def _tensor_bytes(values) -> int:
     total = 0
     for value in values:
@@ -171,6 +179,7 @@ from autotune.catalog.models import ModelSpec
 from autotune.config import TRL_STEPS, FineTuning, TrainConfig
 from autotune.costmodel import LARGE_MEMORY_OP_BYTES
 from autotune.parallel import keep_leaf_inputs_collectable, parallelize, register_rng_rules
+from autotune.parallel.expert import set_routing
 from autotune.training import (OffloadedActivations, build_model, make_optimizer, prepare_step, sync_weights_to_vllm,
                                token_batches, train_step)
 
@@ -363,11 +372,13 @@ class _SiteTracker(FSDPMemTracker):
         return True
 
     def __init__(self, model: nn.Module, optimizer, *, position_of: Callable[[nn.Module], tuple[str, ...]],
-                 gloo: bool) -> None:
+                 gloo: bool, tensor_parallel: bool = False) -> None:
         super().__init__(model, optimizer)
         route_module_hooks(self._mod_tracker)  # compiled blocks reused by later traces (_compile_reuse)
         keep_leaf_inputs_collectable(self._mod_tracker)
         self._gloo = gloo
+        self._tensor_parallel = tensor_parallel
+        """Set where tensor parallelism made DTensors of the blocks (FLOPs and bytes then read local shards)."""
         self._transient = 0
         self._transient_ref = _FSDPRefType.REDUCE_SCATTER
         self.largest_allocation = 0
@@ -484,6 +495,11 @@ class _SiteTracker(FSDPMemTracker):
         # Metadata queries (prim.device, sym_size, ...) come and go with fake tensors' caches;
         # only ops that return tensors (or mutate in place) advance a site's op count.
         self._counts_as_op = _is_step_op(func)
+        if self._tensor_parallel and _any_dtensor(args):
+            # The mode sees tensor parallelism's DTensor ops (global shapes) and then the local ops each
+            # runs on this rank's shards: those are counted, the DTensor op is not (it would count twice).
+            self._counts_as_op = False
+            return super().__torch_dispatch__(func, types, args, kwargs)
         if self._gloo and func is _REDUCE_SCATTER:
             # gloo's reduce-scatter works on a full-size copy of its input, freed when it returns.
             self._transient, self._transient_ref = args[1].untyped_storage().nbytes(), _FSDPRefType.REDUCE_SCATTER
@@ -501,8 +517,9 @@ class _SiteTracker(FSDPMemTracker):
         formula = FLOP_FORMULAS.get(func._overloadpacket) or _transformers_grouped_mm(func) \
             if self.count_flops and out is not NotImplemented else None
         op_flops = 0
+        seen_args, seen_kwargs, seen_out = args, kwargs, out
         if formula is not None:
-            op_flops = formula(*args, **(kwargs or {}), out_val=out)
+            op_flops = formula(*seen_args, **(seen_kwargs or {}), out_val=seen_out)
             self.flops += op_flops
         if self.count_flops and out is not NotImplemented and not self._in_opt and self.phase is None:
             kind = _op_kind(func)
@@ -517,7 +534,7 @@ class _SiteTracker(FSDPMemTracker):
             elif self._counts_as_op:  # not the metadata queries fake tensors make
                 self.op_work["dispatched_ops"] = self.op_work.get("dispatched_ops", 0) + 1
                 self._previous_compiled_op_memory = False
-            if kind == "matmul" and any(type(a).__name__ == "Float8TrainingTensor" for a in args):
+            if kind == "matmul" and any(type(a).__name__ == "Float8TrainingTensor" for a in seen_args):
                 # Eager float8: the mode sees torchao's tensor subclass's mm, which runs `_scaled_mm`
                 # below the mode (compiled blocks dispatch `_scaled_mm` itself).
                 kind = "float8_matmul"
@@ -525,20 +542,20 @@ class _SiteTracker(FSDPMemTracker):
                 work = self.op_work
                 work[f"{kind}_ops"] = work.get(f"{kind}_ops", 0) + 1
                 if kind == "memory":
-                    moved = _tensor_bytes(args) + _tensor_bytes((kwargs or {}).values()) + _tensor_bytes(
-                        out if isinstance(out, (tuple, list)) else (out,))
+                    moved = _tensor_bytes(seen_args) + _tensor_bytes((seen_kwargs or {}).values()) + _tensor_bytes(
+                        seen_out if isinstance(seen_out, (tuple, list)) else (seen_out,))
                     work["memory_bytes"] = work.get("memory_bytes", 0) + moved
                     if moved >= LARGE_MEMORY_OP_BYTES:
                         work["memory_bytes_large"] = work.get("memory_bytes_large", 0) + moved
                 else:
                     work[f"{kind}_flops"] = work.get(f"{kind}_flops", 0) + op_flops
                 if func.namespace == "bitsandbytes" and kind == "matmul":
-                    moved = _gemm_4bit_dequantized_bytes(args)
+                    moved = _gemm_4bit_dequantized_bytes(seen_args)
                     work["memory_bytes"] = work.get("memory_bytes", 0) + moved
                     if moved >= LARGE_MEMORY_OP_BYTES:
                         work["memory_bytes_large"] = work.get("memory_bytes_large", 0) + moved
                 if kind == "float8_matmul":  # each float8 operand is one dynamic cast's output (or a transpose of one)
-                    work["float8_cast_elements"] = work.get("float8_cast_elements", 0) + args[0].numel() + args[1].numel()
+                    work["float8_cast_elements"] = work.get("float8_cast_elements", 0) + seen_args[0].numel() + seen_args[1].numel()
         return out
 
     def _update_peak_stats(self, peak_state) -> None:
@@ -640,17 +657,20 @@ class Tracer:
               seq_len: int, grad_accum_steps: int, count_flops: bool = True,
               keep_middle: bool = True, gloo: bool = False, weight_sync: bool = False,
               finetuning: FineTuning | None = None, step: str = "autotune",
-              gpu_sm: tuple[int, int] | None = None) -> StepTrace:
+              gpu_sm: tuple[int, int] | None = None, routing=None) -> StepTrace:
         """Trace one steady-state step of `model_spec` cut to `depth` blocks. `keep_middle=False`
         records only the sites that exist at every depth (for extrapolation); `gloo` adds the
         copy gloo's reduce-scatter makes (a CPU run), which NCCL does not; `weight_sync` adds the
         sites of TRL's weight sync to vLLM after the step (GRPO, `training.sync_weights_to_vllm`);
         `step`: whose forward and loss (config.stack_step), as a real trial runs it; `gpu_sm`: the
         compute capability of a GPU run's GPU (None: SM 9.0), for the attention kernel CUDA's SDPA
-        picks there (_gpu_kernels: with dropout, a fused kernel keeps no mask and no scores)."""
+        picks there (_gpu_kernels: with dropout, a fused kernel keeps no mask and no scores); `routing`:
+        a stated MoE routing skew (autotune/routing.py), whose binding rank expert parallelism's
+        all-to-alls are traced at (parallel.ExpertDispatch; set on the cached model every trace)."""
         start = time.perf_counter()
         built = self._built(model_spec, depth=depth, mesh=mesh, world_size=world_size, train=train,
                             finetuning=finetuning or FineTuning(), step=step, seq_len=seq_len)
+        set_routing(built.model, routing)
         period = period_of(train, model_spec)
         steady_accum = grad_accum_steps > 1
         position_of = _position_namer(built.model, built.blocks, depth=depth, period=period,
@@ -660,7 +680,8 @@ class Tracer:
                 _sharding_propagation_in_a_fake_mode_of_its_own(self._propagation_mode):
             batches = token_batches(vocab_size=int(model_spec.config_dict["vocab_size"]),
                                     micro_batch_size=train.micro_batch_size, seq_len=seq_len, device="cpu")
-            tracker = _SiteTracker(built.model, built.optimizer, position_of=position_of, gloo=gloo)
+            tracker = _SiteTracker(built.model, built.optimizer, position_of=position_of, gloo=gloo,
+                                   tensor_parallel=train.tensor_parallel > 1)
             tracker.count_flops = count_flops
             # The optimizer step sees the same parameters, gradients and state at every
             # micro-batch size: traced once per model, then skipped.
@@ -694,7 +715,7 @@ class Tracer:
             return self.trace(model_spec, depth=depth, mesh=mesh, world_size=world_size, train=train,
                               seq_len=seq_len, grad_accum_steps=grad_accum_steps, count_flops=count_flops,
                               keep_middle=keep_middle, gloo=gloo, weight_sync=weight_sync,
-                              finetuning=finetuning, step=step, gpu_sm=gpu_sm)
+                              finetuning=finetuning, step=step, gpu_sm=gpu_sm, routing=routing)
         sites = {}
         if sync_now:
             built.sync_sites = {key: _as_gathered(cats) for key, (_, cats, _) in tracker.sites.items()
@@ -877,21 +898,30 @@ def _post_forward_meshes_outside_fake_mode():
     """fully_shard(reshard_after_forward=N) builds the device mesh of N-rank groups from the
     parent mesh's rank tensor; under FakeTensorMode that tensor would be fake and the mesh cannot
     read its ranks. Building that mesh (ranks only, no parameter memory) outside the fake mode
-    gives the same FSDP state a real run has."""
+    gives the same FSDP state a real run has. The same holds for the data x tensor-parallel mesh
+    fully_shard concatenates for a parameter tensor parallelism already split (DeviceMesh._concatenate)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
 
     build = _fsdp_init._get_post_forward_mesh_info
+    concatenate = DeviceMesh._concatenate
 
     def outside_fake_mode(*args, **kwargs):
         with unset_fake_temporarily():
             return build(*args, **kwargs)
 
+    def concatenate_outside_fake_mode(meshes):
+        with unset_fake_temporarily():
+            return concatenate(meshes)
+
     _fully_shard._get_post_forward_mesh_info = outside_fake_mode
+    DeviceMesh._concatenate = staticmethod(concatenate_outside_fake_mode)
     try:
         yield
     finally:
         _fully_shard._get_post_forward_mesh_info = build
+        DeviceMesh._concatenate = staticmethod(concatenate)
 
 
 def _qlora_context(finetuning: FineTuning | None, fake_mode: FakeTensorMode):

@@ -1,0 +1,272 @@
+"""Tensor parallelism (--tp, parallel/tensor.py): the simulator's trace against real gloo runs, the checks of
+what may combine with it, the global batch it changes, the tune past FSDP's batch wall, and the exports.
+
+The real runs: TP2 on 2 ranks and FSDP2 x TP2 on 4 ranks, for three families whose transformers config
+has a tensor-parallel plan (llama, qwen2 and a shrunk mistral), in the session's shared launch
+(tests/shared_runs.py; the 4-rank trials run in a launch of their own within it). torch runs
+Colwise/RowwiseParallel on CPUs with gloo, so these are the same kernels the trace follows: what a GPU
+would run differently here is attention's kernel, which is the same with or without TP."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autotune.catalog.models import resolve_model
+from autotune.catalog.shrink import shrunk_config
+from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.errors import UsageError
+from autotune.knobs import KNOBS, ProblemShape, check_combination, tensor_parallel_degrees
+from tests.shared_runs import register
+from tests.test_sim_accuracy import assert_tensor_peaks_agree, predict_cpu_runs
+
+# (family, ranks, tensor parallel, micro-batch, checkpointing): TP alone on 2 ranks, FSDP x TP on 4.
+MATRIX = [
+    ("tiny-llama", 2, 2, 2, "none"),
+    ("tiny-qwen2", 2, 2, 2, "full"),
+    ("mistral", 2, 2, 2, "none"),
+    ("tiny-llama", 4, 2, 2, "none"),
+    ("tiny-qwen2", 4, 2, 1, "none"),
+    ("mistral", 4, 2, 2, "full"),
+]
+
+
+def _model(name: str, folder):
+    if name in ("mistral", "gpt2"):  # families without a catalog entry: transformers' own config, shrunk
+        path = folder / name
+        if not (path / "config.json").exists():
+            shrunk_config(name).save_pretrained(path)
+        return resolve_model(str(path))
+    return resolve_model(name)
+
+
+def _spec(row, folder) -> TrialSpec:
+    name, ranks, tp, mb, ac = row
+    return TrialSpec(model=_model(name, folder), cluster=Cluster(num_gpus=ranks), seq_len=64,
+                     train=TrainConfig(tensor_parallel=tp, micro_batch_size=mb, activation_checkpointing=ac),
+                     grad_accum_steps=1)
+
+
+register("tensor-parallel", __name__, lambda folder: [_spec(row, folder) for row in MATRIX])
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    """A folder for the shrunk configs of families the catalog does not have."""
+    return tmp_path_factory.mktemp("configs")
+
+
+@pytest.fixture(scope="module")
+def measured_and_predicted(gloo_runs):
+    specs, measured = gloo_runs.run("tensor-parallel")
+    return specs, measured, predict_cpu_runs(specs)
+
+
+@pytest.mark.parametrize("index", range(len(MATRIX)), ids=["-".join(map(str, row)) for row in MATRIX])
+def test_tensor_parallel_peak_matches_a_real_gloo_run(measured_and_predicted, index):
+    specs, measured, predicted = measured_and_predicted
+    assert_tensor_peaks_agree(specs[index], measured[index], predicted[index])
+
+
+def test_every_rank_of_a_tensor_parallel_run_peaks_alike(measured_and_predicted):
+    """The ranks of a group hold the same shards' sizes and one batch: the trace of rank 0 stands for all."""
+    _, measured, _ = measured_and_predicted
+    for real in measured:
+        peaks = real.extras["per_rank_tensor_peak_bytes"]
+        assert max(peaks) - min(peaks) <= 0.01 * max(peaks), peaks
+
+
+# --- what may combine ---------------------------------------------------------------------------------
+
+
+def _values(**changes):
+    return {**{knob.name: knob.default for knob in KNOBS}, **changes}
+
+
+@pytest.mark.parametrize("model, gpus, per_node, expected", [
+    ("llama3-70b", 1024, 8, (1, 2, 4, 8)),  # 64 heads, 8 KV heads
+    ("qwen2.5-7b", 8, 8, (1, 2, 4)),  # 28 heads: not 8
+    ("tiny-qwen2", 4, 4, (1, 2)),  # 2 KV heads
+    ("llama3-8b", 12, 4, (1, 2, 4)),  # a node of 4 GPUs: no 8
+    ("mixtral-8x7b", 8, 8, (1,)),  # its plan splits experts (local_*): not built
+    ("gpt2", 8, 8, (1,)),  # no plan in its config
+])
+def test_degrees_proposed_follow_the_model_and_the_node(configs, model, gpus, per_node, expected):
+    assert tensor_parallel_degrees(ProblemShape(num_gpus=gpus, gpus_per_node=per_node,
+                                                model=_model(model, configs))) == expected
+
+
+@pytest.mark.parametrize("model, changes, message", [
+    ("qwen2.5-7b", dict(tensor_parallel=8), "must divide its 28 attention heads"),
+    ("gpt2", dict(tensor_parallel=2), "no tensor-parallel plan"),
+    ("mixtral-8x7b", dict(tensor_parallel=2), "not built here (only colwise/rowwise)"),
+    ("llama3-8b", dict(tensor_parallel=16), "must divide the 8 GPUs per node"),
+    ("llama3-8b", dict(tensor_parallel=2, cpu_offload=True), "--tp 2 with --offload"),
+    ("llama3-8b", dict(tensor_parallel=2, compile="blocks"), "--tp 2 with --compile"),
+    ("llama3-8b", dict(tensor_parallel=2, shard_group_size=4), "--tp 2 with --hsdp"),
+])
+def test_a_mesh_the_model_or_cluster_cannot_hold_is_refused_naming_the_flag(configs, model, changes, message):
+    shape = ProblemShape(num_gpus=16, gpus_per_node=8, model=_model(model, configs))
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_combination(_values(**changes), shape)
+
+
+def test_a_plan_is_read_from_the_transformers_config_class(configs):
+    """Counted another way: the plan transformers' own config class states for llama."""
+    from transformers import LlamaConfig
+
+    assert resolve_model("llama3-8b").tp_plan == dict(LlamaConfig.base_model_tp_plan)
+    assert _model("gpt2", configs).tp_plan is None
+
+
+# --- the batch wall, the tune, the exports ---------------------------------------------------------
+
+
+def test_the_tune_goes_past_the_batch_wall_with_tensor_parallelism(tmp_path):
+    """llama3-70b on 1024 H100s with 4Mi tokens at seq 8192: 512 sequences for 1024 GPUs, where FSDP alone
+    has no configuration (every GPU needs a sequence of its own). The tune says so, and its winner is
+    tensor-parallel and hits the global batch exactly: 4Mi = micro-batch x seq x data ranks x accumulation,
+    counted from best.json's own fields."""
+    from autotune.cli import main
+
+    code = main(["--model", "llama3-70b", "--gpus", "1024", "--gpu-type", "h100-80gb", "--global-tokens", "4Mi",
+                 "--seq-len", "8192", "--backend", "sim", "--runs-dir", str(tmp_path), "--compile", "none",
+                 "--float8", "none"])
+    assert code == 0
+    (path,) = tmp_path.glob("*/best.json")
+    best = json.loads(path.read_text())
+    tp, ranks = best["parallelism"]["tensor_parallel"], best["parallelism"]["data_parallel_ranks"]
+    assert tp in (2, 4, 8) and ranks * tp == 1024
+    assert best["global_tokens"] == 4 * 2**20 == best["micro_batch_size"] * 8192 * ranks * best["grad_accum_steps"]
+    assert any("FSDP alone cannot hit the global batch" in note for note in best["notes"])
+    assert best["peak_memory_bytes"] <= best["memory_limit_bytes"]
+
+
+def test_a_model_without_a_plan_still_meets_the_batch_wall_in_one_line(configs, capsys):
+    """gpt2's config has no tensor-parallel plan: the wall stays where FSDP puts it, and the error says so
+    in the user's own numbers."""
+    from autotune.cli import main
+
+    code = main(["--model", str(_model("gpt2", configs).source), "--gpus", "64", "--global-tokens", "4K",
+                 "--seq-len", "128", "--backend", "analytic"])
+    assert code == 2
+    assert "smaller than one sequence per GPU (64 GPUs x 128 seq_len" in capsys.readouterr().err
+
+
+# --- the numbers: the parallelized model computes what the whole one computes ----------------------------
+
+_SAME_NUMBERS = """
+import json, os, sys
+import torch, torch.distributed as dist
+from autotune.catalog.models import resolve_model
+from autotune.config import TrainConfig
+from autotune.parallel import ParallelDims, parallelize
+from autotune.training import build_model, micro_batch_loss
+
+rank, world = int(sys.argv[1]), 2
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=world)
+spec = resolve_model(sys.argv[3])
+torch.manual_seed(0)
+whole = build_model(spec, precision="fp32")
+parallel = build_model(spec, precision="fp32")
+parallel.load_state_dict(whole.state_dict())
+tokens = torch.randint(0, spec.config_dict["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(1))
+expected = micro_batch_loss(whole, tokens)
+expected.backward()
+train = TrainConfig(precision="fp32", tensor_parallel=2)
+parallelize(parallel, ParallelDims.of(train, world).build_mesh("cpu"), train, allow_offload=False)
+got = micro_batch_loss(parallel, tokens)
+got.backward()
+grads = {}
+for name, param in parallel.named_parameters():
+    full = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+    reference = dict(whole.named_parameters())[name.replace("_checkpoint_wrapped_module.", "")].grad
+    grads[name] = float((full - reference).abs().max() / reference.abs().max())
+if rank == 0:
+    print(json.dumps({"expected": expected.item(), "got": got.item(), "worst_grad": max(grads.values())}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
+def test_the_tensor_parallel_model_computes_the_whole_models_loss_and_gradients(tmp_path, model):
+    """Two gloo ranks: the model parallelize() splits (TP2 with sequence parallelism, FSDP over the one data
+    rank) and the same weights unsplit, on the same tokens in fp32: one loss, and every parameter's gradient
+    (gathered whole) equal to the whole model's up to float32 reduction order."""
+    import subprocess
+    import sys
+
+    procs = [subprocess.Popen([sys.executable, "-c", _SAME_NUMBERS, str(rank), str(tmp_path / "store"), model],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outs = [proc.communicate(timeout=300) for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), outs[0][1][-3000:] + outs[1][1][-3000:]
+    figures = json.loads(outs[0][0].strip().splitlines()[-1])
+    assert abs(figures["got"] - figures["expected"]) <= 1e-5 * abs(figures["expected"]), figures
+    assert figures["worst_grad"] <= 1e-4, figures
+
+
+# --- the search: where the graph turns to tensor parallelism ------------------------------------------------
+
+
+class _SplitFormula:
+    """A formula backend that models the split (tests/test_controller.py's, with tensor parallelism): the
+    blocks' share of the memory and the activations a tp-th on each GPU, 15% of the time lost to the
+    all-reduces per doubling of the degree. Not a cost model: the controller's path is what is checked."""
+
+    name, memory_source, throughput_source = "split-formula", "estimated", "estimated"
+
+    def __init__(self, *, states_gib: float, activation_gib: float) -> None:
+        self.states, self.activation = states_gib * 2**30, activation_gib * 2**30
+        self.calls: list[TrainConfig] = []
+
+    def evaluate(self, spec):
+        from autotune.backends.base import Figure, TrialResult
+
+        train = spec.train
+        self.calls.append(train)
+        tp = train.tensor_parallel
+        kept = 0.1 if train.activation_checkpointing.mode == "full" else 1.0
+        states = self.states * (0.1 if train.cpu_offload else 1.0) / tp
+        peak = int(states + train.micro_batch_size * self.activation * kept / tp)
+        tps = train.micro_batch_size * 1000 * 0.85 ** (tp.bit_length() - 1) * (0.5 if train.cpu_offload else 1.0)
+        return TrialResult(status="ok" if peak <= spec.limit_bytes else "oom",
+                           peak_memory=Figure(peak, "estimated", "formula"), tokens_per_sec=Figure(tps, "estimated", "formula"))
+
+    def close(self):
+        pass
+
+
+def _controller_outcome(backend, *, capacity_gib: float, target: int):
+    from autotune.catalog.gpus import GPUS
+    from autotune.controller import Controller
+    from autotune.records import TuneRequest
+    from autotune.search_space import SearchSpace
+
+    cluster = Cluster(num_gpus=8, gpu=GPUS["h100-80gb"], gpu_memory_bytes=int(capacity_gib * 2**30))
+    request = TuneRequest(model=resolve_model("tiny-llama"), cluster=cluster, seq_len=256, target_tokens=target,
+                          headroom=0.0, space=SearchSpace(offload=False, compile="none", float8="none"))
+    return Controller(request, backend).tune()
+
+
+def test_past_the_batch_wall_the_graph_starts_split():
+    """8 GPUs x 256 tokens, a 1,024-token batch: 4 sequences for 8 GPUs. No FSDP configuration is tried (each
+    would miss the batch); degrees 2 and 4 are (tiny-llama's 4 heads), micro-batch 1, and the winner hits the
+    batch exactly: 1 x 256 x 8 / tp x accumulation = 1,024."""
+    backend = _SplitFormula(states_gib=20, activation_gib=10)
+    outcome = _controller_outcome(backend, capacity_gib=80, target=1024)
+    assert all(train.tensor_parallel > 1 for train in backend.calls)
+    assert outcome.winner is not None and outcome.winner.batch.global_tokens == 1024
+    assert any("FSDP alone cannot hit the global batch" in note for note in outcome.notes)
+
+
+def test_at_the_memory_wall_the_graph_tries_each_degree_and_the_smallest_that_fits_wins():
+    """States of 40 GiB and no offload on 30 GiB GPUs: FSDP fits nothing, checkpointed or not; from where the
+    graph stopped (every block checkpointed) tp=2 holds 20 GiB of states and fits, tp=4 too but slower (more
+    all-reduces in the formula): tp=2 wins, grown, and lighter checkpointing is tried on it."""
+    backend = _SplitFormula(states_gib=40, activation_gib=4)
+    outcome = _controller_outcome(backend, capacity_gib=30, target=4 * 2**20)
+    tried = {(t.tensor_parallel, str(t.activation_checkpointing)) for t in backend.calls}
+    assert {(1, "none"), (1, "full"), (2, "full"), (4, "full")} <= tried
+    assert any(tp == 2 and ac not in ("none", "full") for tp, ac in tried)  # lighter checkpointing, split
+    assert outcome.winner.train.tensor_parallel == 2 and outcome.winner.train.micro_batch_size > 1
