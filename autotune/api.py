@@ -387,6 +387,22 @@ def check_multi_node(options: Options) -> None:
                          "(torchrun's rendezvous)")
 
 
+def check_batch_beyond_fsdp(check, *, gpus: int, gpus_per_node: int, seq_len: int, model) -> None:
+    """`check(ranks, seq_len, who)` (the global batch's checks, UsageError when it cannot be kept) on every GPU,
+    and where FSDP alone cannot keep it, on the data ranks of the widest tensor-parallel degree the model
+    and a node allow (a group of GPUs then shares each sequence; the error, if any, counts those ranks).
+    `model`: a callable giving the ModelSpec, asked for only past the wall."""
+    try:
+        check(gpus, seq_len, "")
+    except UsageError:
+        from autotune.knobs import ProblemShape, tensor_parallel_degrees
+
+        widest = max(tensor_parallel_degrees(ProblemShape(num_gpus=gpus, gpus_per_node=gpus_per_node, model=model())))
+        if widest == 1:
+            raise
+        check(gpus // widest, seq_len, f"{gpus // widest} data ranks ({gpus} GPUs / tensor parallel {widest})")
+
+
 def resolve_problem(options: Options, *, check_batch=None) -> tuple[Any, Any, int, str]:
     """(ModelSpec, Cluster, seq_len, how the GPU type was chosen) from the shared options, validated.
     `check_batch(num_gpus, seq_len)` runs before anything slow (GPU detection imports torch)."""
@@ -414,19 +430,8 @@ def resolve_problem(options: Options, *, check_batch=None) -> tuple[Any, Any, in
                                       gpus_per_node=getattr(options, "gpus_per_node", None))
     Cluster(num_gpus=options.gpus, num_nodes=nodes)  # the cluster's shape first: the first error is the real one
     if check_batch is not None:
-        try:
-            check_batch(options.gpus, seq_len)
-        except UsageError:
-            # Past FSDP's batch wall, tensor parallelism lets a group of GPUs share one sequence: the wall is
-            # then at the data ranks of the largest degree the model and a node allow.
-            from autotune.knobs import ProblemShape, tensor_parallel_degrees
-
-            shape = ProblemShape(num_gpus=options.gpus, gpus_per_node=options.gpus // nodes, model=model)
-            widest = max(tensor_parallel_degrees(shape))
-            if widest == 1:
-                raise
-            check_batch(options.gpus // widest, seq_len,
-                        f"{options.gpus // widest} data ranks ({options.gpus} GPUs / tensor parallel {widest})")
+        check_batch_beyond_fsdp(check_batch, gpus=options.gpus, gpus_per_node=options.gpus // nodes, seq_len=seq_len,
+                                model=lambda: model)
     if options.gpu_type:
         gpu, gpu_note = resolve_gpu(options.gpu_type), "given with --gpu-type"
     else:

@@ -164,15 +164,25 @@ def _quiet():
 
 
 def batch_refusal(options: PlanOptions, gpus: int, seq_len: int) -> str | None:
-    """Why the global batch cannot be kept on `gpus` GPUs at `seq_len` (tune's own checks), or None."""
+    """Why the global batch cannot be kept on `gpus` GPUs at `seq_len` (tune's own checks, tensor
+    parallelism's fallback past FSDP's batch wall included), or None."""
+    from autotune.api import check_batch_beyond_fsdp
     from autotune.batch import DEFAULT_TOLERANCE, check_reachable, check_target
+    from autotune.catalog.models import resolve_model
     from autotune.units import parse_count
 
     target = parse_count(options.global_tokens_for(gpus, seq_len), what="--global-tokens")
     tolerance = DEFAULT_TOLERANCE if options.global_tolerance is None else options.global_tolerance
+
+    def check(ranks: int, seq: int, who: str = "") -> None:
+        check_target(target_tokens=target, num_gpus=ranks, seq_len=seq, ranks=who)
+        check_reachable(target_tokens=target, num_gpus=ranks, seq_len=seq, tolerance=tolerance, ranks=who)
+
     try:
-        check_target(target_tokens=target, num_gpus=gpus, seq_len=seq_len)
-        check_reachable(target_tokens=target, num_gpus=gpus, seq_len=seq_len, tolerance=tolerance)
+        check_batch_beyond_fsdp(check, gpus=gpus, gpus_per_node=gpus // nodes_for(gpus, options.gpus_per_node),
+                                seq_len=seq_len, model=lambda: resolve_model(
+                                    options.model, trust_remote_code=options.trust_remote_code,
+                                    text_only=options.text_only))
     except UsageError as exc:
         return str(exc)
     return None

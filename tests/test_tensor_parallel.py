@@ -141,6 +141,9 @@ def test_the_tune_goes_past_the_batch_wall_with_tensor_parallelism(tmp_path):
     assert best["global_tokens"] == 4 * 2**20 == best["micro_batch_size"] * 8192 * ranks * best["grad_accum_steps"]
     assert any("FSDP alone cannot hit the global batch" in note for note in best["notes"])
     assert best["peak_memory_bytes"] <= best["memory_limit_bytes"]
+    # No published FSDP x TP run is held out: the estimate says so rather than borrow FSDP's range.
+    assert best["tokens_per_sec_range_from"] == "not validated for tensor parallelism"
+    assert best["throughput_source"] == "estimated" and best["memory_source"] == "predicted+estimated"
 
 
 def test_a_model_without_a_plan_still_meets_the_batch_wall_in_one_line(configs, capsys):

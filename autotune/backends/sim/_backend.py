@@ -606,18 +606,17 @@ class SimBackend(TrialBackend):
             float8_block_params=trace.float8_gathered_params, attention=attention, precision=spec.train.precision,
             offload_fresh_page_bytes=offload_fresh_page_bytes(spec), **expert_parallel_work(spec),
             **tensor_parallel_work(spec))
-        counted = "FLOPs counted in the trace (recomputation included)"
-        if spec.train.tensor_parallel > 1:
-            # The trace's FLOP count under tensor parallelism is not linear in depth yet (some shallow copies
-            # count full-width matmuls): the closed form's work, split over the group, stands in for it.
-            from autotune.backends.analytic import step_work
-
-            work = step_work(spec)
-            counted = "FLOPs and bytes by the closed form (backends/analytic.step_work), a tensor-parallel shard of them"
+        counted = "FLOPs counted in the trace (recomputation included" + (
+            "; this rank's tensor-parallel shards)" if spec.train.tensor_parallel > 1 else ")")
         step = costmodel.estimate_step_time(work, spec.cluster, shard_group_size=spec.train.shard_group_size,
                                             reshard_group_size=spec.train.reshard_group_size)
         extras["step_time"] = step.to_dict()
         extras["mfu_estimated"] = step.mfu
+        if spec.train.tensor_parallel > 1:  # the held-out rows are FSDP runs: they say nothing of the all-reduces
+            extras["tokens_per_sec_range_from"] = "not validated for tensor parallelism"
+            return Figure(step.tokens_per_sec, "estimated", f"{step.basis}; {counted}; not validated for tensor "
+                          "parallelism: no published FSDP x TP run is among the held-out rows, so no range "
+                          "(docs/VALIDATION.md)"), ""
         shipped = profile_for(spec.cluster.gpu)
         span = costmodel.estimate_range(step.tokens_per_sec, shipped, host_bound=step.host_bound)
         source = costmodel.range_source(shipped, host_bound=step.host_bound)

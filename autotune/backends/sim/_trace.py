@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.utils.flop_counter import flop_registry
@@ -509,6 +510,13 @@ class _SiteTracker(FSDPMemTracker):
             if workspace:
                 self._transient, self._transient_ref = workspace, _FSDPRefType.TEMP
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self._tensor_parallel and active_fake_mode() is not self._fake_mode_on_entry:
+            # DTensor's sharding propagation (an op run at global shapes in a fake mode of its own, once per
+            # new op signature: _sharding_propagation_in_a_fake_mode_of_its_own): no rank computes it, and
+            # MemTracker counts no memory for it; counted, the FLOPs would depend on which signatures an
+            # earlier trace met (not linear in depth).
+            self._counts_as_op = False
+            return out
         for result in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(result, torch.Tensor):
                 self.largest_allocation = max(self.largest_allocation, result.untyped_storage().nbytes())
