@@ -395,12 +395,13 @@ def check_batch_beyond_fsdp(check, *, gpus: int, gpus_per_node: int, seq_len: in
     try:
         check(gpus, seq_len, "")
     except UsageError:
+        from autotune.batch import data_ranks_text
         from autotune.knobs import ProblemShape, tensor_parallel_degrees
 
         widest = max(tensor_parallel_degrees(ProblemShape(num_gpus=gpus, gpus_per_node=gpus_per_node, model=model())))
         if widest == 1:
             raise
-        check(gpus // widest, seq_len, f"{gpus // widest} data ranks ({gpus} GPUs / tensor parallel {widest})")
+        check(gpus // widest, seq_len, data_ranks_text(gpus, widest))
 
 
 def resolve_problem(options: Options, *, check_batch=None) -> tuple[Any, Any, int, str]:

@@ -26,13 +26,20 @@ class GlobalBatch:
         return (self.global_tokens - self.target_tokens) / self.target_tokens
 
 
+def data_ranks_text(gpus: int, tensor_parallel: int = 1) -> str:
+    """Who takes a batch each, in words: the GPUs, or their tensor-parallel groups (one batch a group)."""
+    if tensor_parallel == 1:
+        return f"{gpus} GPUs"
+    return f"{gpus // tensor_parallel} data ranks ({gpus} GPUs / tensor parallel {tensor_parallel})"
+
+
 MAX_GRAD_ACCUM_STEPS = 100_000
 """More accumulation steps than this per optimizer step is a typo, not a training run."""
 
 
 def check_target(*, target_tokens: int, num_gpus: int, seq_len: int, ranks: str = "") -> None:
     """`num_gpus`: the ranks that each take a batch; `ranks` says who they are where they are not the GPUs."""
-    ranks = ranks or f"{num_gpus} GPUs"
+    ranks = ranks or data_ranks_text(num_gpus)
     smallest = num_gpus * seq_len
     if target_tokens > MAX_GRAD_ACCUM_STEPS * smallest:
         raise UsageError(
@@ -68,7 +75,7 @@ def check_reachable(*, target_tokens: int, num_gpus: int, seq_len: int, toleranc
         nearest = ", ".join(f"{t:,}" for t in (below, above) if t > 0)
         raise UsageError(
             f"--global-tokens {target_tokens:,} cannot be reached within {tolerance:.1%}: global batches "
-            f"come in steps of {ranks or f'{num_gpus} GPUs'} x {seq_len} seq_len = {unit:,} tokens; use {nearest} or "
+            f"come in steps of {ranks or data_ranks_text(num_gpus)} x {seq_len} seq_len = {unit:,} tokens; use {nearest} or "
             f"raise --global-tolerance (closest now {finest.deviation:+.2%})"
         )
 

@@ -17,6 +17,7 @@ from rich.progress import Progress, ProgressColumn, SpinnerColumn, TextColumn
 from rich.table import Column, Table
 from rich.text import Text
 
+from autotune.batch import data_ranks_text
 from autotune.config import TrainConfig
 from autotune.secrets import mask
 from autotune.units import format_bytes, format_count
@@ -456,7 +457,7 @@ class Console:
         self.out.print(_Wrapped(Text(
             f"{_short_label(train)} ({_precision_words(train)}), {document['grad_accum_steps']} accumulation "
             f"step{'s' if document['grad_accum_steps'] != 1 else ''} "
-            f"x {_data_ranks(document['gpus'], train.tensor_parallel)} x seq {document['seq_len']} = "
+            f"x {data_ranks_text(document['gpus'], train.tensor_parallel)} x seq {document['seq_len']} = "
             f"{document['global_tokens']:,} tokens/step "
             f"({document['global_tokens_deviation']:+.2%} vs target)"), first=Text("winner: ", style="bold green")))
         self.out.print(_indented(Text(_peak_line(document))))
@@ -603,10 +604,3 @@ class Console:
         self.out.print(_Wrapped(Text("* the default --gpu-type where none is detected; bf16 is fp16 where a GPU "
                                      "has no bf16; sources:"), 0))
         self._sources(rows, "type")
-
-
-def _data_ranks(gpus: int, tensor_parallel: int) -> str:
-    """Who takes a batch each: the GPUs, or their tensor-parallel groups."""
-    if tensor_parallel == 1:
-        return f"{gpus} GPUs"
-    return f"{gpus // tensor_parallel} data ranks ({gpus} GPUs / tensor parallel {tensor_parallel})"

@@ -164,9 +164,9 @@ class Tuned:
     @property
     def data_ranks_text(self) -> str:
         """Who takes a batch each, for comments: the GPUs, or the tensor-parallel groups of them."""
-        if self.tensor_parallel == 1:
-            return f"{self.gpus} GPUs"
-        return f"{self.gpus // self.tensor_parallel} data ranks ({self.gpus} GPUs / tensor parallel {self.tensor_parallel})"
+        from autotune.batch import data_ranks_text
+
+        return data_ranks_text(self.gpus, self.tensor_parallel)
 
     @property
     def global_batch_size(self) -> int:

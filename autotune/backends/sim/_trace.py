@@ -525,9 +525,8 @@ class _SiteTracker(FSDPMemTracker):
         formula = FLOP_FORMULAS.get(func._overloadpacket) or _transformers_grouped_mm(func) \
             if self.count_flops and out is not NotImplemented else None
         op_flops = 0
-        seen_args, seen_kwargs, seen_out = args, kwargs, out
         if formula is not None:
-            op_flops = formula(*seen_args, **(seen_kwargs or {}), out_val=seen_out)
+            op_flops = formula(*args, **(kwargs or {}), out_val=out)
             self.flops += op_flops
         if self.count_flops and out is not NotImplemented and not self._in_opt and self.phase is None:
             kind = _op_kind(func)
@@ -542,7 +541,7 @@ class _SiteTracker(FSDPMemTracker):
             elif self._counts_as_op:  # not the metadata queries fake tensors make
                 self.op_work["dispatched_ops"] = self.op_work.get("dispatched_ops", 0) + 1
                 self._previous_compiled_op_memory = False
-            if kind == "matmul" and any(type(a).__name__ == "Float8TrainingTensor" for a in seen_args):
+            if kind == "matmul" and any(type(a).__name__ == "Float8TrainingTensor" for a in args):
                 # Eager float8: the mode sees torchao's tensor subclass's mm, which runs `_scaled_mm`
                 # below the mode (compiled blocks dispatch `_scaled_mm` itself).
                 kind = "float8_matmul"
@@ -550,20 +549,20 @@ class _SiteTracker(FSDPMemTracker):
                 work = self.op_work
                 work[f"{kind}_ops"] = work.get(f"{kind}_ops", 0) + 1
                 if kind == "memory":
-                    moved = _tensor_bytes(seen_args) + _tensor_bytes((seen_kwargs or {}).values()) + _tensor_bytes(
-                        seen_out if isinstance(seen_out, (tuple, list)) else (seen_out,))
+                    moved = _tensor_bytes(args) + _tensor_bytes((kwargs or {}).values()) + _tensor_bytes(
+                        out if isinstance(out, (tuple, list)) else (out,))
                     work["memory_bytes"] = work.get("memory_bytes", 0) + moved
                     if moved >= LARGE_MEMORY_OP_BYTES:
                         work["memory_bytes_large"] = work.get("memory_bytes_large", 0) + moved
                 else:
                     work[f"{kind}_flops"] = work.get(f"{kind}_flops", 0) + op_flops
                 if func.namespace == "bitsandbytes" and kind == "matmul":
-                    moved = _gemm_4bit_dequantized_bytes(seen_args)
+                    moved = _gemm_4bit_dequantized_bytes(args)
                     work["memory_bytes"] = work.get("memory_bytes", 0) + moved
                     if moved >= LARGE_MEMORY_OP_BYTES:
                         work["memory_bytes_large"] = work.get("memory_bytes_large", 0) + moved
                 if kind == "float8_matmul":  # each float8 operand is one dynamic cast's output (or a transpose of one)
-                    work["float8_cast_elements"] = work.get("float8_cast_elements", 0) + seen_args[0].numel() + seen_args[1].numel()
+                    work["float8_cast_elements"] = work.get("float8_cast_elements", 0) + args[0].numel() + args[1].numel()
         return out
 
     def _update_peak_stats(self, peak_state) -> None:
