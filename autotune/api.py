@@ -53,6 +53,7 @@ def run_tune(options: TuneOptions, console, *, backend=None) -> dict[str, Any]:
 def _run_tune(options: TuneOptions, console, *, backend, library) -> dict[str, Any]:
     from autotune.batch import DEFAULT_TOLERANCE, check_reachable, check_target
     from autotune.records import DEFAULT_HEADROOM, TuneRequest
+    from autotune.packing import check_packing_problem, resolve_packing
     from autotune.routing import parse_routing_skew
     from autotune.search_space import load_space
     from autotune.run_folder import RunLog, ensure_writable, new_run_dir, write_run_state
@@ -72,10 +73,17 @@ def _run_tune(options: TuneOptions, console, *, backend, library) -> dict[str, A
 
     def check_batch(num_gpus: int, seq_len: int, ranks: str = "") -> None:
         check_target(target_tokens=target, num_gpus=num_gpus, seq_len=seq_len, ranks=ranks)
+        if options.token_budget is not None:  # packed batches hit the target in expectation (autotune/packing.py)
+            return
         check_reachable(target_tokens=target, num_gpus=num_gpus, seq_len=seq_len, tolerance=tolerance, ranks=ranks)
 
     model, cluster, seq_len, gpu_note = resolve_problem(options, check_batch=check_batch)
+    packing, budget_rows = resolve_packing(options.token_budget, options.doc_lengths, seq_len=seq_len)
+    if packing is not None:
+        check_packing_problem(stack=stack, config=model.config_dict, model_name=model.name)
     space = load_space(options.space)
+    if budget_rows is not None:  # --token-budget N: the search stays within it
+        space = dataclasses.replace(space, max_micro_batch=min(space.max_micro_batch, budget_rows))
     if options.precision is not None:  # --precision overrides the search space's baseline.precision
         space = dataclasses.replace(space, precision=options.precision)
     if options.compile is not None:  # --compile overrides the search space's compile.mode
@@ -119,7 +127,7 @@ def _run_tune(options: TuneOptions, console, *, backend, library) -> dict[str, A
                           headroom=DEFAULT_HEADROOM if options.headroom is None else options.headroom,
                           space=space, max_trials=options.max_trials, time_budget_s=options.time_budget,
                           workload=workload, finetuning=finetuning, stack=stack, vllm_share=vllm_share,
-                          routing_skew=routing)
+                          routing_skew=routing, packing=packing)
     store = TrialStore(options.storage or default_storage(runs_dir), options.study or study_name(request, backend_name))
     finished = store.finished()
     run_dir = new_run_dir(request, runs_dir)
@@ -223,8 +231,9 @@ def _tune_in_run_dir(options: TuneOptions, console, *, request, store, finished,
         log(f"note: {note}")
     console.trial_table(outcome.steps, request, winner=outcome.winner, runnable=runnable)
     if outcome.winner is None:
-        # The last FSDP configuration says which limit binds (a tensor-parallel one tried after it fitted no better).
-        last = next((s for s in reversed(outcome.steps) if s.train.tensor_parallel == 1),
+        # The last FSDP configuration says which limit binds (a tensor- or context-parallel one tried after it fitted
+        # no better).
+        last = next((s for s in reversed(outcome.steps) if s.train.ranks_per_batch == 1),
                     outcome.steps[-1] if outcome.steps else None)
         reason = why_nothing_fits(last, request) if last is not None else "no configuration was evaluated"
         raise NothingFits(f"{reason}; trials are in {run_dir}")
@@ -390,18 +399,20 @@ def check_multi_node(options: Options) -> None:
 def check_batch_beyond_fsdp(check, *, gpus: int, gpus_per_node: int, seq_len: int, model) -> None:
     """`check(ranks, seq_len, who)` (the global batch's checks, UsageError when it cannot be kept) on every GPU,
     and where FSDP alone cannot keep it, on the data ranks of the widest tensor-parallel degree the model
-    and a node allow (a group of GPUs then shares each sequence; the error, if any, counts those ranks).
-    `model`: a callable giving the ModelSpec, asked for only past the wall."""
+    and a node allow, tensor- or context-parallel (a group of GPUs then shares each sequence; the error, if
+    any, counts those ranks). `model`: a callable giving the ModelSpec, asked for only past the wall."""
     try:
         check(gpus, seq_len, "")
     except UsageError:
         from autotune.batch import data_ranks_text
-        from autotune.knobs import ProblemShape, tensor_parallel_degrees
+        from autotune.knobs import ProblemShape, context_parallel_degrees, tensor_parallel_degrees
 
-        widest = max(tensor_parallel_degrees(ProblemShape(num_gpus=gpus, gpus_per_node=gpus_per_node, model=model())))
-        if widest == 1:
+        shape = ProblemShape(num_gpus=gpus, gpus_per_node=gpus_per_node, model=model(), seq_len=seq_len)
+        tp, cp = max(tensor_parallel_degrees(shape)), max(context_parallel_degrees(shape))
+        if max(tp, cp) == 1:
             raise
-        check(gpus // widest, seq_len, data_ranks_text(gpus, widest))
+        widest = (tp, 1) if tp >= cp else (1, cp)
+        check(gpus // max(tp, cp), seq_len, data_ranks_text(gpus, *widest))
 
 
 def resolve_problem(options: Options, *, check_batch=None) -> tuple[Any, Any, int, str]:

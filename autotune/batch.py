@@ -19,6 +19,9 @@ class GlobalBatch:
     grad_accum_steps: int
     global_tokens: int
     target_tokens: int
+    spread_tokens: float = 0.0
+    """Token-budget batches (autotune/packing.py): the standard deviation of a step's tokens around
+    global_tokens, their expectation; 0 for rows of whole sequences, whose count is exact."""
 
     @property
     def deviation(self) -> float:
@@ -26,11 +29,12 @@ class GlobalBatch:
         return (self.global_tokens - self.target_tokens) / self.target_tokens
 
 
-def data_ranks_text(gpus: int, tensor_parallel: int = 1) -> str:
-    """Who takes a batch each, in words: the GPUs, or their tensor-parallel groups (one batch a group)."""
-    if tensor_parallel == 1:
+def data_ranks_text(gpus: int, tensor_parallel: int = 1, context_parallel: int = 1) -> str:
+    """Who takes a batch each, in words: the GPUs, or their tensor- or context-parallel groups (one batch a group)."""
+    splits = [f"{name} parallel {n}" for name, n in (("tensor", tensor_parallel), ("context", context_parallel)) if n > 1]
+    if not splits:
         return f"{gpus} GPUs"
-    return f"{gpus // tensor_parallel} data ranks ({gpus} GPUs / tensor parallel {tensor_parallel})"
+    return f"{gpus // (tensor_parallel * context_parallel)} data ranks ({gpus} GPUs / {' x '.join(splits)})"
 
 
 MAX_GRAD_ACCUM_STEPS = 100_000
@@ -53,15 +57,19 @@ def check_target(*, target_tokens: int, num_gpus: int, seq_len: int, ranks: str 
         )
 
 
-def plan_global_batch(*, target_tokens: int, num_gpus: int, seq_len: int, micro_batch_size: int) -> GlobalBatch:
+def plan_global_batch(*, target_tokens: int, num_gpus: int, seq_len: int, micro_batch_size: int,
+                      packed: tuple[float, float] | None = None) -> GlobalBatch:
     """The accumulation steps (>= 1) whose global tokens come closest to the target (one micro-step may
     overshoot it: callers check a target reachable up front, check_target; a configuration past the batch
-    wall then misses the tolerance)."""
-    per_step = micro_batch_size * num_gpus * seq_len
-    low = max(1, target_tokens // per_step)
+    wall then misses the tolerance). `packed`: token-budget batches' (expected tokens, their standard
+    deviation) per micro-batch (packing.PackingStats): the target is hit in expectation."""
+    per_micro_step = packed[0] if packed else micro_batch_size * seq_len
+    per_step = per_micro_step * num_gpus
+    low = max(1, int(target_tokens // per_step))
     candidates = {low, low + 1}
     best = min(candidates, key=lambda n: (abs(n * per_step - target_tokens), n))
-    return GlobalBatch(micro_batch_size, best, best * per_step, target_tokens)
+    spread = packed[1] * (best * num_gpus) ** 0.5 if packed else 0.0
+    return GlobalBatch(micro_batch_size, best, round(best * per_step), target_tokens, spread)
 
 
 def check_reachable(*, target_tokens: int, num_gpus: int, seq_len: int, tolerance: float, ranks: str = "") -> None:

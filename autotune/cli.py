@@ -27,7 +27,7 @@ from autotune.errors import AutotuneError, NothingFits, StorageUnavailable, Usag
 from autotune.interrupts import raised_where_safe
 from autotune.config import PEFT_METHODS, STACKS, check_float8_library
 from autotune.options import (BACKENDS, COMPILE_SEARCH, FLOAT8_SEARCH, SEQ_LEN_STEP, WORKLOADS, TuneOptions, duration, fraction, number,
-                              positive_int, routing_skew, usage_error)
+                              positive_int, routing_skew, token_budget, doc_lengths, usage_error)
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
@@ -92,6 +92,13 @@ def _add_problem_options(parser: argparse.ArgumentParser, *, model_required: boo
                                "the same on padding-free batches (TRL's default bfd packing); torchtitan, "
                                "litgpt: their own model and step where the package is importable (llama; "
                                "torchtitan also qwen3); llama-cookbook: not traced (docs/STACKS.md)")
+    workload.add_argument("--token-budget", type=token_budget, default=None, metavar="TOKENS",
+                          help="packed batches: each micro-batch one padding-free row of whole documents of up to "
+                               "TOKENS tokens (a multiple of --seq-len, the longest document), as TRL's padding-free "
+                               "and verl's dynamic batches; tune: 'search' or the most to search up to (docs/KNOBS.md)")
+    workload.add_argument("--doc-lengths", type=doc_lengths, default=None, metavar="FILE",
+                          help="packed batches' document lengths: a file of lengths, a JSON histogram "
+                               "{\"length\": count} or loguniform:LOW:HIGH (default loguniform:64:8192, an assumption)")
     workload.add_argument("--routing-skew", type=routing_skew, default=None, metavar="PROFILE",
                           help="MoE models: how the router spreads tokens over the experts, an assumption of the "
                                "problem: balanced (default), zipf:S (expert e's share ~ 1/(e+1)^S), capacity:C "
@@ -444,6 +451,7 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
     from autotune.config import TrainConfig, TrialSpec, memory_limit_bytes, stack_section
     from autotune.records import DEFAULT_HEADROOM
     from autotune.result import text_only_note, text_only_section
+    from autotune.packing import FLAG as BUDGET_FLAG, DocumentLengths, packing_section, resolve_packing
     from autotune.routing import RoutingSkew, routing_section
 
     recorded = recorded_finetuning = recorded_stack = None
@@ -463,6 +471,10 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
         recorded_stack = (document.get("stack") or {}).get("name")
         if args.routing_skew is None and document.get("routing_skew"):  # the assumption the result was tuned under
             args.routing_skew = RoutingSkew.from_dict(document["routing_skew"])
+        if args.token_budget is None and document.get("packing"):  # packed batches, as tuned
+            args.token_budget = document["packing"]["token_budget"]
+            if args.doc_lengths is None:
+                args.doc_lengths = DocumentLengths.from_dict(document["packing"]["document_lengths"])
     else:
         train = TrainConfig(**knob_registry.from_args(args))
         grad_accum = args.grad_accum
@@ -494,16 +506,27 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
                     "the result's share" if (recorded or {}).get("vllm_gpu_memory_utilization") else "TRL's default")
         console.note(share_note(workload, choose_share(workload, need, cluster.capacity_bytes, fixed=True,
                                                        completion=completion, fixed_by=fixed_by)[1]))
+    if args.token_budget == "search":
+        raise UsageError(f"{BUDGET_FLAG} search is for autotune tune: a trial runs one budget, a count of tokens")
+    packing, budget_rows = resolve_packing(args.token_budget, args.doc_lengths, seq_len=seq_len)
+    if budget_rows is not None:  # the budget is the micro-batch in rows of seq_len, the longest document
+        if not args.config and args.micro_batch_size not in (1, budget_rows):  # 1: the flag's default
+            raise UsageError(f"{BUDGET_FLAG} {args.token_budget:,} is micro-batch {budget_rows} x --seq-len {seq_len:,}: "
+                             f"drop --micro-batch {args.micro_batch_size}")
+        train = train.with_(micro_batch_size=budget_rows)
     headroom = DEFAULT_HEADROOM if args.headroom is None else args.headroom
     spec = TrialSpec(model=model, cluster=cluster, seq_len=seq_len, train=train, grad_accum_steps=grad_accum,
                      memory_limit_bytes=memory_limit_bytes(cluster.capacity_bytes, headroom=headroom,
                                                            workload=workload),
-                     workload=workload, finetuning=finetuning, stack=stack, routing_skew=args.routing_skew)
+                     workload=workload, finetuning=finetuning, stack=stack, routing_skew=args.routing_skew,
+                     packing=packing)
     check_backend_traces(model, backend_name)
     console.note(f"backend: {backend_name} ({why})")
     if not spec.routing_skew.balanced:
         section = routing_section(spec.routing_skew, model, train.expert_parallel)
         console.note(f"{section['assumption']}; {section['note']}")
+    if packing is not None:
+        console.note(packing_section(spec)["assumption"])
     backend = make_backend(backend_name, args)
     try:
         result = backend.evaluate(spec)
@@ -517,6 +540,7 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
            "stack": stack_section(stack, train.precision, model.model_type),
            **({"routing_skew": routing_section(spec.routing_skew, model, train.expert_parallel)}
               if not spec.routing_skew.balanced else {}),
+           **({"packing": packing_section(spec)} if packing is not None else {}),
            "memory_limit_bytes": spec.limit_bytes, "fits": result.ok, **result.to_dict(),
            **({"text_only": left_out} if left_out else {})}
     sys.stdout.write(json.dumps(out, indent=2, default=str) + "\n")

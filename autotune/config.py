@@ -16,6 +16,7 @@ from autotune.catalog.models import ModelSpec
 from autotune import knobs
 from autotune.errors import UsageError
 from autotune.knobs import Checkpointing
+from autotune.packing import STEP as PACKED_STEP, Packing, check_packing_problem
 from autotune.routing import RoutingSkew, parse_routing_skew
 
 Precision = Literal["bf16", "fp16", "fp32", "bf16-pure"]
@@ -65,6 +66,8 @@ class TrainConfig:
     (parallel.apply_ep); 1: none."""
     tensor_parallel: int = _D["tensor_parallel"].default
     """Tensor-parallel degree: each block's linears split over groups of this many GPUs (parallel.apply_tp); 1: none."""
+    context_parallel: int = _D["context_parallel"].default
+    """Context-parallel degree: each sequence split over groups of this many GPUs (parallel/context.py); 1: none."""
     compile: str = _D["compile"].default
     """torch.compile of the decoder blocks: none or blocks (parallel.apply_compile)."""
     float8: str = _D["float8"].default
@@ -81,6 +84,11 @@ class TrainConfig:
     def fsdp_reshard_after_forward(self) -> bool | int:
         """What fully_shard takes for the blocks: a bool, or the group size to reshard to."""
         return self.reshard_group_size or self.reshard_after_forward
+
+    @property
+    def ranks_per_batch(self) -> int:
+        """GPUs that share one batch: a tensor-parallel group's, or a context-parallel group's."""
+        return self.tensor_parallel * self.context_parallel
 
     @property
     def ac(self) -> Checkpointing:
@@ -498,9 +506,12 @@ def check_float8_library(flag: str) -> None:
                          "(beside a CUDA torch: pip install --no-deps torchao); or use --float8 none")
 
 
-def problem_shape(model: ModelSpec, cluster: "Cluster") -> knobs.ProblemShape:
-    """What knobs.check_combination checks a configuration against, for this model and cluster."""
-    return knobs.ProblemShape(num_gpus=cluster.num_gpus, gpus_per_node=cluster.gpus_per_node, model=model)
+def problem_shape(model: ModelSpec, cluster: "Cluster", seq_len: int = 0, *, packed: bool = False,
+                  step: str = "autotune") -> knobs.ProblemShape:
+    """What knobs.check_combination checks a configuration against: this model, cluster, sequence length,
+    whether batches are packed (autotune/packing.py) and the training step (stack_step)."""
+    return knobs.ProblemShape(num_gpus=cluster.num_gpus, gpus_per_node=cluster.gpus_per_node, model=model,
+                              seq_len=seq_len, packed=packed, step=step)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -521,9 +532,14 @@ class TrialSpec:
     routing_skew: RoutingSkew = field(default_factory=RoutingSkew)
     """How the MoE router spreads tokens over the experts (autotune/routing.py): an assumption of the
     problem; with expert parallelism the simulator traces the binding rank and a real trial forces it."""
+    packing: Packing | None = None
+    """Token-budget batches (autotune/packing.py): each micro-batch one packed row of whole documents of up to
+    micro_batch_size x seq_len tokens; None: rows of one sequence each."""
 
     def __post_init__(self) -> None:
         check_stack(self.stack)
+        if self.packing is not None:
+            check_packing_problem(stack=self.stack, config=self.model.config_dict, model_name=self.model.name)
         object.__setattr__(self, "routing_skew", parse_routing_skew(self.routing_skew))
         if not self.routing_skew.balanced:
             self.routing_skew.check_experts(self.model.num_experts, self.model.name)
@@ -532,7 +548,8 @@ class TrialSpec:
             raise UsageError(f"--float8 {self.train.float8} with --peft {self.finetuning.peft}: float8 training converts the frozen "
                              "base linears too (not supported here); use --float8 none")
         # Every knob against the cluster, the model and the other knobs: knobs.check_combination.
-        values = knobs.check_combination(self.train.knob_values(), problem_shape(self.model, self.cluster))
+        values = knobs.check_combination(self.train.knob_values(), problem_shape(
+            self.model, self.cluster, self.seq_len, packed=self.packing is not None, step=self.step))
         if values != self.train.knob_values():
             object.__setattr__(self, "train", TrainConfig(**values))
 
@@ -549,11 +566,24 @@ class TrialSpec:
                     memory_limit_bytes=self.memory_limit_bytes, workload=self.workload.to_dict(),
                     finetuning=self.finetuning.to_dict(), stack=self.stack,
                     # Only where stated: balanced specs keep the keys (and cached predictions) they had.
-                    **({"routing_skew": self.routing_skew.to_dict()} if not self.routing_skew.balanced else {}))
+                    **({"routing_skew": self.routing_skew.to_dict()} if not self.routing_skew.balanced else {}),
+                    **({"packing": self.packing.to_dict()} if self.packing is not None else {}))
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens of a packed micro-batch at most (0: not packed)."""
+        return self.train.micro_batch_size * self.seq_len if self.packing is not None else 0
+
+    @property
+    def documents(self) -> tuple[int, ...]:
+        """The document lengths of the micro-batch traced and run (a packed problem's worst case), or ()."""
+        return self.packing.worst_case_documents(self.token_budget, self.seq_len) if self.packing is not None else ()
 
     @property
     def step(self) -> str:
-        """The step traced and run (stack_step)."""
+        """The step traced and run (stack_step; 'packed' for token-budget batches on autotune's own step)."""
+        if self.packing is not None:
+            return PACKED_STEP
         return stack_step(self.stack, self.train.precision, self.model.model_type)
 
     @classmethod
@@ -564,4 +594,5 @@ class TrialSpec:
                    memory_limit_bytes=data.get("memory_limit_bytes"),
                    workload=Workload.from_dict(data.get("workload")),
                    finetuning=FineTuning.from_dict(data.get("finetuning")), stack=data.get("stack", "fsdp2"),
-                   routing_skew=RoutingSkew.from_dict(data.get("routing_skew")))
+                   routing_skew=RoutingSkew.from_dict(data.get("routing_skew")),
+                   packing=Packing.from_dict(data.get("packing")))

@@ -354,6 +354,11 @@ class Console:
         if not request.routing_skew.balanced:
             self.note(f"MoE routing: {request.routing_skew.describe()}; with expert parallelism every trial "
                       "is predicted on the rank that receives the most tokens")
+        if request.packing is not None:
+            self.note(f"packed batches: each micro-batch one padding-free row of whole documents, the budget searched "
+                      f"in steps of --seq-len {request.seq_len:,} (the longest document); {request.packing.lengths.describe()}; "
+                      "memory predicted for a row filled to the budget, throughput estimated at the expected fill, "
+                      "the global batch hit in expectation")
         self.note(f"memory limit: {request.describe_limit()}")
         self.note(f"global batch target: {request.target_tokens:,} tokens per step "
                   f"(tolerance {request.tolerance:.1%}); micro-batch at most {request.max_micro_batch}")
@@ -457,10 +462,17 @@ class Console:
         self.out.print(_Wrapped(Text(
             f"{_short_label(train)} ({_precision_words(train)}), {document['grad_accum_steps']} accumulation "
             f"step{'s' if document['grad_accum_steps'] != 1 else ''} "
-            f"x {data_ranks_text(document['gpus'], train.tensor_parallel)} x seq {document['seq_len']} = "
-            f"{document['global_tokens']:,} tokens/step "
+            f"x {data_ranks_text(document['gpus'], train.tensor_parallel, train.context_parallel)} x "
+            + (f"seq {document['seq_len']} = " if not document.get("packing") else
+               f"{document['packing']['expected_tokens_per_micro_batch']:,.0f} packed tokens (expected) = ")
+            + f"{document['global_tokens']:,} tokens/step "
             f"({document['global_tokens_deviation']:+.2%} vs target)"), first=Text("winner: ", style="bold green")))
         self.out.print(_indented(Text(_peak_line(document))))
+        if packing := document.get("packing"):
+            self.out.print(_indented(Text(
+                f"packed: token budget {packing['token_budget']:,} per micro-batch (estimated {packing['fill']:.1%} filled, "
+                f"{packing['documents_per_micro_batch']:.1f} documents); a step's tokens vary by about "
+                f"{packing['global_tokens_spread']:,} (1 std) around the {document['global_tokens']:,} expected")))
         stack = document.get("stack") or {}
         if stack.get("name", "fsdp2") != "fsdp2":
             self.out.print(_indented(Text(f"stack {stack['name']}: {stack['predicted_for']}")))

@@ -96,9 +96,17 @@ def registry() -> tuple[Constant, ...]:
                  "the worst same-table pair of the published rows held out by source (llama-70b, 64 A100s)",
                  "none asserts the figure itself (the pairs' order is asserted in "
                  "tests/test_costmodel.py::test_published_runs_leave_one_source_out)"),
-        Constant("costmodel.COMPILE_SPEEDUP", round(cm.COMPILE_SPEEDUP, 4), "x eager tokens/s", "published",
-                 "two torchtitan rows (Llama 3.1 8B, 8 and 128 H100s, 2024-12): one model on one GPU, applied to every "
-                 "model, GPU and setting", COMPILE_TEST + " (the compiled published rows it was not taken from)"),
+        Constant("costmodel.COMPILED_KERNELS", cm.COMPILED_KERNELS, "MEMORY_BYTES_PER_TOKEN level", "derived",
+                 "a compiled block's memory-bound ops taken to move what a hand-fused Llama block moves (fused "
+                 "RMSNorm, rotary, SwiGLU: counted kernel by kernel, not fitted); the compile estimate is the "
+                 "eager step with the blocks' memory-bound bytes at that level (costmodel.compiled_work); no "
+                 "published ratio is applied and no compile constant is fitted",
+                 COMPILE_TEST + " (11 published compiled/eager pairs: torchtitan 2, IBM fms-fsdp 8, AWS 1; eager "
+                 "constants fitted without each pair's publisher)"),
+        Constant("costmodel.COMPILE_RATIO_ERROR_POINTS", cm.COMPILE_RATIO_ERROR_POINTS, "x eager tokens/s (points)",
+                 "derived", "the worst held-out |error| of the estimated compiled/eager ratio over the 7 published "
+                 "pairs that compile alone separates, rounded up: the half width of a compiled estimate's ratio in "
+                 "its range", COMPILE_TEST + " (recomputed: the figure may not exceed it)"),
         Constant("costmodel.BF16_GEMM_FRACTION", cm.BF16_GEMM_FRACTION, "fraction of bf16 peak", "measured",
                  "4 bf16 GEMM calibrations on H100 VMs (benchmarks/results/h100_calibrated_*.json)",
                  "tests/test_costmodel.py::test_float8_gemm_rate_assumed_against_a_real_h200 (H200 float8 GEMMs)"),
@@ -203,21 +211,14 @@ def held_out_figures(path: Path = GPU_RECORDED_FILE, held_out: dict | None = Non
     return out
 
 
-def published_compile_ratios() -> list[float]:
-    """Compiled over eager tokens/s of every published pair: a compiled row (no float8) and the eager row of the
-    same publisher, model, GPUs and knobs (autotune/data/published_runs.json: torchtitan's two, which
-    costmodel.COMPILE_SPEEDUP is the mean of, and fms-fsdp's four, which it was not taken from)."""
+def published_compile_ratios(compile_only: bool = True) -> list[float]:
+    """Compiled over eager tokens/s of every published pair (costmodel_fit.compile_pairs: a compiled row, no
+    float8, and the same publisher's eager row of the same model, GPUs, sequence and micro-batch): torchtitan's
+    two, fms-fsdp's four (eight with the 34B and 70B rows, whose checkpointing changed too: `compile_only`
+    False), AWS's one."""
     from autotune import costmodel_fit
 
-    publishers = costmodel_fit.source_publishers()
-
-    def key(run):
-        return (publishers[run.source], run.model, run.gpu, run.num_gpus, run.seq_len, run.micro_batch_size,
-                run.activation_checkpointing)
-
-    eager = {key(run): run.tokens_per_sec_per_gpu for run in costmodel_fit.published_runs()}
-    return [run.tokens_per_sec_per_gpu / eager[key(run)] for run in costmodel_fit.excluded_published_runs()
-            if run.compile != "none" and not run.float8 and key(run) in eager]
+    return [pair.published_ratio for pair in costmodel_fit.compile_pairs() if pair.compile_only or not compile_only]
 
 
 # --- the page --------------------------------------------------------------------------------------

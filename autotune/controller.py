@@ -31,7 +31,7 @@ from autotune import knobs
 from autotune.backends.analytic import screen_margin
 from autotune.backends.base import TrialBackend, TrialResult
 from autotune.batch import within_tolerance
-from autotune.config import TrainConfig, problem_shape
+from autotune.config import TrainConfig, problem_shape, stack_step
 from autotune.errors import UsageError
 from autotune.knobs import Checkpointing
 from autotune.records import Step, TuneOutcome, TuneRequest, config_key, eligible, why_nothing_fits
@@ -95,7 +95,8 @@ class Controller:
         """What the sampler beyond the graph did (None: it did not run)."""
         self.compile_search, self.float8_search = self._searched_compile_and_float8()
         """The search space's compile and float8 modes, `auto` resolved for this run."""
-        self.shape = problem_shape(request.model, request.cluster)
+        self.shape = problem_shape(request.model, request.cluster, request.seq_len, packed=request.packing is not None,
+                                   step=stack_step(request.stack, request.space.precision, request.model.model_type))
         """What every candidate is checked against before it is tried (knobs.check_combination)."""
 
     # -- one trial -------------------------------------------------------------------------------
@@ -116,7 +117,7 @@ class Controller:
         if known is not None:
             return known
         request = self.request
-        batch = request.global_batch(train.micro_batch_size, tensor_parallel=train.tensor_parallel)
+        batch = request.global_batch(train.micro_batch_size, ranks_per_batch=train.ranks_per_batch)
         key = config_key(train, grad_accum_steps=batch.grad_accum_steps, backend=self.backend.name)
         cached = self.finished.get(key) if reuse else None
         predicted: TrialResult | None = None
@@ -162,7 +163,7 @@ class Controller:
         note = f"skipped {train.label()} ({stage}: {reason}): cannot be built: {why}"
         if note not in self.notes:
             self.notes.append(note)
-        return Step(step=0, stage=stage, train=train, batch=self.request.global_batch(train.micro_batch_size, tensor_parallel=train.tensor_parallel),
+        return Step(step=0, stage=stage, train=train, batch=self.request.global_batch(train.micro_batch_size, ranks_per_batch=train.ranks_per_batch),
                     result=TrialResult(status="error", message=f"not built: {why}"), fits=False, reason=reason,
                     backend=self.backend.name)
 
@@ -243,11 +244,11 @@ class Controller:
             # micro-step of one sequence each already overshoots the global batch.
             batch = self.request.global_batch(1)
             self.notes.append(f"FSDP alone cannot hit the global batch: one sequence per GPU is {batch.global_tokens:,} "
-                              f"tokens per step, {batch.deviation:+.0%} off the target; tensor parallelism lets "
-                              "several GPUs share one sequence")
-            if not self._explore_tensor_parallel(start=base.with_(
+                              f"tokens per step, {batch.deviation:+.0%} off the target; tensor and context parallelism "
+                              "let several GPUs share one sequence")
+            if not self._explore_meshes(start=base.with_(
                     activation_checkpointing="full" if space.checkpointing else "none")):
-                self.notes.append("no tensor-parallel degree the model and a node allow fits either")
+                self.notes.append("no tensor- or context-parallel degree the model and a node allow fits either")
             return
         step = self.run("baseline", base, f"start of the graph: {numerics}, micro-batch 1{why_placement}")
         if not step.fits and space.checkpointing:
@@ -268,7 +269,7 @@ class Controller:
         if not step.fits and self._searches_offload and space.offload_activations:
             step = self.run("offload", checkpointed.with_(cpu_offload=True, activation_offload=True),
                             f"{self._why(step)} with parameters offloaded: offload the saved activations too")
-        if not step.fits and self._explore_tensor_parallel(start=checkpointed):
+        if not step.fits and self._explore_meshes(start=checkpointed):
             return  # the memory wall: FSDP alone holds nothing, a tensor-parallel mesh does
         if not step.fits:
             self.notes.append(why_nothing_fits(step, self.request))
@@ -312,7 +313,7 @@ class Controller:
 
         until_saturated (exploration): also stop once doubling no longer pays and the branch is
         still slower than the best configuration so far."""
-        limit = self.request.max_micro_batch_at(mode.tensor_parallel)
+        limit = self.request.max_micro_batch_at(mode.ranks_per_batch)
         last_fit, first_fail = mode, None
         evaluated = self._find(mode)
         last_tps = evaluated.result.throughput if evaluated else None
@@ -353,18 +354,21 @@ class Controller:
                     high = middle
         return last_fit
 
-    def _aligned_sizes(self, upto: int, tensor_parallel: int = 1) -> list[int]:
-        """Micro-batches <= upto whose global batch is within tolerance, largest first."""
+    def _aligned_sizes(self, upto: int, ranks_per_batch: int = 1) -> list[int]:
+        """Micro-batches <= upto whose global batch is within tolerance, largest first. Token-budget batches
+        hit the target in expectation only (their spread is stated): every budget is taken."""
+        if self.request.packing is not None:
+            return list(range(upto, 0, -1))
         return [m for m in range(upto, 0, -1) if within_tolerance(
-            self.request.global_batch(m, tensor_parallel=tensor_parallel), self.request.tolerance)]
+            self.request.global_batch(m, ranks_per_batch=ranks_per_batch), self.request.tolerance)]
 
     def _align(self, largest: TrainConfig) -> None:
-        aligned = self._aligned_sizes(largest.micro_batch_size, largest.tensor_parallel)
+        aligned = self._aligned_sizes(largest.micro_batch_size, largest.ranks_per_batch)
         if aligned and aligned[0] != largest.micro_batch_size:
             m = aligned[0]
             self.run("align", largest.with_(micro_batch_size=m),
                      f"micro-batch {largest.micro_batch_size} misses the global batch by "
-                     f"{self.request.global_batch(largest.micro_batch_size, tensor_parallel=largest.tensor_parallel).deviation:+.2%}: "
+                     f"{self.request.global_batch(largest.micro_batch_size, ranks_per_batch=largest.ranks_per_batch).deviation:+.2%}: "
                      f"{m} is the largest within {self.request.tolerance:.1%}")
 
     def _distinct_ac_modes(self, modes: list[str], *, exclude: tuple[str, ...] = ()) -> list[str]:
@@ -387,7 +391,12 @@ class Controller:
         self._explore_checkpointing(mode, largest)
         self._explore_hsdp()
         self._explore_expert_parallel()
-        self._explore_tensor_parallel()
+        self._explore_split("tensor_parallel")
+        best = self._choose()
+        if best is not None and best.train.activation_checkpointing.mode != "none":
+            # Context parallelism trades ring sends for activation memory: beyond the walls it is worth a trial
+            # only where the best so far pays for its activations with recompute.
+            self._explore_split("context_parallel")
         self._explore_no_reshard()
         self._explore_reshard_to_a_node()
         self._explore_compile()
@@ -397,7 +406,7 @@ class Controller:
         """Lighter checkpointing than the graph's `mode` at its `largest` micro-batch, or checkpointing for a
         larger micro-batch than the graph's no-checkpointing limit."""
         space = self.request.space
-        ceiling = self.request.max_micro_batch_at(largest.tensor_parallel)
+        ceiling = self.request.max_micro_batch_at(largest.ranks_per_batch)
         lighter_first = [f"every:{k}" for k in sorted(space.lighter_every, reverse=True)]  # least recompute first
         if mode.activation_checkpointing.mode == "full" and not mode.cpu_offload:
             for ac in self._distinct_ac_modes(lighter_first, exclude=("full",)):
@@ -439,7 +448,6 @@ class Controller:
         resolved to `explore` where the run can evaluate the knob and it can pay (a GPU's estimate,
         a GPU with float8, torchao installed), else `none`, the reason in the run's notes."""
         from autotune.config import OWN_STEPS, stack_step
-        from autotune.costmodel import COMPILE_SPEEDUP
 
         space, request = self.request.space, self.request
         gpu, backend = request.cluster.gpu, self.backend.name
@@ -456,9 +464,20 @@ class Controller:
         elif compile_mode == "none" and backend != "cpu":
             why_not = "--compile none"
         if why_not:
-            self.notes.append(f"not explored: torch.compile of the blocks ({why_not}; --compile explore traces it): "
-                              f"{COMPILE_SPEEDUP - 1:+.0%} tokens/s in torchtitan's published Llama 3.1 8B H100 runs "
-                              "(a published ratio, not estimated for this model)")
+            gain = ""
+            if backend != "cpu":  # the gain the closed form estimates at the default knobs, compiled (an estimate)
+                try:
+                    from autotune.backends.analytic import AnalyticBackend
+
+                    spec = request.spec(TrainConfig(compile="blocks"))
+                    ratio = (AnalyticBackend().evaluate(spec).extras.get("compile_speedup") or {}).get("ratio")
+                    gain = (f": estimated {ratio - 1:+.0%} tokens/s for this model and cluster at "
+                            f"{spec.train.label()}, its blocks' memory-bound ops fused "
+                            "(costmodel.compiled_throughput; an estimate, not a measurement)") if ratio else ""
+                except Exception:  # a note, never a failure of the run
+                    gain = ""
+            self.notes.append(f"not explored: torch.compile of the blocks ({why_not}; --compile explore traces it)"
+                              + gain)
         if float8_mode == "auto":
             import importlib.util
 
@@ -640,23 +659,38 @@ class Controller:
             fastest = max(fitting, key=lambda s: s.result.throughput or 0.0)
             self._align(self._grow(fastest.train, stage="explore", until_saturated=True))
 
-    def _explore_tensor_parallel(self, *, start: TrainConfig | None = None) -> bool:
-        """Split each block's linears over 2, 4 or 8 GPUs of a node (--tp: the model's transformers plan), smallest
-        degree first, where FSDP alone cannot hold the problem (`start`: nothing fitted; or no configuration
-        hits the global batch, each GPU needing a whole sequence) or where the estimate says a mesh may win.
-        A degree that does not fit is tried again with every block checkpointed; the fastest that fits is grown.
-        True where one fits."""
+    def _explore_meshes(self, *, start: TrainConfig | None = None) -> bool:
+        """Tensor, then context parallelism (_explore_split); True where either fits."""
+        tensor = self._explore_split("tensor_parallel", start=start)
+        context = self._explore_split("context_parallel", start=start)
+        return tensor or context
+
+    _SPLITS = {
+        "tensor_parallel": ("tensor parallelism", "each holds and computes 1/{n} of every block's linears"),
+        "context_parallel": ("context parallelism", "each holds 1/{n} of every sequence, attention as a ring"),
+    }
+
+    def _explore_split(self, knob: str, *, start: TrainConfig | None = None) -> bool:
+        """Split over 2, 4 or 8 GPUs of a node (--tp: each block's linears, as the model's transformers plan says;
+        --cp: each sequence, ring attention), smallest degree first, where FSDP alone cannot hold the problem
+        (`start`: nothing fitted; or no configuration hits the global batch, each GPU needing a whole sequence)
+        or where the estimate says a mesh may win. A degree that does not fit is tried again with every block
+        checkpointed; the fastest that fits is grown. True where one fits."""
         best = self._choose()
         base = start or (best.train if best is not None else self.steps[0].train if self.steps else None)
-        degrees = knobs.tensor_parallel_degrees(self.shape)[1:] if self.request.space.tensor_parallel else ()
+        searched = getattr(self.request.space, knob)
+        degrees = {"tensor_parallel": knobs.tensor_parallel_degrees,
+                   "context_parallel": knobs.context_parallel_degrees}[knob](self.shape)[1:] if searched else ()
         if base is None or not degrees:
             return False
         base = base.with_(cpu_offload=False, activation_offload=False, compile="none", float8="none",
                           shard_group_size=0, reshard_group_size=0, expert_parallel=1, shard_placement="dim0",
+                          tensor_parallel=1, context_parallel=1,
                           micro_batch_size=1)  # grown below: a group of GPUs takes each batch
+        name, what = self._SPLITS[knob]
         fitting = []
         for degree in degrees:
-            train = base.with_(tensor_parallel=degree)
+            train = base.with_(**{knob: degree})
             # The walls: nothing to beat (FSDP alone fits nothing, or misses the global batch), or only offloading
             # holds the model: then the mesh is traced, not judged by two estimates of unlike costs.
             best = self._choose()
@@ -666,11 +700,11 @@ class Controller:
             why = ("FSDP alone holds no configuration of this problem" if best is None else
                    f"FSDP holds this problem only with CPU offload ({best.train.label()})" if wall else
                    "the estimate allows a mesh to win")
-            step = self.run("explore", train, f"{why}: tensor parallelism over {degree} GPUs of a node (each holds and "
-                                              f"computes 1/{degree} of every block's linears; {degree} GPUs share a batch)")
+            step = self.run("explore", train, f"{why}: {name} over {degree} GPUs of a node ({what.format(n=degree)}; "
+                                              f"{degree} GPUs share a batch)")
             if not step.fits and train.activation_checkpointing.mode != "full" and self.request.space.checkpointing:
                 step = self.run("explore", train.with_(activation_checkpointing="full"),
-                                f"tensor parallelism over {degree} GPUs {self._why(step)}: checkpoint every block too")
+                                f"{name} over {degree} GPUs {self._why(step)}: checkpoint every block too")
             if step.fits:
                 fitting.append(step)
         if not fitting:

@@ -416,6 +416,23 @@ class StepWork:
     tp_all_reduce_bytes_per_gpu: float = 0.0
     """Bytes each GPU all-reduces within its tensor-parallel group per step (tp_all_reduce_bytes),
     before the ring factor; on the critical path (no async TP): the next layer waits for them."""
+    context_parallel: int = 1
+    """GPUs that split each sequence (parallel/context.py) and share one batch; FSDP still shards over every GPU."""
+    cp_ring_bytes_per_gpu: float = 0.0
+    """Bytes each GPU sends round its context-parallel ring per step (cp_ring_bytes), counted as not
+    overlapped with attention (an upper bound on the time: torch's ring overlaps the next send)."""
+
+
+def cp_ring_bytes(*, tokens_per_microbatch: int, kv_width: int, activation_bytes: int, num_blocks: int,
+                  context_parallel: int, checkpointed_blocks: int = 0, num_microbatches: int = 1) -> float:
+    """Bytes one GPU sends round its context-parallel ring per step (torch's ring attention): in forward each
+    attention passes its key and value shards (tokens / cp x kv_width each) on cp - 1 times; backward passes
+    them again with their gradients (twice the forward's); a checkpointed block's recompute repeats the
+    forward."""
+    if context_parallel <= 1:
+        return 0.0
+    forward = (context_parallel - 1) * 2 * tokens_per_microbatch / context_parallel * kv_width * activation_bytes
+    return float(forward * (3 * num_blocks + checkpointed_blocks) * num_microbatches)
 
 
 def tp_all_reduce_bytes(*, tokens_per_microbatch: int, hidden_size: int, activation_bytes: int, num_blocks: int,
@@ -470,6 +487,8 @@ class StepTime:
     offload_accumulate_s: float = 0.0
     """CPU offload: the host's blocking gradient copies and adds of the accumulating micro-batches
     (offload_accumulate_seconds), which the GPU waits for."""
+    attention_s: float = 0.0
+    """The part of gpu_compute_s that is the attention kernel's (0 where attention was costed as matmuls)."""
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -532,14 +551,17 @@ def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_p
                    all_to_all_bytes: float = 0.0, all_to_all_inter_node: bool = False,
                    attention: dict | None = None, precision: str = "bf16",
                    offload_fresh_page_bytes: float = 0.0, tensor_parallel: int = 1,
-                   tp_all_reduce_bytes: float = 0.0) -> StepWork:
+                   tp_all_reduce_bytes: float = 0.0, context_parallel: int = 1,
+                   cp_ring_bytes: float = 0.0) -> StepWork:
     """The `StepWork` of a full-sharded FSDP2 step from what a backend counted: FLOPs, sizes;
     gradients reduced in `reduce_bytes` per element (fp32, FSDP2's default here), of the
     `trainable` (block, root) parameters where some are frozen (LoRA), which alone the optimizer steps.
     `float8_block_params`: parameters of each block all-gathered in float8 (tensorwise float8 with
     FSDP2's float8 all-gather: 1 byte each instead of `param_bytes`). `tensor_parallel` > 1: `num_gpus`
     counts every GPU, `tokens_per_gpu_step` what each tensor-parallel group takes, and each GPU gathers,
-    reduces and steps its 1/tensor_parallel of the blocks' parameters (block_params: the whole block's)."""
+    reduces and steps its 1/tensor_parallel of the blocks' parameters (block_params: the whole block's).
+    `context_parallel` > 1: `tokens_per_gpu_step` what each context-parallel group takes; parameters stay
+    sharded over every GPU."""
     tp = tensor_parallel
     if tp > 1:
         block_params //= tp
@@ -555,7 +577,7 @@ def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_p
     float8_saved = float(float8_weight_bytes_saved(float8_block_params, param_bytes) * num_blocks * num_microbatches)
     return StepWork(
         flops_per_gpu=flops_per_gpu, model_flops_per_gpu=model_flops_per_gpu,
-        tokens_per_step=tokens_per_gpu_step * (num_gpus // tp), num_microbatches=num_microbatches,
+        tokens_per_step=tokens_per_gpu_step * (num_gpus // (tp * context_parallel)), num_microbatches=num_microbatches,
         allgather_bytes_per_gpu=volume.allgather_bytes - gathers * float8_saved,
         reduce_scatter_bytes_per_gpu=volume.reduce_scatter_bytes,
         host_to_device_bytes=h2d, device_to_host_bytes=d2h,
@@ -565,7 +587,8 @@ def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_p
         if reshard_after_forward else 0.0,
         num_fsdp_units=num_blocks + 1, dispatched_ops_per_microbatch=dispatched_ops_per_microbatch,
         hidden_size=hidden_size, all_to_all_bytes_per_gpu=all_to_all_bytes, all_to_all_inter_node=all_to_all_inter_node,
-        precision=precision, tensor_parallel=tp, tp_all_reduce_bytes_per_gpu=tp_all_reduce_bytes, **(attention or {}),
+        precision=precision, tensor_parallel=tp, tp_all_reduce_bytes_per_gpu=tp_all_reduce_bytes,
+        context_parallel=context_parallel, cp_ring_bytes_per_gpu=cp_ring_bytes, **(attention or {}),
     )
 
 
@@ -663,8 +686,11 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
     tp = work.tensor_parallel
     n = cluster.num_gpus // tp  # FSDP's ranks: a tensor-parallel group is one of them
     tokens_per_microbatch = work.tokens_per_step / (work.num_microbatches * n)
-    # A tensor-parallel GPU multiplies the same tokens by a tp-th of each weight: narrower matmuls.
-    efficiency = matmul_efficiency(gpu, tokens_per_microbatch, matmul_top_efficiency, hidden_size=work.hidden_size // tp,
+    # A tensor-parallel GPU multiplies the same tokens by a tp-th of each weight: its matmuls keep their rows and
+    # their contraction over the model's width (the column-wise ones) or their output width (the row-wise ones),
+    # so they run at the model's width's efficiency, not a tp-times narrower model's (published FSDP x TP8 runs
+    # of 8B and 70B came out 22-41% slower than measured with the narrower width: docs/KNOBS.md).
+    efficiency = matmul_efficiency(gpu, tokens_per_microbatch, matmul_top_efficiency, hidden_size=work.hidden_size,
                                    half_tokens=half_efficiency_tokens, half_hidden=half_efficiency_hidden)
     # fp32: no flash kernel runs it (FlashAttention is 16-bit only), so attention is costed as matmuls.
     attention_rate = (attention_kernel_tflops(gpu, work.attention_kernel, span=work.attention_span,
@@ -673,8 +699,8 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
     peak_tflops = compute_peak_tflops(gpu, work.precision)
     matmul_flops = work.flops_per_gpu - (work.attention_flops_per_gpu if attention_rate else 0.0)
     gpu_compute_s = matmul_flops / (peak_tflops * 1e12 * efficiency)
-    if attention_rate:
-        gpu_compute_s += work.attention_kernel_flops_per_gpu / (attention_rate * 1e12)
+    attention_s = work.attention_kernel_flops_per_gpu / (attention_rate * 1e12) if attention_rate else 0.0
+    gpu_compute_s += attention_s
     if work.memory_bytes_per_gpu:
         gpu_compute_s += work.memory_bytes_per_gpu / (gpu.hbm_gbps * 1e9)
     # The host queues kernels ahead of the GPU (FSDP2 does not block it inside forward and
@@ -736,9 +762,14 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
     tp_s = (work.tp_all_reduce_bytes_per_gpu * 2 * (tp - 1) / tp / (_link_gbps(
         cluster, inter_node=tp > cluster.gpus_per_node, whole_nodes=False, nic_bus_efficiency=nic_bus_efficiency) * 1e9)
         if tp > 1 else 0.0)
-    comm_s += all_to_all_s + tp_s
-    exposed_s += all_to_all_s + tp_s
-    exposed_comm_s += all_to_all_s + tp_s
+    # Context parallelism's ring sends, within a node (exposed: an upper bound on the time).
+    cp = work.context_parallel
+    cp_s = (work.cp_ring_bytes_per_gpu / (_link_gbps(
+        cluster, inter_node=cp > cluster.gpus_per_node, whole_nodes=False, nic_bus_efficiency=nic_bus_efficiency) * 1e9)
+        if cp > 1 else 0.0)
+    comm_s += all_to_all_s + tp_s + cp_s
+    exposed_s += all_to_all_s + tp_s + cp_s
+    exposed_comm_s += all_to_all_s + tp_s + cp_s
     seconds = compute_s + exposed_s + cpu_optimizer_s + offload_accumulate_s
     model_flops = work.flops_per_gpu if work.model_flops_per_gpu is None else work.model_flops_per_gpu
     return StepTime(
@@ -760,7 +791,7 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
                   f"{work.num_microbatches - 1} accumulating micro-batch(es) ({OFFLOAD_ACCUMULATE_BASIS})"
                   if offload_accumulate_s else "")) if describe else "",
         host_s=host_s, host_bound=host_s > gpu_compute_s, gpu_compute_s=gpu_compute_s,
-        offload_accumulate_s=offload_accumulate_s,
+        offload_accumulate_s=offload_accumulate_s, attention_s=attention_s,
     )
 
 
@@ -1079,19 +1110,45 @@ def range_note(profile, *, host_bound: bool = False, per_op: bool = False) -> st
     return figures.short() if figures else f"not validated on {profile.gpu or profile.device}"
 
 
-# --- torch.compile (issue 28) -------------------------------------------------------------------------
+# --- torch.compile (issues 28, 56) ----------------------------------------------------------------
 
-COMPILE_PUBLISHED = (
-    # (GPUs, eager tokens/s per GPU, compiled tokens/s per GPU): Llama 3.1 8B, FSDP2, local batch 2,
-    # selective activation checkpointing, H100 (96 GB HBM2e, 500 W), torch of 2024-12-23.
-    (8, 5_762, 6_667),
-    (128, 5_605, 6_514),
-)
-COMPILE_SOURCE = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3: Llama 3.1 8B, FSDP2, "
-                  "per-block torch.compile, 8 and 128 H100s, local batch 2, selective AC")
-COMPILE_SPEEDUPS = tuple(compiled / eager for _, eager, compiled in COMPILE_PUBLISHED)
-"""1.157 and 1.162: tokens/s compiled over eager in the two published runs."""
-COMPILE_SPEEDUP = sum(COMPILE_SPEEDUPS) / len(COMPILE_SPEEDUPS)
+COMPILED_KERNELS = "fused-swiglu"
+"""The memory-bound kernels a compiled block runs (MEMORY_BYTES_PER_TOKEN): inductor fuses each run of
+elementwise, norm, rotary and activation ops between two matmuls (or the attention kernel) into one
+kernel, which reads its inputs and writes its outputs once, as a hand-fused Llama block does (fused
+RMSNorm, rotary and SwiGLU: TinyLlama's kernels, counted kernel by kernel, not fitted). The matmuls and
+the attention kernel are the eager step's. The simulator counts those fused kernels' launches from the
+compiled trace (`compiled_launches`, docs/COMPILE.md)."""
+
+COMPILE_RATIO_ERROR_POINTS = 0.13
+"""How far an estimated compiled/eager ratio has been from the published one: the worst |error| in
+points over the published pairs that compile alone separates (costmodel_fit.compile_pairs: torchtitan's
+two, fms-fsdp's four, AWS's one; the eager constants fitted without each pair's publisher), rounded
+up. A compiled estimate's range is its eager range times the ratio less / plus this. Derived, not
+fitted: no estimate uses it but the range (tests/test_validation.py::test_compiled_rows_not_taken_into_the_ratio
+recomputes it)."""
+
+
+def compile_fused_bytes_saved(*, tokens: float, num_layers: int, checkpointed_blocks: int, hidden: int, ffn: int,
+                              kv_width: int, param_bytes: int) -> float:
+    """HBM bytes per step that compiling the blocks takes off the memory-bound ops: `tokens` (this GPU's,
+    all micro-batches) through `num_layers` blocks forward and backward and `checkpointed_blocks` forwards
+    again (the recompute repeats the fused forward), the eager block's MEMORY_BYTES_PER_TOKEN less the
+    fused one's (COMPILED_KERNELS), in a `param_bytes` compute dtype (the table is bf16's)."""
+    def saved(forward: bool) -> float:
+        shape = dict(hidden=hidden, ffn=ffn, kv_width=kv_width, forward=forward)
+        return max(memory_bytes_per_token("eager", **shape) - memory_bytes_per_token(COMPILED_KERNELS, **shape), 0.0)
+
+    return float(tokens) * param_bytes / 2 * (num_layers * saved(False) + checkpointed_blocks * saved(True))
+
+
+def compiled_work(work: StepWork, *, fused_bytes_saved: float) -> StepWork:
+    """The compiled step's work: the eager `work` with its memory-bound bytes less what compiling the
+    blocks fuses away (compile_fused_bytes_saved); FLOPs, attention, collectives and offload unchanged.
+    Where the work counted no memory-bound bytes (0), nothing is saved: the estimate is eager's."""
+    if not work.memory_bytes_per_gpu:
+        return work
+    return replace(work, memory_bytes_per_gpu=max(work.memory_bytes_per_gpu - fused_bytes_saved, 0.0))
 
 
 def host_offload_seconds(step_time: dict) -> float:
@@ -1106,31 +1163,37 @@ def host_offload_seconds(step_time: dict) -> float:
 
 
 def compiled_throughput(tokens_per_sec: float, low: float | None = None, high: float | None = None, *,
-                        host_share: float = 0.0) -> tuple[float, float | None, float | None, str]:
-    """A compiled configuration's estimated tokens/s from its eager estimate: the eager step's time
-    divided by the published compiled/eager ratio (COMPILE_SPEEDUP, 1.16), its range the eager range
-    at the smallest and largest published ratio, all but `host_share` of it: the fraction of the
-    eager step that is CPU offload's host work (host_offload_seconds), which compiling the blocks
-    does not speed. A published ratio on one model and GPU, applied as is: not a fit. Checked against
-    the published pairs it was not taken from (fms-fsdp's four, 1.19-1.28x: 3.5-12 points above it;
-    tests/test_validation.py::test_compiled_rows_not_taken_into_the_ratio, docs/VALIDATION.md); no GPU
-    of this project measured it (the CPU trials' inductor runs do not speak for GPUs, docs/COMPILE.md).
-    Returns (tokens/s, low, high, basis)."""
-    speedups = COMPILE_SPEEDUPS
-    share = min(max(host_share, 0.0), 1.0)
+                        eager_step: dict, compiled_step: dict,
+                        fused_bytes_saved: float = 0.0) -> tuple[float, float | None, float | None, float, str]:
+    """A compiled configuration's estimated tokens/s from its eager estimate and the same step costed
+    compiled (`compiled_step`: the eager work with the blocks' memory-bound ops fused, compiled_work):
+    the eager figure times the ratio of the two steps' seconds. The ratio comes out of the configuration's
+    own mix of matmul, attention, memory-bound, collective and host time, so it moves with width,
+    sequence, checkpointing (the recompute repeats the fused forward), precision (the bytes scale with the
+    dtype) and GPU count (collectives that compute no longer hides); CPU offload's host work
+    (host_offload_seconds) and a host-bound step's dispatch time are in both steps and do not shrink.
+    The range: the eager range times the ratio less / plus COMPILE_RATIO_ERROR_POINTS, the worst held-out
+    error of the estimated ratio on the published pairs (docs/COMPILE.md, "Validation").
+    Returns (tokens/s, low, high, ratio, basis)."""
+    ratio = eager_step["seconds"] / compiled_step["seconds"] if compiled_step.get("seconds") else 1.0
+    points = COMPILE_RATIO_ERROR_POINTS
 
-    def compiled(eager: float, ratio: float) -> float:
-        return eager / ((1 - share) / ratio + share)
+    def scaled(value: float | None, r: float) -> float | None:
+        return None if value is None else value * r
 
-    basis = (f"compiled blocks: the eager estimate x {COMPILE_SPEEDUP:.3f}, the published compiled/eager ratio "
-             f"({' and '.join(f'{s:.3f}' for s in speedups)}; {COMPILE_SOURCE}); a published ratio applied as is, "
-             "not a fit; 3.5-12 points below the four published fms-fsdp pairs it was not taken from (1.19-1.28x: "
-             "docs/VALIDATION.md)")
+    host = host_offload_seconds(eager_step)
+    share = host / eager_step["seconds"] if eager_step.get("seconds") else 0.0
+    basis = (f"compiled blocks: estimated x{ratio:.3f} over eager from this step's own work (the blocks' memory-bound "
+             f"ops fused, {fused_bytes_saved / 1e9:.3g} GB per step less at the HBM data sheet; matmuls, attention, "
+             f"collectives and the host's dispatch as costed; costmodel.COMPILED_KERNELS), no published ratio applied; "
+             f"range +-{points * 100:.0f} points, the worst held-out error on published compiled/eager pairs "
+             "(docs/VALIDATION.md)")
     if share:
-        basis += (f"; applied to the {1 - share:.0%} of the eager step that is not CPU offload's host work "
-                  f"(its optimizer step and gradient copies: {share:.0%})")
-    return (compiled(tokens_per_sec, COMPILE_SPEEDUP), None if low is None else compiled(low, min(speedups)),
-            None if high is None else compiled(high, max(speedups)), basis)
+        basis += (f"; CPU offload's host work ({share:.0%} of the eager step: its optimizer step and gradient copies) "
+                  "is not sped up")
+    if compiled_step.get("host_bound"):
+        basis += "; host-bound: the step's time is the host's, which fusing the GPU's memory-bound ops does not shorten"
+    return (tokens_per_sec * ratio, scaled(low, ratio - points), scaled(high, ratio + points), ratio, basis)
 
 
 # --- float8 training (issue 28) ---------------------------------------------------------------------

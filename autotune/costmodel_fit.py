@@ -181,7 +181,11 @@ def _published_work(run: PublishedRun):
 
 def published_estimate(run: PublishedRun, fit: dict[str, float]) -> float:
     """The estimated tokens/s per GPU of `run` with the constants `fit`."""
-    spec, work = _published_work(run)
+    return _tokens_per_gpu(run, *_published_work(run), fit)
+
+
+def _tokens_per_gpu(run: PublishedRun, spec, work, fit: dict[str, float]) -> float:
+    """The tokens/s per GPU of `work` (the run's step, eager or compiled) with the constants `fit`."""
     step = costmodel.estimate_step_time(
         work, spec.cluster, shard_group_size=run.shard_group_size,
         matmul_top_efficiency=fit.get(gpu_family(run.gpu), costmodel.DEFAULT_MATMUL_EFFICIENCY),
@@ -293,12 +297,100 @@ def held_out_by(rows, key) -> dict[str, tuple[dict[str, float], dict[int, float]
     return out
 
 
+def compiled_work(run: PublishedRun):
+    """The run's step work costed compiled (costmodel.compiled_work): the blocks' memory-bound bytes of the
+    run's own stack (`kernels`) less the fused level's, for every block forward and backward and each
+    checkpointed block's recompute."""
+    spec, work = _published_work(run)
+    if run.kernels != "eager":  # a stack whose blocks are fused already: compile has nothing to fuse
+        return spec, work
+    from autotune.backends.analytic import fused_bytes_saved
+
+    return spec, costmodel.compiled_work(work, fused_bytes_saved=fused_bytes_saved(spec))
+
+
 def compiled_estimate(run: PublishedRun, fit: dict[str, float]) -> float:
-    """A compiled (not float8) row's estimate as the tool makes it: the eager estimate of the same
-    configuration times costmodel.COMPILE_SPEEDUP, the published ratio (docs/COMPILE.md)."""
+    """A compiled (not float8) row's estimate as the tool makes it: the configuration's step with its blocks'
+    memory-bound ops fused (compiled_work), with the eager constants `fit` (docs/COMPILE.md)."""
     if run.float8 or run.compile == "none":
         raise ValueError("compiled_estimate: a compiled row without float8")
-    return published_estimate(run, fit) * costmodel.COMPILE_SPEEDUP
+    return _tokens_per_gpu(run, *compiled_work(run), fit)
+
+
+AWS_SAGEMAKER_CITATION = (
+    "AWS Machine Learning Blog, 'Efficient Pre-training of Llama 3-like model architectures using torchtitan on "
+    "Amazon SageMaker' (with Meta, 2024-10), https://aws.amazon.com/blogs/machine-learning/efficient-pre-training-"
+    "of-llama-3-like-model-architectures-using-torchtitan-on-amazon-sagemaker/: 'LLama3 8B pre-training on 4 x "
+    "p5.48xlarge instances (32 NVIDIA H100 GPUs) | Baseline | Default Configuration | 6475' and "
+    "'torch.compile | compile = true | 7166 | 10.67%' (Throughput (Tokens per Second)); the default configuration "
+    "is torchtitan's train_configs/llama3_8b.toml of the time (batch_size 1, seq_len 8192, "
+    "data_parallel_shard_degree -1: FSDP2 over all 32, activation_checkpoint selective 'op')")
+AWS_SAGEMAKER_PUBLISHER = "AWS (SageMaker blog, torchtitan)"
+_AWS_RUN = dict(model="llama3-8b", gpu="h100-80gb", num_gpus=32, num_nodes=4, seq_len=8192, micro_batch_size=1,
+                activation_checkpointing="op", source=AWS_SAGEMAKER_CITATION,
+                note="p5.48xlarge: H100 SXM 80GB, 3,200 Gb/s EFA per node (400 Gb/s per GPU)")
+COMPILE_PAIRS_OUTSIDE_THE_FILE = (
+    # (publisher, eager row, compiled row): pairs whose eager row is not among the eager fit's rows
+    # (autotune/data/published_runs.json's "runs"), written here with the figures the source states.
+    (AWS_SAGEMAKER_PUBLISHER, PublishedRun(**_AWS_RUN, tokens_per_sec_per_gpu=6475),
+     PublishedRun(**_AWS_RUN, tokens_per_sec_per_gpu=7166, compile="blocks", excluded="torch.compile")),
+)
+"""Published compiled/eager pairs beyond the file's: the AWS SageMaker blog's (torchtitan on 32 H100s)."""
+
+
+@dataclass(frozen=True)
+class CompilePair:
+    """A published eager run and the same publisher's compiled run of the same model, GPUs, sequence and
+    micro-batch: the compiled/eager ratio the compile estimate is checked against."""
+
+    publisher: str
+    eager: PublishedRun
+    compiled: PublishedRun
+
+    @property
+    def published_ratio(self) -> float:
+        return self.compiled.tokens_per_sec_per_gpu / self.eager.tokens_per_sec_per_gpu
+
+    @property
+    def compile_only(self) -> bool:
+        """Whether compile is all that differs (fms-fsdp's compiled 34B and 70B rows also moved from full to
+        selective checkpointing: their ratio is of both changes)."""
+        return self.eager.activation_checkpointing == self.compiled.activation_checkpointing
+
+
+@functools.cache
+def compile_pairs() -> tuple[CompilePair, ...]:
+    """Every published compiled/eager pair (no float8): each compiled row of the file's excluded_runs with the
+    eager row of the same publisher, model, GPU, GPU count, sequence and micro-batch (checkpointing may
+    differ: CompilePair.compile_only), then COMPILE_PAIRS_OUTSIDE_THE_FILE."""
+    publishers = source_publishers()
+
+    def key(run):
+        return (publishers[run.source], run.model, run.gpu, run.num_gpus, run.seq_len, run.micro_batch_size)
+
+    eager = {key(run): run for run in published_runs()}
+    pairs = [CompilePair(publishers[run.source], eager[key(run)], run) for run in excluded_published_runs()
+             if run.compile != "none" and not run.float8 and key(run) in eager]
+    pairs += [CompilePair(publisher, e, c) for publisher, e, c in COMPILE_PAIRS_OUTSIDE_THE_FILE]
+    return tuple(pairs)
+
+
+def compile_ratio_estimates(held_out: dict[str, tuple[dict[str, float], dict]] | None = None,
+                            all_rows_fit: dict[str, float] | None = None) -> list[tuple[CompilePair, float]]:
+    """(pair, estimated compiled/eager ratio) for every compile_pairs() pair, both sides estimated with the eager
+    constants fitted without the pair's publisher (`held_out`: held_out_by_publisher of the published rows, where
+    computed; a publisher with no eager row in the fit takes `all_rows_fit`, the fit on every row)."""
+    rows = list(published_runs())
+    held_out = held_out_by_publisher(rows) if held_out is None else held_out
+    out = []
+    for pair in compile_pairs():
+        if pair.publisher in held_out:
+            fitted = held_out[pair.publisher][0]
+        else:
+            all_rows_fit = fit(rows) if all_rows_fit is None else all_rows_fit
+            fitted = all_rows_fit
+        out.append((pair, compiled_estimate(pair.compiled, fitted) / published_estimate(pair.eager, fitted)))
+    return out
 
 
 def held_out_by_row(rows) -> list[tuple[dict[str, float], float]]:

@@ -227,6 +227,13 @@ def _tensor_parallel(value: Any) -> int:
     return value
 
 
+def _context_parallel(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"context-parallel degree must be a positive number of GPUs (1: no context parallelism), "
+                         f"got {value!r}")
+    return value
+
+
 def _reshard_group(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value == 1:
         raise UsageError(f"reshard group size must be 0 (reshard over the whole shard group, or not at all with "
@@ -311,6 +318,8 @@ class SampleContext:
     """Expert-parallel degrees that apply (an MoE model: degrees dividing both its experts and the GPUs)."""
     tensor_parallel: tuple[int, ...] = (1,)
     """Tensor-parallel degrees that apply (tensor_parallel_degrees: a model with a plan, degrees within a node)."""
+    context_parallel: tuple[int, ...] = (1,)
+    """Context-parallel degrees that apply (context_parallel_degrees)."""
     hsdp_groups: tuple[int, ...] = ()
     """HSDP group sizes that apply (several nodes): node, 2 nodes, ..."""
     reshard_groups: tuple[int, ...] = ()
@@ -446,6 +455,13 @@ KNOBS: tuple[Knob, ...] = (
               "group sharing one batch; FSDP shards over the GPUs/N data ranks. 1: none (docs/KNOBS.md)",
          label=lambda v: f"tp={v}" if v > 1 else "", optuna=lambda v: _int_param("tensor_parallel", int)(v) if v > 1 else {},
          alternative=2, keyed_at_default=False, domain=lambda ctx: ctx.tensor_parallel),
+    Knob(name="context_parallel", default=1, flag="--cp", parse=_context_parallel,
+         result_path=("parallelism", "context_parallel"),
+         help="context parallelism: each sequence split over groups of this many GPUs (torch's ring attention "
+              "through SDPA, head-tail load balanced), the group sharing one batch; FSDP shards over every GPU. "
+              "1: none (docs/KNOBS.md)",
+         label=lambda v: f"cp={v}" if v > 1 else "", optuna=lambda v: _int_param("context_parallel", int)(v) if v > 1 else {},
+         alternative=2, keyed_at_default=False, domain=lambda ctx: ctx.context_parallel),
     Knob(name="compile", default="none", flag="--compile", choices=COMPILE_MODES,
          parse=_choice("compile", COMPILE_MODES), result_path=("compile", "mode"),
          help="torch.compile: none (eager) or blocks (each decoder block compiled, fullgraph=True, before FSDP2 "
@@ -477,6 +493,12 @@ class ProblemShape:
     num_gpus: int
     gpus_per_node: int
     model: Any
+    seq_len: int = 0
+    """The sequence length (context parallelism splits it); 0 where not known (not checked then)."""
+    packed: bool = False
+    """Token-budget batches (autotune/packing.py): rows of several documents, which the ring does not attend."""
+    step: str = "autotune"
+    """The training step traced and run (config.stack_step): context parallelism slices the model's own loss only."""
 
     @property
     def num_nodes(self) -> int:
@@ -548,6 +570,7 @@ def check_combination(values: dict[str, Any], shape: ProblemShape) -> dict[str, 
     proposes go through this one function (config.TrialSpec calls it)."""
     values = dict(values)
     _check_tensor_parallel(values, shape)
+    _check_context_parallel(values, shape)
     size, gpus, per_node = values["shard_group_size"], shape.num_gpus, shape.gpus_per_node
     if size == gpus:
         values["shard_group_size"] = 0
@@ -593,6 +616,77 @@ def _check_tensor_parallel(values: dict[str, Any], shape: ProblemShape) -> None:
                           ("shard_placement", "--shard-placement")):
         if values[name] != BY_NAME[name].default:
             raise UsageError(f"{flag} with {flag_of}: not built here yet (docs/KNOBS.md, tensor parallelism); "
+                             "drop one of them")
+
+
+def why_no_context_parallel(config: dict[str, Any], *, seq_len: int, degree: int) -> str:
+    """'' where a causal LM of this (transformers config) dict can train with `degree`-way context
+    parallelism at `seq_len` (parallel/context.py: torch's ring of plain causal SDPA attention, head-tail
+    load balanced), else why not (one clause). Grouped-query attention is fine: the kernels take k/v
+    with fewer heads and the ring passes them round as they are."""
+    text = config.get("text_config") or config
+    if seq_len and seq_len % (2 * degree):
+        return (f"the sequence length {seq_len} is not a multiple of 2 x the degree ({2 * degree}): torch's head-tail "
+                "load balancing needs 2 x degree equal chunks")
+    if text.get("is_encoder_decoder") or text.get("is_causal") is False:
+        return "its attention is not causal: the ring computes causal attention only"
+    dropout = text.get("attention_dropout") or text.get("attn_pdrop")
+    if dropout:
+        return f"it sets attention dropout {dropout}: the ring's kernels run without dropout"
+    if text.get("attn_logit_softcapping") or text.get("attention_logit_softcapping"):
+        return "it soft-caps attention logits, which SDPA cannot"
+    window, layer_types = text.get("sliding_window"), text.get("layer_types")
+    if layer_types:
+        others = sorted(set(layer_types) - {"full_attention"})
+        if others and not (set(others) == {"sliding_attention"} and window and seq_len and window >= seq_len):
+            return f"its layer types {others} are not full causal attention, the only kind the ring computes"
+    elif window and text.get("use_sliding_window", True) is not False and (not seq_len or window < seq_len):
+        return f"its sliding window of {window} tokens is shorter than the sequence: the ring computes full causal attention only"
+    if text.get("alibi") or text.get("position_embedding_type") == "alibi":
+        return "its ALiBi position biases are an attention bias, which the ring takes none of"
+    return ""
+
+
+CONTEXT_PARALLEL_STEPS = ("autotune", "hf")
+"""The steps (config.stack_step) whose loss takes context parallelism's slices (parallel/context.py
+sequence_shards): the model's own loss on input ids, shifted labels and position ids."""
+
+CONTEXT_PARALLEL_DEGREES = (2, 4, 8)
+"""Context-parallel degrees the search proposes (within a node: the ring passes keys and values every layer)."""
+
+
+def context_parallel_degrees(shape: ProblemShape) -> tuple[int, ...]:
+    """1, then the degrees of CONTEXT_PARALLEL_DEGREES check_combination accepts for `shape`."""
+    base = {knob.name: knob.default for knob in KNOBS}
+    return (1, *(cp for cp in CONTEXT_PARALLEL_DEGREES
+                 if not why_not_buildable({**base, "context_parallel": cp}, shape)))
+
+
+def _check_context_parallel(values: dict[str, Any], shape: ProblemShape) -> None:
+    """--cp: a degree within a node whose ring the model's attention allows (why_no_context_parallel), and
+    only the knobs context parallelism is built with here (FSDP over every GPU, no other split)."""
+    cp = values["context_parallel"]
+    if cp == 1:
+        return
+    flag, model, per_node = f"--cp {cp}", shape.model, shape.gpus_per_node
+    if per_node % cp or shape.num_gpus % cp:
+        raise UsageError(f"{flag}: the context-parallel degree must divide the {per_node} GPUs per node (its ring "
+                         f"passes keys and values every layer, within a node), e.g. --cp {_largest_divisor(per_node, 8)}")
+    if shape.packed:
+        raise UsageError(f"{flag} with --token-budget: the ring attention computes one causal sequence, not packed "
+                         "documents; drop one of them")
+    if shape.step not in CONTEXT_PARALLEL_STEPS:
+        raise UsageError(f"{flag}: context parallelism slices the model's own loss (--stack fsdp2, accelerate, "
+                         f"hf-trainer), not the {shape.step} step of the stack given; use --cp 1")
+    why = why_no_context_parallel(model.config_dict, seq_len=shape.seq_len, degree=cp)
+    if why:
+        raise UsageError(f"{flag}: {model.name} at --seq-len {shape.seq_len}: {why}; use --cp 1")
+    for name, flag_of in (("tensor_parallel", "--tp"), ("shard_group_size", "--hsdp"),
+                          ("reshard_group_size", "--reshard-group"), ("expert_parallel", "--ep"),
+                          ("compile", "--compile"), ("float8", "--float8"), ("cpu_offload", "--offload"),
+                          ("activation_offload", "--activation-offload"), ("shard_placement", "--shard-placement")):
+        if values[name] != BY_NAME[name].default:
+            raise UsageError(f"{flag} with {flag_of}: not built here yet (docs/KNOBS.md, context parallelism); "
                              "drop one of them")
 
 

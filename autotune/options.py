@@ -69,6 +69,31 @@ def routing_skew(text: str):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def token_budget(text: str) -> int | str:
+    """--token-budget: search, or a count of tokens per micro-batch (autotune/packing.py)."""
+    if str(text).strip().lower() == "search":
+        return "search"
+    from autotune.units import parse_count
+
+    try:
+        value = parse_count(text, what="--token-budget")
+    except UsageError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'search' nor a count of tokens (e.g. 32k)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive count of tokens")
+    return value
+
+
+def doc_lengths(text: str):
+    """--doc-lengths: a file of document lengths, a JSON histogram or loguniform:LOW:HIGH, parsed once."""
+    from autotune.packing import read_document_lengths
+
+    try:
+        return read_document_lengths(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def usage_error(message: str, prog: str = "autotune tune") -> UsageError:
     """A bad option, as the CLI's parser words it (the library words it the same)."""
     return UsageError(f"{message} (see '{prog} --help')")
@@ -113,6 +138,11 @@ class TuneOptions:
     routing_skew: Any = _option(check=routing_skew)
     """A MoE model's routing assumption (autotune.routing.RoutingSkew, parsed from --routing-skew's text);
     None: balanced."""
+    token_budget: Any = _option(check=token_budget)
+    """Packed token-budget batches (autotune/packing.py): 'search', or a count of tokens the search stays
+    within; None: rows of one sequence each."""
+    doc_lengths: Any = _option(check=doc_lengths)
+    """The document length distribution of packed batches (packing.DocumentLengths); None: the default."""
     # fine-tuning
     peft: str | None = _option(choices=PEFT_METHODS)
     lora_rank: int | None = _option(check=positive_int)

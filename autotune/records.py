@@ -13,6 +13,7 @@ from autotune.batch import DEFAULT_TOLERANCE, GlobalBatch, plan_global_batch, wi
 from autotune.catalog.models import ModelSpec
 from autotune import knobs
 from autotune.config import Cluster, FineTuning, TrainConfig, TrialSpec, Workload, memory_limit_bytes
+from autotune.packing import Packing
 from autotune.routing import RoutingSkew
 from autotune.search_space import SearchSpace
 
@@ -39,6 +40,8 @@ class TuneRequest:
     """grpo: how vLLM's share was fixed or chosen and its estimated need (vllm_share.choose_share)."""
     routing_skew: RoutingSkew = field(default_factory=RoutingSkew)
     """A MoE model's routing assumption (autotune/routing.py): every trial is predicted under it."""
+    packing: Packing | None = None
+    """Token-budget batches (autotune/packing.py): the micro-batch searched is the budget in units of seq_len."""
 
     @property
     def memory_limit_bytes(self) -> int:
@@ -60,23 +63,28 @@ class TuneRequest:
         """Beyond this, even one accumulation step overshoots the global batch."""
         return self.max_micro_batch_at(1)
 
-    def max_micro_batch_at(self, tensor_parallel: int) -> int:
-        """max_micro_batch where each tensor-parallel group of `tensor_parallel` GPUs takes one batch."""
-        per_rank_sequences = self.target_tokens // (self.cluster.num_gpus // tensor_parallel * self.seq_len)
+    def max_micro_batch_at(self, ranks_per_batch: int) -> int:
+        """max_micro_batch where each group of `ranks_per_batch` GPUs (tensor- or context-parallel) takes one batch."""
+        per_rank_sequences = self.target_tokens // (self.cluster.num_gpus // ranks_per_batch * self.seq_len)
         return max(1, min(self.space.max_micro_batch, per_rank_sequences))
 
-    def global_batch(self, micro_batch_size: int, *, tensor_parallel: int = 1) -> GlobalBatch:
-        """The accumulation that hits the target: each data rank (a tensor-parallel group shares one
-        batch) takes `micro_batch_size` sequences per micro-step."""
-        return plan_global_batch(target_tokens=self.target_tokens, num_gpus=self.cluster.num_gpus // tensor_parallel,
-                                 seq_len=self.seq_len, micro_batch_size=micro_batch_size)
+    def global_batch(self, micro_batch_size: int, *, ranks_per_batch: int = 1) -> GlobalBatch:
+        """The accumulation that hits the target: each data rank (a tensor- or context-parallel group of
+        `ranks_per_batch` GPUs shares one batch) takes `micro_batch_size` sequences per micro-step."""
+        packed = None
+        if self.packing is not None:
+            stats = self.packing.stats(micro_batch_size * self.seq_len, self.seq_len)
+            packed = (stats.tokens, stats.tokens_std)
+        return plan_global_batch(target_tokens=self.target_tokens, num_gpus=self.cluster.num_gpus // ranks_per_batch,
+                                 seq_len=self.seq_len, micro_batch_size=micro_batch_size, packed=packed)
 
     def spec(self, train: TrainConfig) -> TrialSpec:
         return TrialSpec(model=self.model, cluster=self.cluster, seq_len=self.seq_len, train=train,
                          grad_accum_steps=self.global_batch(train.micro_batch_size,
-                                                           tensor_parallel=train.tensor_parallel).grad_accum_steps,
+                                                           ranks_per_batch=train.ranks_per_batch).grad_accum_steps,
                          memory_limit_bytes=self.memory_limit_bytes, workload=self.workload,
-                         finetuning=self.finetuning, stack=self.stack, routing_skew=self.routing_skew)
+                         finetuning=self.finetuning, stack=self.stack, routing_skew=self.routing_skew,
+                         packing=self.packing)
 
 
 @dataclass(kw_only=True)

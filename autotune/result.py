@@ -16,6 +16,7 @@ from autotune.version import __version__
 from autotune import knobs
 from autotune.config import (MASTER_DTYPE_BYTES, MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, PARAM_DTYPE_NAMES,
                              reduce_dtype_name, stack_section, stack_step)
+from autotune.packing import packing_section
 from autotune.routing import routing_section
 from autotune.runtime_memory import ALLOC_CONF_ENV, alloc_conf
 from autotune.secrets import mask
@@ -263,7 +264,9 @@ def _trial_command(request: TuneRequest, step: Step) -> str:
             + finetuning_flags(request.finetuning)
             + (f" --stack {request.stack}" if request.stack != "fsdp2" else "")
             + (f" --routing-skew {shlex.quote(request.routing_skew.source or request.routing_skew.label())}"
-               if not request.routing_skew.balanced else ""))
+               if not request.routing_skew.balanced else "")
+            + (f" --token-budget {t.micro_batch_size * request.seq_len} --doc-lengths "
+               f"{shlex.quote(request.packing.lengths.source)}" if request.packing is not None else ""))
 
 
 def compile_section(winner: Step, steps: list[Step], *, tolerance: float) -> dict[str, Any]:
@@ -374,6 +377,9 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
         # A MoE model's routing assumption, named, and the expert-parallel rank that binds under it.
         **({"routing_skew": routing_section(request.routing_skew, request.model, train.expert_parallel)}
            if not request.routing_skew.balanced or train.expert_parallel > 1 else {}),
+        # Packed token-budget batches: the budget, the length assumption, the expected fill and spread.
+        **({"packing": dict(packing_section(request.spec(train)),
+                            global_tokens_spread=round(batch.spread_tokens))} if request.packing is not None else {}),
         "fsdp": {
             "param_dtype": PARAM_DTYPE_NAMES[train.precision],
             "reduce_dtype": reduce_dtype_name(train.precision, stack_step(request.stack, train.precision,
@@ -384,8 +390,10 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
         },
         "parallelism": {
             "tensor_parallel": train.tensor_parallel,
-            "data_parallel_ranks": request.cluster.num_gpus // train.tensor_parallel,
-            "note": "each tensor-parallel group of GPUs takes one batch; FSDP shards over the data-parallel ranks",
+            "context_parallel": train.context_parallel,
+            "data_parallel_ranks": request.cluster.num_gpus // train.ranks_per_batch,
+            "note": "each tensor- or context-parallel group of GPUs takes one batch; FSDP shards over the data-parallel "
+                    "ranks (with context parallelism, over every GPU)",
         },
         "optimizer": {
             "name": "AdamW",

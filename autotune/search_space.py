@@ -20,7 +20,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "offload": {"enabled": bool, "activations": bool},
     "micro_batch": {"max": int, "refine": bool},
     "explore": {"no_reshard": bool, "checkpointed_larger_micro_batch": bool, "expert_parallel": bool,
-                "tensor_parallel": bool},
+                "tensor_parallel": bool, "context_parallel": bool},
     "compile": {"mode": str},
     "float8": {"mode": str},
 }
@@ -54,6 +54,8 @@ class SearchSpace:
     tensor_parallel: bool = True
     """Try tensor parallelism over 2, 4, 8 GPUs of a node (--tp) where FSDP alone holds nothing, misses the
     global batch, or the estimate says a mesh may win."""
+    context_parallel: bool = True
+    """Try context parallelism over 2, 4, 8 GPUs of a node (--cp) where tensor parallelism is tried."""
     compile: str = "auto"
     """torch.compile in the search: one of COMPILE_SEARCH (the tune command's --compile overrides it)."""
     float8: str = "auto"
@@ -148,6 +150,7 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
         explore_checkpointed_larger_micro_batch=get("explore", "checkpointed_larger_micro_batch", True),
         expert_parallel=get("explore", "expert_parallel", True),
         tensor_parallel=get("explore", "tensor_parallel", True),
+        context_parallel=get("explore", "context_parallel", True),
         compile=compile_search,
         float8=float8_search,
         source=where,

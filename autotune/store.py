@@ -46,6 +46,8 @@ def study_name(request: TuneRequest, backend: str) -> str:
         **({"stack": request.stack} if request.stack != "fsdp2" else {}),
         # Nor a skewed-routing problem a balanced one.
         **({"routing_skew": request.routing_skew.to_dict()} if not request.routing_skew.balanced else {}),
+        # Nor packed token-budget batches rows of whole sequences (autotune/packing.py).
+        **({"packing": request.packing.to_dict()} if request.packing is not None else {}),
         # Nor a torchtitan (LitGPT) study whose trials ran its own step one whose trials could not
         # (its package not importable where it ran: autotune's step; config.stack_step).
         **({f"{request.stack}_step": OWN_STEPS[request.stack].importable()} if request.stack in OWN_STEPS else {}),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,6 +17,7 @@ from torch import nn
 from autotune.catalog.models import ModelSpec
 from autotune.config import MASTER_DTYPE_NAMES, PARAM_DTYPE_NAMES, QLORA_QUANTIZATION, TRL_STEPS, FineTuning
 from autotune.errors import UsageError
+from autotune.packing import STEP as PACKED_STEP
 
 
 def build_model(model: ModelSpec, *, num_layers: int | None = None, seed: int = 0, precision: str = "bf16",
@@ -52,6 +54,8 @@ def build_model(model: ModelSpec, *, num_layers: int | None = None, seed: int = 
         net = apply_finetuning(net, finetuning, precision=precision)
     if step in TRL_STEPS:
         add_trl_fused_lm_head(net)
+    if step == PACKED_STEP:
+        use_varlen_attention(net)
     return net
 
 
@@ -310,12 +314,60 @@ def make_optimizer(model: nn.Module, *, impl: str = "fused", lr: float = 1e-4) -
 
 
 def token_batches(*, vocab_size: int, micro_batch_size: int, seq_len: int, device: torch.device | str,
-                  seed: int = 0) -> Iterator[torch.Tensor]:
-    """Seeded random token batches of shape (micro_batch, seq_len), forever."""
+                  seed: int = 0, documents: tuple[int, ...] = ()) -> Iterator[torch.Tensor | dict]:
+    """Seeded random token batches of shape (micro_batch, seq_len), forever; with `documents` (a packed
+    step's document lengths, summing to micro_batch x seq_len), each as one packed row (packed_batch)."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
     while True:
-        tokens = torch.randint(0, vocab_size, (micro_batch_size, seq_len), generator=generator)
-        yield tokens.to(device)
+        tokens = torch.randint(0, vocab_size, (micro_batch_size, seq_len), generator=generator).to(device)
+        yield packed_batch(tokens, documents) if documents else tokens
+
+
+def packed_batch(tokens: torch.Tensor, documents: tuple[int, ...]) -> dict[str, Any]:
+    """`tokens` flattened into one padding-free row of documents of the given lengths (autotune/packing.py):
+    position_ids restarting at 0 for each document, the label of each document's first token -100 (it is
+    not predicted from the previous document), and the lengths themselves for varlen_attention. Shapes
+    and indices are known in advance, so fake tensors trace it."""
+    row = tokens.reshape(1, -1)
+    if sum(documents) != row.shape[1]:
+        raise ValueError(f"documents of {sum(documents)} tokens for a row of {row.shape[1]}")
+    starts = [0]
+    for length in documents[:-1]:
+        starts.append(starts[-1] + length)
+    positions = torch.cat([torch.arange(length, device=row.device) for length in documents]).unsqueeze(0)
+    labels = row.clone()
+    labels[0, starts] = -100
+    return {"input_ids": row, "labels": labels, "position_ids": positions, "document_lengths": tuple(documents)}
+
+
+def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, *, document_lengths: tuple[int, ...] = (), **kwargs):
+    """Attention within each document of a packed row, causal: transformers' SDPA attention run on each
+    document's slice (what a varlen flash kernel computes in one launch: no block-diagonal mask, each
+    document's scores alone). Without `document_lengths`, the whole row as one sequence."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kwargs.pop("is_causal", None)
+    if not document_lengths:
+        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+    outputs = [sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)[0]
+               for q, k, v in zip(query.split(document_lengths, dim=2), key.split(document_lengths, dim=2),
+                                  value.split(document_lengths, dim=2))]
+    return torch.cat(outputs, dim=1), None
+
+
+def use_varlen_attention(net: nn.Module) -> None:
+    """Run `net`'s attention as varlen_attention (registered with transformers under packing.ATTENTION, a
+    name transformers builds no mask for)."""
+    from transformers import AttentionInterface
+
+    from autotune.packing import ATTENTION
+
+    AttentionInterface.register(ATTENTION, varlen_attention)
+    for module in net.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = ATTENTION
 
 
 MIN_OFFLOAD_BYTES = 1024
@@ -447,7 +499,7 @@ def padding_free_batch(tokens: torch.Tensor) -> dict[str, torch.Tensor | int]:
             "seq_idx": (2 * (index // seq) + second).to(torch.int32).unsqueeze(0)}
 
 
-def micro_batch_loss(model: nn.Module, tokens: torch.Tensor, *, step: str = "autotune") -> torch.Tensor:
+def micro_batch_loss(model: nn.Module, tokens: torch.Tensor | dict, *, step: str = "autotune") -> torch.Tensor:
     """One micro-batch's forward and loss, as the stack's loop computes it (config.stack_step):
     'autotune' and 'hf' (Trainer.compute_loss: the model's own loss, its outputs dropped before
     backward) take `model(input_ids, labels).loss`; TRL's steps are SFTTrainer.compute_loss (trl 1.16)
@@ -463,11 +515,21 @@ def micro_batch_loss(model: nn.Module, tokens: torch.Tensor, *, step: str = "aut
         from autotune.litgpt_step import litgpt_loss
 
         return litgpt_loss(model, tokens)
+    if isinstance(tokens, dict):  # the model's own arguments: a packed row (packing.STEP), CP's slices (_micro_batch)
+        return model(**tokens).loss
     if step in TRL_STEPS:
         batch = padding_free_batch(tokens) if step == "trl-padding-free" else {"input_ids": tokens, "labels": tokens}
         outputs = model(**batch, fused_lm_head=True, use_cache=False)
         return -outputs.log_probs.sum() / outputs.label_mask.sum().clamp(min=1)
     return model(input_ids=tokens, labels=tokens).loss
+
+
+def _micro_batch(model: nn.Module, tokens: torch.Tensor | dict) -> contextlib.AbstractContextManager:
+    """`tokens` as micro_batch_loss takes them: under context parallelism (parallel.apply_cp gave the model
+    its `sequence_shards`) the model's arguments for this rank's sequence slices, within CP's context;
+    else as they are."""
+    shards = getattr(model, "sequence_shards", None)
+    return contextlib.nullcontext(tokens) if shards is None else shards(tokens)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator[torch.Tensor], *,
@@ -480,7 +542,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iter
     the last micro-batch (`defer_grad_sync`) saves communication but keeps unsharded gradients
     of every block until then, which defeats full sharding's memory savings. `saved_activations`
     (activation offload) is entered around each forward. `step`: whose forward and loss
-    (micro_batch_loss; the model prepared by prepare_step).
+    (micro_batch_loss; the model prepared by prepare_step). Under context parallelism each
+    micro-batch's forward and backward run within its CP context (_micro_batch).
     With `phase_times` and `clock` (a synchronising timer), appends (seconds of the micro-batches,
     seconds of the optimizer step, seconds of the first micro-batch): a short trial runs fewer
     micro-batches than the real job and scales the later ones only. The first differs: under CPU
@@ -495,10 +558,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iter
         is_last = micro_step == grad_accum_steps - 1
         if defer_grad_sync and hasattr(model, "set_requires_gradient_sync"):
             model.set_requires_gradient_sync(is_last)
-        tokens = next(batches)
-        with saved_activations if saved_activations is not None else contextlib.nullcontext():
-            loss = micro_batch_loss(model, tokens, step=step) / grad_accum_steps
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+        with _micro_batch(model, next(batches)) as tokens:  # CP: open over forward and backward
+            with saved_activations if saved_activations is not None else contextlib.nullcontext():
+                loss = micro_batch_loss(model, tokens, step=step) / grad_accum_steps
+            (scaler.scale(loss) if scaler is not None else loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
         if timing and micro_step == 0 and grad_accum_steps > 1:
             first_done = clock()

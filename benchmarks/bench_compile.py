@@ -10,6 +10,8 @@ gloo trials, what compilation costs in time, and the float8 GPU estimate against
                                                       # checked on another
     python benchmarks/bench_compile.py --launches   # the kernels a compiled block launches: the
                                                     # simulator's count against inductor's own code
+    python benchmarks/bench_compile.py --pairs      # compile's estimated gain against every published
+                                                    # compiled/eager pair, held out by publisher (~30 s)
 
 Each row runs for real (the cpu backend: torchrun, gloo, inductor's CPU backend compiling each
 block; persistent launch, no warm-up step, so the first step's time includes compilation) and is
@@ -173,6 +175,44 @@ def launches() -> None:
                   f" ({time.perf_counter() - started:.0f} s)", flush=True)
 
 
+def pairs() -> dict:
+    """torch.compile's estimated gain (costmodel.compiled_throughput: the eager step against the same step with
+    the blocks' memory-bound ops fused) against every published compiled/eager pair (costmodel_fit.compile_pairs),
+    the eager constants fitted without each pair's publisher; then the compiled rows' own tokens/s. Printed, with
+    the summary issue 56 asks for (median |error| in points, share within 5 points, by publisher)."""
+    import statistics
+
+    from autotune import costmodel_fit
+
+    estimates = costmodel_fit.compile_ratio_estimates()
+    print("## Published compiled/eager pairs: estimated ratio (the eager constants fitted without the pair's publisher)")
+    print("| publisher | source | model | GPUs | checkpointing (eager -> compiled) | published | estimated | error (points) |")
+    print("|---|---|---|---|---|---:|---:|---:|")
+    errors = []
+    for pair, ratio in estimates:
+        e, c = pair.eager, pair.compiled
+        error = ratio - pair.published_ratio
+        errors.append((pair, error))
+        ac = e.activation_checkpointing if pair.compile_only else f"{e.activation_checkpointing} -> {c.activation_checkpointing}"
+        source = e.source if e.source == c.source else f"{e.source}; {c.source}"
+        print(f"| {pair.publisher} | {source} | {e.model} | {e.num_gpus}x {e.gpu} | "
+              f"{ac} | {pair.published_ratio:.3f} | {ratio:.3f} | {100 * error:+.1f} |")
+
+    def summary(label: str, errs: list[float]) -> dict:
+        figures = dict(pairs=len(errs), median_points=100 * statistics.median(errs),
+                       within_5_points=sum(x <= 0.05 for x in errs) / len(errs), worst_points=100 * max(errs))
+        print(f"{label}: {figures['pairs']} pairs, median |error| {figures['median_points']:.1f} points, "
+              f"{figures['within_5_points']:.0%} within 5 points, worst {figures['worst_points']:.1f}")
+        return figures
+
+    print()
+    out = {"compile only": summary("compile alone separates them", [abs(x) for p, x in errors if p.compile_only]),
+           "all": summary("every pair (fms-fsdp's 34B and 70B changed checkpointing too)", [abs(x) for _, x in errors])}
+    for publisher in dict.fromkeys(p.publisher for p, _ in errors):
+        out[publisher] = summary(f"  {publisher}", [abs(x) for p, x in errors if p.publisher == publisher])
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="steps per trial, all timed (the first compiles)")
@@ -180,6 +220,8 @@ def main() -> None:
     parser.add_argument("--float8", action="store_true", help="the float8 matrix instead")
     parser.add_argument("--published", action="store_true", help="the float8 estimate against published runs")
     parser.add_argument("--launches", action="store_true", help="a compiled block's kernel launches: counted vs inductor's")
+    parser.add_argument("--pairs", action="store_true",
+                        help="compile's estimated gain against the published compiled/eager pairs, held out by publisher")
     parser.add_argument("--fit-rowwise", action="store_true",
                         help="costmodel.ROWWISE_GEMM_RATE from torchao's published rowwise run, checked on torchtitan's")
     args = parser.parse_args()
@@ -189,6 +231,9 @@ def main() -> None:
         return published() if args.published else fit_rowwise()
     if args.launches:
         return launches()
+    if args.pairs:
+        pairs()
+        return None
     if args.float8 and FLOAT8_SITE.is_dir():
         # `make test` puts torchao beside the venv, not in it (tests/float8_site.py says why): this
         # process and the trials' ranks import it from there.

@@ -292,16 +292,12 @@ def run_published_by_source() -> dict:
                 held_out_fits={source: fitted for source, (fitted, _) in held_out.items()})
 
 
-COMPILE_RATIO_SOURCES = tuple(costmodel_fit.source_citation(key) for key in ("torchtitan-h100-8", "torchtitan-h100-128"))
-"""The sources of costmodel.COMPILE_PUBLISHED (torchtitan's Tables 1 and 3): their compiled rows are
-not a check of that ratio."""
-
-
 def run_published_by_publisher() -> dict:
     """Leave-one-publisher-out (every table of one publisher held out together: a stack the fit
     never saw), and the compiled rows kept out of the eager fit, estimated as the tool estimates a
-    compiled configuration (eager x COMPILE_SPEEDUP) with the constants fitted without their
-    publisher. Printed, not a target."""
+    compiled configuration (the step with its blocks' memory-bound ops fused, costmodel_fit.compiled_estimate)
+    with the constants fitted without their publisher. Printed, not a target (the compiled/eager ratios:
+    benchmarks/bench_compile.py --pairs)."""
     rows = list(costmodel_fit.published_runs())
     held_out = costmodel_fit.held_out_by_publisher(rows)
     print("\n## Published FSDP runs, leave-one-publisher-out (tokens/s/GPU; every table of a publisher held out)")
@@ -316,26 +312,27 @@ def run_published_by_publisher() -> dict:
         print(f"| {publisher} | {len(errs)} | {statistics.median(errs):+.1%} | {max(errs, key=abs):+.1%} |")
     med, worst = statistics.median(abs(e) for e in errors), max(abs(e) for e in errors)
     print(f"\nleave-one-publisher-out median |error| {med:.1%}, worst {worst:.1%} over {len(rows)} rows")
-    publishers = costmodel_fit.source_publishers()
-    compiled = [r for r in costmodel_fit.excluded_published_runs() if r.compile != "none" and not r.float8]
-    print(f"\n## Compiled rows (never fitted) vs the eager estimate x COMPILE_SPEEDUP "
-          f"({costmodel.COMPILE_SPEEDUP:.3f}; {costmodel.COMPILE_SOURCE}), eager constants fitted without their publisher")
-    print("| model | GPUs | ac | published (measured) | estimated | error | note |")
-    print("|---|---|---|---|---|---|---|")
+    all_rows = None
+    print("\n## Compiled rows (never fitted): the step with the blocks' memory-bound ops fused "
+          f"(costmodel.COMPILED_KERNELS = {costmodel.COMPILED_KERNELS!r}), eager constants fitted without their publisher")
+    print("| publisher | model | GPUs | ac | published (measured) | estimated | error | note |")
+    print("|---|---|---|---|---|---|---|---|")
     compiled_errors = []
-    for run in compiled:
-        fit, _ = held_out[publishers[run.source]]
+    for pair in costmodel_fit.compile_pairs():
+        run = pair.compiled
+        if pair.publisher in held_out:
+            fit = held_out[pair.publisher][0]
+        else:  # a publisher with no eager row in the fit: every row's fit
+            all_rows = costmodel_fit.fit(rows) if all_rows is None else all_rows
+            fit = all_rows
         est = costmodel_fit.compiled_estimate(run, fit)
         err = est / run.tokens_per_sec_per_gpu - 1
-        taken = run.source in (COMPILE_RATIO_SOURCES)
-        compiled_errors.append((err, taken))
-        print(f"| {run.model} | {run.num_gpus}x {run.gpu} | {run.activation_checkpointing} | "
-              f"{run.tokens_per_sec_per_gpu:,.0f} | {est:,.0f} | {err:+.1%} | "
-              f"{'COMPILE_SPEEDUP was taken from this row' if taken else run.note} |")
-    independent = [abs(e) for e, taken in compiled_errors if not taken]
-    if independent:
-        print(f"compiled rows COMPILE_SPEEDUP was not taken from: median |error| {statistics.median(independent):.1%}, "
-              f"worst {max(independent):.1%} over {len(independent)}")
+        compiled_errors.append((err, False))
+        print(f"| {pair.publisher} | {run.model} | {run.num_gpus}x {run.gpu} | {run.activation_checkpointing} | "
+              f"{run.tokens_per_sec_per_gpu:,.0f} | {est:,.0f} | {err:+.1%} | {run.note} |")
+    independent = [abs(e) for e, _ in compiled_errors]
+    print(f"compiled rows: median |error| {statistics.median(independent):.1%}, worst {max(independent):.1%} "
+          f"over {len(independent)}")
     return dict(median_abs_error=med, worst_abs_error=worst, by_publisher=by_publisher,
                 compiled_errors=[e for e, _ in compiled_errors])
 

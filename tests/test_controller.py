@@ -50,7 +50,7 @@ class FormulaBackend(TrialBackend):
 
 # The FSDP graph's tests: tensor parallelism, which FormulaBackend does not model, is searched apart
 # (tests/test_tensor_parallel.py).
-FSDP_ONLY = SearchSpace(tensor_parallel=False)
+FSDP_ONLY = SearchSpace(tensor_parallel=False, context_parallel=False)
 
 
 def request_for(capacity_gib, *, target=4 * 2**20, space=FSDP_ONLY, **kw):

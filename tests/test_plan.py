@@ -209,16 +209,22 @@ would trace them: 46 s more on llama3-8b); tests/test_compile.py has those."""
 
 
 def test_seq_len_max_is_the_longest_that_fits(tmp_path, capsys):
-    """llama3.2-1b (131,072 positions) on 8 x h100: the answer fits by a fresh trace of its winner,
-    and one step up the most memory-saving configuration the graph has (full checkpointing and
-    CPU offload, micro-batch 1) does not fit by a fresh trace."""
+    """llama3.2-1b (131,072 positions) on 8 x h100 with FSDP alone: the answer fits by a fresh trace of its
+    winner, and one step up the most memory-saving configuration the graph has (full checkpointing and
+    CPU offload, micro-batch 1) does not fit by a fresh trace. With context parallelism in the search (the
+    default), the answer is the model's whole 131,072 positions, each sequence split over a node's GPUs."""
     from autotune.seqlen import global_tokens_at
 
     step = 8192
-    out = tmp_path / "best.json"
-    assert main(["--model", "llama3.2-1b", "--gpus", "8", "--gpu-type", "h100-80gb", "--global-tokens", "4Mi",
-                 "--backend", "sim", "--seq-len", "max", "--seq-len-step", str(step), *EAGER,
-                 "--runs-dir", str(tmp_path / "runs"), "--out", str(out)]) == EXIT_OK
+    out, fsdp_only = tmp_path / "best.json", tmp_path / "fsdp-only.toml"
+    fsdp_only.write_text("[explore]\ntensor_parallel = false\ncontext_parallel = false\n")
+    problem = ["--model", "llama3.2-1b", "--gpus", "8", "--gpu-type", "h100-80gb", "--global-tokens", "4Mi",
+               "--backend", "sim", "--seq-len", "max", "--seq-len-step", str(step), *EAGER]
+    assert main([*problem, "--runs-dir", str(tmp_path / "cp-runs"), "--out", str(tmp_path / "cp.json")]) == EXIT_OK
+    split = json.loads((tmp_path / "cp.json").read_text())
+    assert split["seq_len"] == 131072 and split["parallelism"]["context_parallel"] > 1
+    capsys.readouterr()
+    assert main([*problem, "--space", str(fsdp_only), "--runs-dir", str(tmp_path / "runs"), "--out", str(out)]) == EXIT_OK
     printed = " ".join(capsys.readouterr().out.split())  # the console wraps at words
     assert "throughput vs sequence length" in printed
     best = json.loads(out.read_text())

@@ -32,8 +32,11 @@ MATRIX = [
 ]
 
 
-def _model(name: str, folder):
-    if name in ("mistral", "gpt2"):  # families without a catalog entry: transformers' own config, shrunk
+def shrunk_or_catalog_model(name: str, folder):
+    """A catalog model, or for a family without an entry (mistral, gpt2, olmo2) transformers' own config, shrunk."""
+    from autotune.catalog.models import MODELS
+
+    if name not in MODELS:
         path = folder / name
         if not (path / "config.json").exists():
             shrunk_config(name).save_pretrained(path)
@@ -43,7 +46,7 @@ def _model(name: str, folder):
 
 def _spec(row, folder) -> TrialSpec:
     name, ranks, tp, mb, ac = row
-    return TrialSpec(model=_model(name, folder), cluster=Cluster(num_gpus=ranks), seq_len=64,
+    return TrialSpec(model=shrunk_or_catalog_model(name, folder), cluster=Cluster(num_gpus=ranks), seq_len=64,
                      train=TrainConfig(tensor_parallel=tp, micro_batch_size=mb, activation_checkpointing=ac),
                      grad_accum_steps=1)
 
@@ -94,7 +97,7 @@ def _values(**changes):
 ])
 def test_degrees_proposed_follow_the_model_and_the_node(configs, model, gpus, per_node, expected):
     assert tensor_parallel_degrees(ProblemShape(num_gpus=gpus, gpus_per_node=per_node,
-                                                model=_model(model, configs))) == expected
+                                                model=shrunk_or_catalog_model(model, configs))) == expected
 
 
 @pytest.mark.parametrize("model, changes, message", [
@@ -107,7 +110,7 @@ def test_degrees_proposed_follow_the_model_and_the_node(configs, model, gpus, pe
     ("llama3-8b", dict(tensor_parallel=2, shard_group_size=4), "--tp 2 with --hsdp"),
 ])
 def test_a_mesh_the_model_or_cluster_cannot_hold_is_refused_naming_the_flag(configs, model, changes, message):
-    shape = ProblemShape(num_gpus=16, gpus_per_node=8, model=_model(model, configs))
+    shape = ProblemShape(num_gpus=16, gpus_per_node=8, model=shrunk_or_catalog_model(model, configs))
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
         check_combination(_values(**changes), shape)
 
@@ -117,7 +120,7 @@ def test_a_plan_is_read_from_the_transformers_config_class(configs):
     from transformers import LlamaConfig
 
     assert resolve_model("llama3-8b").tp_plan == dict(LlamaConfig.base_model_tp_plan)
-    assert _model("gpt2", configs).tp_plan is None
+    assert shrunk_or_catalog_model("gpt2", configs).tp_plan is None
 
 
 # --- the batch wall, the tune, the exports ---------------------------------------------------------
@@ -151,7 +154,7 @@ def test_a_model_without_a_plan_still_meets_the_batch_wall_in_one_line(configs, 
     in the user's own numbers."""
     from autotune.cli import main
 
-    code = main(["--model", str(_model("gpt2", configs).source), "--gpus", "64", "--global-tokens", "4K",
+    code = main(["--model", str(shrunk_or_catalog_model("gpt2", configs).source), "--gpus", "64", "--global-tokens", "4K",
                  "--seq-len", "128", "--backend", "analytic"])
     assert code == 2
     assert "smaller than one sequence per GPU (64 GPUs x 128 seq_len" in capsys.readouterr().err
@@ -215,7 +218,8 @@ def test_the_tensor_parallel_model_computes_the_whole_models_loss_and_gradients(
 class _SplitFormula:
     """A formula backend that models the split (tests/test_controller.py's, with tensor parallelism): the
     blocks' share of the memory and the activations a tp-th on each GPU, 15% of the time lost to the
-    all-reduces per doubling of the degree. Not a cost model: the controller's path is what is checked."""
+    all-reduces per doubling of the degree; with context parallelism the activations a cp-th, 10% lost to the
+    ring per doubling. Not a cost model: the controller's path is what is checked."""
 
     name, memory_source, throughput_source = "split-formula", "estimated", "estimated"
 
@@ -228,11 +232,12 @@ class _SplitFormula:
 
         train = spec.train
         self.calls.append(train)
-        tp = train.tensor_parallel
+        tp, cp = train.tensor_parallel, train.context_parallel
         kept = 0.1 if train.activation_checkpointing.mode == "full" else 1.0
         states = self.states * (0.1 if train.cpu_offload else 1.0) / tp
-        peak = int(states + train.micro_batch_size * self.activation * kept / tp)
-        tps = train.micro_batch_size * 1000 * 0.85 ** (tp.bit_length() - 1) * (0.5 if train.cpu_offload else 1.0)
+        peak = int(states + train.micro_batch_size * self.activation * kept / (tp * cp))
+        tps = (train.micro_batch_size * 1000 * 0.85 ** (tp.bit_length() - 1) * 0.9 ** (cp.bit_length() - 1)
+               * (0.5 if train.cpu_offload else 1.0))
         return TrialResult(status="ok" if peak <= spec.limit_bytes else "oom",
                            peak_memory=Figure(peak, "estimated", "formula"), tokens_per_sec=Figure(tps, "estimated", "formula"))
 
@@ -240,7 +245,7 @@ class _SplitFormula:
         pass
 
 
-def _controller_outcome(backend, *, capacity_gib: float, target: int):
+def _controller_outcome(backend, *, capacity_gib: float, target: int, context_parallel: bool = False):
     from autotune.catalog.gpus import GPUS
     from autotune.controller import Controller
     from autotune.records import TuneRequest
@@ -248,7 +253,8 @@ def _controller_outcome(backend, *, capacity_gib: float, target: int):
 
     cluster = Cluster(num_gpus=8, gpu=GPUS["h100-80gb"], gpu_memory_bytes=int(capacity_gib * 2**30))
     request = TuneRequest(model=resolve_model("tiny-llama"), cluster=cluster, seq_len=256, target_tokens=target,
-                          headroom=0.0, space=SearchSpace(offload=False, compile="none", float8="none"))
+                          headroom=0.0, space=SearchSpace(offload=False, compile="none", float8="none",
+                                                          context_parallel=context_parallel))
     return Controller(request, backend).tune()
 
 
@@ -273,3 +279,22 @@ def test_at_the_memory_wall_the_graph_tries_each_degree_and_the_smallest_that_fi
     assert {(1, "none"), (1, "full"), (2, "full"), (4, "full")} <= tried
     assert any(tp == 2 and ac not in ("none", "full") for tp, ac in tried)  # lighter checkpointing, split
     assert outcome.winner.train.tensor_parallel == 2 and outcome.winner.train.micro_batch_size > 1
+
+
+def test_at_the_context_wall_context_parallelism_is_tried_and_wins_where_it_is_faster():
+    """Activations of 300 GiB a sequence (30 GiB checkpointed) beside 10 GiB of states on 30 GiB GPUs: FSDP fits
+    nothing; tp=2 (20 GiB) and cp=2 (25 GiB) both fit from the checkpointed graph, and cp=2 loses less time in the
+    formula: it wins, and each GPU pair shares one batch."""
+    backend = _SplitFormula(states_gib=10, activation_gib=300)
+    outcome = _controller_outcome(backend, capacity_gib=30, target=4 * 2**20, context_parallel=True)
+    tried = {(t.tensor_parallel, t.context_parallel) for t in backend.calls}
+    assert {(1, 1), (2, 1), (1, 2)} <= tried and not any(tp > 1 and cp > 1 for tp, cp in tried)
+    winner = outcome.winner.train
+    assert winner.context_parallel == 2 and winner.tensor_parallel == 1
+    assert outcome.winner.batch.global_tokens == winner.micro_batch_size * 256 * 4 * outcome.winner.batch.grad_accum_steps
+
+
+def test_the_search_space_can_leave_context_parallelism_out():
+    backend = _SplitFormula(states_gib=10, activation_gib=300)
+    _controller_outcome(backend, capacity_gib=30, target=4 * 2**20, context_parallel=False)
+    assert all(t.context_parallel == 1 for t in backend.calls)

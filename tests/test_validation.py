@@ -42,14 +42,21 @@ RECORDED_TAU = 0.85
 """Kendall tau of the estimates against the 52 recorded H100 trials' measured tokens/s, for the default
 estimate and for the per-operation model on the calibrated profiles (0.88 and 0.87 on 2026-11-28). Issue 11's
 ranking target, tau >= 0.8, on real trials; here on stored ones, so that a timing-free check can fail."""
-COMPILE_POINTS_MEDIAN, COMPILE_POINTS_WORST = 0.094, 0.121
-"""The compiled/eager ratio (costmodel.COMPILE_SPEEDUP, 1.160) against the published pairs it was not taken
-from (fms-fsdp's four: 1.194-1.280), in points. Issue 56's target (median <= 3 points, 80% within 5, over 8
-pairs from 3 sources) is NOT met: median 9.3, worst 12.0 points on 2026-11-28."""
-COMPILED_ROWS_MEDIAN, COMPILED_ROWS_WORST = 0.078, 0.183
-"""The compiled published rows COMPILE_SPEEDUP was not taken from (fms-fsdp's eight), estimated as the tool
-does (the eager estimate with the constants fitted without fms-fsdp, times COMPILE_SPEEDUP): median |error|
-7.8%, worst 18.3% (llama-70b, 96 H100s) on 2026-11-28. No issue target: current figures."""
+COMPILE_PAIRS_MEDIAN, COMPILE_PAIRS_WITHIN_5, COMPILE_PAIRS_WORST = 0.088, 0.28, 0.125
+"""torch.compile's estimated gain (the eager step against the same step with the blocks' memory-bound ops fused,
+costmodel.compiled_throughput; no published ratio in it, no compile constant fitted) against the published
+compiled/eager ratios of the 7 pairs compile alone separates (torchtitan 2, IBM fms-fsdp 4, AWS 1), each pair's
+eager constants fitted without its publisher. Issue 56's target (median <= 3 points, >= 80% within 5 points,
+over >= 8 pairs from >= 3 sources) is NOT met: median 8.7 points, 2 of 7 within 5 (29%), worst 12.5 on 2026-11-28
+(torchtitan and AWS +4.9 to +5.5: the estimate gains more than they did; fms-fsdp's 7B and 13B -8.7 to -12.5:
+less). The 11 pairs with fms-fsdp's 34B and 70B (checkpointing changed with compile there): median 8.7, 2 of 11
+within 5, worst 13.5 points: asserted below as well."""
+COMPILE_ALL_PAIRS_MEDIAN, COMPILE_ALL_PAIRS_WORST = 0.088, 0.136
+COMPILED_ROWS_MEDIAN, COMPILED_ROWS_WORST = 0.037, 0.116
+"""The 11 compiled published rows (no float8) estimated as the tool does (the compiled step with the eager
+constants fitted without the row's publisher): median |error| 3.6%, worst 11.5% (llama-70b, 96 H100s) on
+2026-11-28 (7.8% and 18.3% while the eager estimate was multiplied by one published ratio). No issue target:
+current figures."""
 
 
 @pytest.fixture(scope="module")
@@ -137,23 +144,30 @@ def test_recorded_gpu_trials_hold_their_ranges():
 
 
 def test_compiled_rows_not_taken_into_the_ratio(by_publisher):
-    """torch.compile's gain: COMPILE_SPEEDUP (the mean of torchtitan's two published pairs) against the
-    pairs it was not taken from, and the compiled published rows estimated as the tool estimates them."""
+    """torch.compile's gain, estimated per configuration from its own step (no published ratio is taken into it),
+    against every published compiled/eager pair held out by publisher (costmodel_fit.compile_ratio_estimates), and
+    the compiled published rows estimated as the tool estimates them. The thresholds are the figures of
+    2026-11-28 (COMPILE_PAIRS_*: issue 56's targets are NOT met, see there); the range's half width
+    (costmodel.COMPILE_RATIO_ERROR_POINTS) must cover the worst compile-only pair."""
     from autotune import costmodel_fit
 
-    ratios = constants.published_compile_ratios()
-    taken = [r for r in ratios if abs(r - 1.157) < 0.001 or abs(r - 1.162) < 0.001]  # torchtitan's two
-    others = [abs(r - costmodel.COMPILE_SPEEDUP) for r in ratios if r not in taken]
-    assert len(taken) == 2 and len(others) >= 4
-    assert statistics.median(others) <= COMPILE_POINTS_MEDIAN and max(others) <= COMPILE_POINTS_WORST, others
-    publishers = costmodel_fit.source_publishers()
-    torchtitan = {costmodel_fit.source_citation(k) for k in ("torchtitan-h100-8", "torchtitan-h100-128")}
+    rows = list(costmodel_fit.published_runs())
+    all_rows = costmodel_fit.fit(rows)  # for a publisher with no eager row in the fit (AWS)
+    estimates = costmodel_fit.compile_ratio_estimates(by_publisher, all_rows)
+    assert len(estimates) >= 8 and len({pair.publisher for pair, _ in estimates}) >= 3
+    only = [abs(ratio - pair.published_ratio) for pair, ratio in estimates if pair.compile_only]
+    assert len(only) >= 7 and len({pair.publisher for pair, _ in estimates if pair.compile_only}) >= 3
+    assert statistics.median(only) <= COMPILE_PAIRS_MEDIAN and max(only) <= COMPILE_PAIRS_WORST, only
+    assert sum(e <= 0.05 for e in only) / len(only) >= COMPILE_PAIRS_WITHIN_5, only
+    assert max(only) <= costmodel.COMPILE_RATIO_ERROR_POINTS
+    every = [abs(ratio - pair.published_ratio) for pair, ratio in estimates]
+    assert statistics.median(every) <= COMPILE_ALL_PAIRS_MEDIAN and max(every) <= COMPILE_ALL_PAIRS_WORST, every
+    # The ratio moves with the configuration (width, sequence, checkpointing, GPUs): not one figure for all.
+    assert len({round(ratio, 3) for _, ratio in estimates}) >= 8
     errors = []
-    for run in costmodel_fit.excluded_published_runs():
-        if run.compile == "none" or run.float8 or run.source in torchtitan:
-            continue
-        fit, _ = by_publisher[publishers[run.source]]
-        errors.append(abs(costmodel_fit.compiled_estimate(run, fit) / run.tokens_per_sec_per_gpu - 1))
+    for pair in costmodel_fit.compile_pairs():
+        fit = by_publisher[pair.publisher][0] if pair.publisher in by_publisher else all_rows
+        errors.append(abs(costmodel_fit.compiled_estimate(pair.compiled, fit) / pair.compiled.tokens_per_sec_per_gpu - 1))
     assert len(errors) >= 8
     assert statistics.median(errors) <= COMPILED_ROWS_MEDIAN and max(errors) <= COMPILED_ROWS_WORST, errors
 
@@ -196,7 +210,7 @@ def test_the_validation_page_is_current():
     assert constants.PAGE.read_text() == constants.render_page(), "python -m autotune.constants --write"
 
 
-ISSUE_60_CONSTANTS = ("MATMUL_EFFICIENCY", "DEFAULT_MATMUL_EFFICIENCY", "COMPILE_SPEEDUP", "INTRA_NODE_BUS_EFFICIENCY",
+ISSUE_60_CONSTANTS = ("MATMUL_EFFICIENCY", "DEFAULT_MATMUL_EFFICIENCY", "COMPILED_KERNELS", "INTRA_NODE_BUS_EFFICIENCY",
                       "NIC_BUS_EFFICIENCY", "HOST_OP_US", "CUDA_CONTEXT_BYTES", "NCCL_COMMUNICATOR_BASE_BYTES",
                       "NCCL_BUFFSIZE_DEFAULT", "CUBLAS_WORKSPACE_BYTES", "FRAGMENTATION", "ROWWISE_GEMM_RATE",
                       "FLOAT8_ONE_GPU_MEASURED", "FLOAT8_RANGE_LOW", "CPU_ADAM_PARAMS_PER_S_PER_NODE",
@@ -298,7 +312,7 @@ def test_no_test_asserts_equality_with_a_module_constant():
 def test_the_grep_catches_what_it_looks_for(tmp_path):
     (tmp_path / "test_bad.py").write_text(
         "import pytest\nfrom autotune import costmodel as cm\nfrom autotune.runtime_memory import CUDA_CONTEXT_BYTES\n"
-        "def test_a(ratio, ctx):\n    assert ratio == pytest.approx(cm.COMPILE_SPEEDUP)\n"
+        "def test_a(ratio, ctx):\n    assert ratio == pytest.approx(cm.COMPILE_RATIO_ERROR_POINTS)\n"
         "    assert ctx == CUDA_CONTEXT_BYTES\n    assert cm.MATMUL_EFFICIENCY['a100-80gb'] == 0.82\n"
         "    low, high = cm.estimate_range(1.0, None)\n")
     assert len(self_referential_assertions(tmp_path)) == 4

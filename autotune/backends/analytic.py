@@ -235,7 +235,12 @@ def loss_backward_bytes(step: str, *, tokens: int, vocab: int, hidden: int, d: i
 def attention_span(spec: TrialSpec) -> int:
     """The keys each query's attention runs over, as SDPA computes it: the sequence, or a padding-free
     micro-batch's every token ('trl-padding-free': one row under a block-diagonal mask, which SDPA
-    computes densely; the trace counts the same FLOPs)."""
+    computes densely; the trace counts the same FLOPs); a token-budget row's documents each attend within
+    themselves (autotune/packing.py): their token-weighted mean length, the expected sum of squared lengths
+    over the tokens."""
+    if spec.packing is not None:
+        stats = spec.packing.stats(spec.token_budget, spec.seq_len)
+        return max(1, round(stats.squares / max(stats.tokens, 1.0)))
     return spec.train.micro_batch_size * spec.seq_len if spec.step == "trl-padding-free" else spec.seq_len
 
 
@@ -255,10 +260,11 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     # Parameters are sharded over the shard group: every GPU, or an HSDP group.
     train, world = spec.train, spec.train.shard_group_size or spec.cluster.num_gpus
     d = PARAM_BYTES[train.precision]
+    cp = train.context_parallel  # each GPU of a context-parallel group holds a cp-th of every sequence
     master = master_bytes(train.precision)
     # Gradients are reduce-scattered in the master dtype, or in the compute dtype under Accelerate's policy.
     reduce = MASTER_DTYPE_BYTES[reduce_dtype_name(train.precision, spec.step)]
-    tokens = train.micro_batch_size * spec.seq_len
+    tokens = train.micro_batch_size * spec.seq_len // cp
     num_layers, block = shape.num_layers, shape.block_params
     total = shape.num_parameters
     # What trains: every parameter, or LoRA's adapters on a frozen base stored in the compute dtype.
@@ -428,18 +434,44 @@ def expert_parallel_work(spec: TrialSpec) -> dict:
         num_microbatches=spec.grad_accum_steps), all_to_all_inter_node=ep > spec.cluster.gpus_per_node)
 
 
+def fused_bytes_saved(spec: TrialSpec) -> float:
+    """costmodel.compile_fused_bytes_saved of a TrialSpec on one GPU: its model's shape, its micro-batches'
+    tokens (a tensor- or context-parallel GPU's share), its checkpointed blocks, its compute dtype."""
+    shape = model_shape(spec.model)
+    ac = spec.train.activation_checkpointing
+    return costmodel.compile_fused_bytes_saved(
+        tokens=spec.train.micro_batch_size * spec.seq_len * spec.grad_accum_steps / spec.train.ranks_per_batch,
+        num_layers=shape.num_layers, checkpointed_blocks=sum(ac.wraps_block(i) for i in range(shape.num_layers)),
+        hidden=shape.hidden, ffn=shape.intermediate, kv_width=shape.kv_width,
+        param_bytes=PARAM_BYTES[spec.train.precision])
+
+
+def _blocks_recomputing_forward(spec: TrialSpec) -> int:
+    """Blocks whose forward runs again in backward: the wholly checkpointed ones (op-level: none whole)."""
+    ac = spec.train.activation_checkpointing
+    return 0 if ac.mode == "op" else sum(ac.wraps_block(i) for i in range(spec.model.num_layers))
+
+
 def tensor_parallel_work(spec: TrialSpec) -> dict:
     """fsdp_step_work's tensor-parallel arguments for `spec` (nothing without tensor parallelism)."""
     tp = spec.train.tensor_parallel
     if tp == 1:
         return {}
-    ac = spec.train.activation_checkpointing
     return dict(tensor_parallel=tp, tp_all_reduce_bytes=costmodel.tp_all_reduce_bytes(
         tokens_per_microbatch=spec.train.micro_batch_size * spec.seq_len, hidden_size=spec.model.hidden_size,
         activation_bytes=PARAM_DTYPE_BYTES[spec.train.precision], num_blocks=spec.model.num_layers,
-        tensor_parallel=tp, checkpointed_blocks=0 if ac.mode == "op" else sum(
-            ac.wraps_block(i) for i in range(spec.model.num_layers)),
-        num_microbatches=spec.grad_accum_steps))
+        tensor_parallel=tp, checkpointed_blocks=_blocks_recomputing_forward(spec), num_microbatches=spec.grad_accum_steps))
+
+
+def context_parallel_work(spec: TrialSpec) -> dict:
+    """fsdp_step_work's context-parallel arguments for `spec` (nothing without context parallelism)."""
+    cp = spec.train.context_parallel
+    if cp == 1:
+        return {}
+    return dict(context_parallel=cp, cp_ring_bytes=costmodel.cp_ring_bytes(
+        tokens_per_microbatch=spec.train.micro_batch_size * spec.seq_len, kv_width=model_shape(spec.model).kv_width,
+        activation_bytes=PARAM_DTYPE_BYTES[spec.train.precision], num_blocks=spec.model.num_layers,
+        context_parallel=cp, checkpointed_blocks=_blocks_recomputing_forward(spec), num_microbatches=spec.grad_accum_steps))
 
 
 def step_work(spec: TrialSpec, *, reduce_bytes: int = 4, kernels: str = "eager",
@@ -482,12 +514,15 @@ def step_work(spec: TrialSpec, *, reduce_bytes: int = 4, kernels: str = "eager",
                                                                kv_width=shape.kv_width)
             + num_checkpointed * costmodel.memory_bytes_per_token(kernels, hidden=shape.hidden, ffn=shape.intermediate,
                                                                   kv_width=shape.kv_width, forward=True)))
-    # Tensor parallelism: each GPU of a group does a tp-th of its tokens' work (attention by heads too).
-    tp = train.tensor_parallel
-    if tp > 1:
-        attention = {k: v / tp if k.endswith("_per_gpu") else v for k, v in attention.items()}
+    # Tensor parallelism: each GPU of a group does a tp-th of its tokens' work (attention by heads too);
+    # context parallelism a cp-th (its tokens; attention load-balanced, in ring steps of a cp-th of the keys).
+    tp, cp = train.tensor_parallel, train.context_parallel
+    if tp * cp > 1:
+        attention = {k: v / (tp * cp) if k.endswith("_per_gpu") else v for k, v in attention.items()}
+        attention["attention_span"] = max(1, attention["attention_span"] // cp)
     return costmodel.fsdp_step_work(
-        flops_per_gpu=tokens_per_gpu * (executed + recompute) / tp, model_flops_per_gpu=tokens_per_gpu * model_flops / tp,
+        flops_per_gpu=tokens_per_gpu * (executed + recompute) / (tp * cp),
+        model_flops_per_gpu=tokens_per_gpu * model_flops / (tp * cp),
         tokens_per_gpu_step=tokens_per_gpu, num_gpus=spec.cluster.num_gpus,
         block_params=gathered_block_params(spec, shape.block_params),
         num_blocks=shape.num_layers, root_params=shape.root_params, param_bytes=PARAM_BYTES[train.precision],
@@ -495,7 +530,7 @@ def step_work(spec: TrialSpec, *, reduce_bytes: int = 4, kernels: str = "eager",
         num_microbatches=spec.grad_accum_steps, hidden_size=shape.hidden, reduce_bytes=reduce_bytes,
         trainable=trainable_split(spec), attention=attention, precision=train.precision,
         offload_fresh_page_bytes=offload_fresh_page_bytes(spec), **expert_parallel_work(spec),
-        **tensor_parallel_work(spec))
+        **tensor_parallel_work(spec), **context_parallel_work(spec))
 
 
 class AnalyticBackend(TrialBackend):
@@ -520,12 +555,18 @@ class AnalyticBackend(TrialBackend):
         tokens_per_sec, tps_basis = step.tokens_per_sec, step.basis
         compile_speedup = None
         if spec.train.compile != "none":
-            # The published compiled/eager ratio. The closed form's memory stays eager's: what a
-            # compiled block saves is the partitioner's choice, which only the trace sees (docs/COMPILE.md).
-            tokens_per_sec, _, _, compiled_basis = costmodel.compiled_throughput(
-                tokens_per_sec, host_share=costmodel.host_offload_seconds(step.to_dict()) / step.seconds)
+            # The same step with the blocks' memory-bound ops fused (costmodel.compiled_work). The closed
+            # form's memory stays eager's: what a compiled block saves is the partitioner's choice, which only
+            # the trace sees (docs/COMPILE.md).
+            work = step_work(spec)
+            saved = fused_bytes_saved(spec)
+            compiled = costmodel.estimate_step_time(costmodel.compiled_work(work, fused_bytes_saved=saved),
+                                                    spec.cluster, shard_group_size=spec.train.shard_group_size,
+                                                    reshard_group_size=spec.train.reshard_group_size, describe=False)
+            tokens_per_sec, _, _, ratio, compiled_basis = costmodel.compiled_throughput(
+                tokens_per_sec, eager_step=step.to_dict(), compiled_step=compiled.to_dict(), fused_bytes_saved=saved)
             tps_basis += f"; {compiled_basis}"
-            compile_speedup = dict(ratio=costmodel.COMPILE_SPEEDUP, source="estimated", basis=compiled_basis)
+            compile_speedup = dict(ratio=ratio, source="estimated", basis=compiled_basis)
         if spec.train.float8 != "none":
             # The closed form counts neither the converted matmuls nor the casts (the simulator traces them).
             tps_basis += ("; float8 not costed by the closed form: the high-precision estimate (the simulator "

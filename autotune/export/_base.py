@@ -106,8 +106,12 @@ class Tuned:
     """Expert-parallel degree (1: none; results from before the knob: 1)."""
     tensor_parallel: int = 1
     """Tensor-parallel degree (1: none; results from before the knob: 1)."""
+    context_parallel: int = 1
+    """Context-parallel degree (1: none; results from before the knob: 1)."""
     stack: str = "fsdp2"
     """Whose step the memory was predicted for (results from before `--stack`: fsdp2, autotune's loop)."""
+    token_budget: int = 0
+    """Packed batches' tokens per micro-batch at most (autotune/packing.py); 0: rows of one sequence each."""
     float8: str = "none"
     """float8 training of the blocks' linears: none, tensorwise or rowwise (before the knob: none)."""
     text_only: dict[str, Any] | None = None
@@ -139,8 +143,8 @@ class Tuned:
 
     @property
     def hsdp_degrees(self) -> tuple[int, int]:
-        """(replicate, shard) degrees of the data-parallel mesh (a tensor-parallel group is one data rank)."""
-        data = self.gpus // self.tensor_parallel
+        """(replicate, shard) degrees of the data-parallel mesh (a tensor- or context-parallel group is one data rank)."""
+        data = self.gpus // self.ranks_per_batch
         shard = self.shard_group_size or data
         return data // shard, shard
 
@@ -166,12 +170,17 @@ class Tuned:
         """Who takes a batch each, for comments: the GPUs, or the tensor-parallel groups of them."""
         from autotune.batch import data_ranks_text
 
-        return data_ranks_text(self.gpus, self.tensor_parallel)
+        return data_ranks_text(self.gpus, self.tensor_parallel, self.context_parallel)
+
+    @property
+    def ranks_per_batch(self) -> int:
+        """GPUs that share one batch: a tensor- or context-parallel group."""
+        return self.tensor_parallel * self.context_parallel
 
     @property
     def global_batch_size(self) -> int:
-        """Sequences per optimizer step, all data ranks together (a tensor-parallel group takes one batch)."""
-        return self.micro_batch_size * (self.gpus // self.tensor_parallel) * self.grad_accum_steps
+        """Sequences per optimizer step, all data ranks together (a tensor- or context-parallel group takes one batch)."""
+        return self.micro_batch_size * (self.gpus // self.ranks_per_batch) * self.grad_accum_steps
 
     @classmethod
     def from_result(cls, result: dict[str, Any]) -> "Tuned":
@@ -196,6 +205,7 @@ class Tuned:
                 float8=str(values["float8"]),
                 expert_parallel=int(values["expert_parallel"]),
                 tensor_parallel=int(values["tensor_parallel"]),
+                context_parallel=int(values["context_parallel"]),
                 cpu_offload=bool(fsdp["cpu_offload"]),
                 reshard_after_forward=bool(fsdp["reshard_after_forward"]),
                 micro_batch_size=int(result["micro_batch_size"]),
@@ -210,6 +220,7 @@ class Tuned:
                 num_generations=(result.get("workload") or {}).get("num_generations"),
                 finetuning=dict(result.get("finetuning") or {"peft": "none"}),
                 stack=str((result.get("stack") or {}).get("name", "fsdp2")),
+                token_budget=int((result.get("packing") or {}).get("token_budget", 0)),
                 text_only=result.get("text_only"),
             )
         except (KeyError, TypeError) as exc:
@@ -252,7 +263,7 @@ class Mapper:
         assert not missing, f"exporter left knobs unaccounted for: {sorted(missing)}"
 
 
-EXPRESSIBLE = ("op_level_ac", "hsdp", "bf16_pure", "lora", "qlora")
+EXPRESSIBLE = ("op_level_ac", "hsdp", "bf16_pure", "lora", "qlora", "packing")
 """Knob values only some stacks can express: an exporter names those it writes in build_export's
 `expresses`; for the rest the mapping is derived here, as approximated or unsupported."""
 
@@ -328,6 +339,20 @@ def map_knobs_not_expressed(tuned: Tuned, mapper: Mapper, *, stack: str, express
                                 "each GPU would hold and compute whole blocks, and the global batch tuned (one batch "
                                 f"per {tuned.tensor_parallel} GPUs) would be {tuned.tensor_parallel}x larger; the "
                                 "fsdp2 script and torchtitan exports apply it")
+    if tuned.token_budget and "packing" not in expresses:
+        mapper.unsupported("token_budget",
+                           f"packed batches of up to {tuned.token_budget:,} tokens of whole documents per micro-batch "
+                           f"(attention within each document) are not written for {stack}: pack them yourself, one "
+                           "padding-free row per micro-batch with position_ids restarting at each document and a varlen "
+                           f"attention (attn_implementation='flash_attention_2'); verl: use_dynamic_bsz with "
+                           f"ppo_max_token_len_per_gpu={tuned.token_budget}. Rows of --seq-len instead have another "
+                           "memory and throughput than tuned; the trl export writes the packing")
+    _map_unless_written(mapper, "context_parallel", at_default=tuned.context_parallel == 1,
+                        default="no context parallelism, as tuned",
+                        missing=f"context parallelism over {tuned.context_parallel} GPUs is not written for {stack}: "
+                                "each GPU would hold whole sequences (more activation memory than tuned), and the "
+                                f"global batch tuned (one batch per {tuned.context_parallel} GPUs) would be "
+                                f"{tuned.context_parallel}x larger; the torchtitan and accelerate exports set it")
     if "shard_placement" not in {m.knob for m in mapper.mappings}:
         if tuned.shard_placement == "dim0":
             mapper.mapped("shard_placement", "every parameter sharded on dimension 0 (FSDP's default), as tuned")

@@ -38,7 +38,8 @@ _SOURCES = (
     _parallel.apply_float8, _parallel.shard_placement_fn,
     _parallel.apply_fsdp, _parallel.parallelize,
     _training.trainable_parameters, _training.make_optimizer, _training.token_batches,
-    _training.OffloadedActivations, _training.padding_free_batch, _training.micro_batch_loss, _training.train_step,
+    _training.OffloadedActivations, _training.padding_free_batch, _training.micro_batch_loss, _training._micro_batch,
+    _training.train_step,
 )
 
 
@@ -54,6 +55,9 @@ def map_parallelize_knobs(m: Mapper, *, precision_also: str = "", tensor_paralle
         m.mapped("tensor_parallel", "apply_tp in parallelize() on ParallelDims.of(TUNED, world)'s (dp_shard, tp) mesh "
                                     "(the model's transformers tensor-parallel plan, colwise/rowwise; one batch per "
                                     "tensor-parallel group)")
+        m.mapped("context_parallel", "apply_cp in parallelize() on ParallelDims.of(TUNED, world)'s (dp_shard, cp) mesh "
+                                     "(torch's ring attention through SDPA; train_step opens it around each "
+                                     "micro-batch; one batch per context-parallel group)")
     m.mapped("precision", "MixedPrecisionPolicy(param_dtype=...) in parallelize()" + precision_also)
     m.mapped("reduce_dtype", "mixed_precision_policy(TUNED.precision) in parallelize() (fp32 reduction in mixed "
                              "precision, bf16 in bf16-pure)")
@@ -149,7 +153,7 @@ SHAPES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attentio
 def batches(vocab_size: int, device: torch.device, rank: int):
     """Random token micro-batches (TUNED.micro_batch_size x SEQ_LEN): replace with your data."""
     return token_batches(vocab_size=vocab_size, micro_batch_size=TUNED.micro_batch_size, seq_len=SEQ_LEN,
-                         device=device, seed=rank // TUNED.tensor_parallel)  # a tensor-parallel group: one batch
+                         device=device, seed=rank // TUNED.ranks_per_batch)  # a tensor- or context-parallel group: one batch
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -196,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = make_optimizer(model, impl=TUNED.optimizer_impl, lr=args.lr)
     scaler = make_grad_scaler(TUNED.precision, device)
     tokens = batches(spec.config_dict["vocab_size"], device, rank)
-    tokens_per_step = TUNED.micro_batch_size * SEQ_LEN * GRAD_ACCUM_STEPS * (world // TUNED.tensor_parallel)
+    tokens_per_step = TUNED.micro_batch_size * SEQ_LEN * GRAD_ACCUM_STEPS * (world // TUNED.ranks_per_batch)
     # Activation offload needs an accelerator: on CPUs the host is the device.
     offloaded = OffloadedActivations() if TUNED.activation_offload and use_cuda else None
     for step in range(args.steps):
@@ -253,6 +257,12 @@ class TrainConfig:
     float8: str = "none"
     expert_parallel: int = 1
     tensor_parallel: int = 1
+    context_parallel: int = 1
+
+    @property
+    def ranks_per_batch(self) -> int:
+        """GPUs that share one batch: a tensor- or context-parallel group."""
+        return self.tensor_parallel * self.context_parallel
 
     @property
     def fsdp_reshard_after_forward(self) -> bool | int:
@@ -288,6 +298,7 @@ _OP = re.compile({_knobs._OP.pattern!r})
 SUPPORTED_FAMILIES = {_blocks.SUPPORTED_FAMILIES!r}
 MIN_OFFLOAD_BYTES = {_training.MIN_OFFLOAD_BYTES!r}
 TRL_STEPS = {_training.TRL_STEPS!r}
+PACKED_STEP = {_training.PACKED_STEP!r}
 COMPILE_BACKEND = {_knobs.COMPILE_BACKEND!r}
 FLOAT8_SKIPPED = {_parallel.FLOAT8_SKIPPED!r}
 BLOCK_PREFIX = {_knobs.BLOCK_PREFIX!r}
@@ -303,7 +314,7 @@ TUNED = TrainConfig(precision={t.precision!r}, activation_checkpointing=Checkpoi
                     shard_group_size={t.shard_group_size!r}, reshard_group_size={t.reshard_group_size!r},
                     shard_placement={t.shard_placement!r}, activation_offload={t.activation_offload!r},
                     compile={t.compile!r}, float8={t.float8!r}, expert_parallel={t.expert_parallel!r},
-                    tensor_parallel={t.tensor_parallel!r})
+                    tensor_parallel={t.tensor_parallel!r}, context_parallel={t.context_parallel!r})
 
 '''
 

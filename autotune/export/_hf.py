@@ -149,6 +149,11 @@ def export_accelerate(t: Tuned) -> Export:
                        "Accelerate's ParallelismConfig mesh; load the model with from_pretrained(..., tp_plan='auto', "
                        "device_mesh=accelerator.torch_device_mesh['tp']): transformers applies the same plan "
                        "(base_model_tp_plan) with its own colwise/rowwise classes, not torch's that autotune traced")
+    if t.context_parallel > 1:
+        m.approximated("context_parallel", f"parallelism_config: cp_size {t.context_parallel} x dp_shard_size {shard}",
+                       "Accelerate's ParallelismConfig mesh; wrap each step in accelerator.maybe_context_parallel("
+                       "buffers=[input_ids, shift_labels, position_ids], buffer_seq_dims=[1, 1, 1]): torch's ring "
+                       "attention through SDPA, as traced (CUDA's kernels there, the CPU flash kernel here)")
     m.unsupported("optimizer_impl", f"not an accelerate config key: build torch.optim.AdamW(..., "
                   f"{', '.join(f'{k}={v}' for k, v in optimizer_kwargs(t.optimizer_impl).items())}) in your script, "
                   "the implementation traced")
@@ -186,8 +191,9 @@ def export_accelerate(t: Tuned) -> Export:
         # HSDP: Accelerate 1.15 builds a (dp_replicate, dp_shard) mesh for fully_shard from these.
         **({"parallelism_config": {"parallelism_config_dp_replicate_size": replicate,
                                    "parallelism_config_dp_shard_size": shard,
-                                   **({"parallelism_config_tp_size": t.tensor_parallel} if t.tensor_parallel > 1 else {})}}
-           if t.shard_group_size or t.tensor_parallel > 1 else {}),
+                                   **({"parallelism_config_tp_size": t.tensor_parallel} if t.tensor_parallel > 1 else {}),
+                                   **({"parallelism_config_cp_size": t.context_parallel} if t.context_parallel > 1 else {})}}
+           if t.shard_group_size or t.ranks_per_batch > 1 else {}),
     }
     placeholders = (f"# (machine_rank: 0 and main_process_ip: {MAIN_ADDR_PLACEHOLDER} below are placeholders the "
                     "launch line overrides on each node)\n") if t.nodes > 1 else ""
@@ -278,7 +284,18 @@ def export_trl(t: Tuned) -> Export:
                        "GPU (more memory at the loss than predicted), and overlaps the copies (faster)")
     else:
         m.mapped("activation_offload", "activation_offloading: false (TRL's default)")
-    if t.stack == "trl-padding-free":
+    if t.token_budget:
+        fields["attn_implementation"] = "flash_attention_2"
+        m.approximated("token_budget", f"packing_strategy: bfd, padding_free: true, per_device_train_batch_size x "
+                       f"max_length = {t.token_budget:,} tokens, attn_implementation: flash_attention_2",
+                       "TRL packs whole documents into rows of max_length (bfd) and flattens a micro-batch's rows into "
+                       "one padding-free row: at most the budget tuned, filled at least as well as the greedy packing "
+                       "estimated; flash-attention's varlen kernel attends within each document, as traced (with "
+                       "SDPA per document)")
+        note = (f"packed batches of up to {t.token_budget:,} tokens of whole documents (bfd into rows of "
+                f"max_length={t.seq_len}, flattened padding-free), attention within each document, as tuned "
+                "(--token-budget).")
+    elif t.stack == "trl-padding-free":
         note = (f"bfd packing of documents into sequences of max_length={t.seq_len} tokens, each micro-batch "
                 "flattened into one padding-free row, as tuned (--stack trl-padding-free); its memory was "
                 "predicted with SDPA, transformers' attention where attn_implementation is not set, which attends "
@@ -297,7 +314,7 @@ def trl_packing(t: Tuned) -> dict[str, Any]:
     packing turns the collator padding-free whatever padding_free says). `--stack trl-padding-free`:
     bfd, padding-free, written out; otherwise 'wrapped', the one strategy that fills rows of
     max_length tokens without flattening them, the batches every other step traces."""
-    if t.stack == "trl-padding-free":
+    if t.stack == "trl-padding-free" or t.token_budget:
         return {"packing": True, "packing_strategy": "bfd", "padding_free": True}
     return {"packing": True, "packing_strategy": "wrapped", "padding_free": False}
 
@@ -338,7 +355,7 @@ def _trl_export(t: Tuned, m: Mapper, fields: dict[str, Any], *, command: str, co
             f"# (or `trl {command} --config {filename} ...`). {config} fields; {note}\n"
             + _dump(fields))
     return build_export(fmt="trl", filename=filename, tuned=t, mapper=m, body=body,
-                        expresses=("lora", "qlora", "hsdp"),
+                        expresses=("lora", "qlora", "hsdp", *(("packing",) if t.token_budget and command == "sft" else ())),
                         target=f"TRL {_version('trl', '1.16')} ({config} YAML{target_note}; transformers "
                                "TrainingArguments fsdp_config version 2)")
 

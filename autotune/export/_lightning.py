@@ -72,7 +72,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-{tuned_and_wrapping(dataclasses.replace(t, tensor_parallel=1))}
+{tuned_and_wrapping(dataclasses.replace(t, tensor_parallel=1, context_parallel=1))}
 # ---- Lightning ---------------------------------------------------------------------------
 
 

@@ -152,6 +152,12 @@ def export_torchtitan(t: Tuned) -> Export:
                        "needs less memory than predicted")
     else:
         m.mapped("tensor_parallel", "--parallelism.tensor-parallel-degree 1 (none)")
+    if t.context_parallel > 1:
+        m.approximated("context_parallel", f"--parallelism.context-parallel-degree {t.context_parallel}",
+                       "torchtitan's context parallelism: torch's ring attention through SDPA with the head-tail load "
+                       "balancer, as traced; FSDP shards over the flattened dp_shard x cp mesh, as traced")
+    else:
+        m.mapped("context_parallel", "--parallelism.context-parallel-degree 1 (none)")
     m.mapped("cpu_offload", "--training.enable-cpu-offload / --training.no-enable-cpu-offload")
     m.mapped("reshard_after_forward", "--parallelism.fsdp-reshard-after-forward always|never")
     m.mapped("micro_batch_size", "--training.local-batch-size")
@@ -194,6 +200,7 @@ def export_torchtitan(t: Tuned) -> Export:
         ("--parallelism.fsdp-reshard-after-forward", "always" if t.reshard_after_forward else "never"),
         ("--parallelism.expert-parallel-degree", t.expert_parallel),
         ("--parallelism.tensor-parallel-degree", t.tensor_parallel),
+        ("--parallelism.context-parallel-degree", t.context_parallel),
         # Its all-to-all token dispatcher reads the split sizes back to the host, as autotune's does:
         # torchtitan 0.3 refuses it under CUDA graphs (its ConfigManager says so), so they are off.
         *((("--training.disable-cuda-graphs", None),) if t.expert_parallel > 1 else ()),

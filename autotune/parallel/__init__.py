@@ -4,13 +4,15 @@ torchtitan's distributed/ package has them.
 
 `ParallelDims` (dims) says how the world is split: `dp_shard` ranks hold one copy of the parameters
 between them, `dp_replicate` such groups each hold a copy (HSDP), `tp` neighbouring ranks split each
-block's linears (tensor), `ep` ranks of a shard group split the experts (expert). `build_mesh` makes
-the data mesh `fully_shard` receives; the tp and ep meshes are read back from its root.
+block's linears (tensor), `ep` ranks of a shard group split the experts (expert), `cp` neighbouring
+ranks split each sequence (context). `build_mesh` makes the data mesh `fully_shard` receives (with cp,
+dp_shard x cp flattened); the tp, ep and cp meshes are read back from its root.
 
 Order matters, as in torchtitan's parallelize_llama: expert and tensor parallelism split the blocks
-first, float8 converts their linears (torchtitan's converters run at build time), activation
-checkpointing wraps blocks (fully_shard must see the wrapper so the recompute also all-gathers), then
-each block is compiled, then each decoder block is sharded bottom-up (fsdp), then the root.
+first, context parallelism switches attention to the causal SDPA its ring computes, float8 converts
+their linears (torchtitan's converters run at build time), activation checkpointing wraps blocks
+(fully_shard must see the wrapper so the recompute also all-gathers), then each block is compiled,
+then each decoder block is sharded bottom-up (fsdp), then the root.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from torch import nn
 
 from autotune.catalog.blocks import Blocks, find_decoder_blocks
 from autotune.config import TrainConfig
-from autotune.knobs import COMPILE_BACKEND
+from autotune.errors import UsageError
+from autotune.knobs import COMPILE_BACKEND, CONTEXT_PARALLEL_STEPS
 from autotune.parallel.checkpointing import apply_ac, op_sac_policy
 from autotune.parallel.compile import apply_compile
-from autotune.parallel.dims import ParallelDims, expert_meshes, tensor_mesh
+from autotune.parallel.context import apply_cp
+from autotune.parallel.dims import ParallelDims, context_mesh, expert_meshes, tensor_mesh
 from autotune.parallel.expert import ExpertDispatch, apply_ep, balanced_splits
 from autotune.parallel.float8 import FLOAT8_SKIPPED, apply_float8, float8_linear_config
 from autotune.parallel.fsdp import PARAM_DTYPES, apply_fsdp, mixed_precision_policy, shard_placement_fn
@@ -30,10 +34,10 @@ from autotune.parallel.tensor import apply_tp
 from autotune.parallel.tracing import keep_leaf_inputs_collectable, register_rng_rules
 
 __all__ = [
-    "FLOAT8_SKIPPED", "PARAM_DTYPES", "ExpertDispatch", "ParallelDims", "apply_ac", "apply_compile", "apply_ep", "apply_tp",
-    "apply_float8", "apply_fsdp", "balanced_splits", "expert_meshes", "float8_linear_config",
-    "keep_leaf_inputs_collectable", "mixed_precision_policy", "op_sac_policy", "parallelize", "register_rng_rules",
-    "shard_placement_fn", "tensor_mesh",
+    "FLOAT8_SKIPPED", "PARAM_DTYPES", "ExpertDispatch", "ParallelDims", "apply_ac", "apply_compile", "apply_cp",
+    "apply_ep", "apply_tp", "apply_float8", "apply_fsdp", "balanced_splits", "context_mesh", "expert_meshes",
+    "float8_linear_config", "keep_leaf_inputs_collectable", "mixed_precision_policy", "op_sac_policy", "parallelize",
+    "register_rng_rules", "shard_placement_fn", "tensor_mesh",
 ]
 
 
@@ -48,6 +52,9 @@ def parallelize(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bo
     torchtitan's own parallelize_llama pieces on its own model (titan.parallelize_titan); 'litgpt': LitGPT's
     GPT, its Blocks the units (litgpt_step.litgpt_blocks) and Fabric's bf16-mixed policy.
     """
+    if train.context_parallel > 1 and step not in CONTEXT_PARALLEL_STEPS:  # TrialSpec refuses it first
+        raise UsageError(f"--cp {train.context_parallel}: context parallelism is built for the steps "
+                         f"{CONTEXT_PARALLEL_STEPS} only, not {step!r}")
     if step == "torchtitan":
         from autotune.titan import parallelize_titan
 
@@ -62,6 +69,8 @@ def parallelize(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bo
     apply_ep(blocks, mesh, train.expert_parallel)
     if train.tensor_parallel > 1:
         apply_tp(model, blocks, tensor_mesh(mesh), train.tensor_parallel)
+    if train.context_parallel > 1:
+        apply_cp(model, context_mesh(mesh))
     apply_float8(blocks, train.float8)
     apply_ac(blocks, train.activation_checkpointing)
     apply_compile(blocks, train.compile, backend=compile_backend)

@@ -20,21 +20,28 @@ class ParallelDims:
 
     Tensor parallelism (`tp` > 1) is the mesh's last, fastest dimension, as in torchtitan: tp
     neighbouring ranks (within a node where tp divides it) split each block's weights and share one
-    batch; FSDP shards what they hold over the dp_shard ranks, the data mesh."""
+    batch; FSDP shards what they hold over the dp_shard ranks, the data mesh.
+
+    Context parallelism (`cp` > 1) sits between them, in torchtitan's order (dp_replicate, dp_shard,
+    cp, tp): cp neighbouring ranks share one batch, each holding a slice of every sequence, and split
+    no weights, so FSDP shards every parameter over all dp_shard x cp ranks."""
 
     dp_replicate: int
     dp_shard: int
     ep: int = 1
     tp: int = 1
+    cp: int = 1
 
     @classmethod
     def of(cls, train: TrainConfig, world_size: int) -> "ParallelDims":
-        tp = train.tensor_parallel
-        if world_size % tp:
-            raise ValueError(f"tensor-parallel degree {tp} does not divide the world size {world_size}")
+        tp, cp = train.tensor_parallel, train.context_parallel
+        if world_size % (tp * cp):
+            raise ValueError(f"tensor x context-parallel degrees {tp} x {cp} do not divide the world size {world_size}")
         if tp > 1 and (train.shard_group_size or train.expert_parallel > 1):
             raise ValueError("tensor parallelism with HSDP or expert parallelism is not built here")
-        data = world_size // tp
+        if cp > 1 and (tp > 1 or train.shard_group_size or train.expert_parallel > 1):
+            raise ValueError("context parallelism with tensor or expert parallelism or HSDP is not built here")
+        data = world_size // (tp * cp)
         shard = train.shard_group_size or data
         if data % shard:
             raise ValueError(f"shard group size {shard} does not divide the world size {world_size}")
@@ -43,15 +50,15 @@ class ParallelDims:
             raise ValueError(f"expert-parallel degree {ep} does not divide the shard group of {shard} ranks")
         if ep > 1 and shard != world_size:
             raise ValueError("expert parallelism with HSDP is not built here: use a shard group of every rank")
-        return cls(dp_replicate=data // shard, dp_shard=shard, ep=ep, tp=tp)
+        return cls(dp_replicate=data // shard, dp_shard=shard, ep=ep, tp=tp, cp=cp)
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def data_ranks(self) -> int:
-        """Ranks that each take their own batch: the tensor-parallel ranks of a group share one."""
+        """Ranks that each take their own batch: the tensor- or context-parallel ranks of a group share one."""
         return self.dp_replicate * self.dp_shard
 
     @property
@@ -69,13 +76,17 @@ class ParallelDims:
     def build_mesh(self, device_type: str):
         """The mesh fully_shard takes: a 2-D one shards over its last dimension and replicates over
         the first (HSDP). With expert parallelism, the 1-D dp_shard mesh flattened from the 2-D
-        (dp_shard_mod_ep, ep) one that `expert_meshes` reads back."""
+        (dp_shard_mod_ep, ep) one that `expert_meshes` reads back; with context parallelism, the 1-D
+        dp_shard_cp mesh flattened from the 2-D (dp_shard, cp) one that `context_mesh` reads back."""
         from torch.distributed.device_mesh import init_device_mesh
 
         if self.ep > 1:
             experts = init_device_mesh(device_type, (self.dp_shard // self.ep, self.ep),
                                        mesh_dim_names=("dp_shard_mod_ep", "ep"))
             return experts._flatten("dp_shard")
+        if self.cp > 1:
+            root = init_device_mesh(device_type, (self.dp_shard, self.cp), mesh_dim_names=("dp_shard", "cp"))
+            return root._flatten("dp_shard_cp")
         if self.tp > 1:  # the data mesh of a (dp_shard, tp) mesh; tensor_mesh reads the tp one back
             root = init_device_mesh(device_type, (*self.shape, self.tp), mesh_dim_names=(*self.dim_names, "tp"))
             return root[self.dim_names]
@@ -85,6 +96,11 @@ class ParallelDims:
 def tensor_mesh(mesh):
     """The tp sub-mesh beside a data mesh `ParallelDims.build_mesh` made with tp > 1."""
     return mesh._get_root_mesh()["tp"]
+
+
+def context_mesh(mesh):
+    """The cp sub-mesh of a dp_shard_cp mesh `ParallelDims.build_mesh` made with cp > 1."""
+    return mesh._get_root_mesh()["cp"]
 
 
 def expert_meshes(mesh):

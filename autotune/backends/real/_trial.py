@@ -134,7 +134,8 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
     grad_accum = min(spec.grad_accum_steps, MAX_TRIAL_GRAD_ACCUM)
     batches = token_batches(vocab_size=int(spec.model.config_dict["vocab_size"]),
                             micro_batch_size=spec.train.micro_batch_size, seq_len=spec.seq_len,
-                            device=device, seed=seed + rank // spec.train.tensor_parallel)  # a tp group: one batch
+                            device=device, seed=seed + rank // spec.train.ranks_per_batch,  # a tp/cp group: one batch
+                            documents=spec.documents)  # a packed problem: its worst-case row (autotune/packing.py)
     inject_faults(faults, rank=rank, trial=trial_index)
 
     reset_rss_peak()

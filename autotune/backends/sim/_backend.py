@@ -12,12 +12,14 @@ import os
 from typing import TYPE_CHECKING
 
 from autotune import cache, costmodel
-from autotune.backends.analytic import (attention_span, expert_parallel_work, tensor_parallel_work, model_shape,
+from autotune.backends.analytic import (attention_span, context_parallel_work, expert_parallel_work, fused_bytes_saved,
+                                      tensor_parallel_work, model_shape,
                                       offload_fresh_page_bytes, screen_margin, trainable_split)
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
 from autotune.backends.sim._extrapolate import extrapolate, shallow_depths
 from autotune.config import PARAM_DTYPE_BYTES, TrialSpec
 from autotune.errors import AutotuneError
+from autotune.packing import STEP as PACKED_STEP
 from autotune.runtime_memory import runtime_memory
 from autotune.units import format_bytes
 
@@ -47,7 +49,7 @@ def _linear_in_micro_batch(spec: TrialSpec) -> bool:
     micro-batch is one row whose attention mask is (micro-batch x seq_len) squared: never linear."""
     from autotune.backends.analytic import TRL_TOKEN_TILE
 
-    if spec.step == "trl-padding-free":
+    if spec.step in ("trl-padding-free", PACKED_STEP):  # a packed row's documents differ by micro-batch
         return False
     return spec.step != "trl" or min(_MB_BASE) * (spec.seq_len - 1) >= TRL_TOKEN_TILE
 
@@ -232,7 +234,8 @@ class SimBackend(TrialBackend):
                 spec.seq_len, train.cache_key(), spec.grad_accum_steps > 1, keep_middle, self.device_kind,
                 spec.workload.weight_sync, spec.finetuning.key(), spec.step,
                 self._gpu_sm(spec) if _has_dropout(spec.model.config_dict) else None,
-                *((spec.routing_skew.key(),) if train.expert_parallel > 1 and not spec.routing_skew.balanced else ()))
+                *((spec.routing_skew.key(),) if train.expert_parallel > 1 and not spec.routing_skew.balanced else ()),
+                *((spec.packing.key(),) if spec.packing is not None else ()))
 
     def _gpu_sm(self, spec: TrialSpec) -> tuple[int, int] | None:
         """The compute capability a GPU run's attention kernels are chosen for (_gpu_kernels); None on CPU."""
@@ -251,7 +254,8 @@ class SimBackend(TrialBackend):
                 spec.model, depth=depth, mesh=mesh, world_size=world_size, train=train, seq_len=spec.seq_len,
                 grad_accum_steps=spec.grad_accum_steps, keep_middle=keep_middle,
                 gloo=self.device_kind == "cpu", weight_sync=spec.workload.weight_sync,
-                finetuning=spec.finetuning, step=spec.step, gpu_sm=self._gpu_sm(spec), routing=spec.routing_skew))
+                finetuning=spec.finetuning, step=spec.step, gpu_sm=self._gpu_sm(spec), routing=spec.routing_skew,
+                documents=spec.with_train(train).documents))
         return self._traces[key]
 
     def _keep(self, key: tuple, trace: StepTrace) -> None:
@@ -480,6 +484,8 @@ class SimBackend(TrialBackend):
             throughput = _float8(throughput, spec, notes.get("op_work") or {}, extras)
         if offloaded and throughput is not None and throughput.value:
             throughput = _with_activation_transfers(throughput, spec, offloaded, extras)
+        if throughput is not None and spec.packing is not None:
+            throughput = _packed(throughput, spec, extras)
         if costed and "mfu_estimated" in extras:  # the MFU of the figure reported, not of the eager step
             extras["mfu_estimated"] *= throughput.value / costed
         host_figure = None
@@ -531,9 +537,9 @@ class SimBackend(TrialBackend):
         if self.device_kind == "cpu" and hardware is None:
             return None, ("throughput not estimated for a CPU run without a CPU profile "
                           "(autotune calibrate --backend cpu, then --hardware PROFILE)")
-        if hardware is not None and spec.train.tensor_parallel > 1:
-            return None, ("throughput not estimated: the per-operation model (--hardware) does not cost tensor "
-                          "parallelism's all-reduces yet; without --hardware the roofline does")
+        if hardware is not None and spec.train.ranks_per_batch > 1:
+            return None, ("throughput not estimated: the per-operation model (--hardware) does not cost tensor or "
+                          "context parallelism's sends yet; without --hardware the roofline does")
         if op_work and hardware is not None:
             # The per-operation model on a profile given with --hardware (validated against real
             # CPU trials, docs/COSTMODEL.md); without one, the roofline the published runs check.
@@ -543,8 +549,8 @@ class SimBackend(TrialBackend):
             rowwise = profile.figures.get("float8_rowwise_matmul_tflops")
             if spec.train.float8 == "rowwise" and rowwise is not None:  # calibrate times each recipe's GEMMs
                 profile = dataclasses.replace(profile, figures={**profile.figures, "float8_matmul_tflops": rowwise})
-            op_step = costmodel.estimate_op_step_time(
-                costmodel.OpWork.from_trace(op_work), profile=profile, num_gpus=world_size,
+            op_step_of = functools.partial(
+                costmodel.estimate_op_step_time, profile=profile, num_gpus=world_size,
                 num_nodes=spec.cluster.num_nodes, num_blocks=spec.model.num_layers,
                 block_params=trace.block_params, root_params=trace.root_params,
                 param_bytes=PARAM_DTYPE_BYTES[spec.train.precision], tokens_per_step=tokens_per_gpu_step * world_size,
@@ -555,6 +561,17 @@ class SimBackend(TrialBackend):
                              if self.device_kind == "cuda" else None),
                 shard_group_size=spec.train.shard_group_size, reshard_group_size=spec.train.reshard_group_size,
                 trainable=trainable_split(spec), offload_fresh_page_bytes=offload_fresh_page_bytes(spec))
+            op_step = op_step_of(costmodel.OpWork.from_trace(op_work))
+            if spec.train.compile != "none" and self.device_kind == "cuda" and op_work.get("memory_bytes"):
+                # The compiled step: the blocks' memory-bound ops fused (_compiled takes the ratio of the two).
+                saved = fused_bytes_saved(spec)
+                fused = {**op_work, "memory_bytes": max(op_work["memory_bytes"] - saved / accum, 0.0)}
+                extras["compiled_step_time"] = op_step_of(costmodel.OpWork.from_trace(fused)).to_dict()
+                extras["compile_fused_bytes_saved"] = saved
+                twin = self._eager_twin_op_work(spec, extras)  # cached by _compiled_op_work
+                if twin and twin.get("dispatched_ops"):
+                    extras["compile_eager_step_time"] = op_step_of(costmodel.OpWork.from_trace(
+                        {**op_work, "dispatched_ops": twin["dispatched_ops"]})).to_dict()
             extras["step_time"] = op_step.to_dict()
             if op_step.mfu is not None:
                 extras["mfu_estimated"] = op_step.mfu
@@ -579,22 +596,26 @@ class SimBackend(TrialBackend):
         # Attention's traced FLOPs (torch's SDPA formulas: the full square, backward 2.5x forward) at the
         # flash kernel's published rate, which counts the causal half; the traced memory-bound ops' bytes
         # at the HBM bandwidth. A compiled or float8 configuration is costed here as its eager
-        # high-precision twin (the published compile ratio and costmodel.float8_step_seconds come after):
+        # high-precision twin (compile's fused step and costmodel.float8_step_seconds come after):
         # its memory-bound bytes are the twin's, its own trace holding inductor's decomposed ops and the casts.
         shape = model_shape(spec.model)
         op_work = op_work or {}
         traced_attention = op_work.get("attention_flops", 0.0) * accum
+        cp = spec.train.context_parallel
         memory_bytes = op_work.get("memory_bytes", 0.0)
         if (spec.train.compile != "none" or spec.train.float8 != "none") and memory_bytes:
             memory_bytes = self._eager_twin_memory_bytes(spec, extras) or memory_bytes
         attention = dict(
-            attention_flops_per_gpu=traced_attention, attention_kernel_flops_per_gpu=traced_attention / 2,
-            attention_span=attention_span(spec), attention_head_dim=shape.hidden // max(shape.num_heads, 1),
-            memory_bytes_per_gpu=memory_bytes * accum)
+            # The causal kernel's work: half the counted square; under context parallelism each ring step after
+            # the first is counted at its load-balanced half already, so cp / (cp + 1) of the count.
+            attention_flops_per_gpu=traced_attention,
+            attention_kernel_flops_per_gpu=traced_attention * cp / (cp + 1),
+            attention_span=max(1, attention_span(spec) // spec.train.context_parallel),  # a ring step's keys
+            attention_head_dim=shape.hidden // max(shape.num_heads, 1), memory_bytes_per_gpu=memory_bytes * accum)
         work = costmodel.fsdp_step_work(
             flops_per_gpu=flops_per_microbatch * accum,  # the rank's own: a tensor-parallel shard's where split
             model_flops_per_gpu=model_flops_per_token(spec.model, spec.seq_len) * tokens_per_gpu_step
-            / spec.train.tensor_parallel,
+            / spec.train.ranks_per_batch,
             tokens_per_gpu_step=tokens_per_gpu_step, num_gpus=world_size, block_params=trace.block_params,
             num_blocks=spec.model.num_layers, root_params=trace.root_params,
             param_bytes=PARAM_DTYPE_BYTES[spec.train.precision], reshard_after_forward=spec.train.reshard_after_forward,
@@ -605,18 +626,33 @@ class SimBackend(TrialBackend):
             hidden_size=shape.hidden, trainable=trainable_split(spec),
             float8_block_params=trace.float8_gathered_params, attention=attention, precision=spec.train.precision,
             offload_fresh_page_bytes=offload_fresh_page_bytes(spec), **expert_parallel_work(spec),
-            **tensor_parallel_work(spec))
+            **tensor_parallel_work(spec), **context_parallel_work(spec))
         counted = "FLOPs counted in the trace (recomputation included" + (
-            "; this rank's tensor-parallel shards)" if spec.train.tensor_parallel > 1 else ")")
+            "; this rank's tensor-parallel shards)" if spec.train.tensor_parallel > 1 else
+            "; this rank's sequence shards and ring steps)" if spec.train.context_parallel > 1 else ")")
         step = costmodel.estimate_step_time(work, spec.cluster, shard_group_size=spec.train.shard_group_size,
                                             reshard_group_size=spec.train.reshard_group_size)
         extras["step_time"] = step.to_dict()
         extras["mfu_estimated"] = step.mfu
-        if spec.train.tensor_parallel > 1:  # the held-out rows are FSDP runs: they say nothing of the all-reduces
-            extras["tokens_per_sec_range_from"] = "not validated for tensor parallelism"
-            return Figure(step.tokens_per_sec, "estimated", f"{step.basis}; {counted}; not validated for tensor "
-                          "parallelism: no published FSDP x TP run is among the held-out rows, so no range "
-                          "(docs/VALIDATION.md)"), ""
+        if spec.train.compile != "none" and self.device_kind == "cuda":
+            # The compiled step: the blocks' memory-bound ops fused; and eager's, the host dispatching the eager
+            # twin's ops instead of the compiled step's launches (_compiled: the figure and the ratio).
+            saved = fused_bytes_saved(spec)
+            step_of = functools.partial(costmodel.estimate_step_time, cluster=spec.cluster, describe=False,
+                                        shard_group_size=spec.train.shard_group_size,
+                                        reshard_group_size=spec.train.reshard_group_size)
+            extras["compiled_step_time"] = step_of(costmodel.compiled_work(work, fused_bytes_saved=saved)).to_dict()
+            extras["compile_fused_bytes_saved"] = saved
+            twin = self._eager_twin_op_work(spec, extras) if memory_bytes else None  # cached: traced once
+            if twin and twin.get("dispatched_ops"):
+                extras["compile_eager_step_time"] = step_of(dataclasses.replace(
+                    work, dispatched_ops_per_microbatch=twin["dispatched_ops"])).to_dict()
+        if spec.train.ranks_per_batch > 1:  # the held-out rows are FSDP runs: they say nothing of TP's or CP's sends
+            split = "tensor" if spec.train.tensor_parallel > 1 else "context"
+            extras["tokens_per_sec_range_from"] = f"not validated for {split} parallelism"
+            return Figure(step.tokens_per_sec, "estimated", f"{step.basis}; {counted}; not validated for {split} "
+                          f"parallelism: no published FSDP x {split[0].upper()}P run is among the held-out rows, so no "
+                          "range (docs/VALIDATION.md)"), ""
         shipped = profile_for(spec.cluster.gpu)
         span = costmodel.estimate_range(step.tokens_per_sec, shipped, host_bound=step.host_bound)
         source = costmodel.range_source(shipped, host_bound=step.host_bound)
@@ -657,7 +693,7 @@ class SimBackend(TrialBackend):
         """The op work the per-operation model costs a compiled configuration on: its own trace runs
         inductor's decomposed graphs op by op, unfused (more bytes and ops than eager: 1.45x the bytes on
         mistral-7b, 4x with rowwise float8's casts), so its memory-bound ops are the eager twin's, as the
-        roofline takes them, and the published compiled/eager ratio comes after (_compiled). float8's
+        roofline takes them, and the fused step compile is costed on comes after (_compiled). float8's
         casts are added as fused (costmodel.FLOAT8_CAST_BYTES['compiled'] per element); its matmuls stay
         the trace's `_scaled_mm`."""
         twin = self._eager_twin_op_work(spec, extras)
@@ -669,37 +705,44 @@ class SimBackend(TrialBackend):
 
 
 def _compiled(throughput: Figure, extras: dict[str, Any]) -> Figure:
-    """A compiled configuration's tokens/s: its eager estimate (the traced FLOPs) times the published
-    compiled/eager ratio (costmodel.compiled_throughput), the range likewise. Estimated, and says so.
-    Not where the step is host-bound: its time is then the host's kernel launches (already costed),
-    which the ratio, measured on a GPU-bound 8B model, does not speak for."""
+    """A compiled configuration's tokens/s: its step with eager's memory-bound bytes (the traced FLOPs, the host
+    launching the compiled step's kernels, counted) against the same step with the blocks' memory-bound ops fused
+    (extras["compiled_step_time"]; costmodel.compiled_throughput), the range likewise. The ratio is over eager's
+    step (extras["compile_eager_step_time"]: the host dispatching the eager twin's ops), so it holds the launches
+    compile removes as well as the bytes. Estimated, and says so."""
     low, high = extras.get("tokens_per_sec_range") or (None, None)
-    extras["eager_tokens_per_sec"] = throughput.value
-    if (extras.get("step_time") or {}).get("host_bound"):
+    step_time = extras.get("step_time") or {}
+    compiled_step = extras.pop("compiled_step_time", None) or step_time
+    eager_step = extras.pop("compile_eager_step_time", None) or step_time
+    if not step_time.get("seconds") or not eager_step.get("seconds"):
+        extras["eager_tokens_per_sec"] = throughput.value
+        return throughput
+    scale = step_time["seconds"] / eager_step["seconds"]  # this trace's launches -> eager's dispatch
+    eager_value = throughput.value * scale
+    extras["eager_tokens_per_sec"] = eager_value
+    value, low, high, ratio, basis = costmodel.compiled_throughput(
+        eager_value, None if low is None else low * scale, None if high is None else high * scale,
+        eager_step=eager_step, compiled_step=compiled_step,
+        fused_bytes_saved=extras.get("compile_fused_bytes_saved", 0.0))
+    if step_time.get("host_bound") or eager_step.get("host_bound"):
         from autotune.backends.sim._trace import COMPILED_LAUNCHES_BASIS
 
-        basis = (f"compiled blocks, host-bound: the step's time is the host dispatching the eager ops and "
-                 f"launching {COMPILED_LAUNCHES_BASIS}; the published compiled/eager ratio is for GPU-bound steps "
-                 "and is not applied")
-        extras["compile_speedup"] = dict(ratio=1.0, source="estimated", basis=basis)
-        return Figure(throughput.value, "estimated", f"{throughput.basis}; {basis}")
-    step_time = extras.get("step_time") or {}
-    host_share = costmodel.host_offload_seconds(step_time) / step_time["seconds"] if step_time.get("seconds") else 0.0
-    value, low, high, basis = costmodel.compiled_throughput(throughput.value, low, high, host_share=host_share)
+        basis += f"; the host's time launching {COMPILED_LAUNCHES_BASIS} against eager's dispatched ops"
     if low is not None:
         extras["tokens_per_sec_range"] = [low, high]
-    extras["compile_speedup"] = dict(ratio=costmodel.COMPILE_SPEEDUP, source="estimated", basis=basis)
+    extras["compile_speedup"] = dict(ratio=ratio, source="estimated", basis=basis)
+    extras["compiled_step_time"] = compiled_step
     return Figure(value, "estimated", f"{throughput.basis}; {basis}")
 
 
 def _float8(throughput: Figure, spec: TrialSpec, op_work: dict[str, float], extras: dict[str, Any]) -> Figure:
-    """A float8 configuration's tokens/s: its step (after the published compile ratio, where compiled)
+    """A float8 configuration's tokens/s: its step (after the estimated compile ratio, where compiled)
     less what the traced float8 matmuls save, plus their casts (costmodel.float8_step_seconds; the
     float8 all-gather's smaller bytes are in the step's collectives already). The range moves with it."""
     accum = spec.grad_accum_steps
     step_s = spec.train.micro_batch_size * spec.seq_len * accum * spec.cluster.num_gpus / throughput.value
     roofline = extras["step_time"]
-    scale = step_s / roofline["seconds"]  # the published compile ratio's share (1 when eager)
+    scale = step_s / roofline["seconds"]  # the estimated compile ratio's share (1 when eager)
     gpu_s, host_s = roofline["gpu_compute_s"] * scale, roofline["host_s"] * scale
     gpu = spec.cluster.gpu
     saved_s, casts_s, basis = costmodel.float8_step_seconds(
@@ -744,6 +787,34 @@ def _with_activation_transfers(throughput: Figure, spec: TrialSpec, offloaded: d
                   "the host link's achieved figure, not overlapped)")
 
 
+def _packed(throughput: Figure, spec: TrialSpec, extras: dict[str, Any]) -> Figure:
+    """A token-budget configuration's tokens/s (autotune/packing.py): the step was costed on the traced row,
+    filled to the budget; a real micro-batch holds whole documents only (the expected fill), and attention's
+    work follows the sum of squared document lengths. The micro-batches' compute is scaled by
+    packing.packed_seconds_ratio, communication and the optimizer step stay; the tokens are the expected ones."""
+    from autotune.packing import packed_seconds_ratio
+
+    step_time = extras.get("step_time") or {}
+    seconds = step_time.get("seconds")
+    if not seconds:
+        return throughput
+    compute = step_time.get("compute_s") or sum(step_time.get(k, 0.0) for k in ("matmul_s", "attention_s", "memory_s"))
+    stats = spec.packing.stats(spec.token_budget, spec.seq_len)
+    traced_squares = sum(length * length for length in spec.documents)
+    ratio = packed_seconds_ratio(attention_share=step_time.get("attention_s", 0.0) / compute if compute else 0.0,
+                                 stats=stats, traced_squares=traced_squares)
+    scale = stats.fill * seconds / (seconds - compute + compute * ratio)
+    extras["packing"] = dict(stats.to_dict(), traced_documents=len(spec.documents),
+                             traced_sum_of_squared_lengths=traced_squares, compute_time_ratio=round(ratio, 4))
+    if extras.get("tokens_per_sec_range"):
+        extras["tokens_per_sec_range"] = [value * scale for value in extras["tokens_per_sec_range"]]
+    return Figure(throughput.value * scale, throughput.source,
+                  f"{throughput.basis}; packed batches: costed on the traced row of {spec.token_budget:,} tokens, "
+                  f"then {stats.fill:.1%} filled in expectation with attention at the expected sum of squared "
+                  f"document lengths ({stats.squares:,.0f} vs {traced_squares:,} traced): the micro-batches' "
+                  f"compute x {ratio:.3f}")
+
+
 def _weight_sync(sites: dict, peak_key: tuple, *, source: str = "predicted") -> dict[str, Any]:
     """The weight sync's own peak against the training step's, and which one is the prediction's
     peak (the larger: the step and the sync never overlap)."""
@@ -773,4 +844,5 @@ def _root_shard_bytes(spec: TrialSpec) -> int:
     """The root FSDP unit's fp32 parameters on one rank (what the fragmentation rule scales with)."""
     from autotune.parallel import ParallelDims
 
-    return spec.model.root_parameters * PARAM_DTYPE_BYTES["fp32"] // ParallelDims.of(spec.train, spec.cluster.num_gpus).dp_shard
+    dims = ParallelDims.of(spec.train, spec.cluster.num_gpus)
+    return spec.model.root_parameters * PARAM_DTYPE_BYTES["fp32"] // (dims.dp_shard * dims.cp)  # cp ranks shard it too

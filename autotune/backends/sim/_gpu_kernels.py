@@ -57,6 +57,7 @@ CPU build.
 
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -365,6 +366,7 @@ def sdpa_as_on_a_gpu(active: bool, *, sm: tuple[int, int] = DEFAULT_SM, seen: di
     def count(what: str) -> None:
         seen[what] = seen.get(what, 0) + 1
 
+    @functools.wraps(original_sdpa)  # its name: torch's context_parallel re-patches F by the function's name
     def as_on_a_gpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                     enable_gqa=False):
         if dropout_p > 0:

@@ -373,13 +373,14 @@ class _SiteTracker(FSDPMemTracker):
         return True
 
     def __init__(self, model: nn.Module, optimizer, *, position_of: Callable[[nn.Module], tuple[str, ...]],
-                 gloo: bool, tensor_parallel: bool = False) -> None:
+                 gloo: bool, dtensors: bool = False) -> None:
         super().__init__(model, optimizer)
         route_module_hooks(self._mod_tracker)  # compiled blocks reused by later traces (_compile_reuse)
         keep_leaf_inputs_collectable(self._mod_tracker)
         self._gloo = gloo
-        self._tensor_parallel = tensor_parallel
-        """Set where tensor parallelism made DTensors of the blocks (FLOPs and bytes then read local shards)."""
+        self._dtensors = dtensors
+        """Set where the step runs DTensor ops: tensor parallelism's blocks, context parallelism's ring
+        attention (FLOPs and bytes then read the local ops on this rank's shards)."""
         self._transient = 0
         self._transient_ref = _FSDPRefType.REDUCE_SCATTER
         self.largest_allocation = 0
@@ -496,9 +497,9 @@ class _SiteTracker(FSDPMemTracker):
         # Metadata queries (prim.device, sym_size, ...) come and go with fake tensors' caches;
         # only ops that return tensors (or mutate in place) advance a site's op count.
         self._counts_as_op = _is_step_op(func)
-        if self._tensor_parallel and _any_dtensor(args):
-            # The mode sees tensor parallelism's DTensor ops (global shapes) and then the local ops each
-            # runs on this rank's shards: those are counted, the DTensor op is not (it would count twice).
+        if self._dtensors and _any_dtensor(args):
+            # The mode sees tensor parallelism's DTensor ops (global shapes; CP's attention too) and then the
+            # local ops each runs on this rank's shards: those are counted, the DTensor op is not (twice).
             self._counts_as_op = False
             return super().__torch_dispatch__(func, types, args, kwargs)
         if self._gloo and func is _REDUCE_SCATTER:
@@ -510,7 +511,7 @@ class _SiteTracker(FSDPMemTracker):
             if workspace:
                 self._transient, self._transient_ref = workspace, _FSDPRefType.TEMP
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self._tensor_parallel and active_fake_mode() is not self._fake_mode_on_entry:
+        if self._dtensors and active_fake_mode() is not self._fake_mode_on_entry:
             # DTensor's sharding propagation (an op run at global shapes in a fake mode of its own, once per
             # new op signature: _sharding_propagation_in_a_fake_mode_of_its_own): no rank computes it, and
             # MemTracker counts no memory for it; counted, the FLOPs would depend on which signatures an
@@ -664,7 +665,7 @@ class Tracer:
               seq_len: int, grad_accum_steps: int, count_flops: bool = True,
               keep_middle: bool = True, gloo: bool = False, weight_sync: bool = False,
               finetuning: FineTuning | None = None, step: str = "autotune",
-              gpu_sm: tuple[int, int] | None = None, routing=None) -> StepTrace:
+              gpu_sm: tuple[int, int] | None = None, routing=None, documents: tuple[int, ...] = ()) -> StepTrace:
         """Trace one steady-state step of `model_spec` cut to `depth` blocks. `keep_middle=False`
         records only the sites that exist at every depth (for extrapolation); `gloo` adds the
         copy gloo's reduce-scatter makes (a CPU run), which NCCL does not; `weight_sync` adds the
@@ -686,9 +687,10 @@ class Tracer:
         with self._fake_mode, _real_mask_decisions(packed=packed), _qlora_context(finetuning, self._fake_mode), \
                 _sharding_propagation_in_a_fake_mode_of_its_own(self._propagation_mode):
             batches = token_batches(vocab_size=int(model_spec.config_dict["vocab_size"]),
-                                    micro_batch_size=train.micro_batch_size, seq_len=seq_len, device="cpu")
+                                    micro_batch_size=train.micro_batch_size, seq_len=seq_len, device="cpu",
+                                    documents=documents)
             tracker = _SiteTracker(built.model, built.optimizer, position_of=position_of, gloo=gloo,
-                                   tensor_parallel=train.tensor_parallel > 1)
+                                   dtensors=train.ranks_per_batch > 1)
             tracker.count_flops = count_flops
             # The optimizer step sees the same parameters, gradients and state at every
             # micro-batch size: traced once per model, then skipped.
@@ -722,7 +724,7 @@ class Tracer:
             return self.trace(model_spec, depth=depth, mesh=mesh, world_size=world_size, train=train,
                               seq_len=seq_len, grad_accum_steps=grad_accum_steps, count_flops=count_flops,
                               keep_middle=keep_middle, gloo=gloo, weight_sync=weight_sync,
-                              finetuning=finetuning, step=step, gpu_sm=gpu_sm, routing=routing)
+                              finetuning=finetuning, step=step, gpu_sm=gpu_sm, routing=routing, documents=documents)
         sites = {}
         if sync_now:
             built.sync_sites = {key: _as_gathered(cats) for key, (_, cats, _) in tracker.sites.items()

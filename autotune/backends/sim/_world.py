@@ -42,8 +42,8 @@ from autotune.backends.sim._trace import StepTrace
 def unpadded(model, train, world_sizes) -> bool:
     """Whether no parameter shard is padded at any of `world_sizes` (shards on dimension 0; HSDP and
     reshard groups are powers of two no larger than W, so they divide what W divides)."""
-    if train.shard_placement != "dim0" or train.expert_parallel > 1 or train.tensor_parallel > 1:
-        return False  # expert and tensor parallelism: not checked, traced afresh
+    if train.shard_placement != "dim0" or train.expert_parallel > 1 or train.ranks_per_batch > 1:
+        return False  # expert, tensor and context parallelism: not checked, traced afresh
     dims = {shape[0] for shape in model.block_param_shapes} | {model.hidden_size, model.vocab_size}
     return all(w & (w - 1) == 0 and all(d % w == 0 for d in dims) for w in world_sizes)
 
@@ -145,7 +145,7 @@ def replicated(trace: StepTrace, w1: int, w: int, train) -> StepTrace | None:
     collective at any replica count). Else None. tests/test_plan.py compares one with a fresh trace."""
     from autotune.parallel import ParallelDims
 
-    if (train.expert_parallel > 1 or train.tensor_parallel > 1 or trace.derived_from or trace.sync_largest_allocation_bytes
+    if (train.expert_parallel > 1 or train.ranks_per_batch > 1 or trace.derived_from or trace.sync_largest_allocation_bytes
             or not all(ParallelDims.of(train, world).hsdp for world in (w1, w))):
         return None
     return dataclasses.replace(trace, duration_s=0.0, derived_from=(w1,))

@@ -1,0 +1,199 @@
+"""Context parallelism (--cp, parallel/context.py): torch's ring attention for the CPU flash kernel, run by
+the training step every trial runs (training.train_step under parallelize's FSDP over dp_shard x cp).
+
+The real runs: CP2 on 2 ranks (tiny-llama; tiny-qwen2, grouped-query attention, fully checkpointed) and
+FSDP x CP2 on 4 ranks (tiny-llama), in the session's shared launch (tests/shared_runs.py), against the
+simulator's trace of the same step. The numbers: the CP2 step on 2 gloo ranks computes the loss and
+gradients of the same model and batch in one process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+from autotune.catalog.models import resolve_model
+from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.knobs import why_no_context_parallel
+from autotune.parallel.context import use_causal_sdpa
+from tests.shared_runs import register
+from tests.test_sim_accuracy import assert_tensor_peaks_agree, predict_cpu_runs
+from tests.test_tensor_parallel import shrunk_or_catalog_model
+
+SEQ = 64
+# (model, ranks, context parallel, micro-batch, checkpointing): CP alone on 2 ranks, FSDP x CP on 4.
+MATRIX = [
+    ("tiny-llama", 2, 2, 2, "none"),
+    ("tiny-qwen2", 2, 2, 2, "full"),
+    ("olmo2", 2, 2, 2, "none"),  # a shrunk OLMo 2: q/k norms over the whole projection, no catalog entry
+    ("tiny-llama", 4, 2, 2, "none"),
+]
+
+
+def _spec(row, folder) -> TrialSpec:
+    name, ranks, cp, mb, ac = row
+    return TrialSpec(model=shrunk_or_catalog_model(name, folder), cluster=Cluster(num_gpus=ranks), seq_len=SEQ,
+                     train=TrainConfig(context_parallel=cp, micro_batch_size=mb, activation_checkpointing=ac),
+                     grad_accum_steps=1)
+
+
+register("context-parallel", __name__, lambda folder: [_spec(row, folder) for row in MATRIX])
+
+
+@pytest.fixture(scope="module")
+def measured_and_predicted(gloo_runs):
+    specs, measured = gloo_runs.run("context-parallel")
+    return specs, measured, predict_cpu_runs(specs)
+
+
+@pytest.mark.parametrize("index", range(len(MATRIX)), ids=["-".join(map(str, row)) for row in MATRIX])
+def test_context_parallel_peak_matches_a_real_gloo_run(measured_and_predicted, index):
+    """The trace is rank 0's, the real figure the highest rank's. The ranks of a group hold the same shards'
+    sizes and slices of one batch, but the ring's later steps differ by rank (torch's _partial_update keeps
+    half of one rank's queries and half of another's keys and values): rank 0, whose slice holds the first
+    and the last chunk, peaks highest (the shrunk OLMo 2's rank 1 1.1% lower, the others within bytes)."""
+    specs, measured, predicted = measured_and_predicted
+    assert_tensor_peaks_agree(specs[index], measured[index], predicted[index])
+    peaks = measured[index].extras["per_rank_tensor_peak_bytes"]
+    assert peaks[0] == max(peaks), peaks
+
+
+# --- the numbers: the CP step computes the whole batch's loss and gradients ------------------------------
+
+_SAME_NUMBERS = """
+import json, sys
+import torch, torch.distributed as dist
+from autotune.catalog.models import resolve_model
+from autotune.config import TrainConfig
+from autotune.parallel import ParallelDims, parallelize
+from autotune.training import build_model, micro_batch_loss, train_step
+
+rank, world = int(sys.argv[1]), 2
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=world)
+train = TrainConfig(precision="fp32", context_parallel=2)
+mesh = ParallelDims.of(train, world).build_mesh("cpu")
+
+
+class Grads:  # train_step's optimizer: keeps the gradients (gathered whole) instead of stepping
+    def step(self):
+        self.grads = {name: p.grad.full_tensor() for name, p in parallel.named_parameters()}
+
+    def zero_grad(self, set_to_none=True):
+        pass
+
+
+figures = {}
+for name in sys.argv[3:]:
+    spec = resolve_model(name)
+    torch.manual_seed(0)
+    whole = build_model(spec, precision="fp32")
+    parallel = build_model(spec, precision="fp32")
+    parallel.load_state_dict(whole.state_dict())
+    tokens = torch.randint(0, spec.config_dict["vocab_size"], (2, 64), generator=torch.Generator().manual_seed(1))
+    expected = micro_batch_loss(whole, tokens)
+    expected.backward()
+    parallelize(parallel, mesh, train, allow_offload=False)
+    optimizer = Grads()
+    got = train_step(parallel, optimizer, iter([tokens.clone()]), grad_accum_steps=1)
+    dist.all_reduce(got)  # each rank's loss is its slice's share: the ranks' mean is the batch's
+    worst = 0.0
+    for key, grad in optimizer.grads.items():
+        reference = dict(whole.named_parameters())[key.replace("_checkpoint_wrapped_module.", "")].grad
+        worst = max(worst, float((grad - reference).abs().max() / reference.abs().max()))
+    figures[name] = {"expected": expected.item(), "got": got.item() / world, "worst_grad": worst}
+if rank == 0:
+    print(json.dumps(figures))
+dist.destroy_process_group()
+"""
+
+
+def test_the_context_parallel_step_computes_the_whole_batchs_loss_and_gradients(tmp_path):
+    """Two gloo ranks, one CP group: parallelize() and train_step() as a trial runs them, in fp32, against
+    the same weights and tokens in one process without CP: one loss, and every gradient (gathered whole)
+    equal up to float32 reduction order. tiny-qwen2's attention is grouped-query (2 query heads per k/v)."""
+    models = ["tiny-llama", "tiny-qwen2"]
+    procs = [subprocess.Popen([sys.executable, "-c", _SAME_NUMBERS, str(rank), str(tmp_path / "store"), *models],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outs = [proc.communicate(timeout=300) for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), outs[0][1][-3000:] + outs[1][1][-3000:]
+    for name, figures in json.loads(outs[0][0].strip().splitlines()[-1]).items():
+        assert abs(figures["got"] - figures["expected"]) <= 1e-5 * abs(figures["expected"]), (name, figures)
+        assert figures["worst_grad"] <= 1e-4, (name, figures)
+
+
+# --- what may use it ------------------------------------------------------------------------------------
+
+
+def _llama(**changes) -> LlamaConfig:
+    return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, **changes)
+
+
+def _why(config, seq_len: int = SEQ) -> str:
+    return why_no_context_parallel(config.to_dict(), seq_len=seq_len, degree=2)
+
+
+def test_why_no_context_parallel():
+    assert _why(_llama()) == ""
+    assert "sequence length 62" in _why(_llama(), 62)  # 2 | 62, but 2 x 2 does not
+    assert "attention dropout" in _why(_llama(attention_dropout=0.1))
+    assert "sliding window" in _why(MistralConfig(sliding_window=32))
+    assert _why(MistralConfig(sliding_window=4096)) == ""  # the window holds it all
+    assert _why(Qwen2Config()) == ""  # a sliding_window its layer_types do not use
+    assert "soft-caps" in _why(Gemma2Config())
+    assert "layer types ['sliding_attention']" in _why(Gemma2Config(attn_logit_softcapping=None, sliding_window=32))
+
+
+@pytest.mark.parametrize("step", ["trl", "torchtitan", "litgpt"])
+def test_parallelize_refuses_cp_for_a_step_whose_loss_it_does_not_split(step):
+    """Their losses take the tokens whole (or their models build their own attention): refused before
+    anything is built, not run without the ring."""
+    from autotune.errors import UsageError
+    from autotune.parallel import parallelize
+
+    with pytest.raises(UsageError, match=f"not '{step}'"):
+        parallelize(None, None, TrainConfig(context_parallel=2), step=step)
+
+
+def test_causal_sdpa_refuses_a_padding_mask():
+    """A padded batch needs a mask the ring cannot apply: refused, not ignored."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(_llama())
+    use_causal_sdpa(model)
+    input_ids = torch.randint(0, 256, (2, SEQ))
+    model(input_ids=input_ids)  # no mask: runs
+    with pytest.raises(ValueError, match="padding mask"):
+        model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
+
+
+def test_a_cp_trial_through_the_cli(capsys):
+    from autotune.cli import main
+
+    code = main(["trial", "--model", "tiny-llama", "--gpus", "2", "--seq-len", str(SEQ), "--cp", "2",
+                 "--backend", "sim"])
+    assert code == 0
+    assert json.loads(capsys.readouterr().out)["config"]["context_parallel"] == 2
+
+
+def test_past_the_context_wall_the_tune_splits_the_sequence(tmp_path):
+    """llama3.1-8b at 128k tokens on 8 x h100-80gb: one sequence per GPU does not fit, checkpointed, offloaded or
+    tensor-parallel (the logits and checkpointed inputs grow with the tokens each GPU holds); a context-parallel
+    group holding a slice of each sequence does, and wins, the batch shared by its GPUs."""
+    import autotune
+
+    result = autotune.tune("llama3.1-8b", gpus=8, gpu_type="h100-80gb", global_tokens="4Mi", seq_len=131072,
+                           backend="sim", runs_dir=str(tmp_path / "runs"))
+    import csv
+
+    assert result["parallelism"]["context_parallel"] > 1 and result["parallelism"]["tensor_parallel"] == 1
+    assert result["parallelism"]["data_parallel_ranks"] == 8 // result["parallelism"]["context_parallel"]
+    assert result["global_tokens"] == 4 * 2**20
+    (trials,) = (tmp_path / "runs").glob("*/trials.csv")
+    rows = list(csv.DictReader(trials.open()))
+    assert any(row["cpu_offload"] == "True" for row in rows) and any(row["tensor_parallel"] != "1" for row in rows)
+    assert all(row["status"] == "oom" for row in rows if row["context_parallel"] == "1")
