@@ -23,6 +23,7 @@ What each figure assumes:
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import math
@@ -65,8 +66,6 @@ class DocumentLengths:
         for weight in self.weights:
             total += weight
             cumulative.append(total)
-        import bisect
-
         return lambda: self.lengths[min(bisect.bisect_left(cumulative, rng.random() * total), len(self.lengths) - 1)]
 
     def to_dict(self) -> dict[str, Any]:
@@ -119,10 +118,10 @@ def read_document_lengths(text: str) -> DocumentLengths:
     try:
         items = data.items() if isinstance(data, dict) else ((value, 1) for value in data)
         for length, count in items:
-            length, count = int(float(length)), float(count)
-            if length < 1 or count < 0 or length != float(length):
+            value, count = float(length), float(count)
+            if value < 1 or count < 0 or value != int(value):
                 raise ValueError
-            pairs[length] = pairs.get(length, 0.0) + count
+            pairs[int(value)] = pairs.get(int(value), 0.0) + count
     except (TypeError, ValueError):
         raise UsageError(f"{text!r}: not a list of positive whole token counts or a JSON histogram "
                          '{"length": count}') from None

@@ -68,7 +68,7 @@ def test_the_forms_of_doc_lengths(tmp_path):
     histogram.write_text('{"20": 2, "10": 1}')
     read = [read_document_lengths(str(p)) for p in (listed, as_json, histogram)]
     assert {(r.lengths, r.weights) for r in read} == {((10, 20), (1.0, 2.0))}
-    for bad in ("0 5", "abc", "[]", '{"10": -1}'):
+    for bad in ("0 5", "abc", "[]", '{"10": -1}', "10.5"):
         (tmp_path / "bad.txt").write_text(bad)
         with pytest.raises(UsageError):
             read_document_lengths(str(tmp_path / "bad.txt"))
