@@ -213,25 +213,14 @@ def _group_size(value: Any) -> int:
     return value
 
 
-def _expert_parallel(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UsageError(f"expert-parallel degree must be a positive number of GPUs (1: no expert parallelism), "
-                         f"got {value!r}")
-    return value
-
-
-def _tensor_parallel(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UsageError(f"tensor-parallel degree must be a positive number of GPUs (1: no tensor parallelism), "
-                         f"got {value!r}")
-    return value
-
-
-def _context_parallel(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UsageError(f"context-parallel degree must be a positive number of GPUs (1: no context parallelism), "
-                         f"got {value!r}")
-    return value
+def _degree(kind: str) -> Callable[[Any], int]:
+    """The parse of a parallelism degree (`kind`: expert, tensor, context): a positive number of GPUs, 1 none."""
+    def parse(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"{kind}-parallel degree must be a positive number of GPUs (1: no {kind} parallelism), "
+                             f"got {value!r}")
+        return value
+    return parse
 
 
 def _reshard_group(value: Any) -> int:
@@ -440,7 +429,7 @@ KNOBS: tuple[Knob, ...] = (
          label=lambda v: "" if v == "dim0" else f"shard={v}",
          optuna=_categorical_param("shard_placement", SHARD_PLACEMENTS), alternative="largest",
          keyed_at_default=False, domain=lambda ctx: ctx.placements),
-    Knob(name="expert_parallel", default=1, flag="--ep", parse=_expert_parallel,
+    Knob(name="expert_parallel", default=1, flag="--ep", parse=_degree("expert"),
          result_path=("fsdp", "expert_parallel"),
          help="expert parallelism: the fused experts of each MoE block split over groups of this many GPUs "
               "(each holds experts/N whole experts, tokens reach them by all-to-all), FSDP sharding each "
@@ -448,14 +437,14 @@ KNOBS: tuple[Knob, ...] = (
               "(docs/KNOBS.md, expert parallelism)",
          label=lambda v: f"ep={v}" if v > 1 else "", optuna=lambda v: _int_param("expert_parallel", int)(v) if v > 1 else {},
          alternative=2, keyed_at_default=False, domain=lambda ctx: ctx.expert_parallel),
-    Knob(name="tensor_parallel", default=1, flag="--tp", parse=_tensor_parallel,
+    Knob(name="tensor_parallel", default=1, flag="--tp", parse=_degree("tensor"),
          result_path=("parallelism", "tensor_parallel"),
          help="tensor parallelism: each decoder block's linears split over groups of this many GPUs within a node, "
               "as the model's tensor-parallel plan says (transformers' base_model_tp_plan: colwise/rowwise), the "
               "group sharing one batch; FSDP shards over the GPUs/N data ranks. 1: none (docs/KNOBS.md)",
          label=lambda v: f"tp={v}" if v > 1 else "", optuna=lambda v: _int_param("tensor_parallel", int)(v) if v > 1 else {},
          alternative=2, keyed_at_default=False, domain=lambda ctx: ctx.tensor_parallel),
-    Knob(name="context_parallel", default=1, flag="--cp", parse=_context_parallel,
+    Knob(name="context_parallel", default=1, flag="--cp", parse=_degree("context"),
          result_path=("parallelism", "context_parallel"),
          help="context parallelism: each sequence split over groups of this many GPUs (torch's ring attention "
               "through SDPA, head-tail load balanced), the group sharing one batch; FSDP shards over every GPU. "
@@ -610,13 +599,8 @@ def _check_tensor_parallel(values: dict[str, Any], shape: ProblemShape) -> None:
                                  kv_heads=model.num_key_value_heads, widths={"MLP": model.mlp_width})
     if why:
         raise UsageError(f"{flag}: {model.name} cannot be split: {why}; use --tp 1")
-    for name, flag_of in (("shard_group_size", "--hsdp"), ("reshard_group_size", "--reshard-group"),
-                          ("expert_parallel", "--ep"), ("compile", "--compile"), ("float8", "--float8"),
-                          ("cpu_offload", "--offload"),
-                          ("shard_placement", "--shard-placement")):
-        if values[name] != BY_NAME[name].default:
-            raise UsageError(f"{flag} with {flag_of}: not built here yet (docs/KNOBS.md, tensor parallelism); "
-                             "drop one of them")
+    _refuse_unbuilt(values, flag, "tensor parallelism", ("shard_group_size", "reshard_group_size", "expert_parallel",
+                                                         "compile", "float8", "cpu_offload", "shard_placement"))
 
 
 def why_no_context_parallel(config: dict[str, Any], *, seq_len: int, degree: int) -> str:
@@ -680,13 +664,17 @@ def _check_context_parallel(values: dict[str, Any], shape: ProblemShape) -> None
                          f"hf-trainer), not the {shape.step} step of the stack given; use --cp 1")
     why = why_no_context_parallel(model.config_dict, seq_len=shape.seq_len, degree=cp)
     if why:
-        raise UsageError(f"{flag}: {model.name} at --seq-len {shape.seq_len}: {why}; use --cp 1")
-    for name, flag_of in (("tensor_parallel", "--tp"), ("shard_group_size", "--hsdp"),
-                          ("reshard_group_size", "--reshard-group"), ("expert_parallel", "--ep"),
-                          ("compile", "--compile"), ("float8", "--float8"), ("cpu_offload", "--offload"),
-                          ("activation_offload", "--activation-offload"), ("shard_placement", "--shard-placement")):
+        raise UsageError(f"{flag}: {model.name} at sequence length {shape.seq_len}: {why}; use --cp 1")
+    _refuse_unbuilt(values, flag, "context parallelism", ("tensor_parallel", "shard_group_size", "reshard_group_size",
+                                                          "expert_parallel", "compile", "float8", "cpu_offload",
+                                                          "activation_offload", "shard_placement"))
+
+
+def _refuse_unbuilt(values: dict[str, Any], flag: str, section: str, names: tuple[str, ...]) -> None:
+    """`flag` (a split) with any of the knobs `names` away from its default: not built together here, refused by both flags."""
+    for name in names:
         if values[name] != BY_NAME[name].default:
-            raise UsageError(f"{flag} with {flag_of}: not built here yet (docs/KNOBS.md, context parallelism); "
+            raise UsageError(f"{flag} with {BY_NAME[name].flag}: not built here yet (docs/KNOBS.md, {section}); "
                              "drop one of them")
 
 

@@ -364,10 +364,7 @@ def use_varlen_attention(net: nn.Module) -> None:
     from autotune.packing import ATTENTION
 
     AttentionInterface.register(ATTENTION, varlen_attention)
-    for module in net.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
-            config._attn_implementation = ATTENTION
+    net.set_attn_implementation(ATTENTION)  # as parallel.context.use_causal_sdpa switches a model's attention
 
 
 MIN_OFFLOAD_BYTES = 1024
