@@ -398,21 +398,25 @@ def check_multi_node(options: Options) -> None:
 
 def check_batch_beyond_fsdp(check, *, gpus: int, gpus_per_node: int, seq_len: int, model) -> None:
     """`check(ranks, seq_len, who)` (the global batch's checks, UsageError when it cannot be kept) on every GPU,
-    and where FSDP alone cannot keep it, on the data ranks of the widest tensor-parallel degree the model
-    and a node allow, tensor- or context-parallel (a group of GPUs then shares each sequence; the error, if
+    and where FSDP alone cannot keep it, on the data ranks of the widest degree the model and the cluster
+    allow, tensor-, context- or pipeline-parallel (a group of GPUs then shares each sequence; the error, if
     any, counts those ranks). `model`: a callable giving the ModelSpec, asked for only past the wall."""
     try:
         check(gpus, seq_len, "")
     except UsageError:
         from autotune.batch import data_ranks_text
-        from autotune.knobs import ProblemShape, context_parallel_degrees, tensor_parallel_degrees
+        from autotune.knobs import (ProblemShape, context_parallel_degrees, pipeline_parallel_degrees,
+                                    tensor_parallel_degrees)
 
         shape = ProblemShape(num_gpus=gpus, gpus_per_node=gpus_per_node, model=model(), seq_len=seq_len)
-        tp, cp = max(tensor_parallel_degrees(shape)), max(context_parallel_degrees(shape))
-        if max(tp, cp) == 1:
+        degrees = (max(tensor_parallel_degrees(shape)), max(context_parallel_degrees(shape)),
+                   max(pipeline_parallel_degrees(shape)))
+        widest = max(degrees)
+        if widest == 1:
             raise
-        widest = (tp, 1) if tp >= cp else (1, cp)
-        check(gpus // max(tp, cp), seq_len, data_ranks_text(gpus, *widest))
+        one_split = tuple(degree if degree == widest and degree not in degrees[:i] else 1
+                          for i, degree in enumerate(degrees))
+        check(gpus // widest, seq_len, data_ranks_text(gpus, *one_split))
 
 
 def resolve_problem(options: Options, *, check_batch=None) -> tuple[Any, Any, int, str]:

@@ -29,12 +29,13 @@ class GlobalBatch:
         return (self.global_tokens - self.target_tokens) / self.target_tokens
 
 
-def data_ranks_text(gpus: int, tensor_parallel: int = 1, context_parallel: int = 1) -> str:
-    """Who takes a batch each, in words: the GPUs, or their tensor- or context-parallel groups (one batch a group)."""
-    splits = [f"{name} parallel {n}" for name, n in (("tensor", tensor_parallel), ("context", context_parallel)) if n > 1]
+def data_ranks_text(gpus: int, tensor_parallel: int = 1, context_parallel: int = 1, pipeline_parallel: int = 1) -> str:
+    """Who takes a batch each, in words: the GPUs, or their tensor-, context-parallel groups or pipelines (one batch a group)."""
+    splits = [f"{name} parallel {n}" for name, n in (("tensor", tensor_parallel), ("context", context_parallel),
+                                                     ("pipeline", pipeline_parallel)) if n > 1]
     if not splits:
         return f"{gpus} GPUs"
-    return f"{gpus // (tensor_parallel * context_parallel)} data ranks ({gpus} GPUs / {' x '.join(splits)})"
+    return f"{gpus // (tensor_parallel * context_parallel * pipeline_parallel)} data ranks ({gpus} GPUs / {' x '.join(splits)})"
 
 
 MAX_GRAD_ACCUM_STEPS = 100_000

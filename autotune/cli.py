@@ -229,6 +229,21 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--float8", choices=FLOAT8_SEARCH, default=None, help="as in tune (default auto)")
     how.add_argument("--out", help="also write plan.json here")
     how.add_argument("--json", action="store_true", help="print plan.json on stdout, nothing else")
+    lost = plan.add_argument_group("expected time to train: what real runs lose beyond the benchmark time "
+                                   "(docs/PLAN.md)")
+    lost.add_argument("--checkpoint-every", metavar="DURATION",
+                      help="training time between checkpoint saves, e.g. 30m, 1h (default: the Young/Daly "
+                           "interval from the write time and the failure rate, at most 1h)")
+    lost.add_argument("--checkpoint-write-bandwidth", metavar="BYTES",
+                      help="checkpoint write bandwidth per node per second, e.g. 2GB (default 1GB)")
+    lost.add_argument("--failure-rate", metavar="N",
+                      help="job interruptions per million GPU-hours (default 19.7: Llama 3's 419 in 54 days on "
+                           "16,384 GPUs)")
+    lost.add_argument("--restart-time", metavar="DURATION",
+                      help="detection + restart of a failed job, e.g. 10m (default 10m)")
+    lost.add_argument("--eval-fraction", metavar="F", help="evaluation as a fraction of training time (default 0.01)")
+    lost.add_argument("--startup", metavar="DURATION", help="the first start: scheduling, loading, first steps "
+                                                            "(default 1h)")
 
     trial = sub.add_parser("trial", help="evaluate one configuration and print its result as JSON")
     _add_problem_options(trial, model_required=False)
@@ -373,7 +388,8 @@ def _tune_seq_len_max(args: argparse.Namespace, console) -> dict:
 
 def cmd_plan(args: argparse.Namespace, console) -> int:
     from autotune.files import write_atomic
-    from autotune.plan import PlanOptions, parse_gpu_counts, parse_gpu_types, parse_prices, plan_dir, run_plan
+    from autotune.plan import (PlanOptions, parse_gpu_counts, parse_gpu_types, parse_prices, parse_train_assumptions,
+                               plan_dir, run_plan)
     from autotune.result import dumps
     from autotune.units import parse_count
 
@@ -383,6 +399,10 @@ def cmd_plan(args: argparse.Namespace, console) -> int:
         raise UsageError("--train-tokens must be positive, e.g. 1T")
     parse_count(args.global_tokens, what="--global-tokens")
     check_out_file(args.out)
+    assumptions = parse_train_assumptions(
+        checkpoint_every=args.checkpoint_every, write_bandwidth=args.checkpoint_write_bandwidth,
+        failure_rate=args.failure_rate, restart_time=args.restart_time, eval_fraction=args.eval_fraction,
+        startup=args.startup)
     options = PlanOptions(model=args.model, train_tokens=train_tokens, gpus=parse_gpu_counts(args.gpus),
                           gpu_types=gpu_types, global_tokens=args.global_tokens,
                           prices=parse_prices(args.price, gpu_types),
@@ -390,7 +410,8 @@ def cmd_plan(args: argparse.Namespace, console) -> int:
                           gpus_per_node=args.gpus_per_node, headroom=args.headroom,
                           global_tolerance=args.global_tolerance, space=args.space, runs_dir=args.runs_dir,
                           storage=args.storage, trust_remote_code=args.trust_remote_code,
-                          text_only=args.text_only, jobs=args.jobs, compile=args.compile, float8=args.float8)
+                          text_only=args.text_only, jobs=args.jobs, compile=args.compile, float8=args.float8,
+                          train_assumptions=assumptions)
     seq_len_max = None
     if args.seq_len == "max":
         from autotune.plan import plan_max_seq_len
@@ -420,7 +441,8 @@ def cmd_plan(args: argparse.Namespace, console) -> int:
         sources = sorted({o["peak_memory_bytes"]["source"] for o in ok})
         console.note(f"figures ({plan['backend']} backend): per-GPU memory {'/'.join(sources)}, tokens/s "
                      f"{ok[0]['tokens_per_sec']['source']} on each GPU type's catalog figures; days, GPU-hours and "
-                     f"cost follow from tokens/s; every basis and range is in plan.json")
+                     f"cost follow from tokens/s; exp: expected days with what runs lose (checkpoints, failures, "
+                     f"evaluation, start-up, goodput fitted on published runs); every basis and range is in plan.json")
     console.plan_table(plan)
     console.note(f"planned {len(plan['options'])} options in {plan['wall_s']:.0f} s (measured)")
     console.note(f"wrote {folder / 'plan.json'}" + (f" and {args.out}" if args.out else "") +

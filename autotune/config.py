@@ -68,6 +68,10 @@ class TrainConfig:
     """Tensor-parallel degree: each block's linears split over groups of this many GPUs (parallel.apply_tp); 1: none."""
     context_parallel: int = _D["context_parallel"].default
     """Context-parallel degree: each sequence split over groups of this many GPUs (parallel/context.py); 1: none."""
+    pipeline_parallel: int = _D["pipeline_parallel"].default
+    """Pipeline-parallel degree: the decoder blocks split into this many stages' worth of ranks (parallel/pipeline.py); 1: none."""
+    pipeline_schedule: str = _D["pipeline_schedule"].default
+    """The pipeline schedule (knobs.PIPELINE_SCHEDULES); the default where pipeline_parallel is 1."""
     compile: str = _D["compile"].default
     """torch.compile of the decoder blocks: none or blocks (parallel.apply_compile)."""
     float8: str = _D["float8"].default
@@ -79,6 +83,8 @@ class TrainConfig:
         if self.reshard_group_size and not self.reshard_after_forward:
             # Kept gathered after forward: there is nothing to reshard to a group (one configuration, one name).
             object.__setattr__(self, "reshard_group_size", 0)
+        if self.pipeline_parallel == 1:  # no pipeline: no schedule (one configuration, one name)
+            object.__setattr__(self, "pipeline_schedule", knobs.BY_NAME["pipeline_schedule"].default)
 
     @property
     def fsdp_reshard_after_forward(self) -> bool | int:
@@ -87,8 +93,9 @@ class TrainConfig:
 
     @property
     def ranks_per_batch(self) -> int:
-        """GPUs that share one batch: a tensor-parallel group's, or a context-parallel group's."""
-        return self.tensor_parallel * self.context_parallel
+        """GPUs that share one batch: a tensor-parallel group's, a context-parallel group's, a pipeline's
+        stages (each holds a share of the blocks and sees every micro-batch)."""
+        return self.tensor_parallel * self.context_parallel * self.pipeline_parallel
 
     @property
     def ac(self) -> Checkpointing:
@@ -552,6 +559,11 @@ class TrialSpec:
             self.model, self.cluster, self.seq_len, packed=self.packing is not None, step=self.step))
         if values != self.train.knob_values():
             object.__setattr__(self, "train", TrainConfig(**values))
+        if self.train.pipeline_parallel > 1:
+            why = knobs.why_no_pipeline_schedule(schedule=self.train.pipeline_schedule,
+                                                 degree=self.train.pipeline_parallel, microbatches=self.grad_accum_steps)
+            if why:
+                raise UsageError(f"--pp {self.train.pipeline_parallel} at micro-batch {self.train.micro_batch_size}: {why}")
 
     @property
     def limit_bytes(self) -> int:

@@ -59,6 +59,10 @@ _SHORT_STAGE = {"checkpointing": "ckpt", "baseline": "base", "act-offload": "act
 _STATUS_STYLE = {"ok": "green", "oom": "red", "pruned": "yellow", "error": "magenta", "timeout": "magenta"}
 
 
+def _days(days: float) -> str:
+    return f"{days:,.0f}" if days >= 100 else f"{days:.1f}"
+
+
 def _compact(value: float) -> str:
     """56.6K, 1.2M: three significant figures in five or six characters (a table cell)."""
     for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
@@ -529,24 +533,27 @@ class Console:
 
     def plan_table(self, plan: dict) -> None:
         """One row per plan option, within 80 columns; every figure's source and range are in plan.json."""
-        title = "options (E estimated; days, GPU-h, cost from tok/s; eff: per GPU vs smallest)"
+        title = "options (E estimated; days, GPU-h, cost from tok/s; exp: with losses; eff/GPU)"
         # At least as wide as its title: rich wraps a title to the table's width, and a plan whose
         # columns are all short (every option 100% efficient, binding on memory) would split it.
-        table = Table(title=title, box=None, pad_edge=False, padding=(0, 1), title_justify="left",
+        # One space between columns (not two): the expected days beside the benchmark's still fit 80.
+        table = Table(title=title, box=None, pad_edge=False, padding=(0, 1, 0, 0), title_justify="left",
                       header_style="bold underline", min_width=len(title))
         for column, justify in (("option", "left"), ("winner", "left"), ("tok/s", "right"), ("days", "right"),
-                                ("GPU-h", "right"), ("cost", "right"), ("eff", "right"), ("binds", "left")):
+                                ("exp", "right"), ("GPU-h", "right"), ("cost", "right"), ("eff", "right"),
+                                ("binds", "left")):
             table.add_column(column, justify=justify, no_wrap=True)
         for option in plan["options"]:
             binds = _SHORT_LIMIT.get(option["binds"]["limit"], option["binds"]["limit"])
             if option["status"] != "ok":
-                table.add_row(option["id"], option["status"], "-", "-", "-", "-", "-", binds)
+                table.add_row(option["id"], option["status"], "-", "-", "-", "-", "-", "-", binds)
                 continue
             tps, cost = option["tokens_per_sec"], option["cost"]
             days = option["time_to_train_s"]["value"] / 86400
+            expected = option.get("expected_time_to_train_s")
             table.add_row(option["id"], _short_label(TrainConfig.from_result(option["result"])).replace("ac=", ""),
                           f"{_compact(tps['value'])} {_SOURCE_LETTER.get(tps['source'], '?')}",
-                          f"{days:,.0f}" if days >= 100 else f"{days:.1f}",
+                          _days(days), _days(expected["value"] / 86400) if expected else "never",
                           _compact(option["gpu_hours"]["value"]), _compact(cost["value"]) if cost else "-",
                           f"{option['scaling_efficiency']['value']:.0%}", binds)
         self.out.print(_Trimmed(table))

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from autotune import costmodel, heldout, runtime_memory
+from autotune import costmodel, heldout, runtime_memory, time_to_train
 from autotune.catalog.gpus import GPUS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,6 +152,19 @@ def registry() -> tuple[Constant, ...]:
         Constant("catalog.gpus (peak_tflops, hbm_gbps, memory)", f"{len(GPUS)} parts", "TFLOP/s, GB/s, bytes",
                  "data sheet", "each part's vendor data sheet (GPUSpec.source)",
                  "tests/test_catalog_and_config.py::test_gpu_catalog (against figures written in the test)"),
+        Constant("costmodel.pipeline_bubble_ratio", "(p - 1) / (v m)", "x the ideal step", "published",
+                 costmodel.PIPELINE_BUBBLE_SOURCE + ": GPipe and 1F1B (v = 1), Interleaved1F1B (v stages per rank)",
+                 "tests/test_costmodel_pipeline.py::test_bubble_matches_torch_schedules (torch's own action lists); "
+                 "python benchmarks/bench_published_pipelines.py (9 published rows, torchtitan and Llama 3: not a test)"),
+        Constant("time_to_train.FAILURES_PER_GPU_HOUR", f"{time_to_train.FAILURES_PER_GPU_HOUR:.3g}", "per GPU-hour",
+                 "published", "Llama 3 (arXiv 2407.21783, section 3.3.4): 419 unexpected interruptions in 54 days on "
+                 "16,384 H100s", "none by itself (it is one term of the time to train below)"),
+        Constant("time_to_train.FITTED_GOODPUT", f"{time_to_train.FITTED_GOODPUT} "
+                 f"({time_to_train.FITTED_GOODPUT_RANGE[0]}-{time_to_train.FITTED_GOODPUT_RANGE[1]})",
+                 "x estimated tokens/s", "fitted",
+                 "benchmarks/results/published_pretraining_runs.json (published wall-clock or GPU-hours of pretraining "
+                 "runs, each publisher weighed once; the rows named in the constant's docstring)",
+                 "python benchmarks/bench_time_to_train.py refits it without each row's publisher (not a test)"),
         Constant("heldout.RANGE_QUANTILE", heldout.RANGE_QUANTILE, "quantile", "assumption",
                  "the share of held-out |error| a printed range spans", "the ranges below"),
     )

@@ -168,12 +168,30 @@ class Controller:
                     backend=self.backend.name)
 
     def _buildable(self, train: TrainConfig) -> bool:
-        return not knobs.why_not_buildable(train.knob_values(), self.shape)
+        """Whether `train` makes a trial: check_combination's checks and the batch's (a pipeline schedule's
+        micro-batches are the accumulation steps: TrialSpec checks them)."""
+        if knobs.why_not_buildable(train.knob_values(), self.shape):
+            return False
+        try:
+            self.request.spec(train)
+        except UsageError:
+            return False
+        return True
+
+    def _with_runnable_schedule(self, train: TrainConfig) -> TrainConfig:
+        """`train` under the first pipeline schedule (knobs.PIPELINE_SCHEDULES' order) that runs its accumulation
+        steps: 1F1B needs one micro-batch per stage, which a batch at FSDP's walls may not have."""
+        if train.pipeline_parallel == 1 or self._buildable(train):
+            return train
+        for schedule in knobs.PIPELINE_SCHEDULES:
+            if self._buildable(candidate := train.with_(pipeline_schedule=schedule)):
+                return candidate
+        return train
 
     def _could_win(self, train: TrainConfig) -> bool:
         """False if the estimator puts `train` clearly below the best so far (then noted)."""
-        if self._find(train) or (slower := self._slower_than_best(train)) is None:
-            return True
+        if self._find(train) or not self._buildable(train) or (slower := self._slower_than_best(train)) is None:
+            return True  # an unbuildable candidate: run() skips it with the reason in the notes
         estimate, reference, best = slower
         self.notes.append(f"not explored: {train.label()} (estimated {estimate:,.0f} tokens/s, "
                           f"{estimate / reference - 1:+.1%} vs the best {best.train.label()} estimated the same way)")
@@ -244,11 +262,12 @@ class Controller:
             # micro-step of one sequence each already overshoots the global batch.
             batch = self.request.global_batch(1)
             self.notes.append(f"FSDP alone cannot hit the global batch: one sequence per GPU is {batch.global_tokens:,} "
-                              f"tokens per step, {batch.deviation:+.0%} off the target; tensor and context parallelism "
-                              "let several GPUs share one sequence")
+                              f"tokens per step, {batch.deviation:+.0%} off the target; tensor, context and pipeline "
+                              "parallelism let several GPUs share one sequence")
             if not self._explore_meshes(start=base.with_(
                     activation_checkpointing="full" if space.checkpointing else "none")):
-                self.notes.append("no tensor- or context-parallel degree the model and a node allow fits either")
+                self.notes.append("no tensor-, context- or pipeline-parallel degree the model and the cluster allow "
+                                  "fits either")
             return
         step = self.run("baseline", base, f"start of the graph: {numerics}, micro-batch 1{why_placement}")
         if not step.fits and space.checkpointing:
@@ -392,6 +411,7 @@ class Controller:
         self._explore_hsdp()
         self._explore_expert_parallel()
         self._explore_split("tensor_parallel")
+        self._explore_split("pipeline_parallel")
         best = self._choose()
         if best is not None and best.train.activation_checkpointing.mode != "none":
             # Context parallelism trades ring sends for activation memory: beyond the walls it is worth a trial
@@ -531,7 +551,8 @@ class Controller:
                 if tried == COMPILE_CANDIDATES:
                     break
                 train = step.train.with_(compile="blocks")
-                if self._find(train) or (why != "fits eager" and not self._could_win(train)):
+                if (self._find(train) or not self._buildable(train)  # e.g. a split compile is not built with
+                        or (why != "fits eager" and not self._could_win(train))):
                     continue
                 tried += 1
                 self.run("explore", train, f"compile each decoder block of {step.train.label()} (step {step.step}, "
@@ -577,10 +598,13 @@ class Controller:
         for step in fitting:
             if len(bases) == FLOAT8_CANDIDATES:
                 break
-            if step.train not in bases:
+            if step.train not in bases and any(self._buildable(step.train.with_(float8=recipe))
+                                               for recipe in knobs.FLOAT8_RECIPES[1:]):
                 bases.append(step.train)
         for base in bases:
             for recipe in knobs.FLOAT8_RECIPES[1:]:
+                if not self._buildable(base.with_(float8=recipe)):  # a split float8 is not built with
+                    continue
                 self.run("explore", base.with_(float8=recipe),
                          f"float8 {recipe} on {base.label()} (fits in high precision): its block linears' "
                          "matmuls at the float8 rate")
@@ -660,15 +684,21 @@ class Controller:
             self._align(self._grow(fastest.train, stage="explore", until_saturated=True))
 
     def _explore_meshes(self, *, start: TrainConfig | None = None) -> bool:
-        """Tensor, then context parallelism (_explore_split); True where either fits."""
-        tensor = self._explore_split("tensor_parallel", start=start)
-        context = self._explore_split("context_parallel", start=start)
-        return tensor or context
+        """Tensor, context, then pipeline parallelism (_explore_split); True where any fits."""
+        found = [self._explore_split(knob, start=start) for knob in self._SPLITS]
+        return any(found)
 
     _SPLITS = {
-        "tensor_parallel": ("tensor parallelism", "each holds and computes 1/{n} of every block's linears"),
-        "context_parallel": ("context parallelism", "each holds 1/{n} of every sequence, attention as a ring"),
+        "tensor_parallel": ("tensor parallelism", "{n} GPUs of a node", "each holds and computes 1/{n} of every "
+                                                                      "block's linears"),
+        "context_parallel": ("context parallelism", "{n} GPUs of a node", "each holds 1/{n} of every sequence, "
+                                                                        "attention as a ring"),
+        "pipeline_parallel": ("pipeline parallelism", "{n} stages", "each holds 1/{n} of the decoder blocks, the "
+                                                                    "micro-batches flowing stage to stage"),
     }
+    _SPLIT_DEGREES = {"tensor_parallel": knobs.tensor_parallel_degrees,
+                      "context_parallel": knobs.context_parallel_degrees,
+                      "pipeline_parallel": knobs.pipeline_parallel_degrees}
 
     def _explore_split(self, knob: str, *, start: TrainConfig | None = None) -> bool:
         """Split over 2, 4 or 8 GPUs of a node (--tp: each block's linears, as the model's transformers plan says;
@@ -679,18 +709,17 @@ class Controller:
         best = self._choose()
         base = start or (best.train if best is not None else self.steps[0].train if self.steps else None)
         searched = getattr(self.request.space, knob)
-        degrees = {"tensor_parallel": knobs.tensor_parallel_degrees,
-                   "context_parallel": knobs.context_parallel_degrees}[knob](self.shape)[1:] if searched else ()
+        degrees = self._SPLIT_DEGREES[knob](self.shape)[1:] if searched else ()
         if base is None or not degrees:
             return False
         base = base.with_(cpu_offload=False, activation_offload=False, compile="none", float8="none",
                           shard_group_size=0, reshard_group_size=0, expert_parallel=1, shard_placement="dim0",
-                          tensor_parallel=1, context_parallel=1,
+                          tensor_parallel=1, context_parallel=1, pipeline_parallel=1,
                           micro_batch_size=1)  # grown below: a group of GPUs takes each batch
-        name, what = self._SPLITS[knob]
+        name, where, what = self._SPLITS[knob]
         fitting = []
         for degree in degrees:
-            train = base.with_(**{knob: degree})
+            train = self._with_runnable_schedule(base.with_(**{knob: degree}))
             # The walls: nothing to beat (FSDP alone fits nothing, or misses the global batch), or only offloading
             # holds the model: then the mesh is traced, not judged by two estimates of unlike costs.
             best = self._choose()
@@ -700,11 +729,12 @@ class Controller:
             why = ("FSDP alone holds no configuration of this problem" if best is None else
                    f"FSDP holds this problem only with CPU offload ({best.train.label()})" if wall else
                    "the estimate allows a mesh to win")
-            step = self.run("explore", train, f"{why}: {name} over {degree} GPUs of a node ({what.format(n=degree)}; "
+            over = where.format(n=degree)
+            step = self.run("explore", train, f"{why}: {name} over {over} ({what.format(n=degree)}; "
                                               f"{degree} GPUs share a batch)")
             if not step.fits and train.activation_checkpointing.mode != "full" and self.request.space.checkpointing:
                 step = self.run("explore", train.with_(activation_checkpointing="full"),
-                                f"{name} over {degree} GPUs {self._why(step)}: checkpoint every block too")
+                                f"{name} over {over} {self._why(step)}: checkpoint every block too")
             if step.fits:
                 fitting.append(step)
         if not fitting:
@@ -731,6 +761,8 @@ class Controller:
             float8_recipes=(knobs.FLOAT8_RECIPES if self.float8_search == "explore" and cluster.gpu.has_float8
                             else (base.float8,)),
             hsdp_groups=tuple(groups),
+            pipeline_parallel=knobs.pipeline_parallel_degrees(self.shape) if space.pipeline_parallel and not groups else (1,),
+            pipeline_schedules=knobs.PIPELINE_SCHEDULES if space.pipeline_parallel and not groups else ("1F1B",),
             expert_parallel=(1, *self._expert_parallel_degrees(base)) if not groups else (1,),
             reshard_groups=(cluster.gpus_per_node,) if (space.explore_no_reshard and cluster.num_nodes > 1
                                                         and cluster.gpus_per_node > 1

@@ -15,6 +15,8 @@ calibrated against. Callers count the work (FLOPs, collective bytes, offload cop
     host     = dispatched ops x HOST_OP_US (where the trace counted them): the host issues the
                kernels ahead of the GPU, so a micro-batch takes the longer of the two
     step     = max(compute, host) + exposed (comm + offload) + CPU AdamW step when offloading
+             + under pipeline parallelism, the slowest stage's bubble ((p-1)/(v m) of its time, Narayanan et
+               al. 2021) and its exposed stage-to-stage sends (pipeline_bubble_ratio, pp_p2p_bytes)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from autotune.config import Cluster
 __all__ = [
     "CollectiveVolume", "StepTime", "StepWork",
     "collective_bytes", "compute_peak_tflops", "estimate_basis", "estimate_step_time", "fsdp_step_work",
+    "pipeline_bubble_ratio", "pipeline_in_flight", "pipeline_stage_layers", "pp_p2p_bytes", "PIPELINE_BUBBLE_SOURCE",
     "host_link_gbps",
     "matmul_efficiency", "offload_bytes",
     "ESTIMATE_BASIS",
@@ -421,6 +424,19 @@ class StepWork:
     cp_ring_bytes_per_gpu: float = 0.0
     """Bytes each GPU sends round its context-parallel ring per step (cp_ring_bytes), counted as not
     overlapped with attention (an upper bound on the time: torch's ring overlaps the next send)."""
+    pipeline_parallel: int = 1
+    """Pipeline stages' worth of ranks (parallel/pipeline.py): each GPU holds a share of the decoder blocks and
+    runs every micro-batch through it (the accumulation steps are the pipeline's micro-batches); FSDP's rings run
+    over the GPUs / (tensor_parallel x pipeline_parallel) data ranks of a stage. 1: none, and nothing below counts."""
+    pipeline_schedule: str = "1F1B"
+    """The schedule (knobs.PIPELINE_SCHEDULES), for the bubble's label; its size is pipeline_virtual_stages'."""
+    pipeline_virtual_stages: int = 1
+    """Stages each rank holds (Interleaved1F1B: v > 1, the bubble shrinks v-fold: pipeline_bubble_ratio)."""
+    pp_p2p_bytes_per_gpu: float = 0.0
+    """Bytes each GPU sends to its neighbouring stages per step (pp_p2p_bytes): activations forward, their
+    gradients backward."""
+    pp_p2p_inter_node: bool = False
+    """Whether consecutive stages sit on different nodes (pp outermost in the mesh: world/pp ranks apart)."""
 
 
 def cp_ring_bytes(*, tokens_per_microbatch: int, kv_width: int, activation_bytes: int, num_blocks: int,
@@ -446,6 +462,74 @@ def tp_all_reduce_bytes(*, tokens_per_microbatch: int, hidden_size: int, activat
         return 0.0
     exchanges = 4 * num_blocks + 2 * checkpointed_blocks
     return float(tokens_per_microbatch * hidden_size * activation_bytes * exchanges * num_microbatches)
+
+
+PIPELINE_BUBBLE_SOURCE = ("Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters Using "
+                          "Megatron-LM' (arXiv 2104.04473), section 2.2")
+
+
+def pipeline_bubble_ratio(*, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """The pipeline bubble over the ideal time, t_pb / t_id (Narayanan et al. 2021, section 2.2.1: GPipe and 1F1B
+    both idle (p - 1)(t_f + t_b) per step against m(t_f + t_b) of work, so (p - 1) / m; section 2.2.2: the
+    interleaved schedule with v stages per rank, (p - 1) / (v m)). A step takes the ideal time x (1 + this); the
+    bubble's share of the step is (p - 1) / (v m + p - 1). `stages` p the ranks of a pipeline, `microbatches` m.
+    Checked against torch's own schedules (tests/test_costmodel_pipeline.py: their action lists run with
+    t_b = 2 t_f), which match it for GPipe and 1F1B at any m, and for Interleaved1F1B where m is a multiple of p."""
+    if stages <= 1:
+        return 0.0
+    if microbatches < 1 or virtual_stages < 1:
+        raise ValueError("microbatches and virtual_stages must be >= 1")
+    return (stages - 1) / (virtual_stages * microbatches)
+
+
+def pipeline_in_flight(schedule: str, *, stages: int, microbatches: int, rank: int = 0,
+                       virtual_stages: int = 1) -> int:
+    """Micro-batches (stage chunks, under an interleaved schedule) whose activations pipeline rank `rank` holds at
+    once at its peak, as torch.distributed.pipelining's schedules run them (schedules.py): GPipe all m forwards
+    before any backward; 1F1B min(m, p - rank) (Schedule1F1B's warm-up, then one forward before the first
+    backward); Interleaved1F1B its warm-up forwards (_get_warmup_ops: (v - 1) x micro-batches per round + 2(p - 1
+    - rank), at most v m) and the 1F1B phase's first forward, at most v m chunks in all."""
+    p, m, v = stages, microbatches, virtual_stages
+    if schedule == "GPipe":
+        return m * v
+    if schedule == "1F1B":
+        return min(m, p - rank)
+    if schedule == "Interleaved1F1B":
+        rounds = max(1, m // p)
+        per_round = m // rounds
+        warmup = min((v - 1) * per_round + 2 * (p - 1 - rank), m * v)
+        return min(warmup + 1, m * v)
+    raise ValueError(f"unknown pipeline schedule {schedule!r}")
+
+
+def pipeline_stage_layers(num_layers: int, stages: int) -> list[int]:
+    """Decoder blocks of each of `stages` contiguous stages (pp x v, in order): as even as whole blocks allow, the
+    extra ones on the middle stages before the first and the last, which also hold the embeddings and the head
+    (torchtitan's generated split points give the first and last stages the fewer blocks; Llama 3's pipeline one
+    block fewer on each). Up to two stages more than blocks: the first and last then hold no block (Llama 3's
+    embedding-only first chunk and head-only last chunk)."""
+    if stages < 1 or stages > num_layers + 2:
+        raise ValueError(f"{stages} stages need at least {stages - 2} decoder blocks, and there are {num_layers}")
+    if stages == 1:
+        return [num_layers]
+    if stages > num_layers:
+        return [0] + [1] * num_layers + [0] * (stages - 1 - num_layers)
+    base, extra = divmod(num_layers, stages)
+    order = list(range(1, stages - 1)) + [0, stages - 1]  # who takes an extra block first
+    layers = [base] * stages
+    for i in order[:extra]:
+        layers[i] += 1
+    return layers
+
+
+def pp_p2p_bytes(*, tokens_per_microbatch: int, hidden_size: int, activation_bytes: int, num_microbatches: int,
+                 virtual_stages: int = 1, tensor_parallel: int = 1, context_parallel: int = 1) -> float:
+    """Bytes one GPU sends to its neighbouring stages per step: each of its v stages sends every micro-batch's output
+    activations on (tokens x hidden in the compute dtype, a tp x cp-th of them: each GPU of a stage's tensor- and
+    context-parallel group sends its own shard) and, backward, their gradient of the same size back. The first
+    stage sends no gradient and the last no activation: counted as every stage's, an upper bound by 1/(p v)."""
+    per_microbatch = tokens_per_microbatch * hidden_size * activation_bytes / (tensor_parallel * context_parallel)
+    return float(2 * per_microbatch * num_microbatches * virtual_stages)
 
 
 def expert_all_to_all_bytes(*, tokens_per_microbatch: int, experts_per_token: int, hidden_size: int,
@@ -489,6 +573,11 @@ class StepTime:
     (offload_accumulate_seconds), which the GPU waits for."""
     attention_s: float = 0.0
     """The part of gpu_compute_s that is the attention kernel's (0 where attention was costed as matmuls)."""
+    pp_bubble_s: float = 0.0
+    """Pipeline parallelism: the bubble, the stage's idle time while the pipeline fills and drains
+    (pipeline_bubble_ratio of its compute and tensor/context-parallel time); 0 without a pipeline."""
+    pp_p2p_s: float = 0.0
+    """Pipeline parallelism: the stage-to-stage sends on the critical path (exposed; all of them are in comm_s)."""
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -552,7 +641,9 @@ def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_p
                    attention: dict | None = None, precision: str = "bf16",
                    offload_fresh_page_bytes: float = 0.0, tensor_parallel: int = 1,
                    tp_all_reduce_bytes: float = 0.0, context_parallel: int = 1,
-                   cp_ring_bytes: float = 0.0) -> StepWork:
+                   cp_ring_bytes: float = 0.0, pipeline_parallel: int = 1, pipeline_schedule: str = "1F1B",
+                   pipeline_virtual_stages: int = 1, pp_p2p_bytes: float = 0.0, pp_p2p_inter_node: bool = False,
+                   pipeline_stage_blocks: int = 0, pipeline_root_params: int = 0) -> StepWork:
     """The `StepWork` of a full-sharded FSDP2 step from what a backend counted: FLOPs, sizes;
     gradients reduced in `reduce_bytes` per element (fp32, FSDP2's default here), of the
     `trainable` (block, root) parameters where some are frozen (LoRA), which alone the optimizer steps.
@@ -561,8 +652,28 @@ def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_p
     counts every GPU, `tokens_per_gpu_step` what each tensor-parallel group takes, and each GPU gathers,
     reduces and steps its 1/tensor_parallel of the blocks' parameters (block_params: the whole block's).
     `context_parallel` > 1: `tokens_per_gpu_step` what each context-parallel group takes; parameters stay
-    sharded over every GPU."""
+    sharded over every GPU. `pipeline_parallel` > 1: the GPU costed holds `pipeline_stage_blocks` of the blocks and
+    `pipeline_root_params` of the root's parameters (embeddings on the first stage, norm and head on the last) and
+    FSDP shards them over its stage's num_gpus / (tensor_parallel x pipeline_parallel) data ranks; the FLOPs given are
+    that GPU's (the slowest stage's, which sets the pace), `tokens_per_gpu_step` what each pipeline takes. As torch's
+    PipelineStage runs FSDP2, the micro-batches accumulate unsharded gradients without reducing them
+    (set_requires_gradient_sync(False) until the last backward), so the stage's gradients are reduce-scattered
+    once per step, and its parameters all-gathered once per step when not resharded after forward (torchtitan's
+    default under PP), else about once per micro-batch and once more (m + 1 gathers: each backward re-gathers what
+    forward resharded; backward keeps them gathered for the next forward)."""
     tp = tensor_parallel
+    if pipeline_parallel > 1:
+        return _pipeline_step_work(
+            flops_per_gpu=flops_per_gpu, model_flops_per_gpu=model_flops_per_gpu, tokens_per_gpu_step=tokens_per_gpu_step,
+            num_gpus=num_gpus, block_params=block_params // tp, num_blocks=pipeline_stage_blocks,
+            root_params=pipeline_root_params, param_bytes=param_bytes, reshard_after_forward=reshard_after_forward,
+            num_microbatches=num_microbatches, dispatched_ops_per_microbatch=dispatched_ops_per_microbatch,
+            hidden_size=hidden_size, reduce_bytes=reduce_bytes, float8_block_params=float8_block_params,
+            attention=attention, precision=precision, tensor_parallel=tp, tp_all_reduce_bytes=tp_all_reduce_bytes,
+            context_parallel=context_parallel, cp_ring_bytes=cp_ring_bytes, pipeline_parallel=pipeline_parallel,
+            pipeline_schedule=pipeline_schedule, pipeline_virtual_stages=pipeline_virtual_stages,
+            pp_p2p_bytes=pp_p2p_bytes, pp_p2p_inter_node=pp_p2p_inter_node, cpu_offload=cpu_offload,
+            trainable=trainable, all_to_all_bytes=all_to_all_bytes, all_to_all_inter_node=all_to_all_inter_node)
     if tp > 1:
         block_params //= tp
         trainable = (trainable[0] // tp, trainable[1]) if trainable is not None else None
@@ -589,6 +700,39 @@ def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_p
         hidden_size=hidden_size, all_to_all_bytes_per_gpu=all_to_all_bytes, all_to_all_inter_node=all_to_all_inter_node,
         precision=precision, tensor_parallel=tp, tp_all_reduce_bytes_per_gpu=tp_all_reduce_bytes,
         context_parallel=context_parallel, cp_ring_bytes_per_gpu=cp_ring_bytes, **(attention or {}),
+    )
+
+
+def _pipeline_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_per_gpu_step: int, num_gpus: int,
+                        block_params: int, num_blocks: int, root_params: int, param_bytes: int,
+                        reshard_after_forward: bool, num_microbatches: int, dispatched_ops_per_microbatch: float,
+                        hidden_size: int, reduce_bytes: int, float8_block_params: int, attention: dict | None,
+                        precision: str, tensor_parallel: int, tp_all_reduce_bytes: float, context_parallel: int,
+                        cp_ring_bytes: float, pipeline_parallel: int, pipeline_schedule: str,
+                        pipeline_virtual_stages: int, pp_p2p_bytes: float, pp_p2p_inter_node: bool, cpu_offload: bool,
+                        trainable: tuple[int, int] | None, all_to_all_bytes: float,
+                        all_to_all_inter_node: bool) -> StepWork:
+    """fsdp_step_work under pipeline parallelism (its docstring): `block_params` already a tensor-parallel GPU's
+    share, `num_blocks` and `root_params` the costed GPU's stage's."""
+    if cpu_offload or trainable is not None:
+        raise ValueError("pipeline parallelism is costed without CPU offload and LoRA (knobs refuses them together)")
+    tp, cp, pp, m = tensor_parallel, context_parallel, pipeline_parallel, num_microbatches
+    stage_params = block_params * num_blocks + root_params
+    gathers = m + 1 if reshard_after_forward else 1
+    float8_saved = float(float8_weight_bytes_saved(float8_block_params, param_bytes) * num_blocks)
+    allgather = gathers * (stage_params * param_bytes - float8_saved)
+    return StepWork(
+        flops_per_gpu=flops_per_gpu, model_flops_per_gpu=model_flops_per_gpu,
+        tokens_per_step=tokens_per_gpu_step * (num_gpus // (tp * cp * pp)), num_microbatches=m,
+        allgather_bytes_per_gpu=float(allgather), reduce_scatter_bytes_per_gpu=float(stage_params * reduce_bytes),
+        backward_allgather_bytes_per_gpu=float(m * (block_params * num_blocks * param_bytes - float8_saved))
+        if reshard_after_forward else 0.0,
+        num_fsdp_units=num_blocks + 1, dispatched_ops_per_microbatch=dispatched_ops_per_microbatch,
+        hidden_size=hidden_size, all_to_all_bytes_per_gpu=all_to_all_bytes, all_to_all_inter_node=all_to_all_inter_node,
+        precision=precision, tensor_parallel=tp, tp_all_reduce_bytes_per_gpu=tp_all_reduce_bytes,
+        context_parallel=cp, cp_ring_bytes_per_gpu=cp_ring_bytes, pipeline_parallel=pp,
+        pipeline_schedule=pipeline_schedule, pipeline_virtual_stages=pipeline_virtual_stages,
+        pp_p2p_bytes_per_gpu=pp_p2p_bytes, pp_p2p_inter_node=pp_p2p_inter_node, **(attention or {}),
     )
 
 
@@ -642,6 +786,20 @@ def _link_gbps(cluster: Cluster, *, inter_node: bool, whole_nodes: bool = True,
                                 whole_nodes=whole_nodes)
 
 
+def _stage_ring_gbps(cluster: Cluster, *, stage_gpus: int, tensor_parallel: int,
+                     nic_bus_efficiency: float | None = None) -> float:
+    """Achieved per-GPU rate of a pipeline stage's FSDP ring, GB/s: its `stage_gpus` GPUs are consecutive (pp
+    outermost), so the ring stays on NVLink where they fit in a node; else it crosses nodes with gpus_per_node /
+    tensor_parallel of its GPUs on each node, one NIC each (inter_node_ring_gbps)."""
+    gpu = cluster.gpu
+    intra = gpu.intra_node_gbps * INTRA_NODE_BUS_EFFICIENCY
+    if stage_gpus <= cluster.gpus_per_node:
+        return intra
+    nic = gpu.inter_node_gbps * (NIC_BUS_EFFICIENCY if nic_bus_efficiency is None else nic_bus_efficiency)
+    return inter_node_ring_gbps(nic, gpus_per_node=max(cluster.gpus_per_node // tensor_parallel, 1),
+                                intra_node_gbps=intra, whole_nodes=True)
+
+
 def hsdp_comm_seconds(work: StepWork, cluster: Cluster, *, shard_group_size: int,
                       nic_bus_efficiency: float | None = None) -> tuple[float, float]:
     """(intra-node, inter-node) seconds of one step's collectives under HSDP: parameters sharded
@@ -683,8 +841,8 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
     (default HOST_OP_US). `describe=False` leaves `basis` empty: a fit evaluates a million
     estimates, and writing each one's sentence was half their time."""
     gpu = cluster.gpu
-    tp = work.tensor_parallel
-    n = cluster.num_gpus // tp  # FSDP's ranks: a tensor-parallel group is one of them
+    tp, pp = work.tensor_parallel, work.pipeline_parallel
+    n = cluster.num_gpus // (tp * pp)  # FSDP's ranks: a tensor-parallel group is one of them, of one pipeline stage
     tokens_per_microbatch = work.tokens_per_step / (work.num_microbatches * n)
     # A tensor-parallel GPU multiplies the same tokens by a tp-th of each weight: its matmuls keep their rows and
     # their contraction over the model's width (the column-wise ones) or their output width (the row-wise ones),
@@ -721,6 +879,12 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
     if shard_group_size and shard_group_size < n:
         comm_s += sum(hsdp_comm_seconds(work, cluster, shard_group_size=shard_group_size,
                                         nic_bus_efficiency=nic_bus_efficiency))
+    elif n > 1 and pp > 1:
+        # A stage's data ranks: world / pp consecutive GPUs (pp outermost, tp innermost), so its FSDP rings cross
+        # nodes where a stage spans several, each ring on as many of a node's NICs as it has GPUs there.
+        ring_bytes = (work.allgather_bytes_per_gpu + work.reduce_scatter_bytes_per_gpu) * (n - 1) / n
+        comm_s += ring_bytes / (_stage_ring_gbps(cluster, stage_gpus=cluster.num_gpus // pp, tensor_parallel=tp,
+                                                 nic_bus_efficiency=nic_bus_efficiency) * 1e9)
     elif n > 1:
         ring_bytes = (work.allgather_bytes_per_gpu + work.reduce_scatter_bytes_per_gpu) * (n - 1) / n
         comm_s += ring_bytes / (_link_gbps(cluster, inter_node=cluster.num_nodes > 1,
@@ -762,15 +926,35 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
     tp_s = (work.tp_all_reduce_bytes_per_gpu * 2 * (tp - 1) / tp / (_link_gbps(
         cluster, inter_node=tp > cluster.gpus_per_node, whole_nodes=False, nic_bus_efficiency=nic_bus_efficiency) * 1e9)
         if tp > 1 else 0.0)
-    # Context parallelism's ring sends, within a node (exposed: an upper bound on the time).
+    # Context parallelism's ring sends, within a node (exposed: an upper bound on the time); a ring's GPUs are tp
+    # apart (tp innermost in the mesh), so with tensor parallelism it leaves the node once tp x cp GPUs outgrow it.
     cp = work.context_parallel
     cp_s = (work.cp_ring_bytes_per_gpu / (_link_gbps(
-        cluster, inter_node=cp > cluster.gpus_per_node, whole_nodes=False, nic_bus_efficiency=nic_bus_efficiency) * 1e9)
+        cluster, inter_node=cp * tp > cluster.gpus_per_node, whole_nodes=False,
+        nic_bus_efficiency=nic_bus_efficiency) * 1e9)
         if cp > 1 else 0.0)
     comm_s += all_to_all_s + tp_s + cp_s
     exposed_s += all_to_all_s + tp_s + cp_s
     exposed_comm_s += all_to_all_s + tp_s + cp_s
-    seconds = compute_s + exposed_s + cpu_optimizer_s + offload_accumulate_s
+    # Pipeline parallelism (pipeline_bubble_ratio): the stage's micro-batches (compute, and the tensor- and
+    # context-parallel exchanges on their critical path) idle (p - 1) / (v m) of that again while the pipeline
+    # fills and drains; each stage-to-stage send lies on the critical path where the fill and the drain cross a
+    # stage boundary (2 (p v - 1) hops), the rest under the other micro-batches' compute unless they outlast it.
+    bubble_s = p2p_all_s = p2p_s = 0.0
+    if pp > 1:
+        v, m = work.pipeline_virtual_stages, work.num_microbatches
+        stage_s = compute_s + tp_s + cp_s
+        bubble_s = stage_s * pipeline_bubble_ratio(stages=pp, microbatches=m, virtual_stages=v)
+        if work.pp_p2p_bytes_per_gpu:
+            p2p_all_s = work.pp_p2p_bytes_per_gpu / (_link_gbps(
+                cluster, inter_node=work.pp_p2p_inter_node, whole_nodes=False,
+                nic_bus_efficiency=nic_bus_efficiency) * 1e9)
+            hop_s = p2p_all_s / (2 * m * v)
+            p2p_s = min(p2p_all_s, 2 * (pp * v - 1) * hop_s + max(p2p_all_s - stage_s, 0.0))
+        comm_s += p2p_all_s
+        exposed_s += p2p_s
+        exposed_comm_s += p2p_s
+    seconds = compute_s + exposed_s + bubble_s + cpu_optimizer_s + offload_accumulate_s
     model_flops = work.flops_per_gpu if work.model_flops_per_gpu is None else work.model_flops_per_gpu
     return StepTime(
         seconds=seconds, compute_s=compute_s, comm_s=comm_s, exposed_comm_s=exposed_comm_s,
@@ -789,9 +973,14 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
                   if host_s > gpu_compute_s else "")
                + (f"; {offload_accumulate_s:.3g} s per step of the host's blocking gradient copies and adds in "
                   f"{work.num_microbatches - 1} accumulating micro-batch(es) ({OFFLOAD_ACCUMULATE_BASIS})"
-                  if offload_accumulate_s else "")) if describe else "",
+                  if offload_accumulate_s else "")
+               + (f"; pipeline of {pp} stages' ranks x {work.pipeline_virtual_stages} ({work.pipeline_schedule}), "
+                  f"{work.num_microbatches} micro-batches: bubble {bubble_s:.3g} s ((p-1)/(v m) of the slowest stage's "
+                  f"time, {PIPELINE_BUBBLE_SOURCE}), stage-to-stage sends {p2p_s:.3g} s exposed "
+                  f"({'across nodes' if work.pp_p2p_inter_node else 'within a node'})" if pp > 1 else ""))
+        if describe else "",
         host_s=host_s, host_bound=host_s > gpu_compute_s, gpu_compute_s=gpu_compute_s,
-        offload_accumulate_s=offload_accumulate_s, attention_s=attention_s,
+        offload_accumulate_s=offload_accumulate_s, attention_s=attention_s, pp_bubble_s=bubble_s, pp_p2p_s=p2p_s,
     )
 
 

@@ -18,6 +18,7 @@ import argparse
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any, Literal
 
 from autotune.errors import UsageError
@@ -55,6 +56,13 @@ where the run can evaluate float8 (a GPU with float8, torchao installed, not rea
 not a stack's own step, not the closed form), else `none` with the reason in the run's notes; `none`; `explore`, the graph
 high precision, then its fastest fitting candidates tried with each recipe (predicted first, as every
 trial; only on a GPU with float8); `tensorwise` / `rowwise`, every trial with that recipe."""
+PIPELINE_SCHEDULES: tuple[str, ...] = ("1F1B", "Interleaved1F1B", "GPipe")
+"""torch.distributed.pipelining's schedules, by its names (torchtitan's `pipeline_parallel_schedule`): `1F1B`
+(one stage per rank, stage s keeps up to pp - s micro-batches' activations in flight), `Interleaved1F1B`
+(PIPELINE_VIRTUAL_STAGES stages per rank, round-robin: a smaller bubble for more p2p sends), `GPipe` (every
+micro-batch's forward, then every backward: all in flight at once)."""
+PIPELINE_VIRTUAL_STAGES: dict[str, int] = {"1F1B": 1, "GPipe": 1, "Interleaved1F1B": 2}
+"""Stages each rank holds under a schedule (torchtitan's default for its multi-stage schedules: 2 per rank)."""
 COMPILE_BACKEND = "inductor"
 """What real trials and the exports compile blocks with (torch.compile's default)."""
 COMPILE_SEARCH = ("auto", "none", "explore", "blocks")
@@ -258,6 +266,8 @@ class Knob:
     boolean: bool = False
     alternative: Any = None
     """A valid non-default value (tests change every knob to it: each must change the cache key)."""
+    alternative_with: dict[str, Any] = dataclass_field(default_factory=dict)
+    """Other knobs' values the alternative needs to mean anything (a pipeline schedule needs a pipeline)."""
     keyed_at_default: bool = True
     """False for knobs added after studies existed: a trial's identity (records.config_key)
     leaves them out at their default, so a resumed study still finds its old trials."""
@@ -309,6 +319,10 @@ class SampleContext:
     """Tensor-parallel degrees that apply (tensor_parallel_degrees: a model with a plan, degrees within a node)."""
     context_parallel: tuple[int, ...] = (1,)
     """Context-parallel degrees that apply (context_parallel_degrees)."""
+    pipeline_parallel: tuple[int, ...] = (1,)
+    """Pipeline-parallel degrees that apply (pipeline_parallel_degrees)."""
+    pipeline_schedules: tuple[str, ...] = ("1F1B",)
+    """Pipeline schedules the sampler may draw (only where a degree above 1 applies)."""
     hsdp_groups: tuple[int, ...] = ()
     """HSDP group sizes that apply (several nodes): node, 2 nodes, ..."""
     reshard_groups: tuple[int, ...] = ()
@@ -451,6 +465,22 @@ KNOBS: tuple[Knob, ...] = (
               "1: none (docs/KNOBS.md)",
          label=lambda v: f"cp={v}" if v > 1 else "", optuna=lambda v: _int_param("context_parallel", int)(v) if v > 1 else {},
          alternative=2, keyed_at_default=False, domain=lambda ctx: ctx.context_parallel),
+    Knob(name="pipeline_parallel", default=1, flag="--pp", parse=_degree("pipeline"),
+         result_path=("parallelism", "pipeline_parallel"),
+         help="pipeline parallelism: the decoder blocks split into stages over groups of this many GPUs (torch's "
+              "pipelining: each stage on its own GPUs, activations sent stage to stage, the accumulation steps "
+              "its micro-batches), FSDP sharding each stage over the GPUs/N data ranks. 1: none (docs/PIPELINE.md)",
+         label=lambda v: f"pp={v}" if v > 1 else "", optuna=lambda v: _int_param("pipeline_parallel", int)(v) if v > 1 else {},
+         alternative=2, alternative_with={"pipeline_schedule": "GPipe"},  # one micro-batch: GPipe runs it
+         keyed_at_default=False, domain=lambda ctx: ctx.pipeline_parallel),
+    Knob(name="pipeline_schedule", default="1F1B", flag="--pp-schedule", choices=PIPELINE_SCHEDULES,
+         parse=_choice("pipeline schedule", PIPELINE_SCHEDULES), result_path=("parallelism", "pipeline_schedule"),
+         help="the pipeline schedule under --pp (torch.distributed.pipelining's): 1F1B, Interleaved1F1B (2 stages "
+              "per GPU) or GPipe; ignored without --pp",
+         label=lambda v: "" if v == "1F1B" else f"pp-sched={v}", short=lambda v: "" if v == "1F1B" else f"{v[:5]}",
+         optuna=lambda v: _categorical_param("pipeline_schedule", PIPELINE_SCHEDULES)(v) if v != "1F1B" else {},
+         alternative="GPipe", alternative_with={"pipeline_parallel": 2}, keyed_at_default=False,
+         domain=lambda ctx: ctx.pipeline_schedules),
     Knob(name="compile", default="none", flag="--compile", choices=COMPILE_MODES,
          parse=_choice("compile", COMPILE_MODES), result_path=("compile", "mode"),
          help="torch.compile: none (eager) or blocks (each decoder block compiled, fullgraph=True, before FSDP2 "
@@ -560,6 +590,7 @@ def check_combination(values: dict[str, Any], shape: ProblemShape) -> dict[str, 
     values = dict(values)
     _check_tensor_parallel(values, shape)
     _check_context_parallel(values, shape)
+    _check_pipeline_parallel(values, shape)
     size, gpus, per_node = values["shard_group_size"], shape.num_gpus, shape.gpus_per_node
     if size == gpus:
         values["shard_group_size"] = 0
@@ -668,6 +699,149 @@ def _check_context_parallel(values: dict[str, Any], shape: ProblemShape) -> None
     _refuse_unbuilt(values, flag, "context parallelism", ("tensor_parallel", "shard_group_size", "reshard_group_size",
                                                           "expert_parallel", "compile", "float8", "cpu_offload",
                                                           "activation_offload", "shard_placement"))
+
+
+PIPELINE_PARALLEL_STEPS = ("autotune",)
+"""The steps (config.stack_step) whose forward parallel/pipeline.py splits into stages: the model's own
+decoder blocks, embeddings, final norm and head, with the loss on the last stage."""
+
+PIPELINE_PARALLEL_DEGREES = (2, 4, 8, 16)
+"""Pipeline-parallel degrees the search proposes (stages may span nodes: only activations cross between them)."""
+
+
+def why_no_pipeline_parallel(*, num_layers: int, degree: int, schedule: str, config: dict[str, Any] | None = None,
+                             model_type: str | None = None, seq_len: int = 0) -> str:
+    """'' where a model of `num_layers` decoder blocks splits into `degree` ranks' stages under `schedule`
+    (each of its degree x PIPELINE_VIRTUAL_STAGES stages holding at least one block), else why not (one clause).
+    With `config` (the model's config dict; its `model_type` given apart where the dict lacks it) also whether
+    parallel/pipeline.py's stage module can split the model: a family whose base model is embeddings, decoder
+    layers taking position embeddings, final norm and head alone (llama, qwen2, qwen3, olmo2, mistral), its
+    embeddings not tied to its head (two copies on two stages), every layer plain causal attention (the stages
+    run SDPA's is_causal without a mask: no other layer types, no sliding window shorter than `seq_len`, or
+    any sliding window where seq_len is 0, not known)."""
+    families = ("llama", "qwen2", "qwen3", "olmo2", "mistral")
+    stages = degree * PIPELINE_VIRTUAL_STAGES[schedule]
+    if stages > num_layers:
+        return (f"{stages} stages ({degree} ranks x {PIPELINE_VIRTUAL_STAGES[schedule]} under {schedule}) need at "
+                f"least as many decoder blocks, and it has {num_layers}")
+    if config is None:
+        return ""
+    kind = model_type or config.get("model_type")
+    if kind not in families:
+        return (f"the pipeline stage module is built for the model types {families} (embeddings, decoder layers, "
+                f"final norm and head alone), not {kind!r}")
+    if config.get("tie_word_embeddings"):
+        return ("its embeddings are tied to its head: the first and the last stage would hold two copies whose "
+                "gradients nothing adds")
+    layer_types = config.get("layer_types") or []
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+        return f"its layer types {other} need masks of their own (the stages run causal attention without a mask)"
+    window = config.get("sliding_window")
+    if window and config.get("use_sliding_window", True) and not layer_types and (not seq_len or seq_len > window):
+        return (f"its sliding window of {window} tokens needs a mask (the stages run causal attention without "
+                "one)" + ("" if seq_len else "; the sequence length is not known here"))
+    return ""
+
+
+EMBEDDING_COST = 1
+HEAD_COST = 1
+"""What the embeddings and the output (final norm + head) weigh when stages are balanced, in blocks: torchtitan's
+`generate_llm_fqn_per_model_part(num_stages, num_layers, input_weight=1, output_weight=1)` counts each as one
+layer, and so does split_stages."""
+
+
+def split_stages(num_layers: int, stages: int, *, embedding_cost: int = EMBEDDING_COST,
+                 head_cost: int = HEAD_COST) -> list[tuple[int, int]]:
+    """Contiguous blocks [start, end) of the `num_layers` decoder blocks for each of `stages` stages, every
+    stage holding at least one block, balanced by cost: a block costs 1, the first stage also pays
+    `embedding_cost` and the last `head_cost` (torchtitan's split counts the embedding and the output as one
+    layer each). Of the splits whose most costly stage costs least, the one whose earlier stages hold the
+    fewest blocks (each stage's count minimal in order): under 1F1B the first stages keep the most
+    micro-batches' activations in flight, so the spare blocks go to the later stages."""
+    if stages < 1 or num_layers < stages:
+        raise ValueError(f"{stages} stages need at least as many decoder blocks, and the model has {num_layers}")
+
+    def cost(stage: int, blocks: int) -> int:
+        return blocks + (embedding_cost if stage == 0 else 0) + (head_cost if stage == stages - 1 else 0)
+
+    # best[s][n]: the least possible max cost of stages s.. holding the last n blocks.
+    inf = float("inf")
+    best = [[inf] * (num_layers + 1) for _ in range(stages + 1)]
+    best[stages][0] = 0
+    for s in range(stages - 1, -1, -1):
+        for n in range(1, num_layers + 1):
+            best[s][n] = min((max(cost(s, k), best[s + 1][n - k]) for k in range(1, n + 1)), default=inf)
+    target = best[0][num_layers]
+    bounds, start, left = [], 0, num_layers
+    for s in range(stages):
+        k = next(k for k in range(1, left + 1) if max(cost(s, k), best[s + 1][left - k]) <= target)
+        bounds.append((start, start + k))
+        start, left = start + k, left - k
+    return bounds
+
+
+def why_no_pipeline_schedule(*, schedule: str, degree: int, microbatches: int) -> str:
+    """'' where torch's `schedule` runs `microbatches` micro-batches (the accumulation steps) through `degree`
+    ranks' stages, else why not: torch 2.13's own checks (Schedule1F1B: at least one micro-batch per stage;
+    ScheduleInterleaved1F1B: whole rounds of `degree` micro-batches)."""
+    if schedule == "1F1B" and microbatches < degree:
+        return (f"1F1B needs at least one micro-batch per stage: {microbatches} accumulation steps for {degree} "
+                "stages (a smaller micro-batch gives more)")
+    rounds = max(1, microbatches // degree)
+    if schedule == "Interleaved1F1B" and microbatches % rounds:
+        return (f"Interleaved1F1B runs whole rounds: {microbatches} accumulation steps are not a multiple of "
+                f"{rounds} rounds of {degree}")
+    return ""
+
+
+def pipeline_parallel_degrees(shape: ProblemShape) -> tuple[int, ...]:
+    """1, then the degrees of PIPELINE_PARALLEL_DEGREES check_combination accepts for `shape`."""
+    base = {knob.name: knob.default for knob in KNOBS}
+    return (1, *(pp for pp in PIPELINE_PARALLEL_DEGREES
+                 if not why_not_buildable({**base, "pipeline_parallel": pp}, shape)))
+
+
+def _check_pipeline_parallel(values: dict[str, Any], shape: ProblemShape) -> None:
+    """--pp: a degree dividing the GPUs, stages the model's blocks can fill (why_no_pipeline_parallel), the
+    model's own step, and only the knobs pipeline parallelism is built with here (FSDP over each stage's ranks,
+    tensor parallelism within each stage: _check_tensor_parallel's conditions, and a sequence the tp ranks
+    split evenly, the stages passing on equal sequence shards)."""
+    pp = values["pipeline_parallel"]
+    if pp == 1:
+        return
+    flag, model = f"--pp {pp}", shape.model
+    if shape.num_gpus % pp:
+        raise UsageError(f"{flag}: the pipeline-parallel degree must divide the {shape.num_gpus} GPUs")
+    if shape.packed:
+        raise UsageError(f"{flag} with --token-budget: the stages pass fixed-shape activations, not packed rows of "
+                         "documents; drop one of them")
+    if shape.step not in PIPELINE_PARALLEL_STEPS:
+        raise UsageError(f"{flag}: pipeline stages split the model's own forward and loss (--stack fsdp2), not the "
+                         f"{shape.step} step of the stack given; use --pp 1")
+    if model.num_experts:
+        raise UsageError(f"{flag}: {model.name} is a mixture-of-experts model, whose stages are not built here; use --pp 1")
+    if values.get("precision") == "fp16":
+        raise UsageError(f"{flag} with fp16: the schedule runs each micro-batch's backward itself, without the loss "
+                         "scaling fp16 needs (not built here); use bf16")
+    why = why_no_pipeline_parallel(num_layers=model.num_layers, degree=pp, schedule=values["pipeline_schedule"])
+    if why:
+        raise UsageError(f"{flag}: {model.name} cannot be split: {why}; use a smaller --pp")
+    why = why_no_pipeline_parallel(num_layers=model.num_layers, degree=pp, schedule=values["pipeline_schedule"],
+                                   config=getattr(model, "config_dict", None),
+                                   model_type=getattr(model, "model_type", None), seq_len=shape.seq_len)
+    if why:
+        raise UsageError(f"{flag}: {model.name} cannot be split into pipeline stages: {why}; use --pp 1")
+    tp = values.get("tensor_parallel", 1)
+    if tp > 1 and shape.num_gpus % (pp * tp):
+        raise UsageError(f"{flag} with --tp {tp}: the pipeline x tensor-parallel degrees ({pp * tp}) must divide the "
+                         f"{shape.num_gpus} GPUs")
+    if tp > 1 and shape.seq_len and shape.seq_len % tp:
+        raise UsageError(f"{flag} with --tp {tp}: the stages pass each tp rank's sequence shard, and {tp} does not "
+                         f"divide the sequence length {shape.seq_len}; use a sequence length divisible by {tp}")
+    _refuse_unbuilt(values, flag, "pipeline parallelism", ("context_parallel", "shard_group_size",
+                                                           "reshard_group_size", "expert_parallel", "compile", "float8",
+                                                           "cpu_offload", "activation_offload", "shard_placement"))
 
 
 def _refuse_unbuilt(values: dict[str, Any], flag: str, section: str, names: tuple[str, ...]) -> None:

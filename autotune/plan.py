@@ -3,7 +3,9 @@
 Each option (a GPU type x a GPU count) is one `autotune tune` run (api.run_tune: the same
 controller, study and run folder), on the sim or analytic backend. From each winner the plan
 derives the time to train --train-tokens, GPU-hours, cost (only where --price gives one),
-scaling efficiency against the smallest option of its GPU type, and which limit binds.
+scaling efficiency against the smallest option of its GPU type, and which limit binds. The time
+to train is given twice: the benchmark time (tokens / tokens/s) and, beside it, the expected
+wall-clock and GPU-hours with what real runs lose (autotune/time_to_train.py).
 
 Sharing work between options: a trace depends on the model, the world size, the sequence length
 and the configuration, never on the GPU type (the sim backend's trace key has no GPU in it; the
@@ -19,6 +21,7 @@ tests/test_plan.py checks shared and derived rows against fresh `autotune tune` 
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import time
@@ -32,6 +35,7 @@ from typing import Any
 from autotune.config import GPUS_PER_NODE  # an 8-GPU node unless --gpus-per-node says otherwise
 from autotune.errors import NothingFits, UsageError
 from autotune.options import TuneOptions, positive_int
+from autotune.time_to_train import Assumptions
 
 PLAN_SCHEMA_VERSION = 1
 PLAN_BACKENDS = ("sim", "analytic")  # the first is the default; real trials would need the cluster asked about
@@ -70,6 +74,9 @@ class PlanOptions:
     whole_sequences: bool = False
     """--seq-len max: --global-tokens rounded to whole sequences per GPU at the length found, as
     each probe had it (autotune/seqlen.py), so no option is refused for a length only it divides."""
+    train_assumptions: Assumptions = field(default_factory=Assumptions)
+    """What the expected time to train assumes beyond the benchmark throughput (checkpoint interval
+    and write bandwidth, failure rate, restart, evaluation, start-up: autotune/time_to_train.py)."""
 
     def global_tokens_for(self, gpus: int, seq_len: int) -> str | int:
         if not self.whole_sequences:
@@ -147,6 +154,43 @@ def parse_prices(text: str | None, gpu_types: tuple[str, ...]) -> dict[str, floa
             raise UsageError(f"--price {part!r}: a price per GPU-hour must be positive")
         prices[gpu] = price
     return prices
+
+
+def parse_train_assumptions(*, checkpoint_every: str | None = None, write_bandwidth: str | None = None,
+                            failure_rate: str | None = None, restart_time: str | None = None,
+                            eval_fraction: str | None = None, startup: str | None = None) -> Assumptions:
+    """The time-to-train flags (None: the default of autotune/time_to_train.py), each checked."""
+    from autotune.time_to_train import parse_duration, with_overrides
+    from autotune.units import parse_bytes
+
+    def number(text: str | None, flag: str, *, low: float, high: float | None = None, what: str) -> float | None:
+        if text is None:
+            return None
+        try:
+            value = float(text)
+        except ValueError:
+            raise UsageError(f"{flag} {text!r} is not a number: give {what}") from None
+        if not math.isfinite(value) or value < low or (high is not None and value >= high):
+            raise UsageError(f"{flag} {text!r} is out of range: give {what}")
+        return value
+
+    every = None
+    if checkpoint_every is not None:
+        every = parse_duration(checkpoint_every, what="--checkpoint-every")
+        if every <= 0:
+            raise UsageError("--checkpoint-every must be a positive duration, e.g. 30m or 1h")
+    bandwidth = None
+    if write_bandwidth is not None:
+        bandwidth = parse_bytes(str(write_bandwidth).removesuffix("/s"), what="--checkpoint-write-bandwidth")
+        if bandwidth <= 0:
+            raise UsageError("--checkpoint-write-bandwidth must be positive, e.g. 2GB (per second per node)")
+    rate = number(failure_rate, "--failure-rate", low=0, what="interruptions per million GPU-hours, e.g. 20")
+    return with_overrides(
+        checkpoint_every_s=every, write_bytes_per_s_per_node=bandwidth,
+        failures_per_gpu_hour=None if rate is None else rate / 1e6,
+        restart_s=None if restart_time is None else parse_duration(restart_time, what="--restart-time"),
+        eval_fraction=number(eval_fraction, "--eval-fraction", low=0, high=1, what="a fraction in [0, 1), e.g. 0.01"),
+        startup_s=None if startup is None else parse_duration(startup, what="--startup"))
 
 
 def nodes_for(gpus: int, gpus_per_node: int | None) -> int:
@@ -378,9 +422,10 @@ def _winner_figures(row: dict[str, Any], options: PlanOptions, base: dict[str, A
     low, high = (winner.get("result") or {}).get("extras", {}).get("tokens_per_sec_range") or (None, None)
     on = f"{row['gpus']} x {row['gpu_type']}"
     seconds = options.train_tokens / tps
-    time_figure = _figure(seconds, source, f"{options.train_tokens:,} tokens / tokens/s ({source}) on {on}",
+    time_figure = _figure(seconds, source, f"benchmark time: {options.train_tokens:,} tokens / tokens/s ({source}) "
+                                           f"on {on}, nothing lost",
                           options.train_tokens / high if high else None, options.train_tokens / low if low else None)
-    hours = _figure(seconds / 3600 * row["gpus"], source, f"time to train x {row['gpus']} GPUs",
+    hours = _figure(seconds / 3600 * row["gpus"], source, f"benchmark time to train x {row['gpus']} GPUs",
                     *((t / 3600 * row["gpus"] for t in time_figure["range"]) if time_figure["range"] else ()))
     figures: dict[str, Any] = {
         "tokens_per_sec": _figure(tps, source, basis, low, high),
@@ -401,11 +446,51 @@ def _winner_figures(row: dict[str, Any], options: PlanOptions, base: dict[str, A
                                   f"GPU-hours ({source}) x {price} per GPU-hour (--price)",
                                   *((h * price for h in rng) if rng else ()))
         figures["cost"]["price_per_gpu_hour"] = price
+    figures.update(_expected_figures(row, options, tps, (low, high) if low and high else None, price))
     base_tps = base["result"]["tokens_per_sec"]
     figures["scaling_efficiency"] = _figure(
         (tps / row["gpus"]) / (base_tps / base["gpus"]), source,
         f"tokens/s per GPU ({source}) against {base['gpus']} x {row['gpu_type']}, the smallest option of this type")
     return figures
+
+
+def _expected_figures(row: dict[str, Any], options: PlanOptions, tps: float, tps_range: tuple[float, float] | None,
+                      price: float | None) -> dict[str, Any]:
+    """The expected wall-clock, GPU-hours and cost with what runs lose (autotune/time_to_train.py):
+    checkpoint saves of the winner's model (the checkpoint advice's 12 bytes per parameter), failures
+    and restarts by GPU-hours, evaluation, start-up and the goodput fitted on published runs."""
+    from autotune.time_to_train import basis, checkpoint_bytes, expected_time
+
+    document = row["result"]
+    model = expected_time(train_tokens=options.train_tokens, tokens_per_sec=tps, gpus=row["gpus"], nodes=row["nodes"],
+                          checkpoint_size_bytes=checkpoint_bytes(document["model"]["parameters"]),
+                          tokens_per_sec_range=tps_range, assumptions=options.train_assumptions)
+    terms = {k: (v if math.isfinite(v) else None) for k, v in model["terms"].items()}  # JSON has no infinity
+    detail = {"terms": terms, "assumptions": model["assumptions"],
+              "checkpoint_size_bytes": model["checkpoint_size_bytes"], "checkpoint_write_s": model["checkpoint_write_s"],
+              "checkpoint_write_basis": model["checkpoint_write_basis"]}
+    if not math.isfinite(model["wall_s"]):
+        detail["never_finishes"] = (f"failures take all the time on {row['gpus']} GPUs (each costs "
+                                    f"{model['terms']['per_failure_s'] / 3600:.2f} h at "
+                                    f"{model['assumptions']['failures_per_gpu_hour'] * 1e6:.3g} per million GPU-hours): "
+                                    "checkpoint more often or restart faster")
+        return {"expected_time_to_train_s": None, "expected_gpu_hours": None, "expected_cost": None,
+                "time_to_train_model": detail}
+    text = basis(model, gpus=row["gpus"])
+    low, high = model["wall_range_s"]
+    finite = math.isfinite(high)
+    wall = _figure(model["wall_s"], "estimated", f"expected wall-clock: {text}", low if finite else None,
+                   high if finite else None)
+    gpu_hours = _figure(model["gpu_hours"], "estimated",
+                        f"expected wall-clock x {row['gpus']} GPUs (the job holds them all while it stands)",
+                        *((h for h in model["gpu_hours_range"]) if finite else ()))
+    cost = None
+    if price is not None:
+        cost = _figure(gpu_hours["value"] * price, "estimated", f"expected GPU-hours x {price} per GPU-hour (--price)",
+                       *((h * price for h in gpu_hours["range"]) if gpu_hours["range"] else ()))
+        cost["price_per_gpu_hour"] = price
+    return {"expected_time_to_train_s": wall, "expected_gpu_hours": gpu_hours, "expected_cost": cost,
+            "time_to_train_model": detail}
 
 
 def _configuration(document: dict) -> dict[str, Any]:
@@ -459,11 +544,18 @@ def run_plan(options: PlanOptions, log, *, seq_len_max=None, progress=None) -> d
         "backend": options.backend,
         "gpus_per_node": options.gpus_per_node or GPUS_PER_NODE,
         "prices": options.prices,
+        "time_to_train_assumptions": _assumptions_doc(options.train_assumptions),
         "options": option_figures(rows, options),
         "sequence_length": sequence,
         "wall_s": round(time.monotonic() - began, 2),
         "provenance": provenance(),
     }
+
+
+def _assumptions_doc(a: Assumptions) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(a).items()}
 
 
 def plan_dir(runs_dir: str) -> Path:

@@ -391,9 +391,12 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
         "parallelism": {
             "tensor_parallel": train.tensor_parallel,
             "context_parallel": train.context_parallel,
+            "pipeline_parallel": train.pipeline_parallel,
+            "pipeline_schedule": train.pipeline_schedule,
             "data_parallel_ranks": request.cluster.num_gpus // train.ranks_per_batch,
-            "note": "each tensor- or context-parallel group of GPUs takes one batch; FSDP shards over the data-parallel "
-                    "ranks (with context parallelism, over every GPU)",
+            "note": "each tensor- or context-parallel group of GPUs, and each pipeline of stages, takes one batch; FSDP "
+                    "shards over the data-parallel ranks (with context parallelism, over every GPU; with pipeline "
+                    "parallelism, each stage's blocks over the ranks holding that stage)",
         },
         "optimizer": {
             "name": "AdamW",

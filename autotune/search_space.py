@@ -20,7 +20,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "offload": {"enabled": bool, "activations": bool},
     "micro_batch": {"max": int, "refine": bool},
     "explore": {"no_reshard": bool, "checkpointed_larger_micro_batch": bool, "expert_parallel": bool,
-                "tensor_parallel": bool, "context_parallel": bool},
+                "tensor_parallel": bool, "context_parallel": bool, "pipeline_parallel": bool},
     "compile": {"mode": str},
     "float8": {"mode": str},
 }
@@ -56,6 +56,8 @@ class SearchSpace:
     global batch, or the estimate says a mesh may win."""
     context_parallel: bool = True
     """Try context parallelism over 2, 4, 8 GPUs of a node (--cp) where tensor parallelism is tried."""
+    pipeline_parallel: bool = True
+    """Try pipeline parallelism over 2, 4, 8, 16 stages (--pp) where tensor parallelism is tried."""
     compile: str = "auto"
     """torch.compile in the search: one of COMPILE_SEARCH (the tune command's --compile overrides it)."""
     float8: str = "auto"
@@ -151,6 +153,7 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
         expert_parallel=get("explore", "expert_parallel", True),
         tensor_parallel=get("explore", "tensor_parallel", True),
         context_parallel=get("explore", "context_parallel", True),
+        pipeline_parallel=get("explore", "pipeline_parallel", True),
         compile=compile_search,
         float8=float8_search,
         source=where,

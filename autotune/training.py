@@ -540,7 +540,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iter
     of every block until then, which defeats full sharding's memory savings. `saved_activations`
     (activation offload) is entered around each forward. `step`: whose forward and loss
     (micro_batch_loss; the model prepared by prepare_step). Under context parallelism each
-    micro-batch's forward and backward run within its CP context (_micro_batch).
+    micro-batch's forward and backward run within its CP context (_micro_batch). Under pipeline
+    parallelism (`model.pipeline`, parallel/pipeline.py) the micro-batches are the schedule's: one call runs
+    them all through this rank's stages (the loss returned is the mean over them on the last stage's ranks).
     With `phase_times` and `clock` (a synchronising timer), appends (seconds of the micro-batches,
     seconds of the optimizer step, seconds of the first micro-batch): a short trial runs fewer
     micro-batches than the real job and scales the later ones only. The first differs: under CPU
@@ -551,7 +553,13 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iter
     started = clock() if timing else 0.0
     first_done = started
     total = None
-    for micro_step in range(grad_accum_steps):
+    pipeline = getattr(model, "pipeline", None)
+    if pipeline is not None:
+        # Pipeline parallelism (parallel/pipeline.py gave the model its `pipeline`): the micro-batches are the
+        # schedule's, forward and backward of all of them interleaved across the stages in one call.
+        total = pipeline([next(batches) for _ in range(grad_accum_steps)])
+        first_done = clock() if timing else 0.0
+    for micro_step in range(0 if pipeline is not None else grad_accum_steps):
         is_last = micro_step == grad_accum_steps - 1
         if defer_grad_sync and hasattr(model, "set_requires_gradient_sync"):
             model.set_requires_gradient_sync(is_last)
@@ -563,7 +571,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iter
         if timing and micro_step == 0 and grad_accum_steps > 1:
             first_done = clock()
     backward_done = clock() if timing else 0.0
-    if grad_accum_steps == 1:
+    if grad_accum_steps == 1 or pipeline is not None:
         first_done = backward_done
     if scaler is not None:
         scaler.step(optimizer)

@@ -21,7 +21,8 @@ PUBLISHED = {"llama-7b": 6.74e9, "llama-13b": 13.0e9, "llama-70b": 69.0e9, "llam
              "codellama-34b": 33.7e9,
              # model cards: Qwen2.5-1.5B 1.54B, Llama 3.2 1B 1.23B (tied embeddings counted once)
              "qwen2.5-1.5b": 1.54e9, "llama3.2-1b": 1.24e9,
-             "qwen3-30b-a3b": 30.5e9}  # Qwen3-30B-A3B model card: 30.5B in total, 3.3B activated
+             "qwen3-30b-a3b": 30.5e9,
+             "llama3.1-405b": 405.9e9}  # the Hub's meta-llama/Llama-3.1-405B page: 406B (safetensors, 405.9B)  # Qwen3-30B-A3B model card: 30.5B in total, 3.3B activated
 
 
 @pytest.mark.parametrize("name", list(MODELS))

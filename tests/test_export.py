@@ -956,6 +956,8 @@ for args in json.loads(sys.argv[1]):  # one exported command line per case
         "head": type(model.lm_head).__name__,
         "ep": cfg.parallelism.expert_parallel_degree, "cuda_graphs_off": cfg.training.disable_cuda_graphs,
         "tp": cfg.parallelism.tensor_parallel_degree,
+        "pp": [cfg.parallelism.pipeline_parallel_degree, cfg.parallelism.pipeline_parallel_schedule,
+               cfg.parallelism.pipeline_parallel_microbatch_size],
     }), flush=True)
 """
 
@@ -1041,6 +1043,10 @@ def torchtitan_builds(run_result, tmp_path_factory) -> dict:
     tensor_parallel = dict(llama3_8b(run_result), gpus=8, parallelism={"tensor_parallel": 2, "data_parallel_ranks": 4})
     tp_path = write(tmp_path_factory.mktemp("torchtitan"), tensor_parallel, "torchtitan")[0]
     runs.append(overrides_of(tp_path.read_text()))
+    pipeline = dict(llama3_8b(run_result), gpus=8, grad_accum_steps=4,
+                    parallelism={"pipeline_parallel": 2, "pipeline_schedule": "Interleaved1F1B", "data_parallel_ranks": 4})
+    pp_path = write(tmp_path_factory.mktemp("torchtitan"), pipeline, "torchtitan")[0]
+    runs.append(overrides_of(pp_path.read_text()))
     moe = write(tmp_path_factory.mktemp("torchtitan"), qwen3_30b_a3b(run_result, expert_parallel=8), "torchtitan")[0]
     runs.append(overrides_of(moe.read_text()))
     proc = subprocess.run([python, "-c", TORCHTITAN_CHECK, json.dumps(runs)], env=env,
@@ -1049,6 +1055,7 @@ def torchtitan_builds(run_result, tmp_path_factory) -> dict:
     built = [json.loads(line[len("BUILT "):]) for line in proc.stdout.splitlines() if line.startswith("BUILT ")]
     assert len(built) == len(runs), proc.stdout[-3000:]
     moe_got = built.pop()
+    pp_got = built.pop()
     tp_got = built.pop()
     builds = {case: (result, path, got) for (case, (result, path)), got in zip(exports.items(), built)}
     builds["user-args"] = (None, last, built[-2 - (float8_path is not None)])
@@ -1057,6 +1064,7 @@ def torchtitan_builds(run_result, tmp_path_factory) -> dict:
         builds["float8"] = (None, float8_path, built[-1])
     builds["moe-ep"] = (None, moe, moe_got)
     builds["tp"] = (tensor_parallel, tp_path, tp_got)
+    builds["pp"] = (pipeline, pp_path, pp_got)
     return builds
 
 
@@ -1107,6 +1115,19 @@ def test_torchtitan_takes_the_tuned_tensor_parallel_degree_and_the_data_ranks_le
     result, path, got = torchtitan_builds["tp"]
     assert (got["tp"], got["shard"], got["replicate"]) == (2, 4, 1)
     assert got["global"] == result["micro_batch_size"] * 4 * result["grad_accum_steps"]
+    subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+@pytest.mark.slow
+def test_torchtitan_takes_the_tuned_pipeline_and_runs_the_accumulation_steps_as_its_micro_batches(torchtitan_builds):
+    """--pp 2 (Interleaved1F1B) on 8 GPUs, 4 accumulation steps: torchtitan 0.3 parses the pipeline degree, schedule
+    and micro-batch size with 4 data ranks left; its local batch (micro-batch x 4) split into micro-batches of the
+    tuned size is the 4 steps the tuned schedule ran, and its global batch counts the 4 data ranks once."""
+    result, path, got = torchtitan_builds["pp"]
+    mb = result["micro_batch_size"]
+    assert got["pp"] == [2, "Interleaved1F1B", mb] and (got["shard"], got["replicate"]) == (4, 1)
+    assert got["local"] == mb * 4 and got["local"] // got["pp"][2] == result["grad_accum_steps"]
+    assert got["global"] == mb * 4 * result["grad_accum_steps"]
     subprocess.run(["bash", "-n", str(path)], check=True)
 
 

@@ -22,7 +22,7 @@ MODEL_FOR = {"shard_placement": "tiny-mixtral", "expert_parallel": "tiny-mixtral
 
 def _spec(model: str = "tiny-llama", **changes) -> TrialSpec:
     return TrialSpec(model=resolve_model(model), cluster=Cluster(num_gpus=4), seq_len=256,
-                     train=TrainConfig(**changes))
+                     train=TrainConfig(**changes), grad_accum_steps=2)  # 2: a 1F1B pipeline of 2 stages can run it
 
 
 def test_train_config_has_one_field_per_knob():
@@ -34,7 +34,8 @@ def test_every_knob_changes_the_simulators_cache_keys(knob):
     """A knob whose value changes must never reuse a prediction or a trace made for another value."""
     sim = SimBackend(device_kind="cpu")
     model = MODEL_FOR.get(knob.name, "tiny-llama")
-    base, changed = _spec(model), _spec(model, **{knob.name: knob.alternative})
+    base, changed = _spec(model, **knob.alternative_with), _spec(model, **knob.alternative_with,
+                                                                  **{knob.name: knob.alternative})
     assert changed.train != base.train
     assert (cache.key_of("sim-result", sim._cache_inputs(base))
             != cache.key_of("sim-result", sim._cache_inputs(changed)))
@@ -48,11 +49,13 @@ def test_every_knob_round_trips_through_the_cli_and_best_json(knob, tmp_path, ca
     """The flag reaches the trial; a best.json holding the value is re-evaluated with it."""
     value = knob.to_json(knob.alternative)
     flag = ([f"--{'no-' if not value else ''}{knob.flag[2:]}"] if knob.boolean else [knob.flag, str(value)])
+    for name, needed in knob.alternative_with.items():
+        flag += [knobs.BY_NAME[name].flag, str(knobs.BY_NAME[name].to_json(needed))]
     model = MODEL_FOR.get(knob.name, "tiny-llama")
     assert main(["trial", "--model", model, "--gpus", "4", "--backend", "analytic", *flag]) == EXIT_OK
     printed = json.loads(capsys.readouterr().out)["config"]
     assert printed[knob.name] == value
-    assert TrainConfig.from_dict(printed) == TrainConfig(**{knob.name: knob.alternative})
+    assert TrainConfig.from_dict(printed) == TrainConfig(**knob.alternative_with, **{knob.name: knob.alternative})
 
     runs = tmp_path / "runs"
     # An eager winner: the knob's value is then the one change (expert parallelism refuses compile).
@@ -65,6 +68,11 @@ def test_every_knob_round_trips_through_the_cli_and_best_json(knob, tmp_path, ca
     node[knob.result_path[-1]] = value
     if knob.name == "reshard_group_size":  # a group applies to a configuration that reshards
         document["fsdp"]["reshard_after_forward"] = True
+    for name, needed in knob.alternative_with.items():
+        node = document
+        for part in knobs.BY_NAME[name].result_path[:-1]:
+            node = node.setdefault(part, {})
+        node[knobs.BY_NAME[name].result_path[-1]] = knobs.BY_NAME[name].to_json(needed)
     best = tmp_path / "best.json"
     best.write_text(json.dumps(document))
     assert main(["trial", "--config", str(best), "--backend", "analytic"]) == EXIT_OK

@@ -147,13 +147,14 @@ def test_console_table_reads_at_80_columns(shared_plan, capsys):
 
 def test_global_batch_binds_where_it_cannot_be_kept(tmp_path):
     """4Mi tokens at seq 8192 is half a sequence per GPU on 1024 GPUs: FSDP alone cannot keep it, a
-    tensor-parallel group sharing each sequence can, and the plan's row (and tune) goes past it split;
-    512Ki tokens is 64 sequences, fewer than even tp=8's 128 data ranks: that row says the global batch
+    tensor-parallel group (or a pipeline) sharing each sequence can, and the plan's row (and tune) goes past it
+    split; 256Ki tokens is 32 sequences, fewer than even pp=16's 64 data ranks: that row says the global batch
     binds, and the plan goes on with the others."""
     plan = _plan(tmp_path, "--model", "llama3-8b", "--train-tokens", "1T", "--gpus", "256,1024",
                  "--global-tokens", "4Mi", "--backend", "analytic")
     rows = {o["gpus"]: o for o in plan["options"]}
-    assert rows[1024]["status"] == "ok" and rows[1024]["result"]["parallelism"]["tensor_parallel"] > 1
+    split = rows[1024]["result"]["parallelism"]
+    assert rows[1024]["status"] == "ok" and split["tensor_parallel"] * split.get("pipeline_parallel", 1) > 1
     assert rows[1024]["result"]["global_tokens"] == 4 * 2**20
     assert main(["--model", "llama3-8b", "--gpus", "1024", "--nodes", "128", "--global-tokens", "4Mi",
                  "--backend", "analytic", "--runs-dir", str(tmp_path / "t")]) == EXIT_OK
@@ -162,12 +163,12 @@ def test_global_batch_binds_where_it_cannot_be_kept(tmp_path):
     if rows[256]["result"]["micro_batch_size"] == 2:
         assert rows[256]["binds"]["limit"] in ("global batch", "communication")
     small = {o["gpus"]: o for o in _plan(tmp_path / "small", "--model", "llama3-8b", "--train-tokens", "1T",
-                                          "--gpus", "256,1024", "--global-tokens", "512Ki",
+                                          "--gpus", "256,1024", "--global-tokens", "256Ki",
                                           "--backend", "analytic")["options"]}
     assert small[1024]["status"] == "global-batch" and small[1024]["binds"]["limit"] == "global batch"
-    assert "128 data ranks (1024 GPUs / tensor parallel 8)" in small[1024]["message"]
+    assert "64 data ranks (1024 GPUs / pipeline parallel 16)" in small[1024]["message"]
     assert small[256]["status"] == "ok"
-    assert main(["--model", "llama3-8b", "--gpus", "1024", "--nodes", "128", "--global-tokens", "512Ki",
+    assert main(["--model", "llama3-8b", "--gpus", "1024", "--nodes", "128", "--global-tokens", "256Ki",
                  "--backend", "analytic", "--runs-dir", str(tmp_path / "t2")]) == EXIT_USAGE
 
 

@@ -260,11 +260,12 @@ def _controller_outcome(backend, *, capacity_gib: float, target: int, context_pa
 
 def test_past_the_batch_wall_the_graph_starts_split():
     """8 GPUs x 256 tokens, a 1,024-token batch: 4 sequences for 8 GPUs. No FSDP configuration is tried (each
-    would miss the batch); degrees 2 and 4 are (tiny-llama's 4 heads), micro-batch 1, and the winner hits the
-    batch exactly: 1 x 256 x 8 / tp x accumulation = 1,024."""
+    would miss the batch); tensor-parallel degrees 2 and 4 are (tiny-llama's 4 heads), and pipelines, micro-batch
+    1, and the winner hits the batch exactly: 1 x 256 x 8 / split x accumulation = 1,024."""
     backend = _SplitFormula(states_gib=20, activation_gib=10)
     outcome = _controller_outcome(backend, capacity_gib=80, target=1024)
-    assert all(train.tensor_parallel > 1 for train in backend.calls)
+    assert all(train.ranks_per_batch > 1 for train in backend.calls)
+    assert {2, 4} <= {train.tensor_parallel for train in backend.calls}
     assert outcome.winner is not None and outcome.winner.batch.global_tokens == 1024
     assert any("FSDP alone cannot hit the global batch" in note for note in outcome.notes)
 

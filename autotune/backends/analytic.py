@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from autotune import costmodel
+from autotune import costmodel, knobs
 from autotune.runtime_memory import runtime_memory
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
 from autotune.config import (MASTER_DTYPE_BYTES, MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, TRL_STEPS, TrialSpec,
@@ -40,7 +40,7 @@ fit: the closed form is within a few percent of traces (docs/COSTMODEL.md), so t
 and the sampler skip tracing it."""
 
 __all__ = ["AnalyticBackend", "ModelShape", "model_shape", "MemoryEstimate", "estimate_memory",
-           "activation_bytes_per_token", "step_work"]
+           "activation_bytes_per_token", "step_work", "pipeline_parallel_work", "pipeline_ranks"]
 
 COMPILED_PEAK_FLOOR = 0.7
 """The least a compiled configuration's peak is taken to be of the closed form's (eager) peak when
@@ -255,7 +255,10 @@ def packed_mask_bytes(step: str, *, tokens: int, d: int) -> tuple[float, float]:
 
 
 def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
-    """Closed-form per-rank memory of one FSDP2 training step (see the module docstring)."""
+    """Closed-form per-rank memory of one FSDP2 training step (see the module docstring); under pipeline
+    parallelism the worst stage's (estimate_pipeline_memory)."""
+    if spec.train.pipeline_parallel > 1:
+        return estimate_pipeline_memory(spec)
     shape = model_shape(spec.model)
     # Parameters are sharded over the shard group: every GPU, or an HSDP group.
     train, world = spec.train, spec.train.shard_group_size or spec.cluster.num_gpus
@@ -390,6 +393,293 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
                           peak_at=peak_at, offloaded_activation_bytes=int(offloaded_host))
 
 
+@dataclass(frozen=True, kw_only=True)
+class PipelineRank:
+    """One pipeline rank's share of the model: its stages' decoder blocks (global indices, stage by stage), whether
+    it holds the embeddings (the first stage) and the final norm, head and loss (the last stage)."""
+
+    rank: int
+    blocks: tuple[tuple[int, ...], ...]
+    first: bool
+    last: bool
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(stage) for stage in self.blocks)
+
+    @property
+    def block_indices(self) -> tuple[int, ...]:
+        return tuple(i for stage in self.blocks for i in stage)
+
+
+def pipeline_virtual_stages(spec: TrialSpec) -> int:
+    """Stages each pipeline rank holds under the spec's schedule (knobs.PIPELINE_VIRTUAL_STAGES)."""
+    from autotune import knobs
+
+    return knobs.PIPELINE_VIRTUAL_STAGES[spec.train.pipeline_schedule]
+
+
+def pipeline_ranks(num_layers: int, pp: int, virtual_stages: int = 1) -> list[PipelineRank]:
+    """The pipeline's ranks as the stages are laid out: pp x v contiguous stages of decoder blocks
+    (costmodel.pipeline_stage_layers), stage s on rank s mod pp (torch's interleaved layout, Narayanan et al.'s),
+    the embeddings on stage 0 (rank 0), norm, head and loss on the last stage (rank pp - 1)."""
+    layers = costmodel.pipeline_stage_layers(num_layers, pp * virtual_stages)
+    starts = [sum(layers[:i]) for i in range(len(layers))]
+    stages = [tuple(range(start, start + n)) for start, n in zip(starts, layers)]
+    return [PipelineRank(rank=r, blocks=tuple(stages[r + k * pp] for k in range(virtual_stages)), first=r == 0,
+                         last=r == pp - 1) for r in range(pp)]
+
+
+def _root_split(shape: ModelShape) -> tuple[int, int]:
+    """(embedding parameters, final norm + head parameters) of the root: the head is its own V x h unless tied
+    (then the last stage holds a copy: torch's pipelining cannot share one tensor between stages)."""
+    embed = shape.vocab * shape.hidden
+    return embed, max(shape.root_params - embed, shape.vocab * shape.hidden)
+
+
+def _rank_flops_per_token(spec: TrialSpec, rank: PipelineRank, span: int) -> float:
+    """Executed FLOPs per token (recompute included, before the tp x cp split) of one pipeline rank: its blocks'
+    6 P_b + 12 h s each, a checkpointed block's forward again (2 P_b + 4 h s; op-level: its unsaved matmuls), the
+    head's 6 V h on the last stage; the embedding lookup computes nothing."""
+    shape = model_shape(spec.model)
+    ac = spec.train.activation_checkpointing
+    per_block = 6 * shape.block_params + 12 * shape.hidden * span
+    recompute = (op_checkpoint_recompute_flops_per_token(shape, ac.policy) if ac.mode == "op"
+                 else 2 * shape.block_params + 4 * shape.hidden * span)
+    checkpointed = sum(ac.wraps_block(i) for i in rank.block_indices)
+    return rank.num_blocks * per_block + checkpointed * recompute + (6 * shape.vocab * shape.hidden if rank.last else 0)
+
+
+def pipeline_costed_rank(spec: TrialSpec, virtual_stages: int | None = None) -> PipelineRank:
+    """The pipeline rank whose work sets the pace: the most FLOPs per token (ties: the later rank, which holds the
+    head); every rank waits for it once the pipeline is full."""
+    v = pipeline_virtual_stages(spec) if virtual_stages is None else virtual_stages
+    span = attention_span(spec)
+    return max(reversed(_pipeline_layout(spec, virtual_stages)), key=lambda r: _rank_flops_per_token(spec, r, span))
+
+
+def _pipeline_layout(spec: TrialSpec, virtual_stages: int | None = None) -> list[PipelineRank]:
+    """The pipeline's ranks: autotune's own as parallel/pipeline.py builds them (knobs.split_stages, the schedule's
+    stages per rank); a published run's stated stages per rank (`virtual_stages` given) as its publisher lays them
+    out (costmodel.pipeline_stage_layers: the end stages the fewer blocks, possibly none)."""
+    pp, layers = spec.train.pipeline_parallel, spec.model.num_layers
+    if virtual_stages is None:
+        return _built_pipeline_ranks(layers, pp, pipeline_virtual_stages(spec))
+    return pipeline_ranks(layers, pp, virtual_stages)
+
+
+def pipeline_parallel_work(spec: TrialSpec, virtual_stages: int | None = None) -> dict:
+    """fsdp_step_work's pipeline-parallel arguments for `spec` (nothing without pipeline parallelism): the degree,
+    schedule and stages per rank (`virtual_stages` replaces the schedule's, knobs.PIPELINE_VIRTUAL_STAGES, where a
+    published run states its own), the stage-to-stage sends (costmodel.pp_p2p_bytes; across nodes where consecutive
+    stages are world / pp >= a node's GPUs apart: pp outermost in the mesh, torchtitan's order), and the slowest
+    rank's blocks and root parameters, which its stage's FSDP gathers and reduces."""
+    pp = spec.train.pipeline_parallel
+    if pp == 1:
+        return {}
+    v = pipeline_virtual_stages(spec) if virtual_stages is None else virtual_stages
+    shape = model_shape(spec.model)
+    rank = pipeline_costed_rank(spec, virtual_stages)
+    embed, head = _root_split(shape)
+    return dict(
+        pipeline_parallel=pp, pipeline_schedule=spec.train.pipeline_schedule, pipeline_virtual_stages=v,
+        pp_p2p_bytes=costmodel.pp_p2p_bytes(
+            tokens_per_microbatch=spec.train.micro_batch_size * spec.seq_len, hidden_size=shape.hidden,
+            activation_bytes=PARAM_DTYPE_BYTES[spec.train.precision], num_microbatches=spec.grad_accum_steps,
+            virtual_stages=v, tensor_parallel=spec.train.tensor_parallel, context_parallel=spec.train.context_parallel),
+        pp_p2p_inter_node=spec.cluster.num_gpus // pp >= spec.cluster.gpus_per_node,
+        pipeline_stage_blocks=rank.num_blocks,
+        pipeline_root_params=(embed if rank.first else 0) + (head if rank.last else 0))
+
+
+def _built_pipeline_ranks(num_layers: int, pp: int, virtual_stages: int) -> list[PipelineRank]:
+    """The pipeline ranks as parallel/pipeline.py builds them (split_stages' blocks, stage s on rank s mod pp)."""
+    bounds = knobs.split_stages(num_layers, pp * virtual_stages)
+    return [PipelineRank(rank=r, blocks=tuple(tuple(range(*bounds[r + k * pp])) for k in range(virtual_stages)),
+                         first=r == 0, last=r == pp - 1) for r in range(pp)]
+
+
+def _backwards_in_flight(schedule: str, *, pp: int, m: int, rank: int, v: int) -> tuple[int, int]:
+    """(micro-batches, or stage chunks, that rank `rank` holds at its first backward; at its second), as torch's
+    schedules run them: the first backward follows the warm-up (costmodel.pipeline_in_flight); before the second
+    one forward more has run where one is left (1F1B, Interleaved1F1B's steady state), none under GPipe (all m
+    forwards first)."""
+    first = costmodel.pipeline_in_flight(schedule, stages=pp, microbatches=m, rank=rank, virtual_stages=v)
+    if schedule == "GPipe":
+        return first, max(first - 1, 0)
+    return first, min(m * v, first + 1) - 1
+
+
+def pipeline_rank_memory(spec: TrialSpec, virtual_stages: int | None = None) -> list[tuple[int, str, dict[str, float]]]:
+    """Each pipeline rank's closed-form tensor peak: (rank, the moment, bytes by category). See
+    estimate_pipeline_memory for the terms."""
+    shape = model_shape(spec.model)
+    train = spec.train
+    pp, tp, cp, m = train.pipeline_parallel, train.tensor_parallel, train.context_parallel, spec.grad_accum_steps
+    v = pipeline_virtual_stages(spec) if virtual_stages is None else virtual_stages
+    d = PARAM_BYTES[train.precision]
+    master = master_bytes(train.precision)
+    reduce = MASTER_DTYPE_BYTES[reduce_dtype_name(train.precision, spec.step)]
+    stage_gpus = spec.cluster.num_gpus // pp
+    tokens = train.micro_batch_size * spec.seq_len // cp
+    h, vocab = shape.hidden, shape.vocab
+    ac = train.activation_checkpointing
+    per_layer = activation_bytes_per_token(shape, d) * tokens / tp
+    checkpoint_input = h * d * tokens / tp
+    if ac.mode == "op":
+        checkpoint_input += op_checkpoint_saved_bytes_per_token(shape, ac.policy, d) * tokens / tp
+    backward_temps = (2 * d * (h + shape.intermediate) * tokens + d * h * shape.intermediate) / tp
+    hidden_states = h * d * tokens / tp  # one micro-batch's hidden states between stages
+    logits = d * tokens * vocab  # one micro-batch's logits, as the last stage returns them
+    embed, head = _root_split(shape)
+    out = []
+    for rank in _pipeline_layout(spec, virtual_stages):
+        n, blocks = rank.num_blocks, rank.num_blocks * shape.block_params
+        root = (embed if rank.first else 0) + (head if rank.last else 0)
+        params = blocks + root
+        sharded = master * params / stage_gpus
+        states = dict(parameters=sharded, optimizer_state=2 * master * params / stage_gpus)
+        # Receive buffers torch's PipelineStage makes for every micro-batch up front, each stage its own: the
+        # activations from the previous stage, the gradients from the next.
+        stages_receiving = sum(rank.rank + k * pp > 0 for k in range(v))
+        stages_sending = sum(rank.rank + k * pp < pp * v - 1 for k in range(v))
+        buffers = m * hidden_states * (stages_receiving + stages_sending)
+        # A micro-batch in flight: each block's saved activations (a checkpointed block its input), and the stage's
+        # output, held for its backward (fwd_cache); a chunk of an interleaved rank its stages' on average.
+        saved = sum(checkpoint_input if ac.wraps_block(i) else per_layer for i in rank.block_indices) / v
+        per_microbatch = saved + hidden_states
+        if rank.last:  # the final norm's fp32 input and its output, saved for the head
+            per_microbatch += (4 * h + 2 * d * h) * tokens / v
+        first_held, steady_held = _backwards_in_flight(train.pipeline_schedule, pp=pp, m=m, rank=rank.rank, v=v)
+        gathered_block = d * shape.block_params / tp
+        gpipe = train.pipeline_schedule == "GPipe"
+        # The stage whose backward is costed (the rank's largest); under an interleaved schedule the rank's other
+        # stages' blocks are taken as gathered by their own backwards.
+        chunk = max(rank.blocks, key=len)
+        chunk_saved = [checkpoint_input if ac.wraps_block(i) else per_layer for i in chunk]
+        others = n - len(chunk)
+        candidates = []
+
+        def backward(label: str, held: int, *, accumulated: bool, all_gathered: bool, later: bool) -> None:
+            """The backward of each block j of the costed stage (j from the last): the micro-batches in flight
+            but the current one whole, the current one's blocks below j, block j's saved activations, recompute
+            and backward temporaries; the blocks gathered so far (the current and the prefetched next), or all
+            where no forward resharded them since the previous backward. On the last stage also the logits returned
+            so far and the log-softmax of each other micro-batch whose loss has run (GPipe), as at the loss backward."""
+            kept = 0.0
+            if rank.last:
+                kept = (m if gpipe or later else 1) * logits + (4 * tokens * vocab * (held - 1) if gpipe else 0.0)
+            for j in reversed(range(len(chunk))):
+                done = len(chunk) - 1 - j
+                gathered = n if all_gathered or not train.reshard_after_forward else min(len(chunk), done + 2) + (
+                    others if accumulated else 0)
+                recompute = per_layer + checkpoint_input - chunk_saved[j] if ac.wraps_block(chunk[j]) else 0.0
+                candidates.append((label, dict(
+                    states, parameters=sharded + d * root + gathered_block * gathered,
+                    gradients=(reduce * params if accumulated else 0.0) + gathered_block,
+                    activations=(held - 1) * per_microbatch + sum(chunk_saved[:j + 1]) + hidden_states + recompute
+                    + backward_temps + kept,
+                    communication_buffers=buffers)))
+
+        # The first backward: the most in flight, nothing accumulated yet; the root (the stage's FSDP root, never
+        # resharded after forward) gathered throughout.
+        backward("first backward", first_held, accumulated=False, all_gathered=False, later=False)
+        if m > 1:
+            # A later backward: every gradient of the rank accumulated unsharded in the reduce dtype (torch's
+            # PipelineStage: set_requires_gradient_sync(False) until the last; FSDP2 upcasts each micro-batch's),
+            # plus one block's gradients in the compute dtype before their upcast; the blocks gathered by the
+            # previous backward stay gathered (set_reshard_after_backward(False)) until a forward reshards them:
+            # after the warm-up one forward runs between two backwards (1F1B), none under GPipe or in the cool-down.
+            backward("backward of a later micro-batch", steady_held, accumulated=True, all_gathered=gpipe, later=True)
+            if not gpipe and first_held > 1:
+                backward("cool-down backward", first_held - 1, accumulated=True, all_gathered=True, later=True)
+        if rank.last:
+            # The loss backward (the model's own: fp32 log-softmax and two fp32 gradients, loss_backward_bytes): the
+            # logits of each micro-batch whose loss ran before its backward are alive (the step runs with
+            # return_outputs=False: no output_chunks kept to the end), each (GPipe: all m) with its fp32 log-softmax; the
+            # stage's blocks just resharded by the micro-batch's forward (GPipe: gathered by the previous backward;
+            # an interleaved rank's other stages' gathered by their own).
+            loss = loss_backward_bytes(spec.step, tokens=tokens, vocab=vocab, hidden=h, d=d)
+            for k, held in enumerate((first_held, steady_held)):
+                if k and m == 1:
+                    continue
+                returned = held if gpipe else 1
+                losses = (held if gpipe else 1) - 1
+                candidates.append((f"loss backward of {'a later' if k else 'the first'} micro-batch", dict(
+                    states, parameters=sharded + d * root + gathered_block * (0 if not k else n if gpipe else others),
+                    gradients=reduce * params if k else 0.0,
+                    activations=returned * logits + loss + 4 * tokens * vocab * losses + held * per_microbatch,
+                    communication_buffers=buffers)))
+        moment, parts = max(candidates, key=lambda item: sum(item[1].values()))
+        parts["other"] = 16 * tokens if rank.first or rank.last else 0.0
+        out.append((rank.rank, f"stage {rank.rank} of {pp} ({moment}, {first_held} "
+                               f"{'chunks' if v > 1 else 'micro-batches'} in flight, {train.pipeline_schedule})", parts))
+    return out
+
+
+def _pipeline_largest_allocation(spec: TrialSpec, rank: PipelineRank, virtual_stages: int) -> int:
+    """The largest single tensor of a pipeline rank's step, for the runtime's fragmentation term (as the simulator
+    passes its traced one): on the last stage the loss's fp32 logits, on the first the embeddings' gradient accumulated in the reduce dtype, else a block's
+    flat fp32 gradients."""
+    shape = model_shape(spec.model)
+    train = spec.train
+    d = PARAM_BYTES[train.precision]
+    reduce = MASTER_DTYPE_BYTES[reduce_dtype_name(train.precision, spec.step)]
+    tokens = train.micro_batch_size * spec.seq_len // train.context_parallel
+    embed, head = _root_split(shape)
+    largest = reduce * shape.block_params / train.tensor_parallel
+    if rank.first:
+        largest = max(largest, reduce * embed)
+    if rank.last:
+        largest = max(largest, reduce * head, 4 * tokens * shape.vocab)
+    return int(largest)
+
+
+def estimate_pipeline_memory(spec: TrialSpec, virtual_stages: int | None = None) -> MemoryEstimate:
+    """Closed-form memory of the worst pipeline rank (pipeline_rank_memory: each rank's, the largest wins), the
+    ranks' blocks as parallel/pipeline.py splits them, at the rank's costliest moment of the traced step (the
+    simulator's, sim/_pipeline.py; benchmarks/bench_pipeline_closed_form.py compares the two):
+
+    * its stages' parameters and AdamW state, sharded over the stage's world / pp GPUs in the master dtype (after
+      zero_grad no sharded gradients are held until the last backward reduce-scatters them);
+    * the stage's FSDP root (the embeddings on the first stage, final norm and head on the last) gathered throughout;
+      the blocks gathered one at a time (and the next prefetched) in the first backward, all of them in every later
+      one: torch's PipelineStage keeps them gathered until the last backward (set_reshard_after_backward(False));
+    * from the second backward on, every gradient of the rank accumulated unsharded in the reduce dtype
+      (set_requires_gradient_sync(False); FSDP2 upcasts each micro-batch's gradients into it), plus one block's
+      gradients in the compute dtype;
+    * the micro-batches (stage chunks) in flight at the first backward (costmodel.pipeline_in_flight) and at the
+      second, each with its blocks' saved activations (a checkpointed block its input) and the stage's output (and
+      on the last stage the final norm's), plus one block's recompute and backward temporaries;
+    * the receive buffers PipelineStage allocates up front for every micro-batch: a micro-batch's hidden states from
+      the previous stage and gradients from the next, per stage of the rank;
+    * on the last stage, the logits of every micro-batch run so far (the schedule keeps them to merge at the end of
+      the step), the loss's fp32 log-softmax and two fp32 gradients (loss_backward_bytes) at its backward and the
+      log-softmax of every other micro-batch whose loss has run (GPipe: all of them); at the end of the step the
+      logits merged into one tensor next to the kept ones (2 x m x the logits).
+
+    Runtime memory: as the simulator passes it, the rank's largest allocation (_pipeline_largest_allocation: on the
+    last stage the merged logits) and the root's fp32 shard over the data ranks."""
+    shape = model_shape(spec.model)
+    train = spec.train
+    pp = train.pipeline_parallel
+    v = pipeline_virtual_stages(spec) if virtual_stages is None else virtual_stages
+    ranks = pipeline_rank_memory(spec, virtual_stages)
+    worst, peak_at, parts = max(ranks, key=lambda item: sum(item[2].values()))
+    breakdown = dict.fromkeys(MEMORY_CATEGORIES, 0) | {name: int(value) for name, value in parts.items()}
+    tensor_peak = sum(breakdown.values())
+    rank = _pipeline_layout(spec, virtual_stages)[worst]
+    data_ranks = spec.cluster.num_gpus // (pp * train.tensor_parallel * train.context_parallel)
+    breakdown["runtime_overhead"] = runtime_memory(
+        spec.cluster.gpu, world_size=spec.cluster.num_gpus, gpus_per_node=spec.cluster.gpus_per_node,
+        tensor_peak_bytes=tensor_peak, largest_allocation_bytes=_pipeline_largest_allocation(spec, rank, v),
+        root_shard_bytes=shape.root_params * PARAM_DTYPE_BYTES["fp32"] // (data_ranks * train.context_parallel),
+    ).total_bytes
+    return MemoryEstimate(breakdown=breakdown, tensor_peak_bytes=tensor_peak, peak_bytes=sum(breakdown.values()),
+                          host_bytes_per_node=int(costmodel.HOST_PROCESS_BYTES * spec.cluster.gpus_per_node),
+                          peak_at=peak_at)
+
+
 def trainable_split(spec: TrialSpec) -> tuple[int, int] | None:
     """(per block, root) parameters that take gradients where some are frozen (LoRA), else None:
     what FSDP2 reduce-scatters and the optimizer steps (costmodel). Counted on the model as peft
@@ -446,42 +736,60 @@ def fused_bytes_saved(spec: TrialSpec) -> float:
         param_bytes=PARAM_BYTES[spec.train.precision])
 
 
-def _blocks_recomputing_forward(spec: TrialSpec) -> int:
-    """Blocks whose forward runs again in backward: the wholly checkpointed ones (op-level: none whole)."""
+def _costed_blocks(spec: TrialSpec, virtual_stages: int | None = None) -> tuple[int, ...]:
+    """The decoder blocks one GPU computes: all of them, or under pipeline parallelism the slowest rank's."""
+    if spec.train.pipeline_parallel > 1:
+        return pipeline_costed_rank(spec, virtual_stages).block_indices
+    return tuple(range(spec.model.num_layers))
+
+
+def _blocks_recomputing_forward(spec: TrialSpec, virtual_stages: int | None = None) -> int:
+    """Blocks (of those one GPU computes) whose forward runs again in backward: the wholly checkpointed ones
+    (op-level: none whole)."""
     ac = spec.train.activation_checkpointing
-    return 0 if ac.mode == "op" else sum(ac.wraps_block(i) for i in range(spec.model.num_layers))
+    return 0 if ac.mode == "op" else sum(ac.wraps_block(i) for i in _costed_blocks(spec, virtual_stages))
 
 
-def tensor_parallel_work(spec: TrialSpec) -> dict:
+def tensor_parallel_work(spec: TrialSpec, virtual_stages: int | None = None) -> dict:
     """fsdp_step_work's tensor-parallel arguments for `spec` (nothing without tensor parallelism)."""
     tp = spec.train.tensor_parallel
     if tp == 1:
         return {}
     return dict(tensor_parallel=tp, tp_all_reduce_bytes=costmodel.tp_all_reduce_bytes(
         tokens_per_microbatch=spec.train.micro_batch_size * spec.seq_len, hidden_size=spec.model.hidden_size,
-        activation_bytes=PARAM_DTYPE_BYTES[spec.train.precision], num_blocks=spec.model.num_layers,
-        tensor_parallel=tp, checkpointed_blocks=_blocks_recomputing_forward(spec), num_microbatches=spec.grad_accum_steps))
+        activation_bytes=PARAM_DTYPE_BYTES[spec.train.precision], num_blocks=len(_costed_blocks(spec, virtual_stages)),
+        tensor_parallel=tp, checkpointed_blocks=_blocks_recomputing_forward(spec, virtual_stages),
+        num_microbatches=spec.grad_accum_steps))
 
 
-def context_parallel_work(spec: TrialSpec) -> dict:
+def context_parallel_work(spec: TrialSpec, virtual_stages: int | None = None) -> dict:
     """fsdp_step_work's context-parallel arguments for `spec` (nothing without context parallelism)."""
     cp = spec.train.context_parallel
     if cp == 1:
         return {}
+    # With tensor parallelism each GPU holds and passes on its tp-th of the key and value heads.
     return dict(context_parallel=cp, cp_ring_bytes=costmodel.cp_ring_bytes(
-        tokens_per_microbatch=spec.train.micro_batch_size * spec.seq_len, kv_width=model_shape(spec.model).kv_width,
-        activation_bytes=PARAM_DTYPE_BYTES[spec.train.precision], num_blocks=spec.model.num_layers,
-        context_parallel=cp, checkpointed_blocks=_blocks_recomputing_forward(spec), num_microbatches=spec.grad_accum_steps))
+        tokens_per_microbatch=spec.train.micro_batch_size * spec.seq_len,
+        kv_width=model_shape(spec.model).kv_width // spec.train.tensor_parallel,
+        activation_bytes=PARAM_DTYPE_BYTES[spec.train.precision], num_blocks=len(_costed_blocks(spec, virtual_stages)),
+        context_parallel=cp, checkpointed_blocks=_blocks_recomputing_forward(spec, virtual_stages),
+        num_microbatches=spec.grad_accum_steps))
 
 
 def step_work(spec: TrialSpec, *, reduce_bytes: int = 4, kernels: str = "eager",
-              attention_kernel: str = "flash2") -> costmodel.StepWork:
+              attention_kernel: str = "flash2", pipeline_virtual_stages: int | None = None) -> costmodel.StepWork:
     """FLOPs, collective and offload bytes of one optimizer step on one GPU, gradients reduced in
     `reduce_bytes` per element (fp32, as autotune's trials reduce); attention's FLOPs apart, as counted
     and as the `attention_kernel` executes them, and the memory-bound ops' bytes of `kernels`
     (costmodel.MEMORY_BYTES_PER_TOKEN: "eager" is transformers' and torchtitan's code, what autotune
-    runs; the published runs name their stack's)."""
+    runs; the published runs name their stack's). Under pipeline parallelism the work is the slowest rank's
+    (pipeline_costed_rank: its blocks, the head on the last stage) with `pipeline_virtual_stages` stages per rank
+    (default: the schedule's)."""
     from autotune.catalog.models import model_flops_per_token
+
+    if spec.train.pipeline_parallel > 1:
+        return _pipeline_step_work(spec, reduce_bytes=reduce_bytes, kernels=kernels, attention_kernel=attention_kernel,
+                                   virtual_stages=pipeline_virtual_stages)
 
     shape = model_shape(spec.model)
     train = spec.train
@@ -531,6 +839,46 @@ def step_work(spec: TrialSpec, *, reduce_bytes: int = 4, kernels: str = "eager",
         trainable=trainable_split(spec), attention=attention, precision=train.precision,
         offload_fresh_page_bytes=offload_fresh_page_bytes(spec), **expert_parallel_work(spec),
         **tensor_parallel_work(spec), **context_parallel_work(spec))
+
+
+def _pipeline_step_work(spec: TrialSpec, *, reduce_bytes: int, kernels: str, attention_kernel: str,
+                        virtual_stages: int | None) -> costmodel.StepWork:
+    """step_work under pipeline parallelism: the slowest rank's blocks (and the head, on the last stage) for every
+    micro-batch, a tp x cp-th of each as without a pipeline; MFU's model FLOPs are the average GPU's."""
+    from autotune.catalog.models import model_flops_per_token
+
+    shape = model_shape(spec.model)
+    train = spec.train
+    v = pipeline_virtual_stages(spec) if virtual_stages is None else virtual_stages
+    rank = pipeline_costed_rank(spec, virtual_stages)
+    tp, cp, pp = train.tensor_parallel, train.context_parallel, train.pipeline_parallel
+    tokens_per_gpu = train.micro_batch_size * spec.seq_len * spec.grad_accum_steps
+    span = attention_span(spec)
+    ac = train.activation_checkpointing
+    blocks = rank.num_blocks
+    checkpointed = sum(ac.wraps_block(i) for i in rank.block_indices)
+    attention_recomputed = 0 if ac.mode == "op" else checkpointed
+    width = shape.hidden
+    shape_bytes = dict(hidden=shape.hidden, ffn=shape.intermediate, kv_width=shape.kv_width)
+    attention = dict(
+        attention_flops_per_gpu=float(tokens_per_gpu * width * span * (12 * blocks + 4 * attention_recomputed)) / (tp * cp),
+        attention_kernel_flops_per_gpu=float(tokens_per_gpu * width * span * (7 * blocks + 2 * attention_recomputed))
+        / (tp * cp),
+        attention_span=max(1, span // cp), attention_head_dim=shape.hidden // max(shape.num_heads, 1),
+        attention_kernel=attention_kernel,
+        memory_bytes_per_gpu=tokens_per_gpu * PARAM_BYTES[train.precision] / 2 * (
+            blocks * costmodel.memory_bytes_per_token(kernels, **shape_bytes)
+            + checkpointed * costmodel.memory_bytes_per_token(kernels, **shape_bytes, forward=True)) / (tp * cp))
+    model_flops = model_flops_per_token(spec.model, spec.seq_len, num_parameters=shape.num_parameters)
+    return costmodel.fsdp_step_work(
+        flops_per_gpu=tokens_per_gpu * _rank_flops_per_token(spec, rank, span) / (tp * cp),
+        model_flops_per_gpu=tokens_per_gpu * model_flops / (tp * cp * pp),
+        tokens_per_gpu_step=tokens_per_gpu, num_gpus=spec.cluster.num_gpus,
+        block_params=shape.block_params, num_blocks=blocks, root_params=shape.root_params,
+        param_bytes=PARAM_BYTES[train.precision], reshard_after_forward=train.reshard_after_forward,
+        cpu_offload=train.cpu_offload, num_microbatches=spec.grad_accum_steps, hidden_size=shape.hidden,
+        reduce_bytes=reduce_bytes, trainable=trainable_split(spec), attention=attention, precision=train.precision,
+        **tensor_parallel_work(spec, v), **context_parallel_work(spec, v), **pipeline_parallel_work(spec, v))
 
 
 class AnalyticBackend(TrialBackend):

@@ -178,6 +178,16 @@ MODELS: dict[str, CatalogEntry] = {
         default_seq_len=8192,
         source="meta-llama/Llama-3.1-70B config.json (128k positions via llama3 RoPE scaling)",
     ),
+    "llama3.1-405b": CatalogEntry(
+        model_type="llama",
+        config=dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                    num_attention_heads=128, num_key_value_heads=8, vocab_size=128256,
+                    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                      high_freq_factor=4.0, original_max_position_embeddings=8192)),
+        default_seq_len=8192,
+        source="meta-llama/Llama-3.1-405B config.json (128k positions via llama3 RoPE scaling)",
+    ),
     "qwen2.5-32b": CatalogEntry(
         model_type="qwen2",
         config=dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,

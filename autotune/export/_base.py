@@ -108,6 +108,10 @@ class Tuned:
     """Tensor-parallel degree (1: none; results from before the knob: 1)."""
     context_parallel: int = 1
     """Context-parallel degree (1: none; results from before the knob: 1)."""
+    pipeline_parallel: int = 1
+    """Pipeline-parallel degree (1: none; results from before the knob: 1)."""
+    pipeline_schedule: str = "1F1B"
+    """The pipeline schedule (knobs.PIPELINE_SCHEDULES); 1F1B where pipeline_parallel is 1."""
     stack: str = "fsdp2"
     """Whose step the memory was predicted for (results from before `--stack`: fsdp2, autotune's loop)."""
     token_budget: int = 0
@@ -170,12 +174,12 @@ class Tuned:
         """Who takes a batch each, for comments: the GPUs, or the tensor-parallel groups of them."""
         from autotune.batch import data_ranks_text
 
-        return data_ranks_text(self.gpus, self.tensor_parallel, self.context_parallel)
+        return data_ranks_text(self.gpus, self.tensor_parallel, self.context_parallel, self.pipeline_parallel)
 
     @property
     def ranks_per_batch(self) -> int:
-        """GPUs that share one batch: a tensor- or context-parallel group."""
-        return self.tensor_parallel * self.context_parallel
+        """GPUs that share one batch: a tensor- or context-parallel group, a pipeline's stages."""
+        return self.tensor_parallel * self.context_parallel * self.pipeline_parallel
 
     @property
     def global_batch_size(self) -> int:
@@ -206,6 +210,8 @@ class Tuned:
                 expert_parallel=int(values["expert_parallel"]),
                 tensor_parallel=int(values["tensor_parallel"]),
                 context_parallel=int(values["context_parallel"]),
+                pipeline_parallel=int(values["pipeline_parallel"]),
+                pipeline_schedule=str(values["pipeline_schedule"]),
                 cpu_offload=bool(fsdp["cpu_offload"]),
                 reshard_after_forward=bool(fsdp["reshard_after_forward"]),
                 micro_batch_size=int(result["micro_batch_size"]),
@@ -353,6 +359,16 @@ def map_knobs_not_expressed(tuned: Tuned, mapper: Mapper, *, stack: str, express
                                 "each GPU would hold whole sequences (more activation memory than tuned), and the "
                                 f"global batch tuned (one batch per {tuned.context_parallel} GPUs) would be "
                                 f"{tuned.context_parallel}x larger; the torchtitan and accelerate exports set it")
+    _map_unless_written(mapper, "pipeline_parallel", at_default=tuned.pipeline_parallel == 1,
+                        default="no pipeline parallelism, as tuned",
+                        missing=f"pipeline parallelism over {tuned.pipeline_parallel} stages is not written for {stack}: "
+                                "each GPU would hold and run every block (more memory than tuned), and the global "
+                                f"batch tuned (one batch per {tuned.pipeline_parallel} GPUs) would be "
+                                f"{tuned.pipeline_parallel}x larger; the torchtitan export sets it")
+    _map_unless_written(mapper, "pipeline_schedule", at_default=tuned.pipeline_parallel == 1,
+                        default="no pipeline, no schedule",
+                        missing=f"the {tuned.pipeline_schedule} pipeline schedule is not written for {stack} (no "
+                                "pipeline is); the torchtitan export sets it")
     if "shard_placement" not in {m.knob for m in mapper.mappings}:
         if tuned.shard_placement == "dim0":
             mapper.mapped("shard_placement", "every parameter sharded on dimension 0 (FSDP's default), as tuned")

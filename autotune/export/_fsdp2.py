@@ -258,11 +258,13 @@ class TrainConfig:
     expert_parallel: int = 1
     tensor_parallel: int = 1
     context_parallel: int = 1
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = "1F1B"
 
     @property
     def ranks_per_batch(self) -> int:
-        """GPUs that share one batch: a tensor- or context-parallel group."""
-        return self.tensor_parallel * self.context_parallel
+        """GPUs that share one batch: a tensor- or context-parallel group, a pipeline's stages."""
+        return self.tensor_parallel * self.context_parallel * self.pipeline_parallel
 
     @property
     def fsdp_reshard_after_forward(self) -> bool | int:
@@ -314,7 +316,8 @@ TUNED = TrainConfig(precision={t.precision!r}, activation_checkpointing=Checkpoi
                     shard_group_size={t.shard_group_size!r}, reshard_group_size={t.reshard_group_size!r},
                     shard_placement={t.shard_placement!r}, activation_offload={t.activation_offload!r},
                     compile={t.compile!r}, float8={t.float8!r}, expert_parallel={t.expert_parallel!r},
-                    tensor_parallel={t.tensor_parallel!r}, context_parallel={t.context_parallel!r})
+                    tensor_parallel={t.tensor_parallel!r}, context_parallel={t.context_parallel!r},
+                    pipeline_parallel={t.pipeline_parallel!r}, pipeline_schedule={t.pipeline_schedule!r})
 
 '''
 

@@ -158,6 +158,17 @@ def export_torchtitan(t: Tuned) -> Export:
                        "balancer, as traced; FSDP shards over the flattened dp_shard x cp mesh, as traced")
     else:
         m.mapped("context_parallel", "--parallelism.context-parallel-degree 1 (none)")
+    if t.pipeline_parallel > 1:
+        m.mapped("pipeline_parallel", f"--parallelism.pipeline-parallel-degree {t.pipeline_parallel} "
+                                      f"--parallelism.pipeline-parallel-microbatch-size {t.micro_batch_size}",
+                 f"torchtitan splits its own model into {t.pipeline_parallel} ranks' stages with its own layer split "
+                 "(embeddings and output counted as layers), and runs local-batch / microbatch-size = "
+                 f"{t.grad_accum_steps} micro-batches per step through the schedule, as tuned; with "
+                 "--training.disable-cuda-graphs, which torchtitan requires of pipeline parallelism")
+        m.mapped("pipeline_schedule", f"--parallelism.pipeline-parallel-schedule {t.pipeline_schedule}")
+    else:
+        m.mapped("pipeline_parallel", "--parallelism.pipeline-parallel-degree 1 (none)")
+        m.mapped("pipeline_schedule", "no pipeline, no schedule")
     m.mapped("cpu_offload", "--training.enable-cpu-offload / --training.no-enable-cpu-offload")
     m.mapped("reshard_after_forward", "--parallelism.fsdp-reshard-after-forward always|never")
     m.mapped("micro_batch_size", "--training.local-batch-size")
@@ -189,7 +200,9 @@ def export_torchtitan(t: Tuned) -> Export:
                "tune with --stack torchtitan (torchtitan importable) to predict its own step")
     overrides = [
         ("--module", module), ("--config", config),
-        ("--training.local-batch-size", t.micro_batch_size),
+        # Under a pipeline, torchtitan's local batch is what the schedule splits into micro-batches of
+        # --parallelism.pipeline-parallel-microbatch-size: the tuned micro-batch x the accumulation steps.
+        ("--training.local-batch-size", t.micro_batch_size * (t.grad_accum_steps if t.pipeline_parallel > 1 else 1)),
         ("--training.global-batch-size", t.global_batch_size),
         ("--training.seq-len", t.seq_len),
         ("--training.mixed-precision-param", param),
@@ -201,9 +214,13 @@ def export_torchtitan(t: Tuned) -> Export:
         ("--parallelism.expert-parallel-degree", t.expert_parallel),
         ("--parallelism.tensor-parallel-degree", t.tensor_parallel),
         ("--parallelism.context-parallel-degree", t.context_parallel),
-        # Its all-to-all token dispatcher reads the split sizes back to the host, as autotune's does:
-        # torchtitan 0.3 refuses it under CUDA graphs (its ConfigManager says so), so they are off.
-        *((("--training.disable-cuda-graphs", None),) if t.expert_parallel > 1 else ()),
+        *((("--parallelism.pipeline-parallel-degree", t.pipeline_parallel),
+           ("--parallelism.pipeline-parallel-schedule", t.pipeline_schedule),
+           ("--parallelism.pipeline-parallel-microbatch-size", t.micro_batch_size)) if t.pipeline_parallel > 1 else ()),
+        # Its all-to-all token dispatcher reads the split sizes back to the host, as autotune's does, and its
+        # pipeline schedules are not captured: torchtitan 0.3 refuses either under CUDA graphs (its ConfigManager
+        # says so), so they are off.
+        *((("--training.disable-cuda-graphs", None),) if t.expert_parallel > 1 or t.pipeline_parallel > 1 else ()),
         ("--optimizer.implementation", t.optimizer_impl),
         *((("--compile.enable", None), ("--compile.components", "model")) if t.compile != "none"
           else (("--compile.no-enable", None),)),

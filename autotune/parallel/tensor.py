@@ -60,20 +60,43 @@ def apply_tp(model: nn.Module, blocks: Blocks, tp_mesh: Any, degree: int) -> int
     Returns how many linears were split."""
     if degree == 1:
         return 0
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                                   RowwiseParallel, SequenceParallel, parallelize_module)
-
-    plan = block_plan(model_tp_plan(model))
-    styles = {"colwise": lambda: ColwiseParallel(),
-              "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
-    if not plan or any(style not in styles for style in plan.values()):
-        raise ValueError(f"{type(model).__name__}: no tensor-parallel plan of colwise/rowwise entries to apply")
+    plan = _colwise_rowwise_plan(model)
     final_norm = getattr(blocks.parent, "norm", None)
     embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
     if final_norm is None or embeddings is None or head is None:
         raise ValueError(f"{type(model).__name__}: no final norm, embeddings or head where sequence parallelism "
                          "expects them")
+    return _apply_tp_parts(plan, blocks, tp_mesh, embeddings=embeddings, final_norm=final_norm, head=head)
+
+
+def apply_tp_stage(model: nn.Module, blocks: Blocks, tp_mesh: Any, degree: int, *, embeddings: nn.Module | None,
+                   final_norm: nn.Module | None, head: nn.Module | None) -> int:
+    """apply_tp on one pipeline stage (parallel/pipeline.py) of `model` (the causal LM whose plan is read): the
+    stage's `blocks` as apply_tp splits a whole model's, and of the embeddings, final norm and head those the
+    stage holds (None: another stage's). The stage passes its residual stream on as each tp rank's sequence
+    shard, a plain tensor (PipelineStageModule turns it into one and back). Returns how many linears were split."""
+    if degree == 1:
+        return 0
+    return _apply_tp_parts(_colwise_rowwise_plan(model), blocks, tp_mesh, embeddings=embeddings,
+                           final_norm=final_norm, head=head)
+
+
+def _colwise_rowwise_plan(model: nn.Module) -> dict[str, str]:
+    plan = block_plan(model_tp_plan(model))
+    if not plan or any(style not in ("colwise", "rowwise") for style in plan.values()):
+        raise ValueError(f"{type(model).__name__}: no tensor-parallel plan of colwise/rowwise entries to apply")
+    return plan
+
+
+def _apply_tp_parts(plan: dict[str, str], blocks: Blocks, tp_mesh: Any, *, embeddings: nn.Module | None,
+                    final_norm: nn.Module | None, head: nn.Module | None) -> int:
+    """apply_tp's layout on the blocks, and on each of the embeddings, final norm and head that is not None."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel, parallelize_module)
+
+    styles = {"colwise": lambda: ColwiseParallel(),
+              "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
     split = 0
     # The units whose input is gathered: the modules holding the plan's linears (self_attn, mlp, ...).
     gathering = sorted({key.rsplit(".", 1)[0] for key in plan if "." in key})
@@ -84,9 +107,12 @@ def apply_tp(model: nn.Module, blocks: Blocks, tp_mesh: Any, degree: int) -> int
         for name in gathering:
             block.get_submodule(name).register_forward_pre_hook(_gather_sequence, with_kwargs=True)
         split += len(plan)
-    parallelize_module(embeddings, tp_mesh, PrepareModuleOutput(
-        output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False))
-    parallelize_module(final_norm, tp_mesh, SequenceParallel())
-    parallelize_module(head, tp_mesh, PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
-                                                                   use_local_output=True))
+    if embeddings is not None:
+        parallelize_module(embeddings, tp_mesh, PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False))
+    if final_norm is not None:
+        parallelize_module(final_norm, tp_mesh, SequenceParallel())
+    if head is not None:
+        parallelize_module(head, tp_mesh, PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
+                                                             use_local_output=True))
     return split

@@ -73,11 +73,21 @@ def _range(figure: dict | None, fmt) -> str:
             + (f'<br><span class="muted">{fmt(rng[0])}&ndash;{fmt(rng[1])}</span>' if rng else ""))
 
 
+def _expected(option: dict) -> str:
+    """The expected wall-clock and GPU-hours (autotune/time_to_train.py), each with its range; the basis on hover."""
+    wall, hours = option.get("expected_time_to_train_s"), option.get("expected_gpu_hours")
+    if not wall:
+        never = (option.get("time_to_train_model") or {}).get("never_finishes")
+        return escape(never) if never else "-"
+    return (f'<span title="{escape(wall["basis"])}">{_range(wall, lambda v: f"{v / 86400:,.1f} d")}</span>'
+            f'<br>{_range(hours, lambda v: f"{v:,.0f} GPU-h")}')
+
+
 def _table(plan: dict) -> str:
     rows = []
     for o in plan["options"]:
         if o["status"] != "ok":
-            rows.append(f'<tr class="bad"><td>{escape(o["id"])}</td><td colspan="7">{escape(o["status"])}</td>'
+            rows.append(f'<tr class="bad"><td>{escape(o["id"])}</td><td colspan="8">{escape(o["status"])}</td>'
                         f'<td>{escape(o["binds"]["limit"])}: {escape(o["binds"]["detail"])}</td></tr>')
             continue
         c = o["configuration"]
@@ -88,6 +98,7 @@ def _table(plan: dict) -> str:
             f'<tr><td>{escape(o["id"])}</td><td>{config}</td>'
             f'<td class="num">{_range(o["tokens_per_sec"], lambda v: f"{v:,.0f}")}</td>'
             f'<td class="num">{_range(o["time_to_train_s"], lambda v: f"{v / 86400:,.1f} d")}</td>'
+            f'<td class="num">{_expected(o)}</td>'
             f'<td class="num">{_range(o["gpu_hours"], lambda v: f"{v:,.0f}")}</td>'
             f'<td class="num">{_range(o["cost"], lambda v: f"{v:,.0f}")}</td>'
             f'<td class="num">{_range(o["scaling_efficiency"], lambda v: f"{v:.0%}")}</td>'
@@ -96,7 +107,8 @@ def _table(plan: dict) -> str:
             f'<td>{escape(o["binds"]["limit"])}<br><span class="muted">{escape(o["binds"]["detail"])}</span></td></tr>')
     # Every row shown (a plan has tens of options, not hundreds); ranges wrap under their figure.
     return ('<style>table.plan td.num{white-space:normal}table.plan td:first-child{white-space:nowrap}</style>'
-            '<table class="plan"><tr><th>option</th><th>winner</th><th>tokens/s</th><th>time to train</th>'
+            '<table class="plan"><tr><th>option</th><th>winner</th><th>tokens/s</th><th>time to train (benchmark)</th>'
+            '<th>expected time, GPU-hours (with what runs lose)</th>'
             '<th>GPU-hours</th><th>cost</th><th>scaling eff.</th><th>peak/GPU</th><th>binds</th></tr>'
             + "".join(rows) + "</table>")
 

@@ -256,9 +256,13 @@ class RealBackend(TrialBackend):
         # Seconds per optimizer step of the real job, per rank: the micro-batches run scaled to
         # the job's accumulation, plus the optimizer step (timed apart), slowest rank.
         slowest_s = max(_step_seconds(r, full_accum=full_accum) for r in ranks)
-        tokens_per_step = sum(r["tokens_per_micro_batch"] for r in ranks) * full_accum
+        # Each rank reports its batch's tokens; a tensor- or context-parallel group, or a pipeline's stages, share one.
+        tokens_per_step = sum(r["tokens_per_micro_batch"] for r in ranks) * full_accum / spec.train.ranks_per_batch
         tokens_per_sec = tokens_per_step / slowest_s if slowest_s > 0 else None
         losses = [r["losses"][-1] for r in ranks]
+        pp = spec.train.pipeline_parallel
+        if pp > 1:  # the loss is on the last stage's ranks (the last pp block; 0 reported elsewhere)
+            losses = losses[-(world // pp):]
         rss_by_node: dict[str, int] = {}
         for r in ranks:
             rss_by_node[r["node"]] = rss_by_node.get(r["node"], 0) + int(r["rss_peak_bytes"] or 0)
@@ -280,6 +284,10 @@ class RealBackend(TrialBackend):
             optimizer_step_s=max(statistics.fmean(r.get("optimizer_step_s") or [0.0]) for r in ranks),
             warmup_steps=self.warmup_steps, timed_steps=timed_steps, grad_accum_run=run_accum,
             world_size=world)
+        if pp > 1:  # pipeline rank k (ranks k x world/pp ..): its stages' worst rank (parallel/pipeline.py)
+            block = world // pp
+            extras["per_pipeline_rank_tensor_peak_bytes"] = [
+                max(int(r["tensor_peak_bytes"]) for r in ranks[k * block:(k + 1) * block]) for k in range(pp)]
         if spec.train.compile != "none":
             extras["compiled_graphs"] = min(int(r.get("compiled_graphs", 0)) for r in ranks)
             first = max((r.get("warmup_times") or [0.0])[0] for r in ranks)

@@ -23,7 +23,7 @@ from autotune.backends.real._capacity import (CapacityTracker, reset_rss_peak, r
 from autotune.backends.real._faults import Fault, inject_faults
 from autotune.config import TrialSpec
 from autotune.litgpt_step import init_litgpt, is_litgpt_model
-from autotune.parallel import parallelize, register_rng_rules
+from autotune.parallel import ParallelDims, parallelize, register_rng_rules
 from autotune.parallel.expert import set_routing
 from autotune.training import (OffloadedActivations, build_model, make_optimizer, prepare_step, requantize_base,
                                sync_weights_to_vllm, token_batches, train_step)
@@ -31,6 +31,15 @@ from autotune.training import (OffloadedActivations, build_model, make_optimizer
 # A short trial accumulates at most this many micro-batches per step: the per-step memory
 # pattern (reduce-scatter after every micro-batch) is the same from the second one on.
 MAX_TRIAL_GRAD_ACCUM = 2
+
+
+def trial_grad_accum(spec: TrialSpec) -> int:
+    """Micro-batches a trial's step runs: at most MAX_TRIAL_GRAD_ACCUM, except under pipeline parallelism,
+    whose schedule's memory depends on how many micro-batches it runs (GPipe keeps every one's activations
+    in flight; 1F1B needs at least as many as stages): the configuration's own count."""
+    if spec.train.pipeline_parallel > 1:
+        return spec.grad_accum_steps
+    return min(spec.grad_accum_steps, MAX_TRIAL_GRAD_ACCUM)
 
 
 @torch.no_grad()
@@ -131,10 +140,11 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
             notes.append("activation_offload requested but not applied: the host is the device on CPUs")
     optimizer = make_optimizer(model, impl=spec.train.optimizer_impl)
     scaler = make_grad_scaler(spec.train.precision, device)
-    grad_accum = min(spec.grad_accum_steps, MAX_TRIAL_GRAD_ACCUM)
+    grad_accum = trial_grad_accum(spec)
+    dims = ParallelDims.of(spec.train, spec.cluster.num_gpus)
     batches = token_batches(vocab_size=int(spec.model.config_dict["vocab_size"]),
                             micro_batch_size=spec.train.micro_batch_size, seq_len=spec.seq_len,
-                            device=device, seed=seed + rank // spec.train.ranks_per_batch,  # a tp/cp group: one batch
+                            device=device, seed=seed + dims.data_rank(rank),  # a tp/cp group, a pipeline: one batch
                             documents=spec.documents)  # a packed problem: its worst-case row (autotune/packing.py)
     inject_faults(faults, rank=rank, trial=trial_index)
 

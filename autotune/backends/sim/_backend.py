@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from autotune import cache, costmodel
 from autotune.backends.analytic import (attention_span, context_parallel_work, expert_parallel_work, fused_bytes_saved,
                                       tensor_parallel_work, model_shape,
-                                      offload_fresh_page_bytes, screen_margin, trainable_split)
+                                      offload_fresh_page_bytes, screen_margin, step_work, trainable_split)
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
 from autotune.backends.sim._extrapolate import extrapolate, shallow_depths
 from autotune.config import PARAM_DTYPE_BYTES, TrialSpec
@@ -316,6 +316,8 @@ class SimBackend(TrialBackend):
 
     def _sites(self, spec: TrialSpec) -> tuple[dict, StepTrace, dict[str, Any]]:
         """Sites of the full model at the spec's micro-batch, a trace for shapes, and notes."""
+        if spec.train.pipeline_parallel > 1:
+            return self._pipeline_sites(spec)
         num_layers = spec.model.num_layers
         mb = spec.train.micro_batch_size
         from autotune.backends.sim._trace import period_of
@@ -341,6 +343,39 @@ class SimBackend(TrialBackend):
                      flops_per_microbatch=combined.flops, dropped_sites=combined.dropped_sites,
                      op_work=dict(combined.op_work or {}), offloaded_activations=dict(combined.offloaded or {}))
         return combined.sites, traces[depths[0], mbs[0]], notes
+
+    def _pipeline_sites(self, spec: TrialSpec) -> tuple[dict, StepTrace, dict[str, Any]]:
+        """Pipeline parallelism (_pipeline): each pipeline rank that could peak highest traced whole, at its own
+        rank of the fake group; one site per traced rank, the worst the prediction. Not extrapolated in depth."""
+        from autotune.backends.sim._pipeline import ranks_to_trace, trace_pipeline_rank
+        from autotune.backends.sim._trace import StepTrace
+        from autotune.catalog.models import model_flops_per_token
+
+        key = ("pipeline", spec.to_dict().__repr__(), self.device_kind)
+        pipelines = self.__dict__.setdefault("_pipeline_traces", {})
+        if key not in pipelines:
+            pp = spec.train.pipeline_parallel
+            ranks = ranks_to_trace(spec.model.num_layers, pp, spec.train.pipeline_schedule)
+            traced = [trace_pipeline_rank(spec, rank, gloo=self.device_kind == "cpu") for rank in ranks]
+            # The fake group was re-initialised at other ranks: models sharded on the old one's meshes go.
+            self._tracer.clear()
+            self._mesh_in_use = None
+            worst = max(traced, key=lambda t: t["tensor_peak_bytes"])
+            tokens = spec.train.micro_batch_size * spec.seq_len
+            trace = StepTrace(depth=sum(b - a for s in worst["stages"] for a, b in [s["blocks"]]),
+                              sites={("pipeline", f"rank {t['pipeline_rank']}"): t["categories"] for t in traced},
+                              flops=model_flops_per_token(spec.model, spec.seq_len) * tokens / pp,
+                              tensor_peak_bytes=worst["tensor_peak_bytes"], block_params=worst["block_params"],
+                              root_params=worst["root_params"], duration_s=sum(t["duration_s"] for t in traced),
+                              largest_allocation_bytes=worst["largest_allocation_bytes"])
+            pipelines[key] = (trace, traced)
+        trace, traced = pipelines[key]
+        notes = dict(traced_layers=[trace.depth], extrapolated=False, flops_per_microbatch=trace.flops, op_work={},
+                     offloaded_activations={},
+                     pipeline_ranks=[{k: v for k, v in t.items() if k != "duration_s"} for t in traced],
+                     per_pipeline_rank_tensor_peak_bytes={str(t["pipeline_rank"]): t["tensor_peak_bytes"]
+                                                          for t in traced})
+        return trace.sites, trace, notes
 
     def _shallow_traces(self, spec: TrialSpec, keys: list[tuple[int, int]]) -> dict[tuple[int, int], StepTrace]:
         """Traces of `spec` at each (depth, micro-batch) in `keys`, for extrapolation. With a helper
@@ -439,6 +474,9 @@ class SimBackend(TrialBackend):
             basis = (f"tensor peak derived exactly for world size {world_size} from fake-tensor traces at world "
                      f"sizes {trace.derived_from[0]} and {trace.derived_from[1]} (no shard padded: every site's "
                      "bytes affine in 1/world size)")
+        if notes.get("per_pipeline_rank_tensor_peak_bytes"):
+            basis += (f", the worst of pipeline ranks {', '.join(notes['per_pipeline_rank_tensor_peak_bytes'])} (each "
+                      "traced whole at its own rank: their stages differ; not extrapolated)")
         if notes["extrapolated"]:
             basis += (f", extrapolated from {notes['traced_layers'][0]} and {notes['traced_layers'][1]} "
                       f"blocks to {spec.model.num_layers}")
@@ -612,7 +650,13 @@ class SimBackend(TrialBackend):
             attention_kernel_flops_per_gpu=traced_attention * cp / (cp + 1),
             attention_span=max(1, attention_span(spec) // spec.train.context_parallel),  # a ring step's keys
             attention_head_dim=shape.hidden // max(shape.num_heads, 1), memory_bytes_per_gpu=memory_bytes * accum)
-        work = costmodel.fsdp_step_work(
+        if spec.train.pipeline_parallel > 1:
+            # The pipeline's pace is its slowest rank's (the head on the last stage, the most blocks): the traces
+            # count each rank's memory, and the closed form that rank's FLOPs and sends (analytic.step_work).
+            work = step_work(spec)
+        else:
+            work = None
+        work = work or costmodel.fsdp_step_work(
             flops_per_gpu=flops_per_microbatch * accum,  # the rank's own: a tensor-parallel shard's where split
             model_flops_per_gpu=model_flops_per_token(spec.model, spec.seq_len) * tokens_per_gpu_step
             / spec.train.ranks_per_batch,
@@ -630,6 +674,9 @@ class SimBackend(TrialBackend):
         counted = "FLOPs counted in the trace (recomputation included" + (
             "; this rank's tensor-parallel shards)" if spec.train.tensor_parallel > 1 else
             "; this rank's sequence shards and ring steps)" if spec.train.context_parallel > 1 else ")")
+        if spec.train.pipeline_parallel > 1:
+            counted = ("the slowest pipeline rank's FLOPs and sends in closed form (analytic.pipeline_costed_rank; "
+                       "its memory traced), the bubble by its schedule (costmodel.pipeline_bubble_ratio)")
         step = costmodel.estimate_step_time(work, spec.cluster, shard_group_size=spec.train.shard_group_size,
                                             reshard_group_size=spec.train.reshard_group_size)
         extras["step_time"] = step.to_dict()
@@ -648,7 +695,8 @@ class SimBackend(TrialBackend):
                 extras["compile_eager_step_time"] = step_of(dataclasses.replace(
                     work, dispatched_ops_per_microbatch=twin["dispatched_ops"])).to_dict()
         if spec.train.ranks_per_batch > 1:  # the held-out rows are FSDP runs: they say nothing of TP's or CP's sends
-            split = "tensor" if spec.train.tensor_parallel > 1 else "context"
+            split = ("tensor" if spec.train.tensor_parallel > 1 else "context" if spec.train.context_parallel > 1
+                     else "pipeline")
             extras["tokens_per_sec_range_from"] = f"not validated for {split} parallelism"
             return Figure(step.tokens_per_sec, "estimated", f"{step.basis}; {counted}; not validated for {split} "
                           f"parallelism: no published FSDP x {split[0].upper()}P run is among the held-out rows, so no "

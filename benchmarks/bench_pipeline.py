@@ -1,0 +1,87 @@
+"""Pipeline parallelism: the simulator's predicted worst-stage tensor peak against real gloo runs on CPUs.
+
+    .venv/bin/python benchmarks/bench_pipeline.py            # the matrix below (~3 min on 2 cores)
+    .venv/bin/python benchmarks/bench_pipeline.py --quick    # PP2 1F1B on the three families only
+    .venv/bin/python benchmarks/bench_pipeline.py --tp       # PP2 x TP2 on 4 ranks only (1F1B, Interleaved1F1B)
+
+For each case (family x PP2 / PP4 x schedule; on 4 ranks PP4, PP2 x FSDP2 and PP2 x TP2), tiny models at 64 tokens, 2
+sequences per micro-batch, 4 micro-batches (the accumulation steps) per step: the real trial (one warm-up and
+one timed step on gloo ranks, backends/real: each rank's tracked tensor peak) and the simulator's prediction
+(backends/sim/_pipeline.py: every pipeline rank traced at its own rank of a fake group). Prints predicted and
+measured peaks of the worst rank and of each pipeline rank, in bytes, and the difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from autotune.backends.real import RealBackend  # noqa: E402
+from autotune.backends.sim import SimBackend  # noqa: E402
+from autotune.catalog.models import MODELS, resolve_model  # noqa: E402
+from autotune.catalog.shrink import shrunk_config  # noqa: E402
+from autotune.config import Cluster, TrainConfig, TrialSpec  # noqa: E402
+
+SEQ, MICRO_BATCH, ACCUM = 64, 2, 4
+FAMILIES = ("tiny-llama", "tiny-qwen2", "olmo2")
+NO_TP = ("olmo2",)  # its plan's colwise_gather_output / rowwise_split_input entries: refused under --tp
+# (ranks, pipeline parallel, schedule[, tensor parallel])
+LAYOUTS = [(2, 2, "1F1B"), (2, 2, "Interleaved1F1B"), (2, 2, "GPipe"), (4, 4, "1F1B"), (4, 2, "Interleaved1F1B"),
+           (4, 2, "1F1B", 2), (4, 2, "Interleaved1F1B", 2)]
+
+
+def _model(name: str, folder: Path):
+    if name in MODELS:
+        return resolve_model(name)
+    path = folder / name
+    if not (path / "config.json").exists():
+        shrunk_config(name).save_pretrained(path)
+    return resolve_model(str(path))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="PP2 1F1B on the three families only")
+    parser.add_argument("--tp", action="store_true", help="PP2 x TP2 on 4 ranks only")
+    args = parser.parse_args()
+    layouts = LAYOUTS[:1] if args.quick else [row for row in LAYOUTS if len(row) > 3] if args.tp else LAYOUTS
+    folder = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
+    specs = [TrialSpec(model=_model(name, folder), cluster=Cluster(num_gpus=ranks), seq_len=SEQ,
+                       train=TrainConfig(pipeline_parallel=pp, pipeline_schedule=schedule,
+                                         micro_batch_size=MICRO_BATCH, tensor_parallel=tp[0] if tp else 1),
+                       grad_accum_steps=ACCUM)
+             for name in FAMILIES for ranks, pp, schedule, *tp in layouts
+             if not (tp and name in NO_TP)]
+    start = time.perf_counter()
+    with SimBackend(device_kind="cpu") as sim:
+        predicted = [sim.evaluate(spec) for spec in specs]
+    sim_s = time.perf_counter() - start
+    start = time.perf_counter()
+    with RealBackend(device="cpu", persistent=True, warmup_steps=1, timed_steps=1) as real:
+        measured = real.evaluate_many(specs)
+    real_s = time.perf_counter() - start
+    print(f"{'model':<11} {'ranks':>5} {'pp':>3} {'tp':>3} {'schedule':<16} {'predicted B':>13} {'measured B':>13} {'diff B':>7}"
+          "  per pipeline rank: predicted / measured (worst rank of its block)")
+    for spec, sim_result, real_result in zip(specs, predicted, measured):
+        name = spec.model.name if spec.model.name in MODELS else Path(spec.model.name).name
+        if sim_result.status != "ok" or real_result.status != "ok":
+            print(f"{name:<11} {spec.cluster.num_gpus:>5} {spec.train.pipeline_parallel:>3} "
+                  f"{spec.train.tensor_parallel:>3} {spec.train.pipeline_schedule:<16} sim {sim_result.status}: {sim_result.message[:80]}; "
+                  f"real {real_result.status}: {real_result.message[:80]}")
+            continue
+        sim_peak, real_peak = sim_result.extras["tensor_peak_bytes"], real_result.extras["tensor_peak_bytes"]
+        traced = sim_result.extras["per_pipeline_rank_tensor_peak_bytes"]
+        real_per = real_result.extras["per_pipeline_rank_tensor_peak_bytes"]
+        per = ", ".join(f"{k}: {traced[k]:,} / {real_per[int(k)]:,}" for k in sorted(traced, key=int))
+        print(f"{name:<11} {spec.cluster.num_gpus:>5} {spec.train.pipeline_parallel:>3} "
+              f"{spec.train.tensor_parallel:>3} {spec.train.pipeline_schedule:<16} {sim_peak:>13,} {real_peak:>13,} {sim_peak - real_peak:>7,}  {per}")
+    print(f"simulator {sim_s:.0f} s, real trials {real_s:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
