@@ -56,8 +56,9 @@ class SearchSpace:
     global batch, or the estimate says a mesh may win."""
     context_parallel: bool = True
     """Try context parallelism over 2, 4, 8 GPUs of a node (--cp) where tensor parallelism is tried."""
-    pipeline_parallel: bool = True
-    """Try pipeline parallelism over 2, 4, 8, 16 stages (--pp) where tensor parallelism is tried."""
+    pipeline_parallel: bool = False
+    """Try pipeline parallelism over 2, 4, 8, 16 stages (--pp) where tensor parallelism is tried. Off by default:
+    each pipeline rank is traced whole (no depth extrapolation), minutes a candidate on a 70B model."""
     compile: str = "auto"
     """torch.compile in the search: one of COMPILE_SEARCH (the tune command's --compile overrides it)."""
     float8: str = "auto"
@@ -153,7 +154,7 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
         expert_parallel=get("explore", "expert_parallel", True),
         tensor_parallel=get("explore", "tensor_parallel", True),
         context_parallel=get("explore", "context_parallel", True),
-        pipeline_parallel=get("explore", "pipeline_parallel", True),
+        pipeline_parallel=get("explore", "pipeline_parallel", False),
         compile=compile_search,
         float8=float8_search,
         source=where,

@@ -245,7 +245,8 @@ class _SplitFormula:
         pass
 
 
-def _controller_outcome(backend, *, capacity_gib: float, target: int, context_parallel: bool = False):
+def _controller_outcome(backend, *, capacity_gib: float, target: int, context_parallel: bool = False,
+                        pipeline_parallel: bool = False, tensor_parallel: bool = True):
     from autotune.catalog.gpus import GPUS
     from autotune.controller import Controller
     from autotune.records import TuneRequest
@@ -254,20 +255,34 @@ def _controller_outcome(backend, *, capacity_gib: float, target: int, context_pa
     cluster = Cluster(num_gpus=8, gpu=GPUS["h100-80gb"], gpu_memory_bytes=int(capacity_gib * 2**30))
     request = TuneRequest(model=resolve_model("tiny-llama"), cluster=cluster, seq_len=256, target_tokens=target,
                           headroom=0.0, space=SearchSpace(offload=False, compile="none", float8="none",
-                                                          context_parallel=context_parallel))
+                                                          context_parallel=context_parallel,
+                                                          pipeline_parallel=pipeline_parallel,
+                                                          tensor_parallel=tensor_parallel))
     return Controller(request, backend).tune()
 
 
 def test_past_the_batch_wall_the_graph_starts_split():
     """8 GPUs x 256 tokens, a 1,024-token batch: 4 sequences for 8 GPUs. No FSDP configuration is tried (each
-    would miss the batch); tensor-parallel degrees 2 and 4 are (tiny-llama's 4 heads), and pipelines, micro-batch
-    1, and the winner hits the batch exactly: 1 x 256 x 8 / split x accumulation = 1,024."""
+    would miss the batch); tensor-parallel degrees 2 and 4 are (tiny-llama's 4 heads), micro-batch 1, and the
+    winner hits the batch exactly: 1 x 256 x 8 / split x accumulation = 1,024."""
     backend = _SplitFormula(states_gib=20, activation_gib=10)
     outcome = _controller_outcome(backend, capacity_gib=80, target=1024)
     assert all(train.ranks_per_batch > 1 for train in backend.calls)
     assert {2, 4} <= {train.tensor_parallel for train in backend.calls}
     assert outcome.winner is not None and outcome.winner.batch.global_tokens == 1024
     assert any("FSDP alone cannot hit the global batch" in note for note in outcome.notes)
+
+
+def test_past_the_batch_wall_a_searched_pipeline_runs_the_one_micro_batch_with_a_schedule_that_can():
+    """The same wall with pipelines searched (explore.pipeline_parallel) and tensor parallelism not: one sequence per
+    pipeline of 2 or 4 stages is one accumulation step, fewer than 1F1B's one per stage, so each degree is tried
+    under the first schedule that runs it: Interleaved1F1B for 2 stages, GPipe for 4 (4 x 2 interleaved stages
+    would need more than tiny-llama's blocks); the winner hits the batch."""
+    backend = _SplitFormula(states_gib=20, activation_gib=10)
+    outcome = _controller_outcome(backend, capacity_gib=80, target=1024, pipeline_parallel=True, tensor_parallel=False)
+    tried = {(t.pipeline_parallel, t.pipeline_schedule) for t in backend.calls}
+    assert {(2, "Interleaved1F1B"), (4, "GPipe")} <= tried and all(pp > 1 and s != "1F1B" for pp, s in tried)
+    assert outcome.winner is not None and outcome.winner.batch.global_tokens == 1024
 
 
 def test_at_the_memory_wall_the_graph_tries_each_degree_and_the_smallest_that_fits_wins():
