@@ -22,7 +22,7 @@ it, with the import layers tests/test_architecture.py checks):
 
 import logging as _logging
 
-from autotune.version import __version__
+from autotune.util.version import __version__
 
 # torchao (the float8 extra) logs a warning for each CUDA kernel library a CPU build of torch cannot
 # load, whenever it is imported (transformers' quantizers import it on every model build), and its
@@ -33,16 +33,16 @@ _logging.getLogger("torch.utils._pytree").addFilter(
 
 
 def tune(model: str, *, gpus: int, global_tokens: int | str, **options):
-    """Tune one problem and return the result document (autotune/api.py; the `tune` command wraps it).
-    `seq_len="max"`: the longest sequence length that fits, tuned (autotune/seqlen.py), the search's
+    """Tune one problem and return the result document (autotune/drivers/api.py; the `tune` command wraps it).
+    `seq_len="max"`: the longest sequence length that fits, tuned (autotune/drivers/seqlen.py), the search's
     probes under the document's `sequence_length`."""
     if str(options.get("seq_len", "")).strip().lower() == "max":
-        from autotune.console import Console
-        from autotune.options import tune_options
-        from autotune.seqlen import tune_at_longest
+        from autotune.results.console import Console
+        from autotune.problem.options import tune_options
+        from autotune.drivers.seqlen import tune_at_longest
 
         checked = tune_options(model=model, gpus=gpus, global_tokens=global_tokens, **{**options, "seq_len": None})
         return tune_at_longest(checked, Console(quiet=True))
-    from autotune.api import tune as _tune
+    from autotune.drivers.api import tune as _tune
 
     return _tune(model, gpus=gpus, global_tokens=global_tokens, **options)

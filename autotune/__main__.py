@@ -1,3 +1,3 @@
-from autotune.cli import run
+from autotune.drivers.cli import run
 
 run()

@@ -2,7 +2,7 @@
 
 Prints three tables (all on this machine's CPU; no GPU needed):
 1. seconds per evaluated configuration (median over a sweep), first call apart;
-2. estimated tokens/s/GPU against the published FSDP runs (autotune/data/published_runs.json);
+2. estimated tokens/s/GPU against the published FSDP runs (autotune/estimate/data/published_runs.json);
 3. closed-form tensor peak against a fake-tensor trace of the same configuration
    (FSDPMemTracker, the simulator's method; shallow copies of the catalog shapes, so it stays quick).
 
@@ -17,11 +17,11 @@ import statistics
 import time
 from dataclasses import replace
 
-from autotune.costmodel_fit import published_runs, published_spec
+from autotune.drivers.costmodel_fit import published_runs, published_spec
 from autotune.backends.analytic import AnalyticBackend, estimate_memory
-from autotune.catalog.gpus import GPUS
-from autotune.catalog.models import resolve_model
-from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.problem.catalog.gpus import GPUS
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
 
 MiB = 2**20
 
@@ -93,8 +93,8 @@ def traced_peak(model, world, layers, mb, seq, ac) -> float:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from autotune.parallel import parallelize
-    from autotune.training import build_model, make_optimizer, token_batches, train_step
+    from autotune.distributed.parallel import parallelize
+    from autotune.distributed.training import build_model, make_optimizer, token_batches, train_step
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:

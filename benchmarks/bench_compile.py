@@ -31,9 +31,9 @@ from pathlib import Path
 
 from autotune.backends.real import RealBackend
 from autotune.backends.sim import SimBackend
-from autotune.catalog.gpus import GPUS
-from autotune.catalog.models import resolve_model
-from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.problem.catalog.gpus import GPUS
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
 
 FLOAT8_SITE = Path(__file__).resolve().parent.parent / ".float8-site"
 
@@ -71,7 +71,7 @@ def spec(model: str, ac: str, mb: int, compile: str, float8: str = "none", *, se
 def published() -> None:
     """The simulator's GPU estimates (the roofline, the published compile ratio, the float8 model) for the
     configurations of the published float8 runs, next to them: a validation, nothing fitted to it."""
-    from autotune import costmodel
+    from autotune.estimate import costmodel
 
     started = time.perf_counter()
     print("| mb | compile | float8 | estimated tokens/s/GPU | float8 speed-up (estimated) | predicted+estimated GiB |")
@@ -99,7 +99,7 @@ def fit_rowwise() -> None:
     gives its published ratio over compiled bf16; then that rate's ratio against torchtitan commit
     7a04053's rowwise run of the same configuration, which is not fitted to. One trace; the rate enters
     only the saved GEMM time (costmodel.float8_step_seconds), so other rates are computed from it."""
-    from autotune import costmodel
+    from autotune.estimate import costmodel
 
     published = {label: float8 / bf16 for label, _, bf16, float8 in costmodel.FLOAT8_PUBLISHED}
     started = time.perf_counter()
@@ -146,9 +146,9 @@ def inductor_launches_per_block(model_name: str, *, micro_batch: int = 2, seq_le
     import torch
     from torch._inductor.utils import run_and_get_code
 
-    from autotune.catalog.blocks import find_decoder_blocks
-    from autotune.parallel import apply_compile
-    from autotune.training import build_model
+    from autotune.problem.catalog.blocks import find_decoder_blocks
+    from autotune.distributed.parallel import apply_compile
+    from autotune.distributed.training import build_model
 
     net = build_model(resolve_model(model_name), num_layers=2).to(torch.bfloat16)
     apply_compile(find_decoder_blocks(net), "blocks")
@@ -182,7 +182,7 @@ def pairs() -> dict:
     the summary issue 56 asks for (median |error| in points, share within 5 points, by publisher)."""
     import statistics
 
-    from autotune import costmodel_fit
+    from autotune.drivers import costmodel_fit
 
     estimates = costmodel_fit.compile_ratio_estimates()
     print("## Published compiled/eager pairs: estimated ratio (the eager constants fitted without the pair's publisher)")

@@ -1,4 +1,4 @@
-"""Context parallelism (--cp, autotune/parallel/context.py) on CPUs: the tool's own trials of tiny-llama on 2 gloo
+"""Context parallelism (--cp, autotune/distributed/parallel/context.py) on CPUs: the tool's own trials of tiny-llama on 2 gloo
 ranks, FSDP alone against CP2 at a few sequence lengths, each against the simulator's prediction of the same run.
 
     .venv/bin/python benchmarks/bench_context_parallel.py [--seq 256,1024] [--model tiny-llama]
@@ -13,8 +13,8 @@ import argparse
 
 from autotune.backends.real import RealBackend
 from autotune.backends.sim import SimBackend
-from autotune.catalog.models import resolve_model
-from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
 
 
 def main() -> None:

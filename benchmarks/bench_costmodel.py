@@ -8,8 +8,8 @@
    that profile and (b) measured with the cpu backend (real FSDP2 steps), in a shuffled order.
    Targets (issue 11): median |error| <= 15%, Kendall tau >= 0.8, the estimate's pick within 5%
    of the measured best.
-2. Published runs (`--published`; the rows: autotune/data/published_runs.json, the fit:
-   autotune/costmodel_fit.py). Headline: leave-one-source-out: every row of a source (one table:
+2. Published runs (`--published`; the rows: autotune/estimate/data/published_runs.json, the fit:
+   autotune/drivers/costmodel_fit.py). Headline: leave-one-source-out: every row of a source (one table:
    a cluster, a software stack, a date) held out together, the free constants (matmul efficiency
    per GPU family, the micro-batch tokens and hidden size of half efficiency; the inter-node
    bandwidth is modelled) refitted on the other sources, the held-out rows predicted (median and
@@ -50,8 +50,10 @@ import statistics
 import sys
 import time
 
-from autotune import cache, costmodel, costmodel_fit, heldout
-from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.util import cache
+from autotune.estimate import costmodel, heldout
+from autotune.drivers import costmodel_fit
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
 
 GRID_MODEL = "tiny-llama"
 GRID_SEQ = 256
@@ -71,7 +73,7 @@ def kendall_tau(xs: list[float], ys: list[float]) -> float:
 
 
 def grid_specs(configs: list[dict], *, model_name: str = GRID_MODEL, seq_len: int = GRID_SEQ) -> list[TrialSpec]:
-    from autotune.catalog.models import resolve_model
+    from autotune.problem.catalog.models import resolve_model
 
     model = resolve_model(model_name)
     return [TrialSpec(model=model, cluster=Cluster(num_gpus=2), seq_len=seq_len, train=TrainConfig(**c))
@@ -131,7 +133,7 @@ def bracketed(before, after):
     """A profile whose every figure is the geometric mean of two calibrations' (both measured)."""
     from dataclasses import replace
 
-    from autotune.hardware import HardwareFigure
+    from autotune.estimate.hardware import HardwareFigure
 
     figures = {}
     for name, a in before.figures.items():
@@ -142,7 +144,7 @@ def bracketed(before, after):
 
 
 def run_grid(args) -> dict:
-    from autotune.calibrate import calibrate
+    from autotune.drivers.calibrate import calibrate
 
     specs = grid_specs(GRID)
     start = time.perf_counter()
@@ -237,7 +239,7 @@ def run_published_by_source() -> dict:
     share their efficiency, so this is the check of what a user of another cluster gets; a source
     whose GPU family no other source has falls back to the data-sheet default efficiency. Also:
     same-model same-hardware pairs of one table in the published order (held-out estimates), the
-    share of held-out rows inside the printed range (autotune.heldout's, by GPU family), and the fit on all
+    share of held-out rows inside the printed range (autotune.estimate.heldout's, by GPU family), and the fit on all
     rows against the shipped constants."""
     rows = list(costmodel_fit.published_runs())
     held_out = costmodel_fit.held_out_by_source(rows)
@@ -279,7 +281,7 @@ def run_published_by_source() -> dict:
                          f"s{rows[b].seq_len} {rows[b].activation_checkpointing} (published {gap:+.1%}, estimated "
                          f"{estimates[a] / estimates[b] - 1:+.1%})")
     print(f"\nleave-one-source-out median |error| {med:.1%}, worst {worst:.1%} over {len(rows)} rows "
-          f"(measured: published; estimated: held out); inside the printed range (by GPU family, autotune.heldout): "
+          f"(measured: published; estimated: held out); inside the printed range (by GPU family, autotune.estimate.heldout): "
           f"{coverage:.0%} of rows")
     print(f"same-model same-hardware pairs of one table in the published order (held-out estimates): "
           f"{ordered} of {pairs} ({ties} more within {PUBLISHED_TIE:.0%}: ties)")
@@ -534,8 +536,8 @@ def run_offload_recorded() -> dict:
     these trials' measured optimizer steps: that part of the whole-step check is not held out."""
     from autotune.backends.analytic import offload_fresh_page_bytes
     from autotune.backends.sim import SimBackend
-    from autotune.catalog.gpus import GPUS
-    from autotune.catalog.models import resolve_model
+    from autotune.problem.catalog.gpus import GPUS
+    from autotune.problem.catalog.models import resolve_model
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import gpu_check as gc
@@ -635,9 +637,9 @@ def run_gpu_recorded(args) -> dict:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import gpu_check as gc
 
-    from autotune import hardware
+    from autotune.estimate import hardware
     from autotune.backends.sim import SimBackend
-    from autotune.catalog.models import resolve_model
+    from autotune.problem.catalog.models import resolve_model
 
     shipped = hardware.shipped_profile(hardware.GPUS["h100-80gb"]).figures["host_op_us"]
     forced = hardware.load_profile(args.host_op_from).figures["host_op_us"] if args.host_op_from else None
@@ -743,12 +745,12 @@ def measure_host_time(*, repeats: int = 7) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotune import calibrate
+    from autotune.drivers import calibrate
     from autotune.backends.sim import SimBackend
     from autotune.backends.sim._fakepg import release_fake_group
-    from autotune.catalog.models import resolve_model
-    from autotune.parallel import parallelize
-    from autotune.training import build_model
+    from autotune.problem.catalog.models import resolve_model
+    from autotune.distributed.parallel import parallelize
+    from autotune.distributed.training import build_model
 
     model = resolve_model(HOST_TIME_MODEL)
     release_fake_group()  # a simulator earlier in this process may hold its (fake) default group
@@ -779,7 +781,7 @@ def measure_host_time(*, repeats: int = 7) -> dict:
 
 
 def run_host_time(args) -> dict:
-    from autotune import calibrate
+    from autotune.drivers import calibrate
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(calibrate._free_port()))

@@ -28,8 +28,8 @@ fast, what = sys.argv[1] == "fast", sys.argv[2]
 if fast:
     from autotune.backends.real._cpu_bf16 import compute_bf16_kernels_in_fp32
     compute_bf16_kernels_in_fp32()
-from autotune.catalog.models import resolve_model
-from autotune.training import build_model
+from autotune.problem.catalog.models import resolve_model
+from autotune.distributed.training import build_model
 
 def timed(fn, n=3):
     fn()

@@ -3,7 +3,7 @@
     python benchmarks/bench_families.py [--families gpt2,opt] [--no-real] [--resolve-only] [--json out.json] [--markdown out.md]
 
 For every model_type in transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES: build its default config,
-shrink it (autotune/catalog/shrink.py) at a depth that makes the simulator trace two shallow
+shrink it (autotune/problem/catalog/shrink.py) at a depth that makes the simulator trace two shallow
 copies and extrapolate in depth, save it with `save_pretrained` and read it back through
 `resolve_model`, as `--model PATH` does. A family autotune refuses is recorded with its one-line
 reason. Each one that plans is predicted by the simulator (2 ranks, seq 64, micro-batch 2,
@@ -39,7 +39,7 @@ MAX_PARAMETERS = 20_000_000
 
 RUN_FOR_REAL = ("import json, sys\n"
                 "from autotune.backends.real import RealBackend\n"
-                "from autotune.config import TrialSpec\n"
+                "from autotune.problem.config import TrialSpec\n"
                 "specs = [TrialSpec.from_dict(d) for d in json.load(sys.stdin)]\n"
                 "with RealBackend(device='cpu', warmup_steps=1, timed_steps=1, timeout_s=300) as real:\n"
                 "    print(json.dumps([r.to_dict() for r in real.evaluate_many(specs)]))\n")
@@ -69,8 +69,8 @@ def one_line(text: str, limit: int = 240) -> str:
 def depth_for(family: str) -> tuple[int, dict]:
     """The shrunk config at the smallest depth >= 6 at which the simulator extrapolates."""
     from autotune.backends.sim._extrapolate import shallow_depths
-    from autotune.catalog.models import ModelSpec, canonical_config
-    from autotune.catalog.shrink import shrink_config
+    from autotune.problem.catalog.models import ModelSpec, canonical_config
+    from autotune.problem.catalog.shrink import shrink_config
 
     first = None
     for depth in range(6, 25):
@@ -91,9 +91,9 @@ def depth_for(family: str) -> tuple[int, dict]:
 def prepare(family: str, folder: Path, *, text_only: bool = False) -> tuple[Row, object | None]:
     from transformers import AutoConfig
 
-    from autotune.api import check_precision_runs
-    from autotune.catalog.models import resolve_model
-    from autotune.errors import UsageError
+    from autotune.drivers.api import check_precision_runs
+    from autotune.problem.catalog.models import resolve_model
+    from autotune.util.errors import UsageError
 
     row = Row(family)
     try:
@@ -190,7 +190,7 @@ def plain_build_error(path: Path) -> str:
 
 
 def specs_of(model, checkpointing=CHECKPOINTING) -> list:
-    from autotune.config import Cluster, TrainConfig, TrialSpec
+    from autotune.problem.config import Cluster, TrainConfig, TrialSpec
 
     return [TrialSpec(model=model, cluster=Cluster(num_gpus=2), seq_len=SEQ_LEN,
                       train=TrainConfig(micro_batch_size=MICRO_BATCH, activation_checkpointing=ac))

@@ -45,12 +45,12 @@ def main() -> None:
     args = parser.parse_args()
 
     from autotune.backends.sim import SimBackend
-    from autotune.catalog.models import resolve_model
-    from autotune.config import Cluster, FineTuning, TrainConfig, TrialSpec
-    from autotune.training import parameter_counts
+    from autotune.problem.catalog.models import resolve_model
+    from autotune.problem.config import Cluster, FineTuning, TrainConfig, TrialSpec
+    from autotune.distributed.training import parameter_counts
 
     rows = []
-    from autotune.config import Workload, memory_limit_bytes
+    from autotune.problem.config import Workload, memory_limit_bytes
 
     limit = memory_limit_bytes(Cluster(num_gpus=args.gpus).capacity_bytes, headroom=0.10, workload=Workload())
     print(f"| model | seq | mode | trainable | peak/GPU (P+E) | params | grads | AdamW | activations "

@@ -32,9 +32,9 @@ GIB = 2**30
 
 def predict(model_name: str, gpus: int, placement: str, ep: int = 1):
     from autotune.backends.sim import SimBackend
-    from autotune.catalog.gpus import GPUS
-    from autotune.catalog.models import resolve_model
-    from autotune.config import Cluster, TrainConfig, TrialSpec
+    from autotune.problem.catalog.gpus import GPUS
+    from autotune.problem.catalog.models import resolve_model
+    from autotune.problem.config import Cluster, TrainConfig, TrialSpec
 
     model = resolve_model(model_name)
     spec = TrialSpec(model=model, cluster=Cluster(num_gpus=gpus, num_nodes=max(1, gpus // 8), gpu=GPUS["h100-80gb"]),

@@ -7,7 +7,7 @@
 Two tunes on the simulator (the search `autotune tune --backend sim` runs: Controller.tune, 8 GPUs a
 node, the model's default sequence length, the default headroom), one under balanced routing and one
 under the skew, each with a simulator of its own; then the balanced winner predicted again under the
-skew (the rank whose experts receive the most tokens traced: autotune/routing.py). Printed: every
+skew (the rank whose experts receive the most tokens traced: autotune/problem/routing.py). Printed: every
 trial, each winner, and whether the balanced winner still fits under the skew, and the skewed tune's
 note (which rank binds, the expert-parallel configurations tried on their binding rank).
 
@@ -43,14 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from autotune.backends.sim import SimBackend
-    from autotune.catalog.gpus import GPUS
-    from autotune.catalog.models import resolve_model
-    from autotune.config import Cluster
-    from autotune.controller import Controller
-    from autotune.records import TuneRequest
-    from autotune.routing import parse_routing_skew, tune_note
-    from autotune.search_space import SearchSpace
-    from autotune.units import parse_count
+    from autotune.problem.catalog.gpus import GPUS
+    from autotune.problem.catalog.models import resolve_model
+    from autotune.problem.config import Cluster
+    from autotune.search.controller import Controller
+    from autotune.search.records import TuneRequest
+    from autotune.problem.routing import parse_routing_skew, tune_note
+    from autotune.search.space import SearchSpace
+    from autotune.util.units import parse_count
 
     model = resolve_model(args.model)
     cluster = Cluster(num_gpus=args.gpus, num_nodes=max(1, args.gpus // 8), gpu=GPUS[args.gpu_type])

@@ -14,9 +14,9 @@ import dataclasses
 
 from autotune.backends.real import RealBackend
 from autotune.backends.sim import SimBackend
-from autotune.catalog.models import resolve_model
-from autotune.config import Cluster, TrainConfig, TrialSpec
-from autotune.knobs import OPTIMIZER_IMPLS
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
+from autotune.problem.knobs import OPTIMIZER_IMPLS
 
 MiB = 2**20
 

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autotune.backends.real import RealBackend  # noqa: E402
 from autotune.backends.sim import SimBackend  # noqa: E402
-from autotune.catalog.models import MODELS, resolve_model  # noqa: E402
-from autotune.catalog.shrink import shrunk_config  # noqa: E402
-from autotune.config import Cluster, TrainConfig, TrialSpec  # noqa: E402
+from autotune.problem.catalog.models import MODELS, resolve_model  # noqa: E402
+from autotune.problem.catalog.shrink import shrunk_config  # noqa: E402
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec  # noqa: E402
 
 SEQ, MICRO_BATCH, ACCUM = 64, 2, 4
 FAMILIES = ("tiny-llama", "tiny-qwen2", "olmo2")

@@ -49,8 +49,8 @@ MATRIX = [
 
 
 def make_spec(row):
-    from autotune.catalog.models import resolve_model
-    from autotune.config import Cluster, TrainConfig, TrialSpec
+    from autotune.problem.catalog.models import resolve_model
+    from autotune.problem.config import Cluster, TrainConfig, TrialSpec
 
     model, gpus, pp, schedule, ac, mb, accum, seq = row
     return TrialSpec(model=resolve_model(model), cluster=Cluster(num_gpus=gpus), seq_len=seq,

@@ -29,11 +29,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 ROWS = ROOT / "benchmarks" / "results" / "published_pipeline_runs.json"
 
-from autotune import costmodel  # noqa: E402
+from autotune.estimate import costmodel  # noqa: E402
 from autotune.backends.analytic import estimate_pipeline_memory, fused_bytes_saved, step_work  # noqa: E402
-from autotune.catalog.gpus import GPUS  # noqa: E402
-from autotune.catalog.models import model_flops_per_token, resolve_model  # noqa: E402
-from autotune.config import Cluster, TrainConfig, TrialSpec  # noqa: E402
+from autotune.problem.catalog.gpus import GPUS  # noqa: E402
+from autotune.problem.catalog.models import model_flops_per_token, resolve_model  # noqa: E402
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec  # noqa: E402
 
 GOAL_MEDIAN, GOAL_WORST = 0.10, 0.25
 

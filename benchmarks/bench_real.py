@@ -16,8 +16,8 @@ import statistics
 import time
 
 from autotune.backends.real import RealBackend
-from autotune.catalog.models import resolve_model
-from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
 
 
 def trial_specs(model_name: str, count: int, *, world: int, seq_len: int) -> list[TrialSpec]:

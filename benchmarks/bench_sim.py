@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 from autotune.backends.sim import SimBackend, Tracer, fake_mesh
-from autotune.catalog.models import resolve_model
-from autotune.config import Cluster, TrainConfig, TrialSpec
-from autotune.parallel import ParallelDims
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
+from autotune.distributed.parallel import ParallelDims
 
 GiB = 2**30
 
@@ -161,8 +161,8 @@ def _plan(name: str, gpus: int, tokens: str, cache_dir: str, extra: list[str]) -
 
 _FULL_TRACE = """
 from autotune.backends.sim import SimBackend
-from autotune.catalog.models import resolve_model
-from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
 model = resolve_model({name!r})
 spec = TrialSpec(model=model, cluster=Cluster(num_gpus={gpus}), seq_len=model.default_seq_len, train=TrainConfig())
 assert SimBackend(extrapolate=False, screen=False).evaluate(spec).extras["traced_layers"] == [model.num_layers]

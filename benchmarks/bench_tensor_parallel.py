@@ -3,7 +3,7 @@
     python benchmarks/bench_tensor_parallel.py [--no-real] [--families llama,qwen2,mistral] [--no-tune]
 
 Memory: for each family whose transformers config has a tensor-parallel plan of colwise/rowwise entries,
-a shrunk config (autotune/catalog/shrink.py, 4 layers, seq 64, micro-batch 2) is predicted by the simulator
+a shrunk config (autotune/problem/catalog/shrink.py, 4 layers, seq 64, micro-batch 2) is predicted by the simulator
 for a CPU gloo run and, unless --no-real, run for real: TP2 on 2 ranks and FSDP2 x TP2 on 4 ranks, each with
 checkpointing none and full, every trial of a world size in one launch of the cpu backend. Printed: the
 predicted and measured tensor peaks (`extras["tensor_peak_bytes"]`) and their difference.
@@ -30,7 +30,7 @@ MICRO_BATCH = 2
 
 RUN_FOR_REAL = ("import json, sys\n"
                 "from autotune.backends.real import RealBackend\n"
-                "from autotune.config import TrialSpec\n"
+                "from autotune.problem.config import TrialSpec\n"
                 "specs = [TrialSpec.from_dict(d) for d in json.load(sys.stdin)]\n"
                 "with RealBackend(device='cpu', persistent=True, warmup_steps=1, timed_steps=1) as real:\n"
                 "    print(json.dumps([r.to_dict() for r in real.evaluate_many(specs)]))\n")
@@ -47,10 +47,10 @@ LLAMA_405B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hid
 def memory_matrix(families: list[str], *, real: bool, folder: Path) -> list[dict]:
     from autotune.backends.base import TrialResult
     from autotune.backends.sim import SimBackend
-    from autotune.catalog.models import resolve_model
-    from autotune.catalog.shrink import shrunk_config
-    from autotune.config import Cluster, TrainConfig, TrialSpec
-    from autotune.knobs import KNOBS, ProblemShape, why_not_buildable
+    from autotune.problem.catalog.models import resolve_model
+    from autotune.problem.catalog.shrink import shrunk_config
+    from autotune.problem.config import Cluster, TrainConfig, TrialSpec
+    from autotune.problem.knobs import KNOBS, ProblemShape, why_not_buildable
 
     specs, rows = [], []
     for family in families:
@@ -89,7 +89,7 @@ def memory_matrix(families: list[str], *, real: bool, folder: Path) -> list[dict
 
 
 def tune(args: list[str], runs: Path) -> dict:
-    from autotune.cli import main
+    from autotune.drivers.cli import main
 
     code = main([*args, "--backend", "sim", "--runs-dir", str(runs), "--compile", "none", "--float8", "none"])
     if code != 0:

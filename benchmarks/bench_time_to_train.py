@@ -8,7 +8,7 @@ option: the run's GPU type and count, sequence length and global batch, rounded 
 sequences per GPU), then
 
 - the old formula: GPU-hours = train tokens / tokens/s x GPUs (the benchmark time), and
-- the time-to-train model (autotune/time_to_train.py) with its default assumptions and its one
+- the time-to-train model (autotune/estimate/time_to_train.py) with its default assumptions and its one
   fitted constant, the goodput factor, fitted WITHOUT the row's publisher: the factor g for which
   the mean over the other publishers (each publisher's rows averaged first, so every publisher
   weighs the same) of log(published / predicted) is zero. The goodput range is the smallest and
@@ -38,15 +38,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from autotune import time_to_train as ttt  # noqa: E402
+from autotune.estimate import time_to_train as ttt  # noqa: E402
 
 DEFAULT_BATCH = 4 * 2**20  # a row whose global batch is not published
 
 
 def estimate(run: dict, folder: Path) -> dict:
     """autotune's answer for the run's model on its cluster: tokens/s (and its range), parameters."""
-    from autotune.errors import AutotuneError
-    from autotune.plan import PlanOptions, run_plan
+    from autotune.util.errors import AutotuneError
+    from autotune.drivers.plan import PlanOptions, run_plan
 
     model = run["model"]
     if model is None:
@@ -169,7 +169,7 @@ def main() -> int:
 
     header = (f"{'run':<18} {'publisher':<13} {'GPUs':>6} {'tok/s/GPU':>9} {'published':>10} {'old':>10} {'err':>7} "
               f"{'expected':>10} {'err':>7} {'range':>21} {'in':>3} {'g':>5}")
-    print("\nGPU-hours: published; old = tokens / tokens/s x GPUs; expected = autotune/time_to_train.py with the goodput "
+    print("\nGPU-hours: published; old = tokens / tokens/s x GPUs; expected = autotune/estimate/time_to_train.py with the goodput "
           "fitted without the row's publisher (g)")
     print(header)
     old_errors, new_errors = [], []

@@ -1,4 +1,4 @@
-"""Token-budget batches (--token-budget, autotune/packing.py): the figures docs/KNOBS.md states.
+"""Token-budget batches (--token-budget, autotune/problem/packing.py): the figures docs/KNOBS.md states.
 
 1. Memory: the simulator's tensor peak against real gloo trials of the same packed micro-batches (2 ranks,
    documents of 8-64 tokens at seq_len 64), two families, three budgets each.
@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 
 from autotune.backends.sim import SimBackend
-from autotune.catalog.gpus import GPUS
-from autotune.catalog.models import resolve_model
-from autotune.config import Cluster, TrainConfig, TrialSpec
-from autotune.packing import DocumentLengths, Packing
-from autotune.units import format_bytes
+from autotune.problem.catalog.gpus import GPUS
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
+from autotune.problem.packing import DocumentLengths, Packing
+from autotune.util.units import format_bytes
 
 SHORT = Packing(DocumentLengths(loguniform=(8, 64), source="loguniform:8:64"))
 DISTRIBUTIONS = {"loguniform:64:8192 (default)": Packing(),

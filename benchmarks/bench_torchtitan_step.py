@@ -58,8 +58,8 @@ def torchtitan_path(folder: Path, stack: str = "torchtitan") -> Path:
 
 
 def _spec(mb: int, ac: str, precision: str = "bf16", stack: str = "torchtitan"):
-    from autotune.catalog.models import resolve_model
-    from autotune.config import Cluster, TrainConfig, TrialSpec
+    from autotune.problem.catalog.models import resolve_model
+    from autotune.problem.config import Cluster, TrainConfig, TrialSpec
 
     return TrialSpec(model=resolve_model("tiny-llama"), cluster=Cluster(num_gpus=2), seq_len=SEQ_LEN,
                      train=TrainConfig(micro_batch_size=mb, activation_checkpointing=ac, precision=precision),

@@ -32,7 +32,7 @@ def draw(rng: random.Random) -> dict:
 
 
 def run_one(problem: dict) -> tuple[dict, list[str], int, str, float]:
-    from autotune.cli import main
+    from autotune.drivers.cli import main
 
     with tempfile.TemporaryDirectory() as runs:
         line = argv(problem, runs)

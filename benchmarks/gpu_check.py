@@ -39,11 +39,11 @@ from dataclasses import replace  # noqa: E402
 from autotune.backends.base import TrialResult  # noqa: E402
 from autotune.backends.real import RealBackend  # noqa: E402
 from autotune.backends.sim import SimBackend  # noqa: E402
-from autotune.catalog.gpus import GPUS, detect_gpu  # noqa: E402
-from autotune.catalog.models import resolve_model  # noqa: E402
-from autotune.config import Cluster, TrainConfig, TrialSpec  # noqa: E402
-from autotune.runtime_memory import alloc_conf  # noqa: E402
-from autotune.units import format_bytes  # noqa: E402
+from autotune.problem.catalog.gpus import GPUS, detect_gpu  # noqa: E402
+from autotune.problem.catalog.models import resolve_model  # noqa: E402
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec  # noqa: E402
+from autotune.estimate.runtime_memory import alloc_conf  # noqa: E402
+from autotune.util.units import format_bytes  # noqa: E402
 
 TOTAL_TOLERANCE = 0.05
 
@@ -127,7 +127,7 @@ def compare(label: str, spec: TrialSpec, predicted, measured) -> dict:
 
 def probe_runtime_terms() -> dict:
     """The context, cuBLAS and NCCL terms, measured in a fresh process."""
-    code = "import json; from autotune.runtime_memory import measure_runtime_terms; print(json.dumps(measure_runtime_terms()))"
+    code = "import json; from autotune.estimate.runtime_memory import measure_runtime_terms; print(json.dumps(measure_runtime_terms()))"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                                        os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180)
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     detected = detect_gpu() if device == "cuda" and not args.predict_only else None
     gpu = GPUS[args.gpu_type] if args.gpu_type else (detected or GPUS["h100-80gb"])
     if args.predict_only:
-        from autotune.hardware import load_profile
+        from autotune.estimate.hardware import load_profile
 
         hardware = load_profile(args.hardware) if args.hardware else None
         args.predict_only.write_text(json.dumps(dict(

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import re
 
-from autotune.catalog.gpus import GPUS
-from autotune.catalog.models import MODELS
+from autotune.problem.catalog.gpus import GPUS
+from autotune.problem.catalog.models import MODELS
 
 SPACE: dict[str, tuple] = {
     "model": tuple(MODELS),

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autotune.backends.base import TrialResult
-from autotune.config import TrialSpec
-from autotune.files import write_json
+from autotune.problem.config import TrialSpec
+from autotune.util.files import write_json
 
 WARMUP_STEPS = 1
 LAUNCH_TIMEOUT_S = 1800
@@ -61,7 +61,7 @@ _SETS: dict[str, TrialSet] = {}
 _RUN_FOR_REAL = f"""\
 import json, sys
 from autotune.backends.real import RealBackend
-from autotune.config import TrialSpec
+from autotune.problem.config import TrialSpec
 job = json.load(sys.stdin)
 specs = [TrialSpec.from_dict(d) for d in job["specs"]]
 with RealBackend(device='cpu', persistent=True, warmup_steps={WARMUP_STEPS}, timed_steps=job["timed_steps"]) as real:

@@ -9,9 +9,9 @@ import pytest
 
 from autotune.backends.analytic import AnalyticBackend, estimate_memory, model_shape
 from autotune.backends.base import MEMORY_CATEGORIES
-from autotune.catalog.gpus import GPUS
-from autotune.catalog.models import resolve_model
-from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.problem.catalog.gpus import GPUS
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
 
 GiB = 2**30
 TRACE_TOLERANCE = 0.03  # docs/COSTMODEL.md: the closed form is within 3% of fake-tensor traces
@@ -130,8 +130,8 @@ def trace_tiny_llama(modes, *, world=2, micro_batch=4, seq=256):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from autotune.parallel import parallelize
-    from autotune.training import build_model, make_optimizer, token_batches, train_step
+    from autotune.distributed.parallel import parallelize
+    from autotune.distributed.training import build_model, make_optimizer, token_batches, train_step
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
@@ -213,7 +213,7 @@ def test_closed_form_knows_what_a_frozen_base_saves_as_the_trace_does(model, fin
     import dataclasses
 
     from autotune.backends.sim import SimBackend
-    from autotune.config import FineTuning
+    from autotune.problem.config import FineTuning
 
     with SimBackend(device_kind="cuda") as sim:
         for ac in ("none", "full"):

@@ -1,4 +1,4 @@
-"""The library API (autotune.tune, autotune/api.py) is what the CLI wraps, not the reverse."""
+"""The library API (autotune.tune, autotune/drivers/api.py) is what the CLI wraps, not the reverse."""
 
 import dataclasses
 import json
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from autotune.cli import EXIT_USAGE, build_parser, main
-from autotune.errors import UsageError
-from autotune.options import TuneOptions
+from autotune.drivers.cli import EXIT_USAGE, build_parser, main
+from autotune.util.errors import UsageError
+from autotune.problem.options import TuneOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBLEM = dict(gpus=2, global_tokens="64K", backend="analytic", gpu_memory="3GiB")  # 3 GiB: not the largest micro-batch
@@ -18,7 +18,7 @@ LIBRARY_ONLY = """
 import json, sys
 import autotune
 document = autotune.tune("tiny-llama", runs_dir=sys.argv[1], **json.loads(sys.argv[2]))
-assert "autotune.cli" not in sys.modules, "the library imported the CLI"
+assert "autotune.drivers.cli" not in sys.modules, "the library imported the CLI"
 print(json.dumps(document))
 """
 
@@ -80,7 +80,7 @@ def test_seq_len_max_from_the_library_is_checked_by_plain_tunes_either_side(tmp_
     search's probes; plain tunes at that length and one step longer, asked for apart, say the same:
     the first fits, the second finds nothing."""
     import autotune
-    from autotune.errors import NothingFits
+    from autotune.util.errors import NothingFits
 
     problem = dict(gpus=2, global_tokens="64K", backend="analytic", gpu_memory="2200MiB")
     document = autotune.tune("tiny-llama", seq_len="max", seq_len_step=128, runs_dir=str(tmp_path / "max"), **problem)

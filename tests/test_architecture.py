@@ -30,9 +30,9 @@ def test_the_import_contracts_are_kept():
 
 
 @pytest.mark.parametrize("module, line, contract", [
-    ("autotune/catalog/gpus.py", "from autotune import config", "The catalog is plain data"),
-    ("autotune/backends/base.py", "from autotune import records", "Backends evaluate one trial"),
-    ("autotune/config.py", "from autotune import training", "Layers"),
+    ("autotune/problem/catalog/gpus.py", "from autotune.problem import config", "The catalog is plain data"),
+    ("autotune/backends/base.py", "from autotune.search import records", "Backends evaluate one trial"),
+    ("autotune/problem/config.py", "from autotune.distributed import training", "Layers"),
     ("autotune/backends/sim/_helper.py", "from autotune.backends.sim import _backend", "No import circles"),
 ])
 def test_a_forbidden_import_breaks_its_contract(tmp_path, module, line, contract):

@@ -14,7 +14,7 @@ import pytest
 
 PLAN = ["--model", "micro-llama", "--gpus", "2", "--global-tokens", "64K", "--backend", "sim"]  # the quickest to trace
 # Runs the CLI in-process, then reports which heavy libraries the run imported.
-PROBE = ("import sys\nfrom autotune.cli import main\ntry:\n    code = main(sys.argv[1:])\n"
+PROBE = ("import sys\nfrom autotune.drivers.cli import main\ntry:\n    code = main(sys.argv[1:])\n"
          "except SystemExit as exit:  # --help\n    code = exit.code\n"
          "print('IMPORTED', 'torch' in sys.modules, 'transformers' in sys.modules, code)\n")
 

@@ -5,11 +5,11 @@ import re
 
 import pytest
 
-from autotune.catalog.gpus import GPUS, resolve_gpu
-from autotune.catalog.models import MODELS, resolve_model
-from autotune.config import Cluster, TrainConfig, TrialSpec, parse_ac
-from autotune.errors import UnsupportedModelError, UsageError
-from autotune.search_space import DEFAULT_SPACE, SearchSpace, load_space
+from autotune.problem.catalog.gpus import GPUS, resolve_gpu
+from autotune.problem.catalog.models import MODELS, resolve_model
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec, parse_ac
+from autotune.util.errors import UnsupportedModelError, UsageError
+from autotune.search.space import DEFAULT_SPACE, SearchSpace, load_space
 
 # Published parameter counts (model cards): the catalog shapes must reproduce them.
 PUBLISHED = {"llama-7b": 6.74e9, "llama-13b": 13.0e9, "llama-70b": 69.0e9, "llama3-8b": 8.03e9,
@@ -94,7 +94,7 @@ def test_model_without_repeated_blocks_names_supported_families(tmp_path):
     # use a transformers model with no ModuleList of blocks at all.
     from torch import nn
 
-    from autotune.catalog.blocks import find_decoder_blocks
+    from autotune.problem.catalog.blocks import find_decoder_blocks
 
     with pytest.raises(UnsupportedModelError, match="supported families: llama"):
         find_decoder_blocks(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))

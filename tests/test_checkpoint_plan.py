@@ -12,11 +12,11 @@ import jsonschema
 import pytest
 import yaml
 
-from autotune.catalog.gpus import GPUS
-from autotune.catalog.models import MODELS
-from autotune.checkpoint_plan import ASSUMED_HOST_BYTES, OPTIMIZER_BYTES, PARAM_BYTES, plan_checkpoint
-from autotune.export import export_result
-from autotune.result import SCHEMA_PATH
+from autotune.problem.catalog.gpus import GPUS
+from autotune.problem.catalog.models import MODELS
+from autotune.estimate.checkpoint_plan import ASSUMED_HOST_BYTES, OPTIMIZER_BYTES, PARAM_BYTES, plan_checkpoint
+from autotune.results.export import export_result
+from autotune.results.result import SCHEMA_PATH
 
 GiB = 2**30
 LLAMA_70B_PARAMETERS = 68_976_648_192  # meta-device count of the catalog's llama-70b, as best.json records it

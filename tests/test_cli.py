@@ -9,8 +9,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from autotune.catalog.models import resolve_model
-from autotune.cli import EXIT_NOTHING_FITS, EXIT_OK, EXIT_USAGE, main
+from autotune.problem.catalog.models import resolve_model
+from autotune.drivers.cli import EXIT_NOTHING_FITS, EXIT_OK, EXIT_USAGE, main
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "schemas" / "result.schema.json").read_text())
@@ -155,7 +155,7 @@ def test_workers_creating_one_new_study_at_the_same_moment_all_succeed(tmp_path)
     """SQLite's schema and Optuna's study created by three processes at once (it crashed one in
     three rounds of five before creation retried): every process gets the study, in every round."""
     script = ("import sys, time\n"
-              "from autotune.store import TrialStore\n"
+              "from autotune.search.store import TrialStore\n"
               "start = float(sys.argv[2])\n"
               "while time.time() < start: time.sleep(0.001)\n"
               "TrialStore(sys.argv[1], 'race')\n")
@@ -204,16 +204,16 @@ def test_trial_command_prints_json(tmp_path):
 
 
 def test_default_backend_without_gpus_is_the_simulator():
-    from autotune.api import choose_backend
-    from autotune.config import Cluster
+    from autotune.drivers.api import choose_backend
+    from autotune.problem.config import Cluster
 
     name, why = choose_backend("auto", Cluster(num_gpus=8))
     assert name == "sim" and "no GPU here" in why
 
 
 def test_interrupted_run_keeps_finished_trials_and_resumes(tmp_path, capsys, monkeypatch):
-    import autotune.api as api
-    import autotune.cli as cli
+    import autotune.drivers.api as api
+    import autotune.drivers.cli as cli
 
     real_make_backend = api.make_backend
     calls = {"n": 0}
@@ -248,10 +248,10 @@ def test_interrupted_run_keeps_finished_trials_and_resumes(tmp_path, capsys, mon
 
 
 def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path):
-    from autotune.catalog.models import resolve_model
-    from autotune.config import Cluster
-    from autotune.records import TuneRequest
-    from autotune.run_folder import new_run_dir
+    from autotune.problem.catalog.models import resolve_model
+    from autotune.problem.config import Cluster
+    from autotune.search.records import TuneRequest
+    from autotune.results.run_folder import new_run_dir
 
     request = TuneRequest(model=resolve_model("tiny-llama"), cluster=Cluster(num_gpus=2), seq_len=256,
                           target_tokens=64_000)
@@ -386,11 +386,11 @@ def test_host_memory_is_named_when_it_is_what_fails(tmp_path, capsys):
 
 def test_trial_table_fits_an_80_column_terminal_and_marks_the_winner():
     from autotune.backends import get_backend
-    from autotune.catalog.gpus import GPUS
-    from autotune.config import Cluster
-    from autotune.console import Console
-    from autotune.controller import Controller
-    from autotune.records import TuneRequest
+    from autotune.problem.catalog.gpus import GPUS
+    from autotune.problem.config import Cluster
+    from autotune.results.console import Console
+    from autotune.search.controller import Controller
+    from autotune.search.records import TuneRequest
 
     request = TuneRequest(model=resolve_model("llama-70b"), cluster=Cluster(num_gpus=2, gpu=GPUS["rtx4090-24gb"]),
                           seq_len=4096, target_tokens=1_000_000)
@@ -491,7 +491,7 @@ def _still_running(pids: set[int]) -> list[int]:
 
 def test_the_library_call_returns_what_the_command_writes(tmp_path, capsys):
     import autotune
-    from autotune.errors import NothingFits, UsageError
+    from autotune.util.errors import NothingFits, UsageError
 
     runs = tmp_path / "runs"
     document = autotune.tune("tiny-llama", gpus=2, global_tokens="64K", backend="analytic", runs_dir=str(runs))
@@ -515,7 +515,7 @@ def test_time_budget_samples_beyond_the_graph_and_never_launches_a_predicted_oom
     The smallest model: its trials take well under a second, so the budget goes to sampling."""
     import time
 
-    import autotune.api as api
+    import autotune.drivers.api as api
     from autotune.backends import get_backend
 
     launched = []
@@ -612,7 +612,7 @@ def test_a_signal_while_the_simulator_traces_in_two_processes_leaves_none(tmp_pa
 def test_the_program_exits_with_main_s_code_after_the_exit_handlers_ran():
     """`autotune` (cli.run) skips the interpreter's teardown but not what a normal exit does: the
     exit handlers run (here one registered by the caller), output is flushed, the code is main's."""
-    script = ("import atexit, sys; from autotune import cli; "
+    script = ("import atexit, sys; from autotune.drivers import cli; "
               "atexit.register(lambda: print('exit handler ran')); "
               "sys.argv = ['autotune', *sys.argv[1:]]; cli.run()")
     ok = subprocess.run([sys.executable, "-c", script, "--help"], capture_output=True, text=True, timeout=120)
@@ -633,7 +633,7 @@ def test_float8_without_torchao_is_one_line_before_anything_is_traced():
         pytest.skip("torchao is installed in this environment: nothing to refuse")
     problem = ["--model", "micro-llama", "--gpus", "2", "--gpu-type", "h100-80gb", "--float8", "tensorwise"]
     # Refused before the model is built: the process never imported transformers.
-    script = ("import sys; from autotune.cli import main; code = main(sys.argv[1:]); "
+    script = ("import sys; from autotune.drivers.cli import main; code = main(sys.argv[1:]); "
               "print('transformers' in sys.modules); sys.exit(code)")
     for argv in (["trial", *problem, "--backend", "sim"], [*problem, "--global-tokens", "4096", "--backend", "sim"]):
         proc = subprocess.run([sys.executable, "-c", script, *argv], env=env, capture_output=True, text=True,
@@ -652,7 +652,7 @@ def test_qlora_without_bitsandbytes_is_one_line():
     stops with one line naming the extra, exit 2, before anything is built."""
     script = ("import importlib.util, sys; find = importlib.util.find_spec; "
               "importlib.util.find_spec = lambda name, *a: None if name == 'bitsandbytes' else find(name, *a); "
-              "from autotune import cli; sys.argv = ['autotune', *sys.argv[1:]]; cli.run()")
+              "from autotune.drivers import cli; sys.argv = ['autotune', *sys.argv[1:]]; cli.run()")
     proc = subprocess.run([sys.executable, "-c", script, "trial", "--model", "micro-llama", "--gpus", "2",
                            "--peft", "qlora", "--backend", "sim"], env={**os.environ, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -665,8 +665,8 @@ def test_qlora_without_bitsandbytes_is_one_line():
 def test_the_catalog_lists_each_entry_with_its_figures_and_source_in_80_columns(command, capsys):
     """`autotune models` and `autotune gpus`: one table row per catalog entry with its key figures,
     then each entry's source, every line within 80 columns; --json gives every field for machines."""
-    from autotune.catalog.gpus import GPUS
-    from autotune.catalog.models import MODELS
+    from autotune.problem.catalog.gpus import GPUS
+    from autotune.problem.catalog.models import MODELS
 
     catalog = MODELS if command == "models" else GPUS
     assert main([command]) == EXIT_OK

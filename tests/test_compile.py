@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from autotune import costmodel
-from autotune.catalog.models import resolve_model
-from autotune.config import Cluster, TrainConfig, TrialSpec
-from autotune.export import export_result
+from autotune.estimate import costmodel
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
+from autotune.results.export import export_result
 from tests.shared_runs import register
 from tests.test_sim_accuracy import predict_cpu_runs
 
@@ -99,7 +99,7 @@ def test_tune_explores_compiled_candidates_and_best_json_compares_them(tmp_path)
     """--compile explore: the graph walks eager, then its fastest fitting configurations are tried
     with compiled blocks; best.json shows both, and the compiled throughput says it is estimated from the
     configuration's own step, not a measurement."""
-    from autotune.cli import main
+    from autotune.drivers.cli import main
 
     runs = tmp_path / "runs"
     assert main(["--model", "tiny-llama", "--gpus", "2", "--global-tokens", "64K", "--backend", "analytic",
@@ -114,7 +114,7 @@ def test_tune_explores_compiled_candidates_and_best_json_compares_them(tmp_path)
     # The closed form keeps eager's memory, so the compiled configuration is the eager one at its estimated
     # compiled/eager ratio (the same step with the blocks' memory-bound ops fused): it wins, and best.json says on
     # what basis. tiny-llama is narrow, so its memory-bound share, and the gain, are larger than the 8B-70B
-    # published pairs' (1.11-1.28x, autotune.constants.published_compile_ratios): no published ratio bounds it.
+    # published pairs' (1.11-1.28x, autotune.drivers.constants.published_compile_ratios): no published ratio bounds it.
     assert side_by_side["compiled_over_eager"] > 1.0
     assert "estimated x" in side_by_side["compiled"]["speedup_basis"]
     assert result["compile"] == dict(result["compile"], mode="blocks", backend="inductor")
@@ -122,8 +122,8 @@ def test_tune_explores_compiled_candidates_and_best_json_compares_them(tmp_path)
 
 
 def test_the_tune_flag_overrides_the_search_space_and_is_checked():
-    from autotune.errors import UsageError
-    from autotune.options import tune_options
+    from autotune.util.errors import UsageError
+    from autotune.problem.options import tune_options
 
     assert tune_options(model="tiny-llama", compile="blocks").compile == "blocks"
     with pytest.raises(UsageError, match="--compile"):
@@ -157,7 +157,7 @@ def test_a_host_bound_compiled_step_is_costed_by_its_kernel_launches_not_the_pub
 @pytest.fixture(scope="module")
 def compiled_result(tmp_path_factory) -> dict:
     """best.json of an analytic run, with compiled blocks as the winner's knob."""
-    from autotune.cli import main
+    from autotune.drivers.cli import main
 
     runs = tmp_path_factory.mktemp("runs")
     assert main(["--model", "tiny-llama", "--gpus", "2", "--global-tokens", "64K", "--backend", "analytic",
@@ -182,8 +182,8 @@ def test_on_a_calibrated_gpu_profile_compiled_blocks_cost_the_eager_twins_memory
     calibrated profile of that machine) it had costed compiled bf16 blocks below eager's rate, 8.6-12.6%
     under the measured tokens/s of llama3.2-1b and mistral-7b (the rows that showed it: not held out)."""
     from autotune.backends.sim import SimBackend
-    from autotune.catalog.gpus import GPUS
-    from autotune.hardware import load_profile
+    from autotune.problem.catalog.gpus import GPUS
+    from autotune.estimate.hardware import load_profile
 
     profile = load_profile(str(Path(__file__).resolve().parents[1] / "benchmarks" / "results" /
                                "h200_calibrated_llama3.2-1b_float8.json"))
@@ -255,10 +255,10 @@ def test_stacks_without_a_compile_switch_say_so(compiled_result):
 
 def test_compiled_memory_moves_the_way_the_published_pairs_say():
     """Compile's memory direction: of the published compiled/eager pairs, torchtitan's two state memory (Llama 3.1 8B,
-    selective op checkpointing: 82.4 -> 77.0 GiB on 8 H100s, 67.0 -> 62.0 on 128; autotune/data/published_runs.json),
+    selective op checkpointing: 82.4 -> 77.0 GiB on 8 H100s, 67.0 -> 62.0 on 128; autotune/estimate/data/published_runs.json),
     both lower compiled. The simulator's traced compiled peak of a Llama block under op-level checkpointing is lower
     than eager's too (the partitioner saves less; docs/COMPILE.md, "Validation")."""
-    from autotune import costmodel_fit
+    from autotune.drivers import costmodel_fit
     from autotune.backends.sim import SimBackend
 
     stated = [pair for pair in costmodel_fit.compile_pairs()

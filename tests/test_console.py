@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.console import Console as RealRichConsole
 
-from autotune.console import Console
+from autotune.results.console import Console
 
 # The README's main job (make run), on its embedded defaults.
 MAIN_JOB = ["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M"]
@@ -34,8 +34,8 @@ class _TwoWidths:
 
 
 def test_main_job_reads_at_80_columns_and_says_the_same_as_wide(tmp_path, monkeypatch, capsys):
-    from autotune import console as console_module
-    from autotune.cli import EXIT_OK, main
+    from autotune.results import console as console_module
+    from autotune.drivers.cli import EXIT_OK, main
 
     stdout: list[_TwoWidths] = []
 
@@ -74,7 +74,7 @@ def test_main_job_reads_at_80_columns_and_says_the_same_as_wide(tmp_path, monkey
 
 def _document(tmp_path: Path) -> dict:
     """A real result document: the micro model's tune on the analytic backend (seconds)."""
-    from autotune.api import tune
+    from autotune.drivers.api import tune
 
     return tune(model="micro-llama", gpus=2, global_tokens="4K", backend="analytic",
                 runs_dir=str(tmp_path / "runs"))
@@ -99,7 +99,7 @@ def test_an_offloaded_winner_says_how_much_of_its_step_is_the_hosts(tmp_path):
     """llama3.2-1b on 2 GPUs of 12 GiB fits only with CPU offload; at 64Ki tokens it accumulates 8
     micro-batches, and FSDP2 copies every later one's gradients back blocking. The winner's lines say
     how much of the estimated step that host work is, so a slow offloaded estimate explains itself."""
-    from autotune.api import tune
+    from autotune.drivers.api import tune
 
     document = tune(model="llama3.2-1b", gpus=2, global_tokens="64Ki", backend="analytic", seq_len=2048,
                     gpu_memory="12GiB", runs_dir=str(tmp_path / "runs"))
@@ -118,7 +118,7 @@ def test_an_offloaded_winner_says_how_much_of_its_step_is_the_hosts(tmp_path):
 def test_piped_progress_says_what_runs_how_long_and_what_is_left(monkeypatch, capsys):
     """No terminal: a start line for slow work and a heartbeat while it runs, on stderr; stdout
     (the summary, or --json's document) gets nothing from it. The library's quiet console says nothing."""
-    from autotune import console as console_module
+    from autotune.results import console as console_module
 
     monkeypatch.setattr(console_module._LiveWork, "HEARTBEAT_S", 0.2)
     for progress_lines in (True, False):
@@ -142,18 +142,18 @@ def test_piped_progress_says_what_runs_how_long_and_what_is_left(monkeypatch, ca
 
 
 def _train():
-    from autotune.config import TrainConfig
-    from autotune.knobs import Checkpointing
+    from autotune.problem.config import TrainConfig
+    from autotune.problem.knobs import Checkpointing
 
     return TrainConfig(micro_batch_size=2, activation_checkpointing=Checkpointing(mode="full"))
 
 
 # -- one trial, one line; why each lost; honest close calls; library noise in the log -------------------
 def _request(**fields):
-    from autotune.catalog.gpus import GPUS
-    from autotune.catalog.models import resolve_model
-    from autotune.config import Cluster
-    from autotune.records import TuneRequest
+    from autotune.problem.catalog.gpus import GPUS
+    from autotune.problem.catalog.models import resolve_model
+    from autotune.problem.config import Cluster
+    from autotune.search.records import TuneRequest
 
     return TuneRequest(model=resolve_model("llama-7b"), cluster=Cluster(num_gpus=8, gpu=GPUS["h100-80gb"]),
                        seq_len=4096, target_tokens=4_000_000, **fields)
@@ -163,9 +163,9 @@ def _step(number, request, *, micro_batch=2, tokens_per_sec=50_000.0, peak_gib=4
           message="", grad_accum=None, **knobs):
     """A Step as the controller records it, with an estimated throughput and a predicted peak."""
     from autotune.backends.base import Figure, TrialResult
-    from autotune.batch import GlobalBatch
-    from autotune.config import TrainConfig
-    from autotune.records import Step
+    from autotune.problem.batch import GlobalBatch
+    from autotune.problem.config import TrainConfig
+    from autotune.search.records import Step
 
     batch = request.global_batch(micro_batch)
     if grad_accum is not None:  # a global batch off the target (as a sampled trial can have)
@@ -198,7 +198,7 @@ def test_the_table_says_in_one_word_why_each_trial_that_ran_lost():
     """A fitting trial with more tokens/s whose global batch misses the target by 3.1% (beyond the 1%
     tolerance) lost on the batch; one over the headroom limit on memory; a fitting one on speed. The
     word is in the table, the sentence in records.why_lost (trials.csv, report.html)."""
-    from autotune.records import why_lost
+    from autotune.search.records import why_lost
 
     request = _request()
     winner = _step(1, request, micro_batch=2, tokens_per_sec=60_000)
@@ -220,7 +220,7 @@ def test_a_close_call_is_a_lead_within_what_two_estimates_can_be_off():
     """Two GPU estimates of one model on one cluster: a lead within costmodel.RANKING_ERROR is a close
     call, +11% is not; a float8 winner against a bf16 runner-up carries its float8 speed-up's worst
     shortfall too, so +11% is close there."""
-    from autotune.result import why_winner
+    from autotune.results.result import why_winner
 
     request = _request()
 
@@ -260,7 +260,7 @@ def test_library_warnings_and_log_records_go_to_the_run_log(tmp_path, capfd):
     import sys
     import warnings
 
-    from autotune.run_folder import LibraryOutput, RunLog
+    from autotune.results.run_folder import LibraryOutput, RunLog
 
     own = logging.getLogger("a_library_with_its_own_handler")
     own.propagate = False
@@ -288,7 +288,7 @@ def test_library_warnings_and_log_records_go_to_the_run_log(tmp_path, capfd):
 def test_an_analytic_tune_prints_each_trial_once_in_80_columns(tmp_path, capsys):
     """The whole console of a cheap tune: every line within 80 columns, each trial one table row (the
     trial numbers of best.json's decision path, each once), and the step's own lines only with --verbose."""
-    from autotune.cli import EXIT_OK, main
+    from autotune.drivers.cli import EXIT_OK, main
 
     argv = ["--model", "llama-7b", "--gpus", "8", "--global-tokens", "4M", "--backend", "analytic"]
     outputs = {}

@@ -16,10 +16,10 @@ import pytest
 import torch
 from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
 
-from autotune.catalog.models import resolve_model
-from autotune.config import Cluster, TrainConfig, TrialSpec
-from autotune.knobs import why_no_context_parallel
-from autotune.parallel.context import use_causal_sdpa
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
+from autotune.problem.knobs import why_no_context_parallel
+from autotune.distributed.parallel.context import use_causal_sdpa
 from tests.shared_runs import register
 from tests.test_sim_accuracy import assert_tensor_peaks_agree, predict_cpu_runs
 from tests.test_tensor_parallel import shrunk_or_catalog_model
@@ -73,10 +73,10 @@ def test_context_parallel_peak_matches_a_real_gloo_run(measured_and_predicted, i
 _SAME_NUMBERS = """
 import json, sys
 import torch, torch.distributed as dist
-from autotune.catalog.models import resolve_model
-from autotune.config import TrainConfig
-from autotune.parallel import ParallelDims, parallelize
-from autotune.training import build_model, micro_batch_loss, train_step
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import TrainConfig
+from autotune.distributed.parallel import ParallelDims, parallelize
+from autotune.distributed.training import build_model, micro_batch_loss, train_step
 
 rank, world = int(sys.argv[1]), 2
 dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=world)
@@ -158,8 +158,8 @@ def test_why_no_context_parallel():
 def test_parallelize_refuses_cp_for_a_step_whose_loss_it_does_not_split(step):
     """Their losses take the tokens whole (or their models build their own attention): refused before
     anything is built, not run without the ring."""
-    from autotune.errors import UsageError
-    from autotune.parallel import parallelize
+    from autotune.util.errors import UsageError
+    from autotune.distributed.parallel import parallelize
 
     with pytest.raises(UsageError, match=f"not '{step}'"):
         parallelize(None, None, TrainConfig(context_parallel=2), step=step)
@@ -178,7 +178,7 @@ def test_causal_sdpa_refuses_a_padding_mask():
 
 
 def test_a_cp_trial_through_the_cli(capsys):
-    from autotune.cli import main
+    from autotune.drivers.cli import main
 
     code = main(["trial", "--model", "tiny-llama", "--gpus", "2", "--seq-len", str(SEQ), "--cp", "2",
                  "--backend", "sim"])

@@ -9,12 +9,12 @@ from dataclasses import replace
 
 
 from autotune.backends.base import Figure, TrialBackend, TrialResult
-from autotune.catalog.gpus import GPUS
-from autotune.catalog.models import resolve_model
-from autotune.config import Cluster, TrainConfig
-from autotune.controller import Controller
-from autotune.records import TuneRequest
-from autotune.search_space import SearchSpace
+from autotune.problem.catalog.gpus import GPUS
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import Cluster, TrainConfig
+from autotune.search.controller import Controller
+from autotune.search.records import TuneRequest
+from autotune.search.space import SearchSpace
 
 GiB = 2**30
 
@@ -195,7 +195,7 @@ def test_predictor_prunes_and_real_winner_is_confirmed():
 def test_resume_reuses_finished_trials():
     backend = FormulaBackend()
     first = Controller(request_for(75), backend).tune()
-    from autotune.store import step_record
+    from autotune.search.store import step_record
 
     finished = {step_record(s)["key"]: {**step_record(s), "number": i} for i, s in enumerate(first.steps)}
     again_backend = FormulaBackend()

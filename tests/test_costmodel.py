@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from autotune import costmodel as cm
-from autotune import hardware
-from autotune.catalog.gpus import GPUS
-from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.estimate import costmodel as cm
+from autotune.estimate import hardware
+from autotune.problem.catalog.gpus import GPUS
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
 from tests.shared_runs import register
 
 H100 = GPUS["h100-80gb"]
@@ -50,8 +50,8 @@ def test_traced_matmul_flops_match_an_independent_count():
     from torch import nn
 
     from autotune.backends.sim import SimBackend
-    from autotune.catalog.models import resolve_model
-    from autotune.training import build_model
+    from autotune.problem.catalog.models import resolve_model
+    from autotune.distributed.training import build_model
 
     model = resolve_model("micro-llama")
     with torch.device("meta"):
@@ -83,8 +83,8 @@ def test_op_level_recompute_flops_match_the_trace_and_a_count_of_the_recomputed_
 
     from autotune.backends.analytic import step_work
     from autotune.backends.sim import SimBackend
-    from autotune.catalog.models import resolve_model
-    from autotune.training import build_model
+    from autotune.problem.catalog.models import resolve_model
+    from autotune.distributed.training import build_model
 
     model = resolve_model("micro-llama")
     with torch.device("meta"):
@@ -106,12 +106,12 @@ def test_op_level_recompute_flops_match_the_trace_and_a_count_of_the_recomputed_
 
 
 def test_published_runs_name_their_sources():
-    """The published runs are data (autotune/data/published_runs.json, shipped as package data):
+    """The published runs are data (autotune/estimate/data/published_runs.json, shipped as package data):
     every row cites a source table that says when, on what hardware and with what stack, where
     (url) and who published it."""
     import json
 
-    from autotune.costmodel_fit import PUBLISHED_RUNS_FILE, published_runs
+    from autotune.drivers.costmodel_fit import PUBLISHED_RUNS_FILE, published_runs
 
     data = json.loads(PUBLISHED_RUNS_FILE.read_text())
     assert {row["source"] for row in data["runs"] + data["excluded_runs"]} == set(data["sources"])
@@ -144,7 +144,7 @@ def test_published_runs_leave_one_source_out():
     989 TFLOP/s: 8.6%, 24.1%). The shipped constants are the fit on all rows. (Leave-one-row-out,
     weaker since a row's siblings stay in the fit, is `bench_costmodel.py --published --by-row`: one
     fit per row, too slow for a test.)"""
-    from autotune.costmodel_fit import published_runs
+    from autotune.drivers.costmodel_fit import published_runs
 
     rows = published_runs()
     scores = _bench().run_published_by_source()
@@ -175,7 +175,7 @@ def test_a_fit_whose_rows_never_ran_a_kernel_takes_its_published_bars():
     """costmodel.ATTENTION_KERNEL_SPEEDUP is fitted only where some row ran the kernel: constants fitted
     without llm-foundry (the leave-one-publisher-out check) cost its Triton rows at the FlashAttention-2
     paper's bars, and on a 32k-token sequence, mostly attention, the fitted speedup moves the estimate."""
-    from autotune.costmodel_fit import fit, published_estimate, published_runs
+    from autotune.drivers.costmodel_fit import fit, published_estimate, published_runs
 
     rows = published_runs()
     fitted = fit([r for r in rows if r.attention_kernel != "triton"])
@@ -205,7 +205,7 @@ def test_published_rows_on_other_parts_are_costed_at_the_peak_their_source_state
     are estimated on it, not on the catalog's 700 W SXM part; no other source states another part."""
     from dataclasses import replace
 
-    from autotune.costmodel_fit import published_estimate, published_runs, source_citation
+    from autotune.drivers.costmodel_fit import published_estimate, published_runs, source_citation
 
     rows = [r for r in published_runs() if r.peak_tflops]
     assert rows and all(r.gpu == "h100-80gb" and 835 <= r.peak_tflops <= 989 for r in rows)
@@ -219,7 +219,7 @@ def test_published_rows_on_other_parts_are_costed_at_the_peak_their_source_state
 def test_compiled_and_float8_rows_are_recorded_apart_from_the_eager_fit():
     """Rows with torch.compile or Float8 are kept (source, knobs, figure) but never fitted: the
     step-time model costs eager steps (docs/COMPILE.md)."""
-    from autotune.costmodel_fit import excluded_published_runs, published_runs
+    from autotune.drivers.costmodel_fit import excluded_published_runs, published_runs
 
     assert all(r.compile == "none" and not r.float8 and not r.excluded for r in published_runs())
     excluded = excluded_published_runs()
@@ -296,8 +296,8 @@ def test_the_mfu_reported_is_that_of_the_throughput_reported(offload):
     gradient copies stay in the compiled step (costmodel.host_offload_seconds)."""
     from autotune.backends.analytic import AnalyticBackend
     from autotune.backends.sim import SimBackend
-    from autotune.catalog.models import model_flops_per_token, resolve_model
-    from autotune.constants import published_compile_ratios
+    from autotune.problem.catalog.models import model_flops_per_token, resolve_model
+    from autotune.drivers.constants import published_compile_ratios
 
     model = resolve_model("llama3.2-1b")
     cluster = Cluster(num_gpus=8, gpu=GPUS["h100-80gb"])
@@ -322,7 +322,7 @@ def test_the_mfu_reported_is_that_of_the_throughput_reported(offload):
             assert 0 < host < step["seconds"] and 1.0 < ratio < (step["seconds"] - host) / (step["seconds"] / ratio - host)
             assert 1.0 < speedup < 1.10, type(backend).__name__
         else:
-            # Within the published compiled/eager pairs' range (autotune.constants), or 1 where host-bound.
+            # Within the published compiled/eager pairs' range (autotune.drivers.constants), or 1 where host-bound.
             published = published_compile_ratios()
             assert min(published) <= speedup <= max(published) or speedup == pytest.approx(1.0), speedup
 
@@ -354,7 +354,7 @@ def test_full_sharding_across_nodes_keeps_the_published_flat_scaling():
     4,800 tokens/s/GPU on 8, 16, 32 and 64 H100s (published, within 1%): full sharding across nodes
     was as fast as within one. A ring over whole nodes crosses them on every NIC of a node (NCCL runs
     a channel per NIC); at one NIC per GPU the estimates fell 17-21% from 8 to 16-64 GPUs."""
-    from autotune.costmodel_fit import published_estimate, published_runs
+    from autotune.drivers.costmodel_fit import published_estimate, published_runs
 
     rows = [r for r in published_runs() if r.model == "mpt-13b" and r.gpu == "h100-80gb"
             and r.micro_batch_size == 2 and r.activation_checkpointing == "none"]
@@ -388,7 +388,7 @@ def test_a_bad_profile_is_a_one_line_usage_error(tmp_path, content, message):
     path = tmp_path / "profile.json"
     path.write_text(content)
     # Refused before the model is built: the process never imported transformers.
-    script = ("import sys; from autotune.cli import main; code = main(sys.argv[1:]); "
+    script = ("import sys; from autotune.drivers.cli import main; code = main(sys.argv[1:]); "
               "print('transformers' in sys.modules); sys.exit(code)")
     proc = subprocess.run([sys.executable, "-c", script, "trial", "--model", "micro-llama", "--gpus", "2",
                            "--backend", "sim", "--hardware", str(path)], capture_output=True, text=True,
@@ -458,9 +458,9 @@ def test_calibrate_times_attention_in_the_layout_the_model_passes(monkeypatch):
     import torch
     import torch.nn.functional as F
 
-    from autotune import calibrate
-    from autotune.catalog.models import resolve_model
-    from autotune.training import build_model
+    from autotune.drivers import calibrate
+    from autotune.problem.catalog.models import resolve_model
+    from autotune.distributed.training import build_model
 
     seen = []
     sdpa = F.scaled_dot_product_attention
@@ -491,8 +491,8 @@ def test_calibration_pieces_the_cuda_path_uses_run_on_cpu(monkeypatch):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autotune import calibrate
-    from autotune.catalog.models import resolve_model
+    from autotune.drivers import calibrate
+    from autotune.problem.catalog.models import resolve_model
 
     model = resolve_model("micro-llama")
     compute = calibrate.bench_compute(model, device=torch.device("cpu"), dtype=torch.float32, seq_len=256,
@@ -523,7 +523,7 @@ def test_calibrate_counts_each_memory_ops_bytes_as_the_trace_counts_them(dtype):
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from autotune import calibrate
+    from autotune.drivers import calibrate
     from autotune.backends.sim._trace import _op_kind, _tensor_bytes
 
     class MemoryBytes(TorchDispatchMode):
@@ -552,8 +552,8 @@ def test_float8_gemm_benchmark_runs_on_cpu_and_names_its_figures(tmp_path):
     name alone (an H200 calibration once took a figure's name as its own)."""
     import torch
 
-    from autotune import calibrate
-    from autotune.catalog.models import resolve_model
+    from autotune.drivers import calibrate
+    from autotune.problem.catalog.models import resolve_model
 
     model = resolve_model("micro-llama")
     bench = calibrate.bench_float8_gemms(model, device=torch.device("cpu"), token_counts=(32, 64))
@@ -589,7 +589,7 @@ def test_float8_gemm_rate_assumed_against_a_real_h200():
     checked on (Llama 3 8B: hidden 4096, MLP 14336, as mistral-7b's) the assumed tensorwise rate must be within
     10% of every measured rate at 2,048 tokens and more; at the smaller models' shapes it over-states the rate
     (by up to 25%, docs/COMPILE.md), and float8 must still beat bf16 there by 1.3x, as the estimate says."""
-    from autotune import costmodel as cm
+    from autotune.estimate import costmodel as cm
 
     h200 = GPUS["h200-141gb"]
     assumed = h200.float8_tflops * cm.BF16_GEMM_FRACTION
@@ -638,7 +638,7 @@ def test_a_close_call_between_estimates_names_the_real_trials_that_decide(tmp_pa
     best = json.loads(Path(glob.glob(str(tmp_path / "runs" / "*" / "best.json"))[0]).read_text())
     assert best["throughput_source"] == "estimated" and "profile test-cpu" in best["throughput_basis"]
     why = best["why_winner"]
-    # The range is a CPU estimate's: it names the held-out rows it comes from (autotune.heldout), not a
+    # The range is a CPU estimate's: it names the held-out rows it comes from (autotune.estimate.heldout), not a
     # figure this test could rebuild from the value it checks.
     assert why["range_tokens_per_sec"] and "72 held-out rows" in best["tokens_per_sec_range_from"]
     assert "CPU grid" in best["tokens_per_sec_range_from"]
@@ -683,7 +683,7 @@ def test_calibrated_host_op_count_matches_the_trace_count(monkeypatch):
     taken a second apart on a shared 2-core machine inverted twice in CI (2026-11-26)."""
     # monkeypatch: a MASTER_PORT left in this process's environment would reach later tests'
     # launchers (Lightning takes it, and its rank 0 then fails to listen: address in use).
-    from autotune import calibrate
+    from autotune.drivers import calibrate
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(calibrate._free_port()))
@@ -733,7 +733,7 @@ def test_default_gpu_estimate_is_host_bound_where_real_h100_trials_were():
     rank the micro-batches as measured. The host figure is the median of calibrate's
     own measurements, not of these trials."""
     from autotune.backends.sim import SimBackend
-    from autotune.catalog.models import resolve_model
+    from autotune.problem.catalog.models import resolve_model
 
     recorded = json.loads((ROOT / "benchmarks" / "results" / "gpu_check_h100_qwen2.5-0.5b_seq1024_knobs.json")
                           .read_text())
@@ -748,7 +748,7 @@ def test_default_gpu_estimate_is_host_bound_where_real_h100_trials_were():
         real = measured[f"bf16 mb{mb}"]
         assert result.extras["step_time"]["host_bound"] and "host-bound" in figure.basis
         # Within 20% (13%, 16%, -1% on 2026-11-28). Not "inside the printed range": that range is now
-        # the quantile of these very trials' errors (autotune.heldout), so it would check itself.
+        # the quantile of these very trials' errors (autotune.estimate.heldout), so it would check itself.
         assert result.extras["tokens_per_sec_range"] and abs(figure.value / real - 1) <= 0.20, (mb, figure.value, real)
         estimates[mb] = figure.value
     assert sorted(estimates, key=estimates.get) == sorted(estimates, key=lambda mb: measured[f"bf16 mb{mb}"])
@@ -762,7 +762,7 @@ def test_fp32_steps_run_at_the_fp32_rate_real_h100s_measured():
     (it was the bf16 rate, 12x over, until the catalog had an fp32 peak), and the closed form's bf16/fp32
     throughput ratio for compute-bound steps within 25% of the measured GEMM ratio."""
     from autotune.backends.analytic import AnalyticBackend
-    from autotune.catalog.models import resolve_model
+    from autotune.problem.catalog.models import resolve_model
 
     measured = []
     for path in sorted((ROOT / "benchmarks" / "results").glob("*h100_*.json")):
@@ -794,7 +794,7 @@ def test_large_memory_ops_are_the_loss_over_the_vocabulary(cpu_sim):
     tiny-llama (hidden 256) only the vocabulary-wide logits are that large, so the bytes are
     activation-sized (exactly twice at twice the micro-batch) and hold at least the loss's
     log-softmax, forward (read + write, 2x the fp32 logits) and backward (3x)."""
-    from autotune.catalog.models import resolve_model
+    from autotune.problem.catalog.models import resolve_model
 
     model = resolve_model("tiny-llama")
     large = {}

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from autotune import costmodel
+from autotune.estimate import costmodel
 from autotune.backends.analytic import (AnalyticBackend, estimate_memory, model_shape, pipeline_parallel_work,
                                         pipeline_ranks, step_work)
-from autotune.catalog.gpus import GPUS
-from autotune.catalog.models import resolve_model
-from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.problem.catalog.gpus import GPUS
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
 
 schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 FORWARD, BACKWARD = schedules._ComputationType.FORWARD, schedules._ComputationType.FULL_BACKWARD
@@ -183,8 +183,8 @@ def test_stage_bounds_as_built():
     """The closed form's memory gives each rank the blocks the built pipeline gives it: parallel/pipeline.py's
     stages (knobs.split_stages) on the ranks its stages_of_rank assigns them to, interleaved or not."""
     from autotune.backends.analytic import _built_pipeline_ranks
-    from autotune.knobs import PIPELINE_VIRTUAL_STAGES, split_stages
-    from autotune.parallel.pipeline import stages_of_rank
+    from autotune.problem.knobs import PIPELINE_VIRTUAL_STAGES, split_stages
+    from autotune.distributed.parallel.pipeline import stages_of_rank
 
     for layers, pp, schedule in [(32, 4, "1F1B"), (80, 4, "Interleaved1F1B"), (28, 8, "GPipe"), (126, 8, "1F1B"),
                                  (126, 8, "Interleaved1F1B"), (8, 4, "Interleaved1F1B"), (16, 2, "1F1B")]:

@@ -16,16 +16,16 @@ import pytest
 import torch
 
 from autotune.backends.real._capacity import CapacityTracker
-from autotune.catalog.models import resolve_model
-from autotune.training import build_model
+from autotune.problem.catalog.models import resolve_model
+from autotune.distributed.training import build_model
 
 # In a process of its own: the kernels, once registered, stay for the process's life.
 _BF16_CHECK = textwrap.dedent("""
     import json, torch
     from torch.distributed._tools.mem_tracker import MemTracker
     from autotune.backends.real._cpu_bf16 import compute_bf16_kernels_in_fp32, native_bf16_matmul
-    from autotune.catalog.models import resolve_model
-    from autotune.training import build_model
+    from autotune.problem.catalog.models import resolve_model
+    from autotune.distributed.training import build_model
 
     torch.manual_seed(0)
     a, b = torch.randn(96, 160, dtype=torch.bfloat16), torch.randn(160, 48, dtype=torch.bfloat16)

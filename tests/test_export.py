@@ -20,9 +20,9 @@ import pytest
 import torch
 import yaml
 
-from autotune.catalog.models import resolve_model
-from autotune.errors import UsageError
-from autotune.export import DESCRIPTIONS, FORMATS, KNOBS, export_result, write_exports
+from autotune.problem.catalog.models import resolve_model
+from autotune.util.errors import UsageError
+from autotune.results.export import DESCRIPTIONS, FORMATS, KNOBS, export_result, write_exports
 from tests import float8_site
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_result(tmp_path_factory) -> dict:
     """best.json of a real (analytic) run of the CLI on the tiny model, eager: the exports' base case
     (compiled and float8 exports are checked on variants of it, tests/test_compile.py, test_float8.py)."""
-    from autotune.cli import main
+    from autotune.drivers.cli import main
 
     runs = tmp_path_factory.mktemp("runs")
     code = main(["--model", "tiny-llama", "--gpus", "2", "--global-tokens", "64K", "--backend", "analytic",
@@ -44,7 +44,7 @@ def run_result(tmp_path_factory) -> dict:
 
 def llama3_8b(result: dict) -> dict:
     """The run's result as if the tuned model had been llama3-8b (a model torchtitan has)."""
-    from autotune.catalog.models import MODELS
+    from autotune.problem.catalog.models import MODELS
 
     changed = copy.deepcopy(result)
     entry = MODELS["llama3-8b"]
@@ -57,7 +57,7 @@ def llama3_8b(result: dict) -> dict:
 def qwen3_30b_a3b(result: dict, *, expert_parallel: int) -> dict:
     """The run's result as if the tuned model had been qwen3-30b-a3b (a MoE model torchtitan has) on 8
     GPUs with `expert_parallel`."""
-    from autotune.catalog.models import MODELS
+    from autotune.problem.catalog.models import MODELS
 
     changed = copy.deepcopy(result)
     entry = MODELS["qwen3-30b-a3b"]
@@ -101,7 +101,7 @@ def test_every_format_accounts_for_every_knob_and_names_its_target(run_result):
 
 
 def test_all_means_every_format_but_those_on_request():
-    from autotune.api import parse_formats
+    from autotune.drivers.api import parse_formats
 
     assert parse_formats("all") == [f for f in FORMATS if f != "lightning-fsdp1"]
     assert "litgpt" in parse_formats("all")
@@ -116,7 +116,7 @@ def test_a_named_format_that_cannot_be_written_is_skipped_and_the_others_written
     """`--format TorchTitan,FSDP2` (any case) on a model torchtitan lacks: the fsdp2 script is
     written and torchtitan skipped with a warning, as `all` does; torchtitan alone writes nothing and
     exits 2 with the reason in one line."""
-    from autotune.cli import EXIT_OK, EXIT_USAGE, main
+    from autotune.drivers.cli import EXIT_OK, EXIT_USAGE, main
 
     best = tmp_path / "best.json"
     best.write_text(json.dumps(run_result))
@@ -131,7 +131,7 @@ def test_a_named_format_that_cannot_be_written_is_skipped_and_the_others_written
 
 def test_export_help_lists_every_format_with_one_line(run_result, capsys):
     """Each format on a line of its own, naming the file the format writes."""
-    from autotune.cli import main
+    from autotune.drivers.cli import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["export", "--help"])
@@ -607,7 +607,7 @@ def _run_to_completion(command: list[str], cwd: Path, *, timeout_s: float) -> st
 
 
 def _tiny_model() -> torch.nn.Module:
-    from autotune.training import build_model
+    from autotune.distributed.training import build_model
 
     with torch.device("meta"):
         return build_model(resolve_model("tiny-llama"))
@@ -710,8 +710,9 @@ def test_fp32_reduction_is_exact_where_the_stack_reduces_in_fp32(run_result):
 def test_fsdp2_script_imports_the_wrapping_and_step_that_trials_run(run_result, tmp_path):
     """The script holds the tuned values and its loop; parallelize(), the step and the sharded
     checkpoint loading are autotune's own functions, imported (not copies that could drift)."""
-    from autotune import hf_checkpoint, parallel, training
-    from autotune.config import TrainConfig
+    from autotune.results import hf_checkpoint
+    from autotune.distributed import parallel, training
+    from autotune.problem.config import TrainConfig
 
     path, _ = write(tmp_path, run_result, "fsdp2")
     module = runpy.run_path(str(path), run_name="fsdp2_export")
@@ -740,7 +741,7 @@ def test_fsdp2_script_trains_a_hf_checkpoint_and_saves_one_transformers_loads(ru
     every tensor moved by the two AdamW steps, and by no more than they can move it."""
     from transformers import AutoModelForCausalLM
 
-    from autotune.training import token_batches
+    from autotune.distributed.training import token_batches
 
     result = _micro_llama_result(run_result)  # every:2 checkpointing: wrapped blocks' names are the saved ones
     result["precision"] = "fp32"  # the loss then matches transformers' fp32 forward to rounding
@@ -864,7 +865,7 @@ def test_fsdp1_exports_keep_rope_buffers_in_fp32(run_result, tmp_path, fmt):
     RoPE's inv_freq must come out exactly as the unwrapped model has it."""
     from torch.distributed.fsdp._runtime_utils import _cast_buffers_to_dtype_and_device
 
-    from autotune.training import build_model
+    from autotune.distributed.training import build_model
 
     path, _ = write(tmp_path, run_result, fmt)
     module = runpy.run_path(str(path))
@@ -890,7 +891,7 @@ def test_every_k_checkpointing_reaches_transformers_exactly(run_result, tmp_path
     """every:K through transformers' own every_n_layers: the blocks it checkpoints are the tuned ones."""
     from transformers import TrainingArguments
 
-    from autotune.knobs import Checkpointing
+    from autotune.problem.knobs import Checkpointing
 
     config_class = TrainingArguments
     if fmt == "trl":
@@ -902,7 +903,7 @@ def test_every_k_checkpointing_reaches_transformers_exactly(run_result, tmp_path
     assert args.activation_checkpointing is True
     kwargs = dict(args.activation_checkpointing_kwargs)
     every = kwargs.pop("every_n_layers")
-    from autotune.training import build_model
+    from autotune.distributed.training import build_model
 
     with torch.device("meta"):
         model = build_model(resolve_model("tiny-llama"))
@@ -921,7 +922,7 @@ def test_every_export_pins_the_traced_optimizer(run_result, tmp_path):
     assert args.optim.value == "adamw_torch_fused"
     module = runpy.run_path(str(write(tmp_path, run_result, "fsdp1")[0]))
     assert torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))], **module["OPTIMIZER_KWARGS"]).defaults["fused"]
-    from autotune.export._torchtitan import overrides_of
+    from autotune.results.export._torchtitan import overrides_of
 
     args = overrides_of(write(tmp_path, llama3_8b(run_result), "torchtitan")[0].read_text())
     assert args[args.index("--optimizer.implementation") + 1] == "fused"
@@ -1010,7 +1011,7 @@ def _torchtitan_arguments(script: Path, *args: str) -> list[str]:
 def torchtitan_builds(run_result, tmp_path_factory) -> dict:
     """Each case's torchtitan export, parsed and built by torchtitan 0.3 in one process of its own
     environment (one interpreter start for every case): case -> (result, script, what was built)."""
-    from autotune.export._torchtitan import overrides_of
+    from autotune.results.export._torchtitan import overrides_of
 
     python = _torchtitan_python()
     exports = {}
@@ -1073,7 +1074,7 @@ def torchtitan_builds(run_result, tmp_path_factory) -> dict:
 def test_torchtitan_parses_the_export_and_builds_the_tuned_model(torchtitan_builds, ac, offload, reshard, group):
     """torchtitan 0.3's ConfigManager parses the exported command line; the model it names, built on
     the meta device, has the tuned model's blocks and parameter count; every tuned knob arrived."""
-    from autotune.catalog.models import resolve_model
+    from autotune.problem.catalog.models import resolve_model
 
     result, path, got = torchtitan_builds[(ac, offload, reshard, group)]
     assert (got["module"], got["flavor"]) == ("llama3", "8B")
@@ -1099,7 +1100,7 @@ def test_torchtitan_builds_the_tuned_moe_model_with_the_tuned_expert_parallel_de
     """qwen3-30b-a3b tuned with --ep 8: torchtitan 0.3 parses --parallelism.expert-parallel-degree 8 (with
     CUDA graphs off, which its parser requires of the all-to-all dispatcher) and builds its qwen3 30B-A3B,
     whose parameter count is transformers' count of the tuned shapes (30.5 B)."""
-    from autotune.catalog.models import resolve_model
+    from autotune.problem.catalog.models import resolve_model
 
     _, path, got = torchtitan_builds["moe-ep"]
     assert (got["module"], got["flavor"]) == ("qwen3", "30B-A3B")
@@ -1177,7 +1178,7 @@ def test_torchtitan_multi_node_script_needs_the_main_node_address(run_result, tm
 
 
 def test_torchtitan_is_refused_for_a_model_it_does_not_have(run_result):
-    from autotune.export._torchtitan import ExportRefused
+    from autotune.results.export._torchtitan import ExportRefused
 
     with pytest.raises(ExportRefused, match="no model with the shapes of tiny-llama"):
         export_result(run_result, "torchtitan")

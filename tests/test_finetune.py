@@ -17,9 +17,9 @@ import jsonschema
 import pytest
 import torch
 
-from autotune.catalog.models import resolve_model
-from autotune.config import Cluster, FineTuning, TrainConfig, TrialSpec
-from autotune.training import build_model, parameter_counts
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import Cluster, FineTuning, TrainConfig, TrialSpec
+from autotune.distributed.training import build_model, parameter_counts
 from tests.shared_runs import register
 from tests.test_sim_accuracy import assert_tensor_peaks_agree, predict_cpu_runs
 
@@ -163,7 +163,7 @@ def test_lora_counts_and_estimates_a_model_whose_layers_alternate(tmp_path):
     kind of layer: LoRA's counts are peft's own on the full-depth model, and the analytic backend
     estimates the LoRA trial."""
     from autotune.backends.analytic import AnalyticBackend
-    from autotune.catalog.shrink import shrunk_config
+    from autotune.problem.catalog.shrink import shrunk_config
 
     shrunk_config("gemma2", num_layers=4).save_pretrained(tmp_path / "gemma2")
     spec, lora = resolve_model(str(tmp_path / "gemma2")), FineTuning(peft="lora", rank=8)
@@ -181,7 +181,7 @@ def test_lora_on_fused_experts_trains_without_the_dropout_peft_refuses_there(tmp
     """tiny-mixtral's experts are fused parameters, which the default targets (all-linear) reach and
     peft adapts without dropout: the tune and the trial run with dropout 0 and say so, and peft
     builds the adapters they report; a dropout given there is a one-line usage error."""
-    from autotune.cli import EXIT_OK, EXIT_USAGE, main
+    from autotune.drivers.cli import EXIT_OK, EXIT_USAGE, main
 
     problem = ["--model", "tiny-mixtral", "--gpus", "2", "--seq-len", "128", "--backend", "analytic", "--peft", "lora"]
     out = tmp_path / "best.json"
@@ -203,7 +203,7 @@ def test_lora_on_fused_experts_trains_without_the_dropout_peft_refuses_there(tmp
 def test_a_lora_tune_records_what_trained(tmp_path):
     """The main job with --peft lora: best.json says what trained (valid against the schema), the
     study is not the full fine-tune's, and the winner's trial command asks for the same LoRA."""
-    from autotune.cli import EXIT_OK, main
+    from autotune.drivers.cli import EXIT_OK, main
 
     schema = json.loads((ROOT / "schemas" / "result.schema.json").read_text())
     runs = tmp_path / "runs"
@@ -230,10 +230,10 @@ def test_activation_offload_moves_what_forward_saves(ac):
     backward, counted here by a hook of the test's own (parameters and tensors under 1 KiB stay,
     torchtune's rule); and the device's predicted peak falls."""
     from autotune.backends.sim import SimBackend
-    from autotune.knobs import Checkpointing
-    from autotune.catalog.blocks import find_decoder_blocks
-    from autotune.parallel import apply_ac
-    from autotune.training import token_batches
+    from autotune.problem.knobs import Checkpointing
+    from autotune.problem.catalog.blocks import find_decoder_blocks
+    from autotune.distributed.parallel import apply_ac
+    from autotune.distributed.training import token_batches
 
     model = resolve_model("tiny-llama")
     results = {}
@@ -282,11 +282,11 @@ def test_reduce_scatter_volume_is_what_fsdp2_reduces(peft):
     gradients only, a full fine-tune every parameter's (FSDP2 pads each to the world size: <1%)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from autotune import costmodel
+    from autotune.estimate import costmodel
     from autotune.backends.analytic import trainable_split
     from autotune.backends.sim._fakepg import fake_mesh, release_fake_group
-    from autotune.parallel import ParallelDims, parallelize
-    from autotune.training import make_optimizer, token_batches, train_step
+    from autotune.distributed.parallel import ParallelDims, parallelize
+    from autotune.distributed.training import make_optimizer, token_batches, train_step
 
     class ReduceScatterBytes(TorchDispatchMode):
         total = 0

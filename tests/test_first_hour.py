@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from autotune.cli import EXIT_OK, EXIT_USAGE, main
-from autotune.export import export_result
+from autotune.drivers.cli import EXIT_OK, EXIT_USAGE, main
+from autotune.results.export import export_result
 
 
 def run(*line: str) -> tuple[int, str, str]:

@@ -22,10 +22,10 @@ from tests import float8_site
 float8_site.add_to_path()  # torchao beside the venv (tests/float8_site.py): this process only
 pytest.importorskip("torchao.float8", reason="the float8 extra (torchao) is not installed: make test installs it in .float8-site")
 
-from autotune import costmodel  # noqa: E402
-from autotune.catalog.models import resolve_model  # noqa: E402
-from autotune.config import Cluster, TrainConfig, TrialSpec  # noqa: E402
-from autotune.export import export_result  # noqa: E402
+from autotune.estimate import costmodel  # noqa: E402
+from autotune.problem.catalog.models import resolve_model  # noqa: E402
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec  # noqa: E402
+from autotune.results.export import export_result  # noqa: E402
 from tests.shared_runs import register  # noqa: E402
 from tests.test_sim_accuracy import predict_cpu_runs  # noqa: E402
 
@@ -108,7 +108,7 @@ def test_eager_cast_bytes_are_what_torchaos_own_cast_moves():
 def test_float8_is_refused_on_gpus_without_it(tmp_path):
     """A100 has no float8 tensor cores: the knob is refused with one line and exit 2, on the trial and
     tune commands; `explore` is not an error there, the run says float8 was not explored."""
-    from autotune.cli import EXIT_USAGE
+    from autotune.drivers.cli import EXIT_USAGE
 
     def cli(*args):
         return subprocess.run([sys.executable, "-m", "autotune", *args], capture_output=True, text=True,
@@ -120,7 +120,7 @@ def test_float8_is_refused_on_gpus_without_it(tmp_path):
         assert proc.returncode == EXIT_USAGE, proc.stderr
         errors = [line for line in proc.stderr.splitlines() if "float8" in line]
         assert len(errors) == 1 and "no float8 tensor cores" in errors[0]
-    from autotune.cli import main
+    from autotune.drivers.cli import main
 
     runs = tmp_path / "explore"
     assert main(["--model", "tiny-llama", "--gpus", "2", "--gpu-type", "a100-80gb", "--global-tokens", "64K",
@@ -135,7 +135,7 @@ def test_float8_is_refused_on_gpus_without_it(tmp_path):
 @pytest.fixture(scope="module")
 def explored(tmp_path_factory) -> dict:
     """best.json of an analytic --compile explore --float8 explore run on an H100 pair."""
-    from autotune.cli import main
+    from autotune.drivers.cli import main
 
     runs = tmp_path_factory.mktemp("runs")
     assert main(["--model", "tiny-llama", "--gpus", "2", "--global-tokens", "64K", "--backend", "analytic",
@@ -202,7 +202,7 @@ def test_float8_ratios_against_published_and_measured_rows():
     from pathlib import Path
 
     from autotune.backends.sim import SimBackend
-    from autotune.catalog.gpus import GPUS
+    from autotune.problem.catalog.gpus import GPUS
 
     assert "llama3.2-1b" not in {model for model, *_ in costmodel.FLOAT8_ONE_GPU_MEASURED}
     report = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results" /
@@ -244,8 +244,8 @@ def test_a_calibrated_profile_costs_each_recipes_gemms_at_its_measured_rate():
     from pathlib import Path
 
     from autotune.backends.sim import SimBackend
-    from autotune.catalog.gpus import GPUS
-    from autotune.hardware import load_profile
+    from autotune.problem.catalog.gpus import GPUS
+    from autotune.estimate.hardware import load_profile
 
     profile = load_profile(str(Path(__file__).resolve().parents[1] / "benchmarks" / "results" /
                                "h200_calibrated_llama3.2-1b_float8.json"))

@@ -14,8 +14,8 @@ import torch
 from autotune.backends.sim import SimBackend
 from autotune.backends.sim._gpu_kernels import (CUDNN, EFFICIENT, FLASH, MATH, SdpaCall, attention_note,
                                                 cudnn_first, gpu_sm, sdpa_as_on_a_gpu, select_cuda_backend)
-from autotune.catalog.models import resolve_model
-from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
 
 H100, A100, L40S, V100 = (9, 0), (8, 0), (8, 9), (7, 0)
 

@@ -17,11 +17,11 @@ import torch
 import yaml
 
 from autotune.backends.sim import SimBackend
-from autotune.catalog.models import resolve_model
-from autotune.cli import EXIT_USAGE, main
-from autotune.config import Cluster, TrainConfig, TrialSpec, Workload
-from autotune.records import TuneRequest
-from autotune.export import export_result
+from autotune.problem.catalog.models import resolve_model
+from autotune.drivers.cli import EXIT_USAGE, main
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec, Workload
+from autotune.search.records import TuneRequest
+from autotune.results.export import export_result
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "schemas" / "result.schema.json").read_text())
@@ -225,8 +225,8 @@ def test_grpo_every_k_uses_fsdps_checkpointing_because_trl_drops_every_n_layers(
     Trainer sets it up; the export therefore uses FSDP's checkpointing of every block (which TRL
     does not touch) and says why, instead of the model-level route the SFT export takes."""
     trl_utils = pytest.importorskip("trl.models.utils", reason="trl is not installed")
-    from autotune.knobs import Checkpointing
-    from autotune.training import build_model
+    from autotune.problem.knobs import Checkpointing
+    from autotune.distributed.training import build_model
 
     result = copy.deepcopy(grpo_result)
     result["fsdp"]["activation_checkpointing"] = "every:2"
@@ -265,8 +265,8 @@ def test_kv_bytes_per_token_is_what_the_models_own_cache_holds():
     is not hidden/heads (llama3-8b's 8 KV heads of 128 on a narrow hidden size), in bf16 as vLLM keeps it."""
     from transformers import AutoModelForCausalLM
 
-    from autotune.catalog.models import ModelSpec
-    from autotune.vllm_share import kv_bytes_per_token
+    from autotune.problem.catalog.models import ModelSpec
+    from autotune.estimate.vllm_share import kv_bytes_per_token
 
     base = resolve_model("micro-llama")
     config = {**base.config_dict, "hidden_size": 64, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -284,14 +284,14 @@ def test_kv_bytes_per_token_is_what_the_models_own_cache_holds():
 
 
 def test_vllms_weights_are_the_whole_model_in_bf16():
-    need = __import__("autotune.vllm_share", fromlist=["vllm_need"]).vllm_need(
+    need = __import__("autotune.estimate.vllm_share", fromlist=["vllm_need"]).vllm_need(
         resolve_model("tiny-llama"), seq_len=256, sequences=4)
     assert need.weights_bytes == sum(_full_parameter_bytes("tiny-llama")) // 2  # fp32 bytes / 2
     assert need.to_dict()["source"] == "estimated"
 
 
 def test_unfixed_share_is_the_smallest_that_holds_the_need_and_the_trl_export_writes_it(tmp_path):
-    from autotune.units import parse_bytes
+    from autotune.util.units import parse_bytes
 
     result = _tune(tmp_path, "--model", "micro-llama", "--gpus", "2", "--global-tokens", "16Ki", "--backend",
                    "analytic", "--workload", "grpo", "--gpu-memory", "8GiB", "--seq-len", "512",
@@ -317,7 +317,7 @@ def test_unfixed_share_is_the_smallest_that_holds_the_need_and_the_trl_export_wr
 
 
 def test_user_num_generations_is_exported_or_refused(grpo_result):
-    from autotune.export import ExportRefused
+    from autotune.results.export import ExportRefused
 
     result = copy.deepcopy(grpo_result)
     batch = result["micro_batch_size"] * result["gpus"] * result["grad_accum_steps"]

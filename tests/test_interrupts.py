@@ -1,4 +1,4 @@
-"""Signals become exceptions only where unwinding is safe (autotune/interrupts.py). The signals
+"""Signals become exceptions only where unwinding is safe (autotune/util/interrupts.py). The signals
 here are real (os.kill of this process), delivered while torch is calling back into Python."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import traceback
 import pytest
 import torch.utils._pytree as pytree
 
-from autotune.interrupts import raised_where_safe
+from autotune.util.interrupts import raised_where_safe
 
 
 class Stop(KeyboardInterrupt):

@@ -8,12 +8,13 @@ import json
 
 import pytest
 
-from autotune import cache, knobs
+from autotune.util import cache
+from autotune.problem import knobs
 from autotune.backends.sim import SimBackend
-from autotune.catalog.models import resolve_model
-from autotune.cli import EXIT_OK, EXIT_USAGE, main
-from autotune.config import Cluster, TrainConfig, TrialSpec
-from autotune.knobs import Checkpointing
+from autotune.problem.catalog.models import resolve_model
+from autotune.drivers.cli import EXIT_OK, EXIT_USAGE, main
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
+from autotune.problem.knobs import Checkpointing
 
 TINY = ["--model", "tiny-llama", "--gpus", "4", "--global-tokens", "64K"]
 MODEL_FOR = {"shard_placement": "tiny-mixtral", "expert_parallel": "tiny-mixtral"}
@@ -89,7 +90,7 @@ def test_a_result_from_before_the_new_knobs_loads(tmp_path, capsys):
     train = TrainConfig.from_result(document)
     assert train.shard_group_size == 0 and train.optimizer_impl == "for-loop"  # what such runs ran
     assert train.activation_checkpointing == Checkpointing(mode="every", every=2)
-    from autotune.export import export_result
+    from autotune.results.export import export_result
 
     assert "HSDP" not in "".join(export_result(document, "fsdp2").warnings)
 
@@ -108,7 +109,7 @@ def test_bad_knob_values_are_one_line_usage_errors(argv, message, capsys):
 def test_study_parameters_keep_their_value_spaces_and_old_trials_match():
     """A study refuses a parameter whose distribution changes; resuming matches trials recorded
     before the new knobs existed (their identity has no shard_group_size)."""
-    from autotune.records import config_key
+    from autotune.search.records import config_key
 
     params, distributions = knobs.optuna_params(TrainConfig(activation_checkpointing="op:mm").knob_values())
     assert params["checkpoint_op_policy"] == "mm" and params["checkpoint_every"] == 0
@@ -125,7 +126,7 @@ def test_study_parameters_keep_their_value_spaces_and_old_trials_match():
 
 
 def test_the_sampled_domains_follow_the_problem():
-    from autotune.knobs import Checkpointing, SampleContext, sample_domains
+    from autotune.problem.knobs import Checkpointing, SampleContext, sample_domains
 
     # 4 layers: every:2 -> blocks {0, 2}, every:3 -> {0, 3}, every:4 and beyond -> {0}: three distinct.
     domains = sample_domains(SampleContext(precision="bf16", micro_batches=(1, 2, 4), num_layers=4,

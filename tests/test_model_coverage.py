@@ -18,10 +18,10 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from autotune.catalog.models import canonical_config, resolve_model
-from autotune.catalog.shrink import shrunk_config
-from autotune.cli import EXIT_USAGE, main
-from autotune.errors import UsageError
+from autotune.problem.catalog.models import canonical_config, resolve_model
+from autotune.problem.catalog.shrink import shrunk_config
+from autotune.drivers.cli import EXIT_USAGE, main
+from autotune.util.errors import UsageError
 
 # family -> (config class, fields as the family spells them). Tiny, transformers-written configs.
 SPELLED_THEIR_OWN_WAY = {
@@ -157,9 +157,9 @@ def test_inits_that_copy_whole_tensors_initialise_each_fsdp2_shard_as_transforme
     process group, real tensors) holds the first half of that parameter, value for value."""
     from autotune.backends.real._trial import init_weights
     from autotune.backends.sim._fakepg import fake_mesh, release_fake_group
-    from autotune.config import TrainConfig
-    from autotune.parallel import ParallelDims, parallelize
-    from autotune.training import build_model
+    from autotune.problem.config import TrainConfig
+    from autotune.distributed.parallel import ParallelDims, parallelize
+    from autotune.distributed.training import build_model
 
     shrunk_config(family, num_layers=2).save_pretrained(tmp_path / family)
     model = resolve_model(str(tmp_path / family))

@@ -15,8 +15,8 @@ import pytest
 import transformers
 
 from autotune.backends.sim import SimBackend
-from autotune.catalog.models import resolve_model
-from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
 from tests.shared_runs import register
 
 SEQ_LEN = 64
@@ -221,8 +221,8 @@ def test_moe_memory_per_gpu_falls_as_gpus_are_added(tmp_path, family):
     dimension 0 exactly from 8 GPUs on (more GPUs than experts, counted from the config), and the
     simulator's per-GPU tensor peak falls with every doubling; FSDP2's default placement, traced
     beside it on 8 and 16 GPUs, holds more (its experts are padding on most ranks)."""
-    from autotune.controller import Controller
-    from autotune.records import TuneRequest
+    from autotune.search.controller import Controller
+    from autotune.search.records import TuneRequest
 
     class_name, fields = FAMILIES[family]
     if _config_class(class_name) is None:

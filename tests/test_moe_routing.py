@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from autotune.catalog.models import resolve_model
+from autotune.problem.catalog.models import resolve_model
 
 
 def _step_peak_and_load(skewed: bool) -> tuple[int, list[int]]:
@@ -66,7 +66,7 @@ def test_the_trace_counts_the_experts_matmul_flops():
     import dataclasses
 
     from autotune.backends.sim import SimBackend
-    from autotune.config import Cluster, TrainConfig, TrialSpec
+    from autotune.problem.config import Cluster, TrainConfig, TrialSpec
 
     top1 = resolve_model("tiny-mixtral")
     top2 = dataclasses.replace(top1, name="tiny-mixtral-top2", config_dict={**top1.config_dict, "num_experts_per_tok": 2})

@@ -16,9 +16,9 @@ import pytest
 
 from autotune.backends.real import FAULT_ENV, RealBackend
 from autotune.backends.real._launcher import NODE_NAME_ENV
-from autotune.catalog.models import resolve_model
-from autotune.cli import main
-from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.problem.catalog.models import resolve_model
+from autotune.drivers.cli import main
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
 from tests.test_real import leftover_trial_processes
 
 pytestmark = pytest.mark.slow

@@ -19,10 +19,10 @@ import sys
 import pytest
 import torch
 
-from autotune.config import Cluster, TrainConfig, TrialSpec
-from autotune.errors import UsageError
-from autotune.parallel import ParallelDims, split_stages
-from autotune.parallel.pipeline import stages_of_rank
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
+from autotune.util.errors import UsageError
+from autotune.distributed.parallel import ParallelDims, split_stages
+from autotune.distributed.parallel.pipeline import stages_of_rank
 from tests.shared_runs import register
 from tests.test_sim_accuracy import assert_tensor_peaks_agree, predict_cpu_runs
 from tests.test_tensor_parallel import shrunk_or_catalog_model
@@ -97,10 +97,10 @@ def test_pipeline_peak_matches_a_real_gloo_run(measured_and_predicted, index):
 _SAME_NUMBERS = """
 import json, sys
 import torch, torch.distributed as dist
-from autotune.catalog.models import resolve_model
-from autotune.config import TrainConfig
-from autotune.parallel import ParallelDims, parallelize
-from autotune.training import build_model, micro_batch_loss, train_step
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import TrainConfig
+from autotune.distributed.parallel import ParallelDims, parallelize
+from autotune.distributed.training import build_model, micro_batch_loss, train_step
 
 rank, world, tp = int(sys.argv[1]), int(sys.argv[3]), int(sys.argv[4])
 dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=world)
@@ -236,7 +236,7 @@ def test_parallel_dims_put_tensor_parallelism_innermost_under_a_pipeline():
 
 def test_a_pipeline_with_tensor_parallelism_needs_a_sequence_its_tp_ranks_split_evenly():
     """The stages pass each tp rank's sequence shard, declared up front: equal shards only."""
-    from autotune.catalog.models import resolve_model
+    from autotune.problem.catalog.models import resolve_model
 
     def spec(seq: int) -> TrialSpec:
         return TrialSpec(model=resolve_model("tiny-llama"), cluster=Cluster(num_gpus=8), seq_len=seq,
@@ -252,7 +252,7 @@ def test_parallelize_refuses_a_model_the_stage_module_cannot_split():
     embeddings. Refused by name, before any mesh is read."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from autotune.parallel import parallelize
+    from autotune.distributed.parallel import parallelize
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, tie_word_embeddings=False))
     with pytest.raises(UsageError, match="--pp 2: .*'gpt2'"):
@@ -260,7 +260,7 @@ def test_parallelize_refuses_a_model_the_stage_module_cannot_split():
 
 
 def test_the_configuration_refuses_a_family_the_stage_module_cannot_split():
-    from autotune.catalog.models import resolve_model
+    from autotune.problem.catalog.models import resolve_model
 
     with pytest.raises(UsageError, match="cannot be split into pipeline stages: .*'gemma2'"):
         TrialSpec(model=resolve_model("gemma2-9b"), cluster=Cluster(num_gpus=2), seq_len=SEQ,
@@ -269,7 +269,7 @@ def test_the_configuration_refuses_a_family_the_stage_module_cannot_split():
 
 def test_fp16_is_refused_under_a_pipeline():
     """The schedule runs each micro-batch's backward itself: fp16's loss scaling would never be applied."""
-    from autotune.catalog.models import resolve_model
+    from autotune.problem.catalog.models import resolve_model
 
     with pytest.raises(UsageError, match="fp16"):
         TrialSpec(model=resolve_model("tiny-llama"), cluster=Cluster(num_gpus=2), seq_len=SEQ,
@@ -279,7 +279,7 @@ def test_fp16_is_refused_under_a_pipeline():
 def test_the_stage_module_refuses_a_tied_embedding():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from autotune.parallel import parallelize
+    from autotune.distributed.parallel import parallelize
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=4, tie_word_embeddings=True))

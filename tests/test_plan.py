@@ -7,7 +7,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from autotune.cli import EXIT_OK, EXIT_USAGE, main
+from autotune.drivers.cli import EXIT_OK, EXIT_USAGE, main
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAN_SCHEMA = json.loads((ROOT / "schemas" / "plan.schema.json").read_text())
@@ -136,7 +136,7 @@ def test_export_an_option(shared_plan, tmp_path):
 
 
 def test_console_table_reads_at_80_columns(shared_plan, capsys):
-    from autotune.console import Console
+    from autotune.results.console import Console
 
     plan, _, _ = shared_plan
     Console().plan_table(plan)
@@ -214,7 +214,7 @@ def test_seq_len_max_is_the_longest_that_fits(tmp_path, capsys):
     winner, and one step up the most memory-saving configuration the graph has (full checkpointing and
     CPU offload, micro-batch 1) does not fit by a fresh trace. With context parallelism in the search (the
     default), the answer is the model's whole 131,072 positions, each sequence split over a node's GPUs."""
-    from autotune.seqlen import global_tokens_at
+    from autotune.drivers.seqlen import global_tokens_at
 
     step = 8192
     out, fsdp_only = tmp_path / "best.json", tmp_path / "fsdp-only.toml"
@@ -332,10 +332,10 @@ def test_export_from_a_plan_needs_a_known_option(shared_plan, tmp_path, capsys):
 
 
 def _trace_spec(gpus: int, train, model: str = "llama3.2-1b", target_tokens: int = 4 * 2**20):
-    from autotune.api import resolve_problem
-    from autotune.options import TuneOptions
-    from autotune.records import TuneRequest
-    from autotune.search_space import load_space
+    from autotune.drivers.api import resolve_problem
+    from autotune.problem.options import TuneOptions
+    from autotune.search.records import TuneRequest
+    from autotune.search.space import load_space
 
     options = TuneOptions(model=model, gpus=gpus, nodes=max(1, gpus // 8), global_tokens="4Mi", gpu_type="h100-80gb")
     model_spec, cluster, seq_len, _ = resolve_problem(options)
@@ -374,7 +374,7 @@ def test_a_trace_derived_from_two_world_sizes_equals_a_fresh_trace(ac, micro, kn
     peaks at another occurrence at the third world size than at the first two (the largest of two
     affine functions is not affine: derived per occurrence)."""
     from autotune.backends.sim._backend import SimBackend
-    from autotune.config import TrainConfig
+    from autotune.problem.config import TrainConfig
 
     model = "llama3.2-1b"
     if config_json:
@@ -416,7 +416,7 @@ def test_a_trace_for_the_other_accumulation_equals_a_fresh_trace():
     accumulation at 8 and 16 GPUs give the trace without it at 16 GPUs (converted) and at 32
     (converted and derived): each is the fresh trace of a step without accumulation."""
     from autotune.backends.sim._backend import SimBackend
-    from autotune.config import TrainConfig
+    from autotune.problem.config import TrainConfig
 
     config = TrainConfig(activation_checkpointing="full", micro_batch_size=1)
 

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from autotune import knobs
-from autotune.cli import EXIT_OK, EXIT_USAGE, build_parser, main
+from autotune.problem import knobs
+from autotune.drivers.cli import EXIT_OK, EXIT_USAGE, build_parser, main
 from tests.problem_space import SPACE, argv, verdict
 
 ROOT = Path(__file__).resolve().parent.parent

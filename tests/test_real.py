@@ -12,9 +12,9 @@ import pytest
 from autotune.backends.real import FAULT_ENV, RealBackend, parse_faults
 from autotune.backends.real._backend import host_memory_available_bytes
 from autotune.backends.real._faults import Fault
-from autotune.catalog.models import resolve_model
-from autotune.config import Cluster, TrainConfig, TrialSpec
-from autotune.errors import UsageError
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
+from autotune.util.errors import UsageError
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from autotune.backends.real import RealBackend
-from autotune.catalog.models import resolve_model
-from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
 
 pytestmark = [
     pytest.mark.gpu,

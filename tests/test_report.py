@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune.report import render_report, write_report
+from autotune.results.report import render_report, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 SCREENSHOT = ROOT / "docs" / "report.png"
@@ -24,8 +24,8 @@ SCREENSHOT = ROOT / "docs" / "report.png"
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> tuple[Path, dict, list[dict]]:
     """A real (analytic) run whose 2.5 GiB GPUs force out-of-memory trials and checkpointing."""
-    from autotune.cli import main
-    from autotune.store import STUDY_DB, TrialStore
+    from autotune.drivers.cli import main
+    from autotune.search.store import STUDY_DB, TrialStore
 
     runs = tmp_path_factory.mktemp("runs")
     assert main(["--model", "tiny-llama", "--gpus", "2", "--global-tokens", "64K", "--backend", "analytic",
@@ -76,7 +76,7 @@ def test_write_report_replaces_the_file_atomically(run, tmp_path):
 
 
 def test_the_tuning_run_wrote_its_report_and_autotune_report_rebuilds_it(run):
-    from autotune.cli import main
+    from autotune.drivers.cli import main
 
     run_dir, _, _ = run
     written = (run_dir / "report.html").read_text()

@@ -16,10 +16,10 @@ import dataclasses
 
 import pytest
 
-from autotune.catalog.models import ModelSpec, resolve_model
-from autotune.config import Cluster, TrainConfig, TrialSpec
-from autotune.errors import UsageError
-from autotune.routing import BALANCED, RoutingSkew, parse_routing_skew
+from autotune.problem.catalog.models import ModelSpec, resolve_model
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
+from autotune.util.errors import UsageError
+from autotune.problem.routing import BALANCED, RoutingSkew, parse_routing_skew
 from tests.shared_runs import register
 
 SEQ_LEN = 128
@@ -86,7 +86,7 @@ def test_a_bad_histogram_and_a_dense_model_are_refused(tmp_path):
 
 
 def test_the_command_line_refuses_a_bad_skew_with_exit_2():
-    from autotune.cli import EXIT_USAGE, main
+    from autotune.drivers.cli import EXIT_USAGE, main
 
     assert main(["trial", "--model", "tiny-mixtral", "--gpus", "2", "--backend", "analytic",
                  "--routing-skew", "capacity:0"]) == EXIT_USAGE
@@ -94,7 +94,7 @@ def test_the_command_line_refuses_a_bad_skew_with_exit_2():
 
 def test_the_library_refuses_it_as_the_command_line_does(tmp_path, capsys):
     import autotune
-    from autotune.cli import EXIT_USAGE, main
+    from autotune.drivers.cli import EXIT_USAGE, main
 
     runs = tmp_path / "runs"
     with pytest.raises(UsageError) as raised:
@@ -165,7 +165,7 @@ def test_a_tune_names_the_assumption_and_the_binding_rank(tmp_path, capsys):
 
     import jsonschema
 
-    from autotune.cli import EXIT_OK, main
+    from autotune.drivers.cli import EXIT_OK, main
     from tests.test_cli import SCHEMA
 
     out = tmp_path / "best.json"

@@ -15,8 +15,8 @@ import torch
 from autotune.backends.real._launcher import cgroup_oom_kills
 from autotune.backends.real.worker import out_of_memory_kind
 from autotune.backends.sim._trace import _grouped_query_safe
-from autotune.catalog.gpus import GPUS
-from autotune.runtime_memory import (
+from autotune.problem.catalog.gpus import GPUS
+from autotune.estimate.runtime_memory import (
     RECOMMENDED_ALLOC_CONF, alloc_conf, cublas_workspace_bytes, expandable_segments, runtime_memory,
 )
 
@@ -67,7 +67,7 @@ def test_runtime_terms_against_recorded_calibrations():
     loads lazily (150 MiB on MEASURED_ON: cuBLAS 68, the rest 82), so the shipped term lies 100-200 MiB
     above it; one communicator's base within 5%; the cuBLAS workspace per stream exactly. The channel
     buffers of more ranks are extrapolated (no calibration measured world size >= 2) and the basis says so."""
-    from autotune import runtime_memory as rm
+    from autotune.estimate import runtime_memory as rm
 
     recorded = [json.loads(path.read_text())["figures"]
                 for path in sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "results").glob("*.json"))

@@ -10,9 +10,9 @@ from torch import nn
 
 from autotune.backends.base import MEMORY_CATEGORIES
 from autotune.backends.sim import SimBackend, shallow_depths
-from autotune.catalog.models import resolve_model
-from autotune.config import Cluster, TrainConfig, TrialSpec
-from autotune.errors import TrialError, UnsupportedModelError
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
+from autotune.util.errors import TrialError, UnsupportedModelError
 
 GiB = 2**30
 
@@ -218,7 +218,7 @@ def test_far_over_the_limit_is_screened_by_the_closed_form_not_traced():
     assert traced.status == "oom" and traced.peak_memory.source == "predicted"
     # The peak shown is the one compared with the limit: the CPU run's tensor peak (no GPU runtime
     # memory), within the closed form's tolerance of the trace's.
-    from autotune.units import format_bytes
+    from autotune.util.units import format_bytes
 
     assert f"estimated {format_bytes(screened.peak_bytes)} per GPU" in screened.message
     assert screened.peak_bytes == pytest.approx(traced.peak_bytes, rel=0.35)
@@ -334,9 +334,9 @@ def test_the_warm_up_without_a_step_leaves_what_a_real_first_step_leaves(monkeyp
     # first training step.
     from autotune.backends.sim import Tracer, fake_mesh
     from autotune.backends.sim import _trace
-    from autotune.catalog.shrink import shrunk_config
-    from autotune.parallel import ParallelDims
-    from autotune.training import token_batches, train_step
+    from autotune.problem.catalog.shrink import shrunk_config
+    from autotune.distributed.parallel import ParallelDims
+    from autotune.distributed.training import token_batches, train_step
 
     if not model.startswith("tiny-"):  # a transformers family's default config, shrunk (docs/MODEL_COVERAGE.md)
         shrunk_config(model, num_layers=3).save_pretrained(tmp_path / model)

@@ -15,8 +15,8 @@ import pytest
 
 from autotune.backends.real import RealBackend
 from autotune.backends.sim import SimBackend
-from autotune.catalog.models import ModelSpec, resolve_model
-from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.problem.catalog.models import ModelSpec, resolve_model
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
 from tests.shared_runs import register
 
 pytestmark = pytest.mark.slow

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.catalog.models import ModelSpec, resolve_model
-from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.problem.catalog.models import ModelSpec, resolve_model
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
 from tests.test_sim_accuracy import assert_tensor_peaks_agree, measure_and_predict
 
 pytestmark = pytest.mark.slow

@@ -16,8 +16,8 @@ import dataclasses
 
 import pytest
 
-from autotune.catalog.models import resolve_model
-from autotune.config import Cluster, TrainConfig, TrialSpec
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
 from tests.shared_runs import register
 from tests.test_sim_accuracy import assert_tensor_peaks_agree, predict_cpu_runs
 
@@ -68,7 +68,7 @@ def _peak_of(step, model) -> int:
 
 
 def _our_step_peak(step: str, tokens) -> int:
-    from autotune.training import build_model, micro_batch_loss, prepare_step
+    from autotune.distributed.training import build_model, micro_batch_loss, prepare_step
 
     model = build_model(resolve_model("tiny-llama"), num_layers=1, precision="bf16", step=step)
     prepare_step(model, step=step, precision="bf16", device_type="cpu")
@@ -78,7 +78,7 @@ def _our_step_peak(step: str, tokens) -> int:
 @pytest.fixture(scope="module")
 def tokens():
     from autotune.backends.real._cpu_bf16 import compute_bf16_kernels_in_fp32
-    from autotune.training import token_batches
+    from autotune.distributed.training import token_batches
 
     compute_bf16_kernels_in_fp32()  # as CPU trials run bf16 products; the tensors are the same
     return next(token_batches(vocab_size=8000, micro_batch_size=2, seq_len=96, device="cpu"))
@@ -88,7 +88,7 @@ def test_the_hf_step_is_trainers_own_training_step(tokens, tmp_path):
     pytest.importorskip("accelerate")
     from transformers import Trainer, TrainingArguments
 
-    from autotune.training import build_model
+    from autotune.distributed.training import build_model
 
     model = build_model(resolve_model("tiny-llama"), num_layers=1, precision="bf16")
     args = TrainingArguments(output_dir=str(tmp_path), bf16=True, use_cpu=True, report_to=[])
@@ -120,7 +120,7 @@ def sft_trainer(tokens, tmp_path_factory):
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from autotune.training import build_model
+    from autotune.distributed.training import build_model
 
     tokenizer = tiny_tokenizer()
     model = build_model(resolve_model("tiny-llama"), num_layers=1, precision="bf16")  # SFTTrainer adds its head
@@ -160,7 +160,7 @@ def test_the_padding_free_step_is_sft_trainers_own_on_its_collators_batch(sft_tr
     block-diagonal mask in every block (the shared launch's runs show the same difference on 2 ranks)."""
     import torch
 
-    from autotune.training import padding_free_batch
+    from autotune.distributed.training import padding_free_batch
 
     assert sft_trainer.padding_free and sft_trainer.data_collator.padding_free
     seq = tokens.shape[1]
@@ -180,8 +180,8 @@ def test_the_padding_free_step_is_sft_trainers_own_on_its_collators_batch(sft_tr
 
 def test_the_stack_is_part_of_what_a_trial_is():
     """Serialised with the spec (trial workers get it) and checked: a bad name is a one-line error."""
-    from autotune.config import TrialSpec as Spec
-    from autotune.errors import UsageError
+    from autotune.problem.config import TrialSpec as Spec
+    from autotune.util.errors import UsageError
 
     spec = _spec("trl", 2, "none")
     assert Spec.from_dict(spec.to_dict()).stack == "trl"
@@ -200,9 +200,9 @@ def test_an_own_step_study_does_not_resume_one_run_without_the_stacks_step(monke
     import importlib.machinery
     import importlib.util
 
-    from autotune import config
-    from autotune.records import TuneRequest
-    from autotune.store import study_name
+    from autotune.problem import config
+    from autotune.search.records import TuneRequest
+    from autotune.search.store import study_name
 
     request = TuneRequest(model=resolve_model("tiny-llama"), cluster=Cluster(num_gpus=2), seq_len=256,
                           target_tokens=4096, stack=stack)
@@ -221,9 +221,9 @@ def test_an_own_step_study_does_not_resume_one_run_without_the_stacks_step(monke
 
 
 def test_a_bad_stack_is_one_line_exit_2_from_the_cli_and_the_same_error_from_the_library(capsys):
-    from autotune.cli import main
-    from autotune.errors import UsageError
-    from autotune.options import tune_options
+    from autotune.drivers.cli import main
+    from autotune.util.errors import UsageError
+    from autotune.problem.options import tune_options
 
     assert main(["trial", "--model", "tiny-llama", "--gpus", "2", "--backend", "analytic", "--stack", "deepspeed"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -239,8 +239,8 @@ def test_the_trial_command_predicts_the_stacks_step_and_says_which(capsys):
     where torchtitan is not importable (this environment: it has its own), and the note says why."""
     import json
 
-    from autotune.cli import main
-    from autotune.config import OWN_STEPS
+    from autotune.drivers.cli import main
+    from autotune.problem.config import OWN_STEPS
 
     if any(own.importable() for own in OWN_STEPS.values()):
         pytest.skip("torchtitan or litgpt is importable here: its own step is predicted (tests below)")
@@ -270,7 +270,7 @@ def _torchtitan_bench():
 
 @pytest.mark.slow  # real gloo ranks (forked, not torchrun): 15 s of CPU, 55 s wall at load 14 on the 2-core VM
 def test_torchtitans_own_step_matches_a_real_gloo_run_of_it(tmp_path, monkeypatch):
-    """--stack torchtitan traces torchtitan 0.3's own llama3 model, FSDP units and chunked loss (autotune/titan.py):
+    """--stack torchtitan traces torchtitan 0.3's own llama3 model, FSDP units and chunked loss (autotune/distributed/titan.py):
     its predicted tensor peak against a real 2-rank gloo run of the same step in torchtitan's own environment
     (.venv-torchtitan, the cpu backend's run_trial on two forked ranks), tiny-llama at micro-batch 2, seq 256.
     Measured 105,758,868 B, predicted 105,758,864 B (benchmarks/bench_torchtitan_step.py has the other cases)."""
@@ -291,7 +291,7 @@ def test_the_uncounted_flex_block_mask_is_as_small_as_said():
     import torch
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from autotune.titan import flex_block_mask_bytes
+    from autotune.distributed.titan import flex_block_mask_bytes
 
     for batch, seq in ((2, 8192), (1, 1024)):
         mask = create_block_mask(lambda b, h, q, kv: q >= kv, B=batch, H=None, Q_LEN=seq, KV_LEN=seq, device="cpu")
@@ -302,8 +302,8 @@ def test_the_uncounted_flex_block_mask_is_as_small_as_said():
 
 TITAN_BUILD = r"""
 import json, sys, torch
-from autotune.catalog.models import resolve_model
-from autotune.titan import build_titan_model
+from autotune.problem.catalog.models import resolve_model
+from autotune.distributed.titan import build_titan_model
 from torchtitan.models.llama3 import model_registry as llama3
 from torchtitan.models.qwen3 import model_registry as qwen3
 theirs = {"llama3-8b": llama3("8B"), "qwen3-8b": qwen3("8B")}
@@ -345,7 +345,7 @@ def test_torchtitans_model_is_built_with_the_tuned_models_shapes():
 def test_litgpts_own_step_matches_a_real_gloo_run_of_it(tmp_path, monkeypatch):
     """--stack litgpt traces LitGPT 0.5's own GPT, a FSDP2 unit per Block, Fabric's bf16-mixed (parameters fp32,
     gathered and reduced in bf16, the forward under autocast) and pretrain's chunked_cross_entropy
-    (autotune/litgpt_step.py): its predicted tensor peak against a real 2-rank gloo run of the same step in
+    (autotune/distributed/litgpt_step.py): its predicted tensor peak against a real 2-rank gloo run of the same step in
     LitGPT's own environment (.venv-litgpt), tiny-llama at micro-batch 2, seq 256. The prediction runs here
     with LitGPT's `litgpt` package on the path (it imports beside this environment's lightning and torch).
     Measured 98,679,952 B, predicted 98,679,950 B (benchmarks/bench_torchtitan_step.py --stack litgpt has
@@ -362,8 +362,8 @@ def test_litgpts_own_step_matches_a_real_gloo_run_of_it(tmp_path, monkeypatch):
 
 LITGPT_BUILD = r"""
 import json, sys, torch
-from autotune.catalog.models import resolve_model
-from autotune.litgpt_step import build_litgpt_model
+from autotune.problem.catalog.models import resolve_model
+from autotune.distributed.litgpt_step import build_litgpt_model
 from litgpt import Config
 from litgpt.model import GPT
 with torch.device("meta"):

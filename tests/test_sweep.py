@@ -15,9 +15,9 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from autotune.cli import main
-from autotune.regress import EXIT_REGRESSION
-from autotune.store import STUDY_DB
+from autotune.drivers.cli import main
+from autotune.drivers.regress import EXIT_REGRESSION
+from autotune.search.store import STUDY_DB
 
 MATRIX = """
 name = "{name}"
@@ -70,7 +70,7 @@ def test_three_workers_started_together_do_every_problem_once(tmp_path):
 CLAIM_RACE = """
 import sys
 from pathlib import Path
-from autotune.sweep import SweepQueue, load_sweep
+from autotune.drivers.sweep import SweepQueue, load_sweep
 queue = SweepQueue(sys.argv[1], load_sweep(Path(sys.argv[2])))
 while (claimed := queue.claim()) is not None:
     queue.finish(claimed[0], {"state": "done", "tokens_per_sec": 1.0})

@@ -165,7 +165,7 @@ def test_a_worker_opening_a_study_per_problem_holds_one_connection(server):
     per study: a storage per study kept 25 open until the garbage collector ran (2026-11-27)."""
     import sqlalchemy
 
-    from autotune import store
+    from autotune.search import store
 
     url = storage_url(server)
     for number in range(30):
@@ -188,8 +188,8 @@ def test_a_study_opened_during_an_outage_waits_if_the_storage_was_reachable_befo
     problem as failed. A storage never reached in this process still fails at once."""
     import threading
 
-    from autotune import store
-    from autotune.errors import StorageUnavailable
+    from autotune.search import store
+    from autotune.util.errors import StorageUnavailable
 
     monkeypatch.setenv(store.STORAGE_OUTAGE_ENV, "60")
     url = storage_url(server)

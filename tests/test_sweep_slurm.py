@@ -16,8 +16,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from autotune.cli import main
-from autotune.store import STUDY_DB
+from autotune.drivers.cli import main
+from autotune.search.store import STUDY_DB
 from tests.test_sweep import MATRIX, write_sweep
 
 pytestmark = pytest.mark.slow

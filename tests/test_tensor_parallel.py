@@ -13,11 +13,11 @@ import json
 
 import pytest
 
-from autotune.catalog.models import resolve_model
-from autotune.catalog.shrink import shrunk_config
-from autotune.config import Cluster, TrainConfig, TrialSpec
-from autotune.errors import UsageError
-from autotune.knobs import KNOBS, ProblemShape, check_combination, tensor_parallel_degrees
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.catalog.shrink import shrunk_config
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
+from autotune.util.errors import UsageError
+from autotune.problem.knobs import KNOBS, ProblemShape, check_combination, tensor_parallel_degrees
 from tests.shared_runs import register
 from tests.test_sim_accuracy import assert_tensor_peaks_agree, predict_cpu_runs
 
@@ -34,7 +34,7 @@ MATRIX = [
 
 def shrunk_or_catalog_model(name: str, folder):
     """A catalog model, or for a family without an entry (mistral, gpt2, olmo2) transformers' own config, shrunk."""
-    from autotune.catalog.models import MODELS
+    from autotune.problem.catalog.models import MODELS
 
     if name not in MODELS:
         path = folder / name
@@ -131,7 +131,7 @@ def test_the_tune_goes_past_the_batch_wall_with_tensor_parallelism(tmp_path):
     has no configuration (every GPU needs a sequence of its own). The tune says so, and its winner is
     tensor-parallel and hits the global batch exactly: 4Mi = micro-batch x seq x data ranks x accumulation,
     counted from best.json's own fields."""
-    from autotune.cli import main
+    from autotune.drivers.cli import main
 
     code = main(["--model", "llama3-70b", "--gpus", "1024", "--gpu-type", "h100-80gb", "--global-tokens", "4Mi",
                  "--seq-len", "8192", "--backend", "sim", "--runs-dir", str(tmp_path), "--compile", "none",
@@ -152,7 +152,7 @@ def test_the_tune_goes_past_the_batch_wall_with_tensor_parallelism(tmp_path):
 def test_a_model_without_a_plan_still_meets_the_batch_wall_in_one_line(configs, capsys):
     """gpt2's config has no tensor-parallel plan: the wall stays where FSDP puts it, and the error says so
     in the user's own numbers."""
-    from autotune.cli import main
+    from autotune.drivers.cli import main
 
     code = main(["--model", str(shrunk_or_catalog_model("gpt2", configs).source), "--gpus", "64", "--global-tokens", "4K",
                  "--seq-len", "128", "--backend", "analytic"])
@@ -165,10 +165,10 @@ def test_a_model_without_a_plan_still_meets_the_batch_wall_in_one_line(configs, 
 _SAME_NUMBERS = """
 import json, os, sys
 import torch, torch.distributed as dist
-from autotune.catalog.models import resolve_model
-from autotune.config import TrainConfig
-from autotune.parallel import ParallelDims, parallelize
-from autotune.training import build_model, micro_batch_loss
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import TrainConfig
+from autotune.distributed.parallel import ParallelDims, parallelize
+from autotune.distributed.training import build_model, micro_batch_loss
 
 rank, world = int(sys.argv[1]), 2
 dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=world)
@@ -247,10 +247,10 @@ class _SplitFormula:
 
 def _controller_outcome(backend, *, capacity_gib: float, target: int, context_parallel: bool = False,
                         pipeline_parallel: bool = False, tensor_parallel: bool = True):
-    from autotune.catalog.gpus import GPUS
-    from autotune.controller import Controller
-    from autotune.records import TuneRequest
-    from autotune.search_space import SearchSpace
+    from autotune.problem.catalog.gpus import GPUS
+    from autotune.search.controller import Controller
+    from autotune.search.records import TuneRequest
+    from autotune.search.space import SearchSpace
 
     cluster = Cluster(num_gpus=8, gpu=GPUS["h100-80gb"], gpu_memory_bytes=int(capacity_gib * 2**30))
     request = TuneRequest(model=resolve_model("tiny-llama"), cluster=cluster, seq_len=256, target_tokens=target,

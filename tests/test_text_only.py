@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForImageTextToText
 
-from autotune.catalog.models import resolve_model
-from autotune.cli import EXIT_OK, EXIT_USAGE, main
+from autotune.problem.catalog.models import resolve_model
+from autotune.drivers.cli import EXIT_OK, EXIT_USAGE, main
 
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=512)
@@ -93,8 +93,8 @@ def test_a_text_only_trial_says_what_it_left_out(tmp_path, capsys):
 def test_a_text_only_tune_records_it_and_never_shares_the_text_models_study(tmp_path, capsys):
     """The language model saved as a config.json of its own (what the refusal used to advise) is the
     same model, but a --text-only study is not resumed by it, nor it by one."""
-    from autotune.export import write_exports
-    from autotune.result import load_result
+    from autotune.results.export import write_exports
+    from autotune.results.result import load_result
 
     path = _save(tmp_path, "llava")
     AutoConfig.from_pretrained(path).get_text_config().save_pretrained(tmp_path / "text")

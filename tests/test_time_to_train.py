@@ -1,4 +1,4 @@
-"""Time to train as runs see it (autotune/time_to_train.py) and its place in `autotune plan`: a hand
+"""Time to train as runs see it (autotune/estimate/time_to_train.py) and its place in `autotune plan`: a hand
 count of every loss term for a stated case, the properties the model must keep whatever its
 constants (never below the benchmark time, more GPUs fail more often, the range holds the expected
 figure, Young/Daly's interval beats its neighbours), the plan's new flags refusing bad input in one
@@ -11,9 +11,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from autotune import time_to_train as ttt
-from autotune.cli import EXIT_OK, EXIT_USAGE, main
-from autotune.errors import UsageError
+from autotune.estimate import time_to_train as ttt
+from autotune.drivers.cli import EXIT_OK, EXIT_USAGE, main
+from autotune.util.errors import UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAN_SCHEMA = json.loads((ROOT / "schemas" / "plan.schema.json").read_text())

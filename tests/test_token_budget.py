@@ -1,4 +1,4 @@
-"""Token-budget batches (--token-budget, autotune/packing.py): packed rows of whole documents.
+"""Token-budget batches (--token-budget, autotune/problem/packing.py): packed rows of whole documents.
 
 Checked against what does not share the code under test: the packing's expected fill and sum of squared
 lengths against counts made by hand for fixed lengths; the per-document attention against transformers'
@@ -14,10 +14,10 @@ import json
 
 import pytest
 
-from autotune.catalog.models import resolve_model
-from autotune.config import Cluster, TrainConfig, TrialSpec
-from autotune.errors import UsageError
-from autotune.packing import DocumentLengths, Packing, read_document_lengths, resolve_packing
+from autotune.problem.catalog.models import resolve_model
+from autotune.problem.config import Cluster, TrainConfig, TrialSpec
+from autotune.util.errors import UsageError
+from autotune.problem.packing import DocumentLengths, Packing, read_document_lengths, resolve_packing
 from tests.shared_runs import register
 from tests.test_sim_accuracy import assert_tensor_peaks_agree, predict_cpu_runs
 
@@ -93,7 +93,7 @@ def test_models_the_per_document_attention_does_not_cover_are_refused():
 def _mistral():
     import tempfile
 
-    from autotune.catalog.shrink import shrunk_config
+    from autotune.problem.catalog.shrink import shrunk_config
 
     folder = tempfile.mkdtemp()
     config = shrunk_config("mistral")
@@ -109,7 +109,7 @@ def test_per_document_attention_equals_the_block_diagonal_mask(family):
     whose block-diagonal mask transformers derives from the restarting position_ids itself."""
     import torch
 
-    from autotune.training import build_model, packed_batch
+    from autotune.distributed.training import build_model, packed_batch
 
     model = resolve_model(family)
     torch.manual_seed(0)
@@ -161,9 +161,9 @@ def test_the_tune_picks_the_largest_budget_that_fits(tmp_path):
     assert packing["token_budget"] == result["micro_batch_size"] * 8192
     assert packing["document_lengths"]["source"] == str(lengths)
     assert 0 < packing["fill"] < 1 and packing["global_tokens_spread"] > 0
-    from autotune.catalog.gpus import GPUS
-    from autotune.records import DEFAULT_HEADROOM
-    from autotune.config import Workload, memory_limit_bytes
+    from autotune.problem.catalog.gpus import GPUS
+    from autotune.search.records import DEFAULT_HEADROOM
+    from autotune.problem.config import Workload, memory_limit_bytes
 
     train = TrainConfig.from_result(result)
     cluster = Cluster(num_gpus=8, gpu=GPUS["h100-80gb"])
@@ -179,7 +179,7 @@ def test_the_tune_picks_the_largest_budget_that_fits(tmp_path):
 
 
 def test_the_command_line_refuses_bad_budgets_with_exit_2(tmp_path, capsys):
-    from autotune.cli import EXIT_USAGE, main
+    from autotune.drivers.cli import EXIT_USAGE, main
 
     base = ["trial", "--model", "tiny-llama", "--gpus", "2", "--backend", "analytic", "--seq-len", "64"]
     assert main([*base, "--token-budget", "100"]) == EXIT_USAGE

@@ -2,9 +2,9 @@
 
 import pytest
 
-from autotune.batch import check_reachable, check_target, plan_global_batch, within_tolerance
-from autotune.errors import UsageError
-from autotune.units import format_bytes, format_count, parse_bytes, parse_count
+from autotune.problem.batch import check_reachable, check_target, plan_global_batch, within_tolerance
+from autotune.util.errors import UsageError
+from autotune.util.units import format_bytes, format_count, parse_bytes, parse_count
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -1,9 +1,9 @@
 """The accuracy figures of benchmarks/bench_costmodel.py, asserted over stored data (issue 60).
 
-No new runs: the published rows (autotune/data/published_runs.json), the recorded real GPU trials
+No new runs: the published rows (autotune/estimate/data/published_runs.json), the recorded real GPU trials
 (benchmarks/results) and their stored estimates. Each threshold is the target an issue set where the
 figure meets it, else the figure as it stands (2026-11-28, said so beside it), so that a change that
-worsens it fails. Also: the printed ranges are the held-out figures stored in autotune.heldout (stale
+worsens it fails. Also: the printed ranges are the held-out figures stored in autotune.estimate.heldout (stale
 figures fail), the validation page is current, the constant registry is complete, and no test asserts
 equality with a module constant (the grep below).
 """
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from autotune import constants, costmodel, heldout
+from autotune.drivers import constants
+from autotune.estimate import costmodel, heldout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,7 +63,7 @@ current figures."""
 @pytest.fixture(scope="module")
 def by_publisher():
     """costmodel_fit.held_out_by_publisher over the published rows: a fit per publisher (about 6 s)."""
-    from autotune import costmodel_fit
+    from autotune.drivers import costmodel_fit
 
     return costmodel_fit.held_out_by_publisher(list(costmodel_fit.published_runs()))
 
@@ -70,16 +71,16 @@ def by_publisher():
 def test_published_runs_leave_one_publisher_out(by_publisher):
     """Every publisher's tables held out of the fit at once, the constants refitted on the other publishers,
     each publisher weighted equally in the median and the quantiles (issue 56). The stored ranges
-    (autotune.heldout.HELD_OUT) are these figures: stale ones fail here."""
+    (autotune.estimate.heldout.HELD_OUT) are these figures: stale ones fail here."""
     recomputed = constants.held_out_figures(held_out=by_publisher)
     for key, figures in recomputed.items():
         stored = heldout.HELD_OUT.get(key)
-        assert stored is not None, f"{key}: no stored range (python -m autotune.constants --held-out)"
+        assert stored is not None, f"{key}: no stored range (python -m autotune.drivers.constants --held-out)"
         assert (stored.rows, stored.gpus) == (figures.rows, figures.gpus), key
         for name in ("half_width", "median", "worst"):
             assert getattr(stored, name) == pytest.approx(getattr(figures, name), abs=0.002), (
-                f"{key}: the stored {name} is stale: python -m autotune.constants --held-out, then update "
-                f"autotune/heldout.py and docs/VALIDATION.md", figures)
+                f"{key}: the stored {name} is stale: python -m autotune.drivers.constants --held-out, then update "
+                f"autotune/estimate/heldout.py and docs/VALIDATION.md", figures)
         assert figures.half_width <= RANGE_HALF_WIDTH[key], (key, figures)
     published = [(p, e) for errs in constants.published_errors(by_publisher).values() for p, _, e in errs]
     assert len({p for p, _ in published}) >= 4 and len(published) >= 120
@@ -113,9 +114,9 @@ def test_recorded_gpu_trials_hold_their_ranges():
         gc = importlib.import_module("gpu_check")
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    from autotune import hardware
+    from autotune.estimate import hardware
     from autotune.backends.sim import SimBackend
-    from autotune.catalog.models import resolve_model
+    from autotune.problem.catalog.models import resolve_model
 
     stored = json.loads(constants.GPU_RECORDED_FILE.read_text())["rows"]
     assert len(stored) >= 50
@@ -149,7 +150,7 @@ def test_compiled_rows_not_taken_into_the_ratio(by_publisher):
     the compiled published rows estimated as the tool estimates them. The thresholds are the figures of
     2026-11-28 (COMPILE_PAIRS_*: issue 56's targets are NOT met, see there); the range's half width
     (costmodel.COMPILE_RATIO_ERROR_POINTS) must cover the worst compile-only pair."""
-    from autotune import costmodel_fit
+    from autotune.drivers import costmodel_fit
 
     rows = list(costmodel_fit.published_runs())
     all_rows = costmodel_fit.fit(rows)  # for a publisher with no eager row in the fit (AWS)
@@ -185,7 +186,7 @@ def test_float8_one_gpu_measured_ratios_are_the_recorded_ones():
 def test_unvalidated_gpus_print_no_range_and_say_so():
     """A GPU family with no held-out row gets no range: "not validated on <gpu>" (the +-22% printed on L40S,
     RTX 4090, A10G and V100 is gone); a validated one names its held-out rows and publishers."""
-    from autotune import hardware
+    from autotune.estimate import hardware
 
     for name in ("l40s-48gb", "rtx4090-24gb", "a10g-24gb", "v100-32gb"):
         profile = hardware.shipped_profile(hardware.GPUS[name])
@@ -199,15 +200,15 @@ def test_unvalidated_gpus_print_no_range_and_say_so():
 
 def test_the_ranges_families_are_the_fits():
     """A range's GPU family is the family that shares one fitted efficiency (costmodel_fit.gpu_family)."""
-    from autotune import costmodel_fit
-    from autotune.catalog.gpus import GPUS
+    from autotune.drivers import costmodel_fit
+    from autotune.problem.catalog.gpus import GPUS
 
     assert all(heldout.gpu_family(name) == costmodel_fit.gpu_family(name) for name in GPUS)
 
 
 def test_the_validation_page_is_current():
     """docs/VALIDATION.md is generated from the registry and the stored ranges."""
-    assert constants.PAGE.read_text() == constants.render_page(), "python -m autotune.constants --write"
+    assert constants.PAGE.read_text() == constants.render_page(), "python -m autotune.drivers.constants --write"
 
 
 ISSUE_60_CONSTANTS = ("MATMUL_EFFICIENCY", "DEFAULT_MATMUL_EFFICIENCY", "COMPILED_KERNELS", "INTRA_NODE_BUS_EFFICIENCY",
@@ -230,8 +231,8 @@ def test_the_registry_lists_every_constant_with_its_source_and_check():
 
 
 # --- no test checks a figure against itself -----------------------------------------------------------
-WATCHED = ("autotune.costmodel", "autotune.runtime_memory", "autotune.heldout", "autotune.hardware",
-           "autotune.constants", "autotune.catalog.gpus")
+WATCHED = ("autotune.estimate.costmodel", "autotune.estimate.runtime_memory", "autotune.estimate.heldout", "autotune.estimate.hardware",
+           "autotune.drivers.constants", "autotune.problem.catalog.gpus")
 """The modules whose constants shape a printed throughput or memory figure."""
 ALLOWED = {
     # (test file, the constant): why the equality is not the constant checked against itself
@@ -311,7 +312,7 @@ def test_no_test_asserts_equality_with_a_module_constant():
 
 def test_the_grep_catches_what_it_looks_for(tmp_path):
     (tmp_path / "test_bad.py").write_text(
-        "import pytest\nfrom autotune import costmodel as cm\nfrom autotune.runtime_memory import CUDA_CONTEXT_BYTES\n"
+        "import pytest\nfrom autotune.estimate import costmodel as cm\nfrom autotune.estimate.runtime_memory import CUDA_CONTEXT_BYTES\n"
         "def test_a(ratio, ctx):\n    assert ratio == pytest.approx(cm.COMPILE_RATIO_ERROR_POINTS)\n"
         "    assert ctx == CUDA_CONTEXT_BYTES\n    assert cm.MATMUL_EFFICIENCY['a100-80gb'] == 0.82\n"
         "    low, high = cm.estimate_range(1.0, None)\n")

@@ -22,7 +22,7 @@ BACKEND_NAMES = ("auto", "analytic", "sim", "cpu", "cuda")
 
 def get_backend(name: str, **options) -> TrialBackend:
     """A backend by name. Imports lazily: the simulator and launcher pull in heavy modules."""
-    from autotune.errors import UsageError
+    from autotune.util.errors import UsageError
 
     if name == "analytic":
         from autotune.backends.analytic import AnalyticBackend

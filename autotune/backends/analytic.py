@@ -26,13 +26,14 @@ import time
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from autotune import costmodel, knobs
-from autotune.runtime_memory import runtime_memory
+from autotune.estimate import costmodel
+from autotune.problem import knobs
+from autotune.estimate.runtime_memory import runtime_memory
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
-from autotune.config import (MASTER_DTYPE_BYTES, MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, TRL_STEPS, TrialSpec,
+from autotune.problem.config import (MASTER_DTYPE_BYTES, MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, TRL_STEPS, TrialSpec,
                              reduce_dtype_name)
-from autotune.units import format_bytes
-from autotune.catalog.models import ModelSpec
+from autotune.util.units import format_bytes
+from autotune.problem.catalog.models import ModelSpec
 
 SCREEN_MARGIN = 1.25
 """A configuration whose closed-form peak is over the memory limit by more than this factor cannot
@@ -88,7 +89,7 @@ class ModelShape:
 def _shape_from_config(model_type: str, config_json: str, trust_remote_code: bool) -> ModelShape:
     """The shape as transformers completes the config (defaults included), counted once per
     machine and library version: a repeated plan reads it back without importing transformers."""
-    from autotune import cache
+    from autotune.util import cache
 
     key = cache.key_of("model-shape", [model_type, config_json, trust_remote_code])
     cached = cache.load("model-shape", key)
@@ -162,7 +163,7 @@ def lora_activation_bytes_per_token(shape: ModelShape, adapted: tuple[tuple[str,
 def _op_checkpoint_matmuls(shape: ModelShape, policy: str) -> list[tuple[int, int, bool]]:
     """(input width, output width, saved) of a decoder block's matmuls in forward order: q, k, v, o,
     then the SwiGLU MLP's gate, up, down. Op-level checkpointing keeps every output (`mm`) or the
-    1st, 3rd, 5th... (`alt-mm`, counting in this order: autotune/parallel.py, op_sac_policy)."""
+    1st, 3rd, 5th... (`alt-mm`, counting in this order: autotune/distributed/parallel.py, op_sac_policy)."""
     h, kv, ffn = shape.hidden, shape.kv_width, shape.intermediate
     widths = [(h, h), (h, kv), (h, kv), (h, h), (h, ffn), (h, ffn), (ffn, h)]
     return [(fan_in, out, policy == "mm" or i % 2 == 0) for i, (fan_in, out) in enumerate(widths)]
@@ -213,17 +214,17 @@ def loss_backward_bytes(step: str, *, tokens: int, vocab: int, hidden: int, d: i
     TRL SFT's fused head ('trl'): no full logits; its backward holds fp32 gradients of the head
     weight and of the hidden states with their bf16 casts (6 bytes each), one logits tile, and the
     hidden states it saved (no head-weight gradient where the head is frozen: LoRA).
-    torchtitan's chunked loss ('torchtitan', autotune/titan.py): the head's last chunk, when its gradient
+    torchtitan's chunked loss ('torchtitan', autotune/distributed/titan.py): the head's last chunk, when its gradient
     is reduce-scattered: one chunk's logits as autotune's loss holds them (12 bytes a logit), the head's
     gradient accumulated in fp32 and its fp32 reduce-scatter input, and the fp32 gradient of the hidden
     states the loss accumulates (an estimate of the traced moment, not fitted).
-    LitGPT's chunked_cross_entropy ('litgpt', autotune/litgpt_step.py): the logits in the compute dtype and
+    LitGPT's chunked_cross_entropy ('litgpt', autotune/distributed/litgpt_step.py): the logits in the compute dtype and
     every chunk's log-softmax saved in it, at the end of the loss's forward (2 x d bytes a logit; the
     traced peak's moment, docs/STACKS.md)."""
     if step == "litgpt":
         return 2 * d * tokens * vocab
     if step == "torchtitan":
-        from autotune.titan import NUM_LOSS_CHUNKS
+        from autotune.distributed.titan import NUM_LOSS_CHUNKS
 
         return 12 * tokens / NUM_LOSS_CHUNKS * vocab + 8 * vocab * hidden + 4 * tokens * hidden
     if step not in TRL_STEPS:
@@ -236,7 +237,7 @@ def attention_span(spec: TrialSpec) -> int:
     """The keys each query's attention runs over, as SDPA computes it: the sequence, or a padding-free
     micro-batch's every token ('trl-padding-free': one row under a block-diagonal mask, which SDPA
     computes densely; the trace counts the same FLOPs); a token-budget row's documents each attend within
-    themselves (autotune/packing.py): their token-weighted mean length, the expected sum of squared lengths
+    themselves (autotune/problem/packing.py): their token-weighted mean length, the expected sum of squared lengths
     over the tokens."""
     if spec.packing is not None:
         stats = spec.packing.stats(spec.token_budget, spec.seq_len)
@@ -277,7 +278,7 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     # quantization statistics on every rank; both counted on a meta build by bnb's own quantizer.
     frozen_bytes = block_gathered = quant_states = dequantized = 0.0
     if lora:
-        from autotune.training import parameter_counts
+        from autotune.distributed.training import parameter_counts
 
         counts = parameter_counts(spec.model, spec.finetuning)
         trained, block_trained, frozen = counts.trainable, counts.block_trainable, counts.total - counts.trainable
@@ -414,7 +415,7 @@ class PipelineRank:
 
 def pipeline_virtual_stages(spec: TrialSpec) -> int:
     """Stages each pipeline rank holds under the spec's schedule (knobs.PIPELINE_VIRTUAL_STAGES)."""
-    from autotune import knobs
+    from autotune.problem import knobs
 
     return knobs.PIPELINE_VIRTUAL_STAGES[spec.train.pipeline_schedule]
 
@@ -686,7 +687,7 @@ def trainable_split(spec: TrialSpec) -> tuple[int, int] | None:
     wraps it (torch is imported for LoRA only: a full fine-tune's plan stays torch-free)."""
     if not spec.finetuning.lora:
         return None
-    from autotune.training import parameter_counts
+    from autotune.distributed.training import parameter_counts
 
     counts = parameter_counts(spec.model, spec.finetuning)
     return counts.block_trainable, counts.root_trainable
@@ -785,7 +786,7 @@ def step_work(spec: TrialSpec, *, reduce_bytes: int = 4, kernels: str = "eager",
     runs; the published runs name their stack's). Under pipeline parallelism the work is the slowest rank's
     (pipeline_costed_rank: its blocks, the head on the last stage) with `pipeline_virtual_stages` stages per rank
     (default: the schedule's)."""
-    from autotune.catalog.models import model_flops_per_token
+    from autotune.problem.catalog.models import model_flops_per_token
 
     if spec.train.pipeline_parallel > 1:
         return _pipeline_step_work(spec, reduce_bytes=reduce_bytes, kernels=kernels, attention_kernel=attention_kernel,
@@ -845,7 +846,7 @@ def _pipeline_step_work(spec: TrialSpec, *, reduce_bytes: int, kernels: str, att
                         virtual_stages: int | None) -> costmodel.StepWork:
     """step_work under pipeline parallelism: the slowest rank's blocks (and the head, on the last stage) for every
     micro-batch, a tp x cp-th of each as without a pipeline; MFU's model FLOPs are the average GPU's."""
-    from autotune.catalog.models import model_flops_per_token
+    from autotune.problem.catalog.models import model_flops_per_token
 
     shape = model_shape(spec.model)
     train = spec.train

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from autotune.config import TrialSpec
+from autotune.problem.config import TrialSpec
 
 TrialStatus = Literal["ok", "oom", "error", "timeout", "pruned"]
 Source = Literal["measured", "predicted", "estimated", "predicted+estimated"]
@@ -28,7 +28,7 @@ MEMORY_CATEGORIES: tuple[str, ...] = (
     "activations",            # saved for backward, plus temporaries
     "communication_buffers",  # all-gather / reduce-scatter buffers
     "other",                  # inputs, buffers, anything unclassified
-    "runtime_overhead",       # CUDA context, NCCL, workspaces, fragmentation (autotune.runtime_memory)
+    "runtime_overhead",       # CUDA context, NCCL, workspaces, fragmentation (autotune.estimate.runtime_memory)
 )
 
 

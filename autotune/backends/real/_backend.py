@@ -13,9 +13,9 @@ from typing import Any
 
 from autotune.backends.base import Figure, TrialBackend, TrialResult
 from autotune.backends.real._launcher import Launch, LaunchOptions, TrialOutcome
-from autotune.config import TrialSpec
-from autotune.errors import UsageError
-from autotune.catalog.models import model_flops_per_token
+from autotune.problem.config import TrialSpec
+from autotune.util.errors import UsageError
+from autotune.problem.catalog.models import model_flops_per_token
 
 DEVICES = ("cpu", "cuda")
 RANK_PROCESS_BYTES = 600 * 2**20
@@ -302,7 +302,7 @@ class RealBackend(TrialBackend):
         if on_cuda:
             peak = self._cuda_peak(ranks, where, extras)
             if tokens_per_sec is not None:
-                from autotune.costmodel import compute_peak_tflops
+                from autotune.estimate.costmodel import compute_peak_tflops
 
                 # The peak the estimate's MFU uses too: fp32 runs on the CUDA cores (TF32 off).
                 flops = model_flops_per_token(spec.model, spec.seq_len) * tokens_per_sec

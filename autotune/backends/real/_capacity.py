@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
-from autotune.parallel import keep_leaf_inputs_collectable
+from autotune.distributed.parallel import keep_leaf_inputs_collectable
 
 _TOTAL = "Total"
 

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.files import write_json
-from autotune.runtime_memory import ALLOC_CONF_ENV, alloc_conf
+from autotune.util.files import write_json
+from autotune.estimate.runtime_memory import ALLOC_CONF_ENV, alloc_conf
 
 
 LAUNCH_MARKER_ENV = "AUTOTUNE_REAL_LAUNCH"

@@ -21,11 +21,11 @@ from torch import nn
 from autotune.backends.real._capacity import (CapacityTracker, reset_rss_peak, rss_peak_bytes,
                                               track_inductor_allocations)
 from autotune.backends.real._faults import Fault, inject_faults
-from autotune.config import TrialSpec
-from autotune.litgpt_step import init_litgpt, is_litgpt_model
-from autotune.parallel import ParallelDims, parallelize, register_rng_rules
-from autotune.parallel.expert import set_routing
-from autotune.training import (OffloadedActivations, build_model, make_optimizer, prepare_step, requantize_base,
+from autotune.problem.config import TrialSpec
+from autotune.distributed.litgpt_step import init_litgpt, is_litgpt_model
+from autotune.distributed.parallel import ParallelDims, parallelize, register_rng_rules
+from autotune.distributed.parallel.expert import set_routing
+from autotune.distributed.training import (OffloadedActivations, build_model, make_optimizer, prepare_step, requantize_base,
                                sync_weights_to_vllm, token_batches, train_step)
 
 # A short trial accumulates at most this many micro-batches per step: the per-step memory
@@ -145,7 +145,7 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
     batches = token_batches(vocab_size=int(spec.model.config_dict["vocab_size"]),
                             micro_batch_size=spec.train.micro_batch_size, seq_len=spec.seq_len,
                             device=device, seed=seed + dims.data_rank(rank),  # a tp/cp group, a pipeline: one batch
-                            documents=spec.documents)  # a packed problem: its worst-case row (autotune/packing.py)
+                            documents=spec.documents)  # a packed problem: its worst-case row (autotune/problem/packing.py)
     inject_faults(faults, rank=rank, trial=trial_index)
 
     reset_rss_peak()
@@ -218,7 +218,7 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
         # Linears torchao swapped for Float8Linear on this rank: 0 would mean a high-precision run.
         figures["float8_linears"] = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
     if on_cuda:
-        from autotune.runtime_memory import measure_outside_allocator
+        from autotune.estimate.runtime_memory import measure_outside_allocator
 
         outside = max(cap["outside_allocator_bytes"], measure_outside_allocator(device)["outside_allocator_bytes"])
         reserved = torch.cuda.max_memory_reserved(device)
@@ -244,7 +244,7 @@ def cap_device_memory(device: torch.device, *, limit_bytes: int) -> dict[str, An
     """Limit this process's caching allocator so that allocator + what lives outside it (context,
     NCCL, measured now) stays within `limit_bytes`: `set_per_process_memory_fraction` caps reserved
     memory, and an allocation over the cap raises torch.OutOfMemoryError as on a smaller GPU."""
-    from autotune.runtime_memory import measure_outside_allocator
+    from autotune.estimate.runtime_memory import measure_outside_allocator
 
     measured = measure_outside_allocator(device)
     fraction = allocator_fraction(limit_bytes=limit_bytes, outside_allocator_bytes=measured["outside_allocator_bytes"],

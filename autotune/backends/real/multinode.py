@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.backends.real._launcher import LaunchOptions, end_launch, node_name, start_torchrun
-from autotune.files import write_json
+from autotune.util.files import write_json
 
 SESSION_FILE = "session.json"
 HEARTBEAT_S = 2.0

@@ -35,7 +35,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from autotune.files import write_json
+from autotune.util.files import write_json
 
 SETUP = "setup"  # the trial index used for failures outside any trial
 _QUEUE_POLL_S = 0.02
@@ -179,7 +179,7 @@ def _setup(job: dict[str, Any]):
         # memory is in place before any trial and counted once (outside the allocator).
         dist.init_process_group(backend, timeout=timeout, device_id=device)
         _warm_collectives(device)
-        from autotune.runtime_memory import measure_outside_allocator
+        from autotune.estimate.runtime_memory import measure_outside_allocator
 
         runtime = dict(after_setup=measure_outside_allocator(device),
                        alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
@@ -200,7 +200,7 @@ class _Meshes:
         self._built: dict[Any, Any] = {}
 
     def for_spec(self, spec):
-        from autotune.parallel import ParallelDims
+        from autotune.distributed.parallel import ParallelDims
 
         dims = ParallelDims.of(spec.train, spec.cluster.num_gpus)
         if dims not in self._built:
@@ -230,7 +230,7 @@ def _run_one(item: dict[str, Any], *, job: dict[str, Any], out: Path, rank: int,
     import torch.distributed as dist
 
     from autotune.backends.real._trial import run_trial
-    from autotune.config import TrialSpec
+    from autotune.problem.config import TrialSpec
 
     index = item["index"]
     spec = TrialSpec.from_dict(item["spec"])

@@ -11,23 +11,24 @@ from typing import Any, Literal
 import os
 from typing import TYPE_CHECKING
 
-from autotune import cache, costmodel
+from autotune.util import cache
+from autotune.estimate import costmodel
 from autotune.backends.analytic import (attention_span, context_parallel_work, expert_parallel_work, fused_bytes_saved,
                                       tensor_parallel_work, model_shape,
                                       offload_fresh_page_bytes, screen_margin, step_work, trainable_split)
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
 from autotune.backends.sim._extrapolate import extrapolate, shallow_depths
-from autotune.config import PARAM_DTYPE_BYTES, TrialSpec
-from autotune.errors import AutotuneError
-from autotune.packing import STEP as PACKED_STEP
-from autotune.runtime_memory import runtime_memory
-from autotune.units import format_bytes
+from autotune.problem.config import PARAM_DTYPE_BYTES, TrialSpec
+from autotune.util.errors import AutotuneError
+from autotune.problem.packing import STEP as PACKED_STEP
+from autotune.estimate.runtime_memory import runtime_memory
+from autotune.util.units import format_bytes
 
 if TYPE_CHECKING:
     from autotune.backends.sim._trace import StepTrace
 
 # torch and transformers are imported when a trace is needed, not before: a plan whose every
-# prediction is in the persistent cache (autotune/cache.py) never imports them.
+# prediction is in the persistent cache (autotune/util/cache.py) never imports them.
 
 RUNTIME_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "NCCL_BUFFSIZE", "NCCL_MAX_NCHANNELS", "NCCL_MAX_CTAS",
                "CUBLAS_WORKSPACE_CONFIG")
@@ -96,7 +97,7 @@ class SimBackend(TrialBackend):
             raise ValueError(f"device_kind must be 'cuda' or 'cpu', got {device_kind!r}")
         self.device_kind = device_kind
         self.hardware = hardware
-        """A HardwareProfile (autotune/hardware.py) the step time is estimated on; None: the
+        """A HardwareProfile (autotune/estimate/hardware.py) the step time is estimated on; None: the
         shipped profile of the cluster's GPU (no throughput for a CPU run without one)."""
         self.extrapolate = extrapolate
         self.extrapolate_micro_batch = extrapolate_micro_batch
@@ -220,7 +221,7 @@ class SimBackend(TrialBackend):
 
     def _mesh(self, spec: TrialSpec):
         from autotune.backends.sim._fakepg import fake_mesh
-        from autotune.parallel import ParallelDims
+        from autotune.distributed.parallel import ParallelDims
 
         mesh = fake_mesh(ParallelDims.of(spec.train, spec.cluster.num_gpus))
         if spec.cluster.num_gpus != self._mesh_in_use:
@@ -349,7 +350,7 @@ class SimBackend(TrialBackend):
         rank of the fake group; one site per traced rank, the worst the prediction. Not extrapolated in depth."""
         from autotune.backends.sim._pipeline import ranks_to_trace, trace_pipeline_rank
         from autotune.backends.sim._trace import StepTrace
-        from autotune.catalog.models import model_flops_per_token
+        from autotune.problem.catalog.models import model_flops_per_token
 
         key = ("pipeline", spec.to_dict().__repr__(), self.device_kind)
         pipelines = self.__dict__.setdefault("_pipeline_traces", {})
@@ -564,8 +565,8 @@ class SimBackend(TrialBackend):
 
     def _throughput(self, spec: TrialSpec, trace: StepTrace, flops_per_microbatch: float,
                     extras: dict[str, Any], op_work: dict[str, float] | None = None) -> tuple[Figure | None, str]:
-        from autotune.catalog.models import model_flops_per_token
-        from autotune.hardware import profile_for
+        from autotune.problem.catalog.models import model_flops_per_token
+        from autotune.estimate.hardware import profile_for
 
         accum = spec.grad_accum_steps
         world_size = spec.cluster.num_gpus
@@ -836,11 +837,11 @@ def _with_activation_transfers(throughput: Figure, spec: TrialSpec, offloaded: d
 
 
 def _packed(throughput: Figure, spec: TrialSpec, extras: dict[str, Any]) -> Figure:
-    """A token-budget configuration's tokens/s (autotune/packing.py): the step was costed on the traced row,
+    """A token-budget configuration's tokens/s (autotune/problem/packing.py): the step was costed on the traced row,
     filled to the budget; a real micro-batch holds whole documents only (the expected fill), and attention's
     work follows the sum of squared document lengths. The micro-batches' compute is scaled by
     packing.packed_seconds_ratio, communication and the optimizer step stay; the tokens are the expected ones."""
-    from autotune.packing import packed_seconds_ratio
+    from autotune.problem.packing import packed_seconds_ratio
 
     step_time = extras.get("step_time") or {}
     seconds = step_time.get("seconds")
@@ -890,7 +891,7 @@ SYNC_HOW = ("TRL's colocate weight sync as traced: named_parameters() in order, 
 
 def _root_shard_bytes(spec: TrialSpec) -> int:
     """The root FSDP unit's fp32 parameters on one rank (what the fragmentation rule scales with)."""
-    from autotune.parallel import ParallelDims
+    from autotune.distributed.parallel import ParallelDims
 
     dims = ParallelDims.of(spec.train, spec.cluster.num_gpus)
     return spec.model.root_parameters * PARAM_DTYPE_BYTES["fp32"] // (dims.dp_shard * dims.cp)  # cp ranks shard it too

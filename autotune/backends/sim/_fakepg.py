@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from autotune.errors import TrialError
-from autotune.parallel import ParallelDims
+from autotune.util.errors import TrialError
+from autotune.distributed.parallel import ParallelDims
 
 _FAKE_BACKEND = "fake"
 _mesh_cache: dict[object, object] = {}

@@ -76,7 +76,7 @@ def _kill(process, conn) -> None:
 
 
 def _serve(conn, new_backend: Callable[[], Any]) -> None:
-    # The parent owns Ctrl-C and SIGTERM (autotune/interrupts.py) and kills this process when it
+    # The parent owns Ctrl-C and SIGTERM (autotune/util/interrupts.py) and kills this process when it
     # unwinds; the parent's deferred-signal timer must not fire here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

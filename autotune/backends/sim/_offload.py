@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
 
-from autotune import costmodel
+from autotune.estimate import costmodel
 from autotune.backends.sim._trace import SYNC_PHASE, SiteKey, StepTrace
 
 __all__ = ["OFFLOAD_BASIS", "device_sites", "host_bytes_per_rank", "staging_bytes"]

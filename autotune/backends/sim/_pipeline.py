@@ -44,11 +44,11 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
-from autotune.config import TrialSpec
-from autotune.knobs import PIPELINE_VIRTUAL_STAGES
-from autotune.parallel import ParallelDims, keep_leaf_inputs_collectable, parallelize, split_stages
-from autotune.parallel.pipeline import stages_of_rank
-from autotune.training import build_model, make_optimizer, token_batches, train_step
+from autotune.problem.config import TrialSpec
+from autotune.problem.knobs import PIPELINE_VIRTUAL_STAGES
+from autotune.distributed.parallel import ParallelDims, keep_leaf_inputs_collectable, parallelize, split_stages
+from autotune.distributed.parallel.pipeline import stages_of_rank
+from autotune.distributed.training import build_model, make_optimizer, token_batches, train_step
 
 _TOTAL = "Total"
 _REDUCE_SCATTER = torch.ops.c10d._reduce_scatter_base_.default

@@ -84,7 +84,7 @@ def _grouped_mm_flops(a, b, *args, passes: int = 1, **kwargs) -> int:
 FLOP_FORMULAS[_aten._grouped_mm] = _grouped_mm_flops
 
 OP_KINDS = ("matmul", "float8_matmul", "attention", "memory")
-"""How the step-time model costs an op (autotune/costmodel.py, `OpWork`): matmuls by FLOPs (float8
+"""How the step-time model costs an op (autotune/estimate/costmodel.py, `OpWork`): matmuls by FLOPs (float8
 ones, `_scaled_mm`, apart: they run at the GPU's float8 rate), attention kernels by FLOPs, every
 other op that makes or writes a tensor by the bytes it reads and writes. Views, metadata queries
 and collectives (costed per FSDP unit) are not counted."""
@@ -175,13 +175,13 @@ def _tensor_bytes(values) -> int:
 
 from autotune.backends.sim._compile_reuse import compile_reuse, route_module_hooks  # noqa: E402
 from autotune.backends.sim._gpu_kernels import DEFAULT_SM, sdpa_as_on_a_gpu  # noqa: E402
-from autotune.catalog.blocks import Blocks, fused_experts  # noqa: E402
-from autotune.catalog.models import ModelSpec
-from autotune.config import TRL_STEPS, FineTuning, TrainConfig
-from autotune.costmodel import LARGE_MEMORY_OP_BYTES
-from autotune.parallel import keep_leaf_inputs_collectable, parallelize, register_rng_rules
-from autotune.parallel.expert import set_routing
-from autotune.training import (OffloadedActivations, build_model, make_optimizer, prepare_step, sync_weights_to_vllm,
+from autotune.problem.catalog.blocks import Blocks, fused_experts  # noqa: E402
+from autotune.problem.catalog.models import ModelSpec
+from autotune.problem.config import TRL_STEPS, FineTuning, TrainConfig
+from autotune.estimate.costmodel import LARGE_MEMORY_OP_BYTES
+from autotune.distributed.parallel import keep_leaf_inputs_collectable, parallelize, register_rng_rules
+from autotune.distributed.parallel.expert import set_routing
+from autotune.distributed.training import (OffloadedActivations, build_model, make_optimizer, prepare_step, sync_weights_to_vllm,
                                token_batches, train_step)
 
 __all__ = ["REFTYPE_CATEGORIES", "SYNC_PHASE", "SiteKey", "StepTrace", "Tracer", "period_of"]
@@ -245,7 +245,7 @@ class StepTrace:
     duration_s: float = 0.0
     largest_allocation_bytes: int = 0
     """The largest single tensor storage the step allocates (the fp32 logits, for LLMs): the
-    allocator's fragmentation at the peak scales with it (autotune/runtime_memory.py)."""
+    allocator's fragmentation at the peak scales with it (autotune/estimate/runtime_memory.py)."""
     sync_largest_allocation_bytes: int = 0
     """The same for the weight sync (a full fp32 parameter), when it was traced: it does not grow
     with the micro-batch."""
@@ -673,7 +673,7 @@ class Tracer:
         `step`: whose forward and loss (config.stack_step), as a real trial runs it; `gpu_sm`: the
         compute capability of a GPU run's GPU (None: SM 9.0), for the attention kernel CUDA's SDPA
         picks there (_gpu_kernels: with dropout, a fused kernel keeps no mask and no scores); `routing`:
-        a stated MoE routing skew (autotune/routing.py), whose binding rank expert parallelism's
+        a stated MoE routing skew (autotune/problem/routing.py), whose binding rank expert parallelism's
         all-to-alls are traced at (parallel.ExpertDispatch; set on the cached model every trace)."""
         start = time.perf_counter()
         built = self._built(model_spec, depth=depth, mesh=mesh, world_size=world_size, train=train,

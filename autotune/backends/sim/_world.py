@@ -143,7 +143,7 @@ def replicated(trace: StepTrace, w1: int, w: int, train) -> StepTrace | None:
     each rank holds, gathers and frees the same tensors and runs the same ops at every such world
     size (the gradients' all-reduce over the replicas is in place, and FSDP2 averages through the
     collective at any replica count). Else None. tests/test_plan.py compares one with a fresh trace."""
-    from autotune.parallel import ParallelDims
+    from autotune.distributed.parallel import ParallelDims
 
     if (train.expert_parallel > 1 or train.ranks_per_batch > 1 or trace.derived_from or trace.sync_largest_allocation_bytes
             or not all(ParallelDims.of(train, world).hsdp for world in (w1, w))):

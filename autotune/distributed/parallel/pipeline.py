@@ -1,0 +1,282 @@
+"""Pipeline parallelism (--pp): the decoder blocks split into contiguous stages, each rank of a pp group
+holding one stage (two under Interleaved1F1B), torch.distributed.pipelining's schedule running the
+micro-batches through them, FSDP2 sharding each stage over the rank's data mesh. After torchtitan's
+distributed/pipeline_parallel.py (`pipeline_llm`): the model is split into model parts, each part is
+parallelized like a whole model (activation checkpointing, then fully_shard bottom-up, the part its
+root), a PipelineStage wraps each part, and one schedule runs this rank's stages.
+
+What differs from torchtitan: its model parts are deep copies of the whole model with the other layers
+deleted; here a stage is a `PipelineStageModule` that holds the HF causal LM's own submodules (the
+embeddings on the first stage, a slice of `model.layers`, `rotary_emb` on every stage, the final norm
+and the head on the last) and calls them as the base model's forward does (causal attention without a
+mask: SDPA's is_causal, as context parallelism's step runs it). The loss is the model's own
+(`loss_function`, the shifted cross-entropy `model(input_ids, labels=...).loss` computes), on the last
+stage's logits. Stage metadata (shapes, dtypes) is given to every PipelineStage up front (torch's
+STATIC inference mode): no shape-inference forward and no metadata sent between ranks, and the
+simulator, whose fake process group moves no data, reaches the same mode and allocates the same
+buffers (autotune/backends/sim/_pipeline.py).
+
+FSDP inside a stage (torch's PipelineStage.backward_maybe_with_nosync / perform_reduce_grad, which
+torchtitan relies on too): for every micro-batch but the last, the stage's FSDP root is told
+`set_requires_gradient_sync(False)` and `set_reshard_after_backward(False)` (gradients accumulate
+unsharded, parameters stay gathered through backward), then after the last backward the gradients are
+reduce-scattered once and the parameters resharded; the gradients are divided by the number of
+micro-batches (`scale_grads`), as the unpipelined step divides each micro-batch's loss. Resharding
+after forward follows the configuration's knob (torchtitan's default under PP is False: every
+micro-batch's forward would all-gather again).
+
+The pipeline's micro-batches are the configuration's gradient-accumulation steps: one optimizer step
+is one schedule step over grad_accum_steps micro-batches of micro_batch_size sequences.
+
+With tensor parallelism (PP x TP, torchtitan's FSDP x TP x PP: the mesh (pp, dp_shard, tp), parallel/dims.py),
+each stage is split over its tp mesh after the pipeline split and before checkpointing and FSDP
+(tensor.apply_tp_stage: apply_tp's layout on the stage's blocks, the first stage's embeddings, the last stage's
+final norm and head). Between stages the hidden states are each tp rank's sequence shard as a plain tensor
+(rows x seq / tp x hidden, torchtitan's stages pass the same): PipelineStageModule hands on `to_local()` of its
+output and re-marks its input as the sequence shard (DTensor Shard(1)), and the stages' metadata declares those
+per-rank shapes (Pipeline._metas), so the point-to-point sends carry 1/tp of the activations.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from autotune.problem.catalog.blocks import Blocks
+from autotune.problem.config import TrainConfig
+from autotune.problem.knobs import PIPELINE_VIRTUAL_STAGES, split_stages, why_no_pipeline_parallel
+from autotune.distributed.parallel.checkpointing import apply_ac
+from autotune.distributed.parallel.dims import pipeline_mesh, tensor_mesh
+from autotune.distributed.parallel.fsdp import PARAM_DTYPES, apply_fsdp
+from autotune.distributed.parallel.tensor import apply_tp_stage
+
+_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
+def why_no_pipeline_stages(config: dict, *, seq_len: int = 0) -> str:
+    """'' where a model of this config (a dict: a transformers config's to_dict(), with its model_type) splits
+    into PipelineStageModules, else why not (one clause): knobs.why_no_pipeline_parallel's model clauses,
+    which the configuration's checks give before anything is built."""
+    return why_no_pipeline_parallel(num_layers=1, degree=1, schedule="1F1B", config=config, seq_len=seq_len)
+
+
+
+
+def stages_of_rank(pp_rank: int, pp: int, schedule: str) -> list[int]:
+    """The stage indices pipeline rank `pp_rank` holds: one per rank, or, under a multi-stage schedule,
+    PIPELINE_VIRTUAL_STAGES of them round-robin (rank r: r, r + pp, ...), as torchtitan's `stage_ids_this_rank`
+    assigns them for its 'loop' style schedules (Interleaved1F1B)."""
+    return [pp_rank + v * pp for v in range(PIPELINE_VIRTUAL_STAGES[schedule])]
+
+
+def _base_model(causal_lm: nn.Module) -> nn.Module:
+    kind = getattr(causal_lm.config, "model_type", None)
+    # seq_len 1: a sliding window is checked against the sequence at the first step (Pipeline.schedule).
+    why = why_no_pipeline_stages(causal_lm.config.to_dict(), seq_len=1)
+    if why:
+        raise ValueError(f"{type(causal_lm).__name__} cannot be split into pipeline stages: {why}")
+    base = getattr(causal_lm, "model", None)
+    missing = [name for name in _PARTS if base is None or getattr(base, name, None) is None]
+    if missing or getattr(causal_lm, "lm_head", None) is None:
+        raise ValueError(f"{type(causal_lm).__name__} ({kind}) cannot be split into pipeline stages: its base model "
+                         f"lacks {missing or ['lm_head']}")
+    params = inspect.signature(type(base.layers[0]).forward).parameters
+    needed = [name for name, p in params.items() if name not in ("self", "hidden_states", "attention_mask",
+                                                                   "position_ids", "position_embeddings")
+              and p.default is inspect.Parameter.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    if needed or "position_embeddings" not in params:
+        raise ValueError(f"{type(causal_lm).__name__} ({kind}) cannot be split into pipeline stages: its decoder "
+                         f"layers take {needed or 'no position_embeddings'}")
+    return base
+
+
+class PipelineStageModule(nn.Module):
+    """One stage of an HF causal LM: the embeddings (first stage), decoder blocks [start, end), the rotary
+    embedding (every stage: it holds only inv_freq), the final norm and the head (last stage). Its forward
+    takes token ids (first stage) or hidden states and returns hidden states, or the logits (last stage).
+
+    Under tensor parallelism (`tp_mesh`, set by apply_pp once apply_tp_stage has split the stage) the hidden
+    states crossing between stages are this tp rank's sequence shard as a plain tensor (rows x seq / tp x
+    hidden), as torchtitan's stages pass them: a stage taking hidden states marks its input as that shard
+    (DTensor Shard(1), what the blocks' sequence-parallel norms read), and one passing them on hands over its
+    local shard (`to_local`, torch's `use_local_output`); the last stage's head gathers the sequence and
+    returns every rank the whole logits (apply_tp's layout)."""
+
+    def __init__(self, causal_lm: nn.Module, start: int, end: int, *, first: bool, last: bool) -> None:
+        super().__init__()
+        base = _base_model(causal_lm)
+        self.start, self.end = start, end
+        self.embed_tokens = base.embed_tokens if first else None
+        self.layers = nn.ModuleList(base.layers[start:end])
+        self.rotary_emb = base.rotary_emb
+        self.norm = base.norm if last else None
+        self.lm_head = causal_lm.lm_head if last else None
+        self.tp_mesh = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is not None:
+            hidden = self.embed_tokens(x)
+        elif self.tp_mesh is not None:  # the previous stage's sequence shard
+            from torch.distributed.tensor import DTensor, Shard
+
+            hidden = DTensor.from_local(x, self.tp_mesh, [Shard(1)], run_check=False)
+        else:
+            hidden = x
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=None, position_ids=position_ids,
+                           position_embeddings=position_embeddings)
+            if isinstance(hidden, tuple):
+                hidden = hidden[0]
+        if self.norm is not None:
+            hidden = self.norm(hidden)
+        if self.lm_head is not None:
+            hidden = self.lm_head(hidden)
+        elif self.tp_mesh is not None:  # this rank's sequence shard goes to the next stage
+            hidden = hidden.to_local()
+        return hidden
+
+
+def stage_loss(causal_lm: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The last stage's loss: the model's own (training.micro_batch_loss's `model(input_ids, labels).loss`),
+    on the stage's logits with the micro-batch's tokens as labels (shifted inside)."""
+    loss_function, vocab_size = causal_lm.loss_function, causal_lm.config.vocab_size
+
+    def loss_fn(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return loss_function(logits=logits, labels=tokens, vocab_size=vocab_size)
+
+    return loss_fn
+
+
+class Pipeline:
+    """This rank's stages and the schedule that runs them; training.train_step calls it with a step's
+    micro-batches (`model.pipeline`). The PipelineStages and the schedule are made at the first step, when the
+    micro-batches' shape is known (their metadata given up front: STATIC inference), and again only when the
+    number of micro-batches changes."""
+
+    def __init__(self, modules: list[tuple[int, PipelineStageModule]], *, num_stages: int, schedule: str, group,
+                 device: torch.device, loss_fn, hidden_size: int, vocab_size: int, dtype: torch.dtype,
+                 config: dict | None = None, sequence_shards: int = 1) -> None:
+        self.modules = modules
+        self.num_stages = num_stages
+        self.schedule_name = schedule
+        self.group = group
+        self.device = device
+        self.loss_fn = loss_fn
+        self.hidden_size, self.vocab_size, self.dtype = hidden_size, vocab_size, dtype
+        self._schedule = None
+        self._key: tuple | None = None
+        self._config = config or {}
+        self.sequence_shards = sequence_shards  # tp: the hidden states between stages are sequence shards
+
+    @property
+    def has_first(self) -> bool:
+        return any(index == 0 for index, _ in self.modules)
+
+    @property
+    def has_last(self) -> bool:
+        return any(index == self.num_stages - 1 for index, _ in self.modules)
+
+    def _metas(self, index: int, rows: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Example input and output of stage `index` (meta tensors: only shapes, strides and dtypes are read).
+        Every output requires grad: the grad-recv buffer of a non-last stage is made from its output's meta. Under
+        tensor parallelism the hidden states between stages are this tp rank's sequence shard (seq / tp tokens)."""
+        hidden = torch.empty(rows, seq // self.sequence_shards, self.hidden_size, dtype=self.dtype, device="meta",
+                             requires_grad=True)
+        inputs = torch.empty(rows, seq, dtype=torch.long, device="meta") if index == 0 else hidden
+        outputs = (torch.empty(rows, seq, self.vocab_size, dtype=self.dtype, device="meta", requires_grad=True)
+                   if index == self.num_stages - 1 else hidden)
+        return inputs, outputs
+
+    def schedule(self, n_microbatches: int, rows: int, seq: int):
+        key = (n_microbatches, rows, seq)
+        if self._key == key:
+            return self._schedule
+        why = why_no_pipeline_stages(self._config, seq_len=seq) if self._config else ""
+        if why:
+            raise ValueError(f"pipeline stages of {seq}-token sequences: {why}")
+        if seq % self.sequence_shards:
+            raise ValueError(f"pipeline stages of {seq}-token sequences: the tensor-parallel degree "
+                             f"{self.sequence_shards} does not divide them into the equal sequence shards the stages "
+                             "pass on")
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        stages = []
+        for index, module in self.modules:
+            inputs, outputs = self._metas(index, rows, seq)
+            stages.append(PipelineStage(module, index, self.num_stages, self.device, input_args=(inputs,),
+                                        output_args=(outputs,), group=self.group))
+        if self.schedule_name == "Interleaved1F1B":
+            self._schedule = ScheduleInterleaved1F1B(stages, n_microbatches=n_microbatches, loss_fn=self.loss_fn)
+        else:
+            single = Schedule1F1B if self.schedule_name == "1F1B" else ScheduleGPipe
+            (stage,) = stages
+            self._schedule = single(stage, n_microbatches=n_microbatches, loss_fn=self.loss_fn)
+        self._key = key
+        return self._schedule
+
+    def __call__(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        """One schedule step over `micro_batches` (each rows x seq token ids; every rank passes the same ones,
+        the first stage feeds them, the last takes them as labels). Returns the mean loss over the micro-batches
+        on a rank holding the last stage, 0 elsewhere (detached)."""
+        rows, seq = micro_batches[0].shape
+        schedule = self.schedule(len(micro_batches), rows, seq)
+        tokens = torch.cat(micro_batches) if len(micro_batches) > 1 else micro_batches[0]
+        losses: list[torch.Tensor] = []
+        args = (tokens,) if self.has_first else ()
+        target = tokens if self.has_last else None
+        # return_outputs=False, as torchtitan's trainer steps its schedule: the last stage would otherwise keep every
+        # micro-batch's logits (output_chunks) to the end of the step and concatenate them, for nobody.
+        schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
+        if not losses:
+            return torch.zeros((), device=tokens.device)
+        return torch.stack([loss.detach() for loss in losses]).mean()
+
+
+def apply_pp(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bool = True,
+             step: str = "autotune") -> Blocks:
+    """Split `model` (an HF causal LM, on meta or fake tensors) into this rank's stages, in place: the stages
+    become `model.pipeline_stages`, the base model and head are dropped from `model` (what this rank does not
+    hold is never materialised), activation checkpointing and FSDP2 are applied to each stage over the data
+    mesh (the stage its FSDP root), and `model.pipeline` (Pipeline) runs the schedule. Returns the blocks of
+    this rank's first stage (callers read their class). Under tensor parallelism each stage is first split over
+    the tp mesh (apply_tp_stage: its blocks, and the embeddings, final norm and head it holds, torchtitan's
+    order: pipeline split, then TP, then checkpointing and FSDP)."""
+    base = _base_model(model)
+    pp_mesh = pipeline_mesh(mesh)
+    tp = train.tensor_parallel
+    tp_mesh = tensor_mesh(mesh) if tp > 1 else None
+    pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    virtual = PIPELINE_VIRTUAL_STAGES[train.pipeline_schedule]
+    num_stages = pp * virtual
+    bounds = split_stages(len(base.layers), num_stages)
+    modules = []
+    for index in stages_of_rank(pp_rank, pp, train.pipeline_schedule):
+        start, end = bounds[index]
+        modules.append((index, PipelineStageModule(model, start, end, first=index == 0, last=index == num_stages - 1)))
+    config = model.config
+    loss_fn = stage_loss(model)
+    model.model = None
+    model.lm_head = None
+    model.pipeline_stages = nn.ModuleList(module for _, module in modules)
+    blocks = []
+    for _, module in modules:
+        stage_blocks = Blocks(parent=module, attr="layers", class_name=type(module.layers[0]).__name__)
+        if tp_mesh is not None:
+            apply_tp_stage(model, stage_blocks, tp_mesh, tp, embeddings=module.embed_tokens,
+                           final_norm=module.norm, head=module.lm_head)
+            module.tp_mesh = tp_mesh
+        apply_ac(stage_blocks, train.activation_checkpointing)
+        apply_fsdp(module, stage_blocks, mesh, train, allow_offload=allow_offload, step=step)
+        blocks.append(stage_blocks)
+    if mesh.device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device(mesh.device_type)
+    model.pipeline = Pipeline(modules, num_stages=num_stages, schedule=train.pipeline_schedule,
+                              group=pp_mesh.get_group(), device=device, loss_fn=loss_fn,
+                              hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+                              dtype=PARAM_DTYPES[train.precision], config=config.to_dict(), sequence_shards=tp)
+    return blocks[0]
