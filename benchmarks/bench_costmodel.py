@@ -287,11 +287,29 @@ def run_published_by_source() -> dict:
           f"{ordered} of {pairs} ({ties} more within {PUBLISHED_TIE:.0%}: ties)")
     for line in wrong:
         print(f"  out of order: {line}")
+    _print_long_sequences(rows, errors, lambda r: r.source, "leave-one-source-out")
     fit = _fit_against_shipped(rows)
     return dict(median_abs_error=med, worst_abs_error=worst, errors=errors, by_source=by_source,
                 sources=len(sources), publishers=len(set(publishers.values())), coverage=coverage,
                 same_source_pairs=pairs, pairs_in_order=ordered, ties=ties, out_of_order=wrong, fit=fit,
                 held_out_fits={source: fitted for source, (fitted, _) in held_out.items()})
+
+
+LONG_SEQUENCE = 16384
+"""Issue 56's long-sequence subset: rows at this many tokens per sequence or more."""
+
+
+def _print_long_sequences(rows, errors, group, how: str) -> None:
+    """Issue 56's long-sequence figures: the held-out errors of the rows at LONG_SEQUENCE tokens or more
+    (target: >= 5 rows from >= 2 sources, median <= 10%, worst <= 20%)."""
+    subset = [(group(r), e) for r, e in zip(rows, errors) if r.seq_len >= LONG_SEQUENCE]
+    if not subset:
+        print(f"{how}, rows at {LONG_SEQUENCE}+ tokens: none")
+        return
+    sources = {r.source for r in rows if r.seq_len >= LONG_SEQUENCE}
+    print(f"{how}, rows at {LONG_SEQUENCE}+ tokens: {len(subset)} rows from {len(sources)} sources of "
+          f"{len({g for g, _ in subset})} held-out group(s): median |error| "
+          f"{statistics.median(abs(e) for _, e in subset):.1%}, worst {max(abs(e) for _, e in subset):.1%}")
 
 
 def run_published_by_publisher() -> dict:
@@ -314,6 +332,17 @@ def run_published_by_publisher() -> dict:
         print(f"| {publisher} | {len(errs)} | {statistics.median(errs):+.1%} | {max(errs, key=abs):+.1%} |")
     med, worst = statistics.median(abs(e) for e in errors), max(abs(e) for e in errors)
     print(f"\nleave-one-publisher-out median |error| {med:.1%}, worst {worst:.1%} over {len(rows)} rows")
+    from autotune.estimate.heldout import weighted_quantile
+
+    pairs = [(publisher, e) for publisher, errs in by_publisher.items() for e in errs]
+    print(f"publishers weighted equally (issue 56's measure): median |error| {weighted_quantile(pairs, 0.5):.1%}, "
+          f"90% quantile {weighted_quantile(pairs, 0.9):.1%}, worst {worst:.1%} over {len(by_publisher)} publishers")
+    publisher_of = costmodel_fit.source_publishers()
+    held_errors = [0.0] * len(rows)
+    for _, held in held_out.values():
+        for i in held:
+            held_errors[i] = held[i] / rows[i].tokens_per_sec_per_gpu - 1
+    _print_long_sequences(rows, held_errors, lambda r: publisher_of[r.source], "leave-one-publisher-out")
     all_rows = None
     print("\n## Compiled rows (never fitted): the step with the blocks' memory-bound ops fused "
           f"(costmodel.COMPILED_KERNELS = {costmodel.COMPILED_KERNELS!r}), eager constants fitted without their publisher")

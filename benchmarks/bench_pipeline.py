@@ -3,6 +3,9 @@
     .venv/bin/python benchmarks/bench_pipeline.py            # the matrix below (~3 min on 2 cores)
     .venv/bin/python benchmarks/bench_pipeline.py --quick    # PP2 1F1B on the three families only
     .venv/bin/python benchmarks/bench_pipeline.py --tp       # PP2 x TP2 on 4 ranks only (1F1B, Interleaved1F1B)
+    .venv/bin/python benchmarks/bench_pipeline.py --timing llama3-8b --pp 4 --gpus 8 --schedule 1F1B
+        # the simulator alone on a catalog model (no real run): seconds per pipeline candidate with each rank traced
+        # whole and with depth extrapolation (_pipeline.trace_pipeline_rank_extrapolated), and both predictions
 
 For each case (family x PP2 / PP4 x schedule; on 4 ranks PP4, PP2 x FSDP2 and PP2 x TP2), tiny models at 64 tokens, 2
 sequences per micro-batch, 4 micro-batches (the accumulation steps) per step: the real trial (one warm-up and
@@ -48,7 +51,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="PP2 1F1B on the three families only")
     parser.add_argument("--tp", action="store_true", help="PP2 x TP2 on 4 ranks only")
+    parser.add_argument("--timing", metavar="MODEL", help="time the simulator on one pipeline candidate of this "
+                        "catalog model, whole and depth-extrapolated (no real run)")
+    parser.add_argument("--pp", type=int, default=4)
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--schedule", default="1F1B")
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--accum", type=int, default=8, help="the pipeline's micro-batches")
+    parser.add_argument("--ac", default="full", help="activation checkpointing")
+    parser.add_argument("--only", choices=("whole", "extrapolated"), help="--timing: one of the two only")
     args = parser.parse_args()
+    if args.timing:
+        _timing(args)
+        return
     layouts = LAYOUTS[:1] if args.quick else [row for row in LAYOUTS if len(row) > 3] if args.tp else LAYOUTS
     folder = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
     specs = [TrialSpec(model=_model(name, folder), cluster=Cluster(num_gpus=ranks), seq_len=SEQ,
@@ -81,6 +97,42 @@ def main() -> None:
         print(f"{name:<11} {spec.cluster.num_gpus:>5} {spec.train.pipeline_parallel:>3} "
               f"{spec.train.tensor_parallel:>3} {spec.train.pipeline_schedule:<16} {sim_peak:>13,} {real_peak:>13,} {sim_peak - real_peak:>7,}  {per}")
     print(f"simulator {sim_s:.0f} s, real trials {real_s:.0f} s")
+
+
+def _timing(args) -> None:
+    """One pipeline candidate on the simulator (a GPU run's trace: no gloo copy), each rank traced whole
+    (SimBackend(extrapolate=False)) and depth-extrapolated (the default): seconds and predicted peaks. The result
+    cache is off (AUTOTUNE_CACHE=off): every figure is a trace."""
+    import os
+
+    os.environ["AUTOTUNE_CACHE"] = "off"
+    spec = TrialSpec(model=resolve_model(args.timing), cluster=Cluster(num_gpus=args.gpus), seq_len=args.seq,
+                     train=TrainConfig(pipeline_parallel=args.pp, pipeline_schedule=args.schedule,
+                                       micro_batch_size=args.micro_batch, activation_checkpointing=args.ac),
+                     grad_accum_steps=args.accum)
+    print(f"{args.timing}: {spec.model.num_layers} blocks, {args.gpus} GPUs, pp {args.pp} {args.schedule}, seq "
+          f"{args.seq}, micro-batch {args.micro_batch}, {args.accum} micro-batches, checkpointing {args.ac}",
+          flush=True)
+    peaks = {}
+    for label, extrapolate in (("whole", False), ("extrapolated", True)):
+        if args.only and args.only != label:
+            continue
+        start, cpu_start = time.perf_counter(), time.process_time()
+        with SimBackend(device_kind="cuda", extrapolate=extrapolate, screen=False) as sim:  # traced, never screened
+            result = sim.evaluate(spec)
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        if "per_pipeline_rank_tensor_peak_bytes" not in result.extras:  # an error, not a prediction ('oom' is one)
+            print(f"{label}: {result.status}: {result.message[:300]}")
+            continue
+        peaks[label] = result.extras["per_pipeline_rank_tensor_peak_bytes"]
+        print(f"{label:<13} [{result.status}] {seconds:8.1f} s per candidate ({cpu:.1f} s of CPU: a shared "
+              f"machine's wall time is longer); tensor peak {result.extras['tensor_peak_bytes']:,} B; "
+              f"per pipeline rank {peaks[label]}", flush=True)
+        for rank, how in (result.extras.get("pipeline_ranks_extrapolated") or {}).items():
+            print(f"    rank {rank}: {how}")
+    if len(peaks) == 2:
+        print("per-rank peaks identical" if peaks["whole"] == peaks["extrapolated"] else
+              f"per-rank peaks DIFFER: {peaks}")
 
 
 if __name__ == "__main__":

@@ -12,9 +12,14 @@ sequences per GPU), then
   fitted constant, the goodput factor, fitted WITHOUT the row's publisher: the factor g for which
   the mean over the other publishers (each publisher's rows averaged first, so every publisher
   weighs the same) of log(published / predicted) is zero. The goodput range is the smallest and
-  largest factor one of those publishers would get alone.
+  largest factor one of those publishers would get alone. A row whose published figure counts steps
+  alone ('published_counts': 'steps': step time x steps, from measured throughput or logged iteration
+  time, as LLaMA-65B's Table 15 and Pythia's Table 5) is compared with the model's compute term
+  (benchmark time / g, every loss term off): restarts, saves, evaluation and start-up are not in it.
 
-Per row: published and predicted GPU-hours, the error (predicted / published - 1), and whether the
+Per row: autotune's tokens/s per GPU and pub/est, the published run's sustained tokens/s per GPU
+over it (the factor that row alone would fit: how far autotune's step estimate is from the run's
+stack), published and predicted GPU-hours, the error (predicted / published - 1), and whether the
 published figure is inside the printed range; then the median error, the worst, the fraction
 inside the range, by row and with each publisher weighted equally. A row autotune cannot answer
 (nothing fits, the global batch cannot be kept) is printed as unanswered and counted as such.
@@ -80,12 +85,26 @@ def published_gpu_hours(run: dict) -> float:
     return pub["gpu_hours"] if "gpu_hours" in pub else pub["wall_clock_days"] * 24 * run["gpus"]
 
 
+def counts_steps(run: dict) -> bool:
+    """Whether the published figure is step time x steps (measured throughput or logged iteration time), not
+    wall-clock: then no restart, checkpoint stall, evaluation or start-up is in it."""
+    return run.get("published_counts") == "steps"
+
+
 def predict(run: dict, est: dict, goodput: float, goodput_range: tuple[float, float]) -> dict:
-    a = ttt.Assumptions(goodput=goodput, goodput_range=goodput_range)
+    """The time-to-train model for the row: its whole expected wall-clock, or, for a row whose published figure
+    counts steps alone, the same model with every loss term off (benchmark time / goodput): what that figure
+    measures."""
+    if counts_steps(run):
+        a = ttt.Assumptions(goodput=goodput, goodput_range=goodput_range, failures_per_gpu_hour=0.0,
+                            eval_fraction=0.0, startup_s=0.0)
+        write = 0.0
+    else:
+        a, write = ttt.Assumptions(goodput=goodput, goodput_range=goodput_range), None
     rng = tuple(est["range"]) if est["range"] else None
     return ttt.expected_time(train_tokens=run["train_tokens"], tokens_per_sec=est["tokens_per_sec"], gpus=run["gpus"],
                              nodes=run["gpus"] // 8, checkpoint_size_bytes=ttt.checkpoint_bytes(est["parameters"]),
-                             tokens_per_sec_range=rng, assumptions=a)
+                             write_s=write, tokens_per_sec_range=rng, assumptions=a)
 
 
 def fit_goodput(rows: list[dict]) -> tuple[float, tuple[float, float], dict[str, float]]:
@@ -167,10 +186,12 @@ def main() -> int:
     print(f"estimated {len(rows)} rows in {time.monotonic() - began:.0f} s (analytic backend); "
           f"{len(unanswered)} unanswered")
 
-    header = (f"{'run':<18} {'publisher':<13} {'GPUs':>6} {'tok/s/GPU':>9} {'published':>10} {'old':>10} {'err':>7} "
-              f"{'expected':>10} {'err':>7} {'range':>21} {'in':>3} {'g':>5}")
+    header = (f"{'run':<18} {'publisher':<13} {'GPUs':>6} {'tok/s/GPU':>9} {'pub/est':>7} {'published':>10} {'old':>10} "
+              f"{'err':>7} {'expected':>10} {'err':>7} {'range':>21} {'in':>3} {'g':>5}")
     print("\nGPU-hours: published; old = tokens / tokens/s x GPUs; expected = autotune/estimate/time_to_train.py with the goodput "
-          "fitted without the row's publisher (g)")
+          "fitted without the row's publisher (g); * = the published figure counts steps alone (step time x steps), "
+          "compared with benchmark time / g; pub/est = the published run's sustained tokens/s per GPU over autotune's "
+          "estimate (the factor that row alone would fit)")
     print(header)
     old_errors, new_errors = [], []
     for row in rows:
@@ -183,8 +204,10 @@ def main() -> int:
         inside = low <= row["published"] <= high
         old_errors.append((row["publisher"], old / row["published"], None))
         new_errors.append((row["publisher"], new["gpu_hours"] / row["published"], inside))
-        print(f"{run['id']:<18} {row['publisher'][:13]:<13} {run['gpus']:>6} {est['tokens_per_sec'] / run['gpus']:>9,.0f} "
-              f"{row['published']:>10,.0f} {old:>10,.0f} {old / row['published'] - 1:>+7.0%} {new['gpu_hours']:>10,.0f} "
+        sustained = run["train_tokens"] / (row["published"] * 3600) * run["gpus"]
+        name = run["id"] + ("*" if counts_steps(run) else "")
+        print(f"{name:<18} {row['publisher'][:13]:<13} {run['gpus']:>6} {est['tokens_per_sec'] / run['gpus']:>9,.0f} "
+              f"{sustained / est['tokens_per_sec']:>7.2f} {row['published']:>10,.0f} {old:>10,.0f} {old / row['published'] - 1:>+7.0%} {new['gpu_hours']:>10,.0f} "
               f"{new['gpu_hours'] / row['published'] - 1:>+7.0%} {low:>10,.0f}-{high:<10,.0f} {'yes' if inside else 'no':>3} "
               f"{g:>5.2f}")
     for run, publisher, est in unanswered:

@@ -196,18 +196,22 @@ def test_stage_bounds_as_built():
 
 
 # Against the simulator (each pipeline rank traced whole, exact against real gloo runs): small untied models, every
-# schedule, with and without checkpointing (benchmarks/bench_pipeline_closed_form.py runs 7-8B models).
+# schedule, with and without checkpointing (benchmarks/bench_pipeline_closed_form.py runs 7-8B models). The last
+# row's last stage is mostly logits (tiny-llama: 8,000 logits a token against 256 hidden): 1F1B over 8 micro-batches
+# under return_outputs=False holds one micro-batch's, where the closed form once held all 8 (+22% on that stage).
 SIMULATED = [
     ("tiny-llama", 8, 2, "1F1B", "full", 1, 4, 256),
     ("tiny-qwen2", 8, 4, "GPipe", "none", 1, 4, 256),
     ("tiny-llama", 4, 2, "Interleaved1F1B", "full", 2, 4, 512),
+    ("tiny-llama", 8, 4, "1F1B", "full", 2, 8, 512),
 ]
 
 
 @pytest.mark.parametrize("model,gpus,pp,schedule,ac,mb,accum,seq", SIMULATED)
 def test_closed_form_follows_the_simulator(model, gpus, pp, schedule, ac, mb, accum, seq):
-    """Every pipeline rank's closed-form tensor peak within 10% of the simulator's trace, the same rank the worst,
-    and the worst rank's total with runtime memory within 10%."""
+    """Every pipeline rank's closed-form tensor peak within 10% of the simulator's trace (the last stage's, the
+    logits' and the loss's, within 3%), the same rank the worst, and the worst rank's total with runtime memory
+    within 10%."""
     from autotune.backends.analytic import pipeline_rank_memory
     from autotune.backends.sim import SimBackend
 
@@ -219,7 +223,7 @@ def test_closed_form_follows_the_simulator(model, gpus, pp, schedule, ac, mb, ac
     estimated = {rank: sum(parts.values()) for rank, _, parts in pipeline_rank_memory(spec)}
     assert set(traced) == set(range(pp))
     for rank, peak in traced.items():
-        assert estimated[rank] == pytest.approx(peak, rel=0.10), rank
+        assert estimated[rank] == pytest.approx(peak, rel=0.03 if rank == pp - 1 else 0.10), rank
     assert max(estimated, key=estimated.get) == max(traced, key=traced.get)
     assert estimate_memory(spec).peak_bytes == pytest.approx(sim.peak_bytes, rel=0.10)
 
@@ -246,3 +250,30 @@ def test_no_pipeline_unchanged(name, gpus, nodes, train, seq, accum, tokens_per_
     assert result.peak_memory.value == peak
     assert pipeline_parallel_work(spec) == {}
     assert result.extras["step_time"]["pp_bubble_s"] == 0 and result.extras["step_time"]["pp_p2p_s"] == 0
+
+
+def test_a_tensor_parallel_group_exchanges_its_context_parallel_shard_only():
+    """Llama 3's 128k-token stage (TP8 x CP16 x PP16, arXiv 2407.21783 Table 4): each tensor-parallel group holds
+    seq / cp tokens of a sequence, so its all-reduces carry what the same group would at cp 1 on a sequence cp
+    times shorter, and its ring's K/V sends are on top; counted once per tp group, not once per sequence."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from autotune.backends.analytic import context_parallel_work, tensor_parallel_work
+
+    root = Path(__file__).resolve().parents[1]
+    spec_file = importlib.util.spec_from_file_location("bench_published_pipelines",
+                                                       root / "benchmarks" / "bench_published_pipelines.py")
+    bench = importlib.util.module_from_spec(spec_file)
+    spec_file.loader.exec_module(bench)
+    rows = json.loads((root / "benchmarks" / "results" / "published_pipeline_runs.json").read_text())
+    rows = rows if isinstance(rows, list) else next(v for v in rows.values() if isinstance(v, list))
+    row = next(r for r in rows if r["id"] == "L3-16384-cp16")
+    spec = bench.spec_of(row)
+    cp = spec.train.context_parallel
+    assert cp == 16
+    shorter = bench.spec_of({**row, "cp": 1, "seq": row["seq"] // cp})
+    v = row["virtual_stages"]
+    assert tensor_parallel_work(spec, v)["tp_all_reduce_bytes"] == tensor_parallel_work(shorter, v)["tp_all_reduce_bytes"]
+    assert context_parallel_work(spec, v)["cp_ring_bytes"] > 0 and context_parallel_work(shorter, v) == {}

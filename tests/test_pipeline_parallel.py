@@ -287,7 +287,7 @@ def test_the_stage_module_refuses_a_tied_embedding():
         parallelize(model, None, TrainConfig(pipeline_parallel=2))
 
 
-def test_a_big_model_is_traced_per_rank_without_extrapolation():
+def test_a_big_model_traces_only_the_ranks_that_could_peak_highest():
     """llama3.1-405b on 8 ranks: the first, the last, and of the middle ranks only one holding more blocks than
     the middle ranks before it (a later rank never has more micro-batches in flight)."""
     from autotune.backends.sim._pipeline import ranks_to_trace
@@ -305,3 +305,84 @@ def test_the_measured_throughput_counts_one_batch_per_pipeline(measured_and_pred
         data_ranks = spec.cluster.num_gpus // (spec.train.pipeline_parallel * spec.train.tensor_parallel)
         tokens_per_step = spec.train.micro_batch_size * spec.seq_len * spec.grad_accum_steps * data_ranks
         assert real.throughput * real.extras["step_seconds"] == pytest.approx(tokens_per_step, rel=1e-9)
+
+
+# --- depth extrapolation of a pipeline rank (backends/sim/_pipeline.trace_pipeline_rank_extrapolated) ---------------
+
+def _extrapolation_bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_pipeline_extrapolation.py"
+    spec = importlib.util.spec_from_file_location("bench_pipeline_extrapolation", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# Four of the benchmark's eight rows (both families and schedules, pp 2 and 4, with and without checkpointing, a
+# CPU and a GPU trace): the whole matrix is `python benchmarks/bench_pipeline_extrapolation.py` (minutes of traces).
+SUITE_ROWS = [("llama", 12, 2, "1F1B", "none", True), ("qwen2", 20, 2, "Interleaved1F1B", "full", True),
+              ("llama", 22, 4, "1F1B", "none", False), ("qwen2", 38, 4, "Interleaved1F1B", "full", False)]
+
+
+@pytest.mark.parametrize("row", SUITE_ROWS, ids=["-".join(map(str, row)) for row in SUITE_ROWS])
+def test_a_pipeline_ranks_depth_extrapolated_peak_is_its_whole_traces_byte_for_byte(tmp_path, row):
+    """Every pipeline rank traced on two shallow copies (each of its deep enough stages one period apart, the
+    embeddings on the first stage, the norm and head on the last, the schedule and its 4 micro-batches as the full
+    model's) and extrapolated per site, against the same rank traced whole: the same tensor peak to the byte and
+    the same categories at it, under 1F1B and Interleaved1F1B at pp 2 and 4, with and without full activation
+    checkpointing, for a GPU run's trace and a CPU run's (gloo's reduce-scatter copy)."""
+    bench = _extrapolation_bench()
+    assert row in bench.ROWS
+    for rank, extrapolated, whole in bench.compare(row, tmp_path):
+        assert extrapolated["tensor_peak_bytes"] == whole["tensor_peak_bytes"], (rank, extrapolated["extrapolated"])
+        assert extrapolated["categories"] == whole["categories"], rank
+        assert extrapolated["stages"] == whole["stages"]
+        assert (extrapolated["block_params"], extrapolated["root_params"]) == (whole["block_params"],
+                                                                               whole["root_params"])
+        # The shallow copies peak lower: the extrapolation, not a copy of the whole model, found the peak.
+        assert max(extrapolated["extrapolated"]["traced_peaks"]) < whole["tensor_peak_bytes"]
+
+
+def test_shallow_pipeline_layouts_keep_each_stage_mod_the_period_and_fall_back_where_too_shallow():
+    from autotune.backends.sim._pipeline import shallow_layouts
+
+    # llama3-70b (80 blocks) on pp 8 under 1F1B: stages of 4, 11 x 6, 10 blocks; 11 traced as 3 and 4.
+    assert [b - a for a, b in split_stages(80, 8)] == [4, 11, 11, 11, 11, 11, 11, 10]
+    first, second, x, full = shallow_layouts(80, 8, "1F1B", 1, 1)
+    assert full == [11] and (first[1], second[1], x) == (3, 4, 8)
+    assert first[:1] + first[2:] == second[:1] + second[2:] == [1] * 7  # other ranks' stages: never built here
+    assert shallow_layouts(80, 8, "1F1B", 0, 1) is None  # 4 blocks: traced whole (3 and 4 would be the whole)
+    # every:2 checkpointing (period 2): the same count mod 2, at least 4 blocks, two periods dropped at least.
+    first, second, x, full = shallow_layouts(80, 8, "1F1B", 1, 2)
+    assert (full[0] - first[1]) == 2 * x and first[1] >= 4 and second[1] == first[1] + 2 and first[1] % 2 == full[0] % 2
+    # Interleaved1F1B, 42 blocks on 8 stages (1, 6, 6, 6, 6, 6, 6, 5): rank 0's one-block stage stays whole.
+    first, second, x, full = shallow_layouts(42, 4, "Interleaved1F1B", 0, 1)
+    assert full == [1, 6] and (first[0], second[0]) == (1, 1) and (first[4], second[4]) == (3, 4) and x == 3
+    # Too shallow to gain anything: traced whole.
+    assert shallow_layouts(4, 2, "1F1B", 0, 1) is None
+
+
+def test_the_simulator_extrapolates_deep_pipeline_ranks_to_the_peaks_of_whole_traces(tmp_path, monkeypatch):
+    """SimBackend's default (extrapolate=True) on a 16-block model at pp 2 (stages of 8 blocks, traced as 3 and 4):
+    every rank extrapolated, the per-rank peaks and the prediction those of SimBackend(extrapolate=False), which
+    traces every rank whole; the notes say per rank which it was."""
+    from autotune.backends.sim import SimBackend
+    from autotune.problem.catalog.models import resolve_model
+    from autotune.problem.catalog.shrink import shrunk_config
+
+    monkeypatch.setenv("AUTOTUNE_CACHE", "off")
+    shrunk_config("llama", num_layers=16).save_pretrained(tmp_path / "llama")
+    spec = TrialSpec(model=resolve_model(str(tmp_path / "llama")), cluster=Cluster(num_gpus=2), seq_len=32,
+                     train=TrainConfig(pipeline_parallel=2, micro_batch_size=1), grad_accum_steps=4)
+    results = {}
+    for extrapolate in (True, False):
+        with SimBackend(device_kind="cpu", screen=False, extrapolate=extrapolate) as sim:
+            results[extrapolate] = sim.evaluate(spec)
+    on, off = results[True], results[False]
+    assert on.status == off.status == "ok"
+    assert on.extras["per_pipeline_rank_tensor_peak_bytes"] == off.extras["per_pipeline_rank_tensor_peak_bytes"]
+    assert on.peak_bytes == off.peak_bytes
+    assert [how["traced_stage_blocks"] for how in on.extras["pipeline_ranks_extrapolated"].values()] == [[[3], [4]]] * 2
+    assert all(how.startswith("traced whole") for how in off.extras["pipeline_ranks_extrapolated"].values())

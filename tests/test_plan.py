@@ -145,6 +145,98 @@ def test_console_table_reads_at_80_columns(shared_plan, capsys):
     assert max(len(line.rstrip()) for line in lines) <= 80
 
 
+def test_schema_describes_the_expected_time_to_train(shared_plan):
+    """plan.json's expected wall-clock, GPU-hours and cost (with what runs lose), the model behind them and its
+    assumptions are in the schema: each described as an estimate, every term and assumption the plan writes named,
+    and a wrong value refused where the schema once let anything through."""
+    import copy
+
+    plan, _, _ = shared_plan
+    jsonschema.validate(plan, PLAN_SCHEMA)
+    defs, option_schema = PLAN_SCHEMA["$defs"], PLAN_SCHEMA["$defs"]["option"]["properties"]
+    for key in ("expected_time_to_train_s", "expected_gpu_hours", "expected_cost"):
+        assert option_schema[key]["$ref"] == "#/$defs/figure"
+        assert option_schema[key]["description"].startswith("estimated: ")
+    assert "estimated" in defs["time_to_train_model"]["description"]
+    assert "time_to_train_assumptions" in PLAN_SCHEMA["required"]
+    assumptions = defs["assumptions"]["properties"]
+    assert set(plan["time_to_train_assumptions"]) == set(assumptions) == set(defs["assumptions"]["required"])
+    terms = defs["time_to_train_model"]["properties"]["terms"]["properties"]
+    for option in plan["options"]:
+        model = option["time_to_train_model"]
+        assert set(model["terms"]) == set(terms) and set(model["assumptions"]) == set(assumptions)
+        assert all(terms[name].get("description") for name in terms)
+        wall, hours = option["expected_time_to_train_s"], option["expected_gpu_hours"]
+        assert wall["source"] == hours["source"] == "estimated"
+        assert wall["value"] > option["time_to_train_s"]["value"]  # what runs lose comes on top
+        assert hours["value"] == pytest.approx(wall["value"] / 3600 * option["gpus"])
+        priced = option["gpu_type"] == "h100-80gb"
+        assert (option["expected_cost"] is not None) == priced
+        if priced:
+            assert option["expected_cost"]["value"] == pytest.approx(hours["value"] * 2.49)
+    wrong = [("expected_gpu_hours", "lots"), ("expected_cost", {"value": 1.0}),
+             ("time_to_train_model", {"terms": {}}), ("expected_time_to_train_s", {**wall, "source": "guessed"})]
+    for key, value in wrong:
+        broken = copy.deepcopy(plan)
+        broken["options"][0][key] = value
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(broken, PLAN_SCHEMA)
+    broken = copy.deepcopy(plan)
+    broken["time_to_train_assumptions"]["goodput_range"] = [0.5]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, PLAN_SCHEMA)
+
+
+def _pipeline_winner(option: dict) -> dict:
+    """`option` (a plan's, with a winner) with a long pipeline winner in its place, as a large plan's row has
+    (tp 4 x pp 8, 1F1B over 16 micro-batches of 2, activation offload, HSDP over 8, compiled, float8)."""
+    import copy
+
+    option = copy.deepcopy(option)
+    result = option["result"]
+    result["parallelism"].update(tensor_parallel=4, pipeline_parallel=8, pipeline_schedule="1F1B")
+    result["micro_batch_size"], result["grad_accum_steps"] = 2, 16
+    result["fsdp"].update(activation_checkpointing="full", activation_offload=True, shard_group_size=8)
+    result["compile"]["mode"] = "blocks"
+    result["float8"] = {**(result.get("float8") or {}), "recipe": "rowwise"}
+    option["configuration"].update(micro_batch_size=2, grad_accum_steps=16)
+    option["id"] = "h100-80gbx16384"
+    return option
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_console_table_says_a_long_pipeline_winner_in_full(shared_plan, width):
+    """A large plan's pipeline winner is longer than the table's winner cell at 80 columns: under the table, the
+    winner in full (tensor and pipeline degree, schedule, micro-batch, accumulation), within the width; a row that
+    fits and runs no pipeline gets no such line."""
+    import io
+
+    from rich.console import Console as RichConsole
+
+    from autotune.problem.config import TrainConfig
+    from autotune.results.console import Console
+
+    plan, _, _ = shared_plan
+    winner = _pipeline_winner(plan["options"][0])
+    train = TrainConfig.from_result(winner["result"])
+    assert (train.tensor_parallel, train.pipeline_parallel, train.micro_batch_size) == (4, 8, 2)
+    long_plan = {**plan, "options": [winner, *plan["options"][1:]]}
+    jsonschema.validate(long_plan, PLAN_SCHEMA)
+    console = Console()
+    console.out = RichConsole(file=io.StringIO(), width=width, highlight=False)
+    console.plan_table(long_plan)
+    text = console.out.file.getvalue()
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= width
+    assert len(lines) > 2 + len(plan["options"])  # the winner in full under the table
+    said = " ".join(line.strip() for line in lines[2 + len(plan["options"]):])
+    assert said.startswith("• h100-80gbx16384 winner: ")
+    for part in ("mb=2", "ac=full", "act-offload", "hsdp=8", "tp=4", "pp=8", "schedule=1F1B", "accum=16",
+                 "compile=blocks", "float8=rowwise", "16 micro-batches a step"):
+        assert part in said, part
+    assert all(f"• {option['id']} winner:" not in said for option in plan["options"][1:])
+
+
 def test_global_batch_binds_where_it_cannot_be_kept(tmp_path):
     """4Mi tokens at seq 8192 is half a sequence per GPU on 1024 GPUs: FSDP alone cannot keep it, a
     tensor-parallel group (or a pipeline) sharing each sequence can, and the plan's row (and tune) goes past it

@@ -111,6 +111,45 @@ def test_a_run_whose_failures_take_all_its_time_never_finishes():
     assert math.isinf(result["wall_s"])
 
 
+RUNS = json.loads((ROOT / "benchmarks" / "results" / "published_pretraining_runs.json").read_text())
+BY_ID = {run["id"]: run for run in RUNS["runs"]}
+
+# The published non-gated MLP widths (4 x hidden in each paper or card) of the rows given as llama-shaped
+# stand-ins: BLOOM 57,344, MPT-7B 16,384, Falcon-180B 59,392, Pythia 12B 20,480 and 6.9B 16,384,
+# StarCoderBase 24,576, BloombergGPT 30,720.
+NON_GATED_MLP = {"bloom-176b": 57_344, "mpt-7b": 16_384, "falcon-180b": 59_392, "pythia-12b": 20_480,
+                 "pythia-6.9b": 16_384, "starcoderbase-15b": 24_576, "bloomberggpt-50b": 30_720}
+
+
+@pytest.mark.parametrize("run_id, width", sorted(NON_GATED_MLP.items()))
+def test_stand_in_mlps_keep_the_published_width_and_split_as_the_runs_did(run_id, width):
+    """A gated stand-in of width 2F/3 keeps the MLP's parameters, and is rounded to a multiple of 8 as the
+    published widths are: an odd width would forbid the tensor parallelism these runs used (Falcon-180B's
+    TP=8, BLOOM's TP4) in autotune's estimate of them."""
+    config = BY_ID[run_id]["config"]
+    assert width == 4 * config["hidden_size"]
+    assert config["intermediate_size"] % 8 == 0
+    assert abs(config["intermediate_size"] - 2 * width / 3) <= 4
+
+
+def test_rows_flagged_as_step_counts_are_throughput_arithmetic():
+    """LLaMA-65B's Table 15 GPU-hours are its §2.4 throughput (380 tokens/s/GPU on 2,048 GPUs over 1.4T
+    tokens) to 0.2%: step time x steps, no restarts in it, so the benchmark compares it with the compute term
+    alone. Every other row's figure is wall-clock (days x GPUs, or a total of GPU-hours)."""
+    llama = BY_ID["llama-65b"]
+    assert llama["published_counts"] == "steps"
+    assert 1.4e12 / (380 * 2048) / 3600 * 2048 == pytest.approx(llama["published"]["gpu_hours"], rel=2e-3)
+    assert {r["id"] for r in RUNS["runs"] if r.get("published_counts") == "steps"} == {
+        "llama-65b", "pythia-12b", "pythia-6.9b"}
+
+
+def test_falcon_row_carries_the_model_cards_batch():
+    """tiiuae/falcon-180B model card: 'Batch size 2048', sequence length 2048, TP=8 PP=8 DP=64 on 4,096 A100s."""
+    falcon = BY_ID["falcon-180b"]
+    assert falcon["global_batch_tokens"] == 2048 * 2048 and falcon["seq_len"] == 2048
+    assert falcon["gpus"] == 8 * 8 * 64
+
+
 @pytest.mark.parametrize("text, seconds", [("90s", 90), ("30m", 1800), ("1h", 3600), ("1.5h", 5400), ("2d", 172800),
                                            ("600", 600), (120, 120)])
 def test_durations(text, seconds):

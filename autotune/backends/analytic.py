@@ -531,7 +531,7 @@ def pipeline_rank_memory(spec: TrialSpec, virtual_stages: int | None = None) -> 
         checkpoint_input += op_checkpoint_saved_bytes_per_token(shape, ac.policy, d) * tokens / tp
     backward_temps = (2 * d * (h + shape.intermediate) * tokens + d * h * shape.intermediate) / tp
     hidden_states = h * d * tokens / tp  # one micro-batch's hidden states between stages
-    logits = d * tokens * vocab  # one micro-batch's logits, as the last stage returns them
+    logits = d * tokens * vocab  # one micro-batch's logits, the last stage's output (in fwd_cache to its backward)
     embed, head = _root_split(shape)
     out = []
     for rank in _pipeline_layout(spec, virtual_stages):
@@ -561,15 +561,17 @@ def pipeline_rank_memory(spec: TrialSpec, virtual_stages: int | None = None) -> 
         others = n - len(chunk)
         candidates = []
 
-        def backward(label: str, held: int, *, accumulated: bool, all_gathered: bool, later: bool) -> None:
+        def backward(label: str, held: int, *, accumulated: bool, all_gathered: bool) -> None:
             """The backward of each block j of the costed stage (j from the last): the micro-batches in flight
             but the current one whole, the current one's blocks below j, block j's saved activations, recompute
             and backward temporaries; the blocks gathered so far (the current and the prefetched next), or all
-            where no forward resharded them since the previous backward. On the last stage also the logits returned
-            so far and the log-softmax of each other micro-batch whose loss has run (GPipe), as at the loss backward."""
+            where no forward resharded them since the previous backward. On the last stage also the logits of each
+            micro-batch in flight (the current one's held by backward_one_chunk through its blocks' backward, the
+            others' in fwd_cache: GPipe) and each other one's log-softmax, saved by its loss (GPipe); no logits of
+            the micro-batches done: the step runs with return_outputs=False, nothing kept in output_chunks."""
             kept = 0.0
             if rank.last:
-                kept = (m if gpipe or later else 1) * logits + (4 * tokens * vocab * (held - 1) if gpipe else 0.0)
+                kept = (held if gpipe else 1) * logits + (4 * tokens * vocab * (held - 1) if gpipe else 0.0)
             for j in reversed(range(len(chunk))):
                 done = len(chunk) - 1 - j
                 gathered = n if all_gathered or not train.reshard_after_forward else min(len(chunk), done + 2) + (
@@ -584,16 +586,16 @@ def pipeline_rank_memory(spec: TrialSpec, virtual_stages: int | None = None) -> 
 
         # The first backward: the most in flight, nothing accumulated yet; the root (the stage's FSDP root, never
         # resharded after forward) gathered throughout.
-        backward("first backward", first_held, accumulated=False, all_gathered=False, later=False)
+        backward("first backward", first_held, accumulated=False, all_gathered=False)
         if m > 1:
             # A later backward: every gradient of the rank accumulated unsharded in the reduce dtype (torch's
             # PipelineStage: set_requires_gradient_sync(False) until the last; FSDP2 upcasts each micro-batch's),
             # plus one block's gradients in the compute dtype before their upcast; the blocks gathered by the
             # previous backward stay gathered (set_reshard_after_backward(False)) until a forward reshards them:
             # after the warm-up one forward runs between two backwards (1F1B), none under GPipe or in the cool-down.
-            backward("backward of a later micro-batch", steady_held, accumulated=True, all_gathered=gpipe, later=True)
+            backward("backward of a later micro-batch", steady_held, accumulated=True, all_gathered=gpipe)
             if not gpipe and first_held > 1:
-                backward("cool-down backward", first_held - 1, accumulated=True, all_gathered=True, later=True)
+                backward("cool-down backward", first_held - 1, accumulated=True, all_gathered=True)
         if rank.last:
             # The loss backward (the model's own: fp32 log-softmax and two fp32 gradients, loss_backward_bytes): the
             # logits of each micro-batch whose loss ran before its backward are alive (the step runs with
@@ -654,13 +656,14 @@ def estimate_pipeline_memory(spec: TrialSpec, virtual_stages: int | None = None)
       on the last stage the final norm's), plus one block's recompute and backward temporaries;
     * the receive buffers PipelineStage allocates up front for every micro-batch: a micro-batch's hidden states from
       the previous stage and gradients from the next, per stage of the rank;
-    * on the last stage, the logits of every micro-batch run so far (the schedule keeps them to merge at the end of
-      the step), the loss's fp32 log-softmax and two fp32 gradients (loss_backward_bytes) at its backward and the
-      log-softmax of every other micro-batch whose loss has run (GPipe: all of them); at the end of the step the
-      logits merged into one tensor next to the kept ones (2 x m x the logits).
+    * on the last stage, the logits of each micro-batch in flight only (1F1B: the current one; GPipe: every one
+      whose backward has not run, in fwd_cache): the step runs with return_outputs=False (parallel/pipeline.py,
+      as torchtitan does), so the schedule keeps no micro-batch's logits in output_chunks to the end of the step
+      and merges none; the loss's fp32 log-softmax and two fp32 gradients (loss_backward_bytes) at its backward
+      and the log-softmax of every other micro-batch whose loss has run (GPipe: all of them in flight).
 
     Runtime memory: as the simulator passes it, the rank's largest allocation (_pipeline_largest_allocation: on the
-    last stage the merged logits) and the root's fp32 shard over the data ranks."""
+    last stage one micro-batch's fp32 logits in the loss) and the root's fp32 shard over the data ranks."""
     shape = model_shape(spec.model)
     train = spec.train
     pp = train.pipeline_parallel
@@ -756,8 +759,10 @@ def tensor_parallel_work(spec: TrialSpec, virtual_stages: int | None = None) -> 
     tp = spec.train.tensor_parallel
     if tp == 1:
         return {}
+    # With context parallelism each tensor-parallel group holds a cp-th of the sequence: its exchanges carry those
+    # tokens only.
     return dict(tensor_parallel=tp, tp_all_reduce_bytes=costmodel.tp_all_reduce_bytes(
-        tokens_per_microbatch=spec.train.micro_batch_size * spec.seq_len, hidden_size=spec.model.hidden_size,
+        tokens_per_microbatch=spec.train.micro_batch_size * spec.seq_len // spec.train.context_parallel, hidden_size=spec.model.hidden_size,
         activation_bytes=PARAM_DTYPE_BYTES[spec.train.precision], num_blocks=len(_costed_blocks(spec, virtual_stages)),
         tensor_parallel=tp, checkpointed_blocks=_blocks_recomputing_forward(spec, virtual_stages),
         num_microbatches=spec.grad_accum_steps))

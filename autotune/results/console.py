@@ -104,6 +104,59 @@ class _Trimmed:
             yield line
 
 
+class _PlanRows:
+    """The plan's table, one line a row, then each winner in full whose row was cut to the width (an ellipsis), or
+    that is always said (a pipeline's), wrapped at words under a bullet. The winner's cell takes what the other
+    columns leave of the width: a long winner (a large plan's 'mb=2 full act-off hsdp=8 tp=4 pp=8 cmp f8r') is cut
+    in its cell, not every figure beside it."""
+
+    TITLE = "options (E estimated; days, GPU-h, cost from tok/s; exp: with losses; eff/GPU)"
+    COLUMNS = (("option", "left"), ("winner", "left"), ("tok/s", "right"), ("days", "right"), ("exp", "right"),
+               ("GPU-h", "right"), ("cost", "right"), ("eff", "right"), ("binds", "left"))
+
+    def __init__(self, rows: list[tuple[str, ...]], winners: list[tuple[str, str, bool] | None]) -> None:
+        self.rows, self.winners = rows, winners
+
+    def table(self, width: int) -> Table:
+        # At least as wide as its title: rich wraps a title to the table's width, and a plan whose
+        # columns are all short (every option 100% efficient, binding on memory) would split it.
+        # One space between columns (not two): the expected days beside the benchmark's still fit 80.
+        table = Table(title=self.TITLE, box=None, pad_edge=False, padding=(0, 1, 0, 0), title_justify="left",
+                      header_style="bold underline", min_width=len(self.TITLE))
+        others = sum(max([len(name), *(len(row[i]) for row in self.rows)]) + 1
+                     for i, (name, _) in enumerate(self.COLUMNS) if i != 1)
+        for name, justify in self.COLUMNS:
+            table.add_column(name, justify=justify, no_wrap=True,
+                             max_width=max(len("nothing-fits"), width - others - 1) if name == "winner" else None)
+        for row in self.rows:
+            table.add_row(*row)
+        return table
+
+    def __rich_console__(self, console, options):
+        lines = []
+        for segments in console.render_lines(self.table(options.max_width), options, pad=False):
+            line = Text.assemble(*((segment.text, segment.style) for segment in segments if not segment.control))
+            line.rstrip()
+            lines.append(line)
+        yield from lines
+        rows = lines[len(lines) - len(self.winners):]
+        for line, winner in zip(rows, self.winners):
+            if winner is not None and (winner[2] or "…" in line.plain):
+                yield _hanging(Text("•", style="cyan"), Text(f"{winner[0]} winner: {winner[1]}"))
+
+
+def _plan_winner(train, document: dict) -> str:
+    """A plan option's winner in full: every knob but the precision (the plan's title says it), a pipeline's
+    schedule named (1F1B too) and the accumulation steps (a pipeline's micro-batches a step):
+    'mb=1 ac=full tp=4 pp=8 schedule=1F1B accum=16 (16 micro-batches a step through the pipeline)'."""
+    text = train.label(omit=("precision", "pipeline_schedule"))
+    accum = document.get("grad_accum_steps") or 1
+    if train.pipeline_parallel > 1:
+        return f"{text} schedule={train.pipeline_schedule} accum={accum} ({accum} micro-batch" \
+               f"{'es' if accum > 1 else ''} a step through the pipeline)"
+    return f"{text} accum={accum}"
+
+
 def _hanging(mark: Text, text: Text) -> _Wrapped:
     """`• text`, the text wrapped under itself."""
     return _Wrapped(text, 2, first=mark + Text(" "))
@@ -532,31 +585,29 @@ class Console:
             self.out.print(_indented(Text(line), 3))
 
     def plan_table(self, plan: dict) -> None:
-        """One row per plan option, within 80 columns; every figure's source and range are in plan.json."""
-        title = "options (E estimated; days, GPU-h, cost from tok/s; exp: with losses; eff/GPU)"
-        # At least as wide as its title: rich wraps a title to the table's width, and a plan whose
-        # columns are all short (every option 100% efficient, binding on memory) would split it.
-        # One space between columns (not two): the expected days beside the benchmark's still fit 80.
-        table = Table(title=title, box=None, pad_edge=False, padding=(0, 1, 0, 0), title_justify="left",
-                      header_style="bold underline", min_width=len(title))
-        for column, justify in (("option", "left"), ("winner", "left"), ("tok/s", "right"), ("days", "right"),
-                                ("exp", "right"), ("GPU-h", "right"), ("cost", "right"), ("eff", "right"),
-                                ("binds", "left")):
-            table.add_column(column, justify=justify, no_wrap=True)
+        """One row per plan option, within 80 columns; every figure's source and range are in plan.json. Under
+        the table, each winner in full (_plan_winner) where its row had to be cut to the width (a long parallel
+        winner: 'mb=1 every:4 act-off hsdp=8 tp=4 pp=8 Inter...') and every pipeline's (its schedule and the
+        micro-batches a step are no part of the short label)."""
+        rows: list[tuple[str, ...]] = []
+        winners: list[tuple[str, str, bool] | None] = []  # each row's (id, winner in full, always said)
         for option in plan["options"]:
             binds = _SHORT_LIMIT.get(option["binds"]["limit"], option["binds"]["limit"])
             if option["status"] != "ok":
-                table.add_row(option["id"], option["status"], "-", "-", "-", "-", "-", "-", binds)
+                rows.append((option["id"], option["status"], "-", "-", "-", "-", "-", "-", binds))
+                winners.append(None)
                 continue
             tps, cost = option["tokens_per_sec"], option["cost"]
             days = option["time_to_train_s"]["value"] / 86400
             expected = option.get("expected_time_to_train_s")
-            table.add_row(option["id"], _short_label(TrainConfig.from_result(option["result"])).replace("ac=", ""),
-                          f"{_compact(tps['value'])} {_SOURCE_LETTER.get(tps['source'], '?')}",
-                          _days(days), _days(expected["value"] / 86400) if expected else "never",
-                          _compact(option["gpu_hours"]["value"]), _compact(cost["value"]) if cost else "-",
-                          f"{option['scaling_efficiency']['value']:.0%}", binds)
-        self.out.print(_Trimmed(table))
+            train = TrainConfig.from_result(option["result"])
+            rows.append((option["id"], _short_label(train).replace("ac=", ""),
+                         f"{_compact(tps['value'])} {_SOURCE_LETTER.get(tps['source'], '?')}",
+                         _days(days), _days(expected["value"] / 86400) if expected else "never",
+                         _compact(option["gpu_hours"]["value"]), _compact(cost["value"]) if cost else "-",
+                         f"{option['scaling_efficiency']['value']:.0%}", binds))
+            winners.append((option["id"], _plan_winner(train, option["result"]), train.pipeline_parallel > 1))
+        self.out.print(_PlanRows(rows, winners))
 
     def seq_len_table(self, sequence: dict) -> None:
         """--seq-len max: the probes, throughput vs sequence length."""

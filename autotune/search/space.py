@@ -58,7 +58,8 @@ class SearchSpace:
     """Try context parallelism over 2, 4, 8 GPUs of a node (--cp) where tensor parallelism is tried."""
     pipeline_parallel: bool = False
     """Try pipeline parallelism over 2, 4, 8, 16 stages (--pp) where tensor parallelism is tried. Off by default:
-    each pipeline rank is traced whole (no depth extrapolation), minutes a candidate on a 70B model."""
+    each pipeline rank is traced on two shallow copies and extrapolated in depth (exact), but every trace still
+    runs all the micro-batches of two steps, about a CPU-minute a candidate on a 70B model (docs/PIPELINE.md)."""
     compile: str = "auto"
     """torch.compile in the search: one of COMPILE_SEARCH (the tune command's --compile overrides it)."""
     float8: str = "auto"

@@ -346,18 +346,27 @@ class SimBackend(TrialBackend):
         return combined.sites, traces[depths[0], mbs[0]], notes
 
     def _pipeline_sites(self, spec: TrialSpec) -> tuple[dict, StepTrace, dict[str, Any]]:
-        """Pipeline parallelism (_pipeline): each pipeline rank that could peak highest traced whole, at its own
-        rank of the fake group; one site per traced rank, the worst the prediction. Not extrapolated in depth."""
-        from autotune.backends.sim._pipeline import ranks_to_trace, trace_pipeline_rank
-        from autotune.backends.sim._trace import StepTrace
+        """Pipeline parallelism (_pipeline): each pipeline rank that could peak highest traced at its own rank of
+        the fake group; one site per traced rank, the worst the prediction. With `extrapolate`, a rank whose
+        stages are deep enough is traced on two shallow copies and extrapolated in depth per site
+        (_pipeline.trace_pipeline_rank_extrapolated, exact as _extrapolate), the others traced whole."""
+        from autotune.backends.sim._pipeline import (ranks_to_trace, trace_pipeline_rank,
+                                                     trace_pipeline_rank_extrapolated)
+        from autotune.backends.sim._trace import StepTrace, period_of
         from autotune.problem.catalog.models import model_flops_per_token
 
-        key = ("pipeline", spec.to_dict().__repr__(), self.device_kind)
+        key = ("pipeline", spec.to_dict().__repr__(), self.device_kind, self.extrapolate)
         pipelines = self.__dict__.setdefault("_pipeline_traces", {})
         if key not in pipelines:
             pp = spec.train.pipeline_parallel
             ranks = ranks_to_trace(spec.model.num_layers, pp, spec.train.pipeline_schedule)
-            traced = [trace_pipeline_rank(spec, rank, gloo=self.device_kind == "cpu") for rank in ranks]
+            gloo = self.device_kind == "cpu"
+            period = period_of(spec.train, spec.model)
+            traced = []
+            for rank in ranks:
+                found = (trace_pipeline_rank_extrapolated(spec, rank, gloo=gloo, period=period)
+                         if self.extrapolate else None)
+                traced.append(found or trace_pipeline_rank(spec, rank, gloo=gloo))
             # The fake group was re-initialised at other ranks: models sharded on the old one's meshes go.
             self._tracer.clear()
             self._mesh_in_use = None
@@ -375,7 +384,15 @@ class SimBackend(TrialBackend):
                      offloaded_activations={},
                      pipeline_ranks=[{k: v for k, v in t.items() if k != "duration_s"} for t in traced],
                      per_pipeline_rank_tensor_peak_bytes={str(t["pipeline_rank"]): t["tensor_peak_bytes"]
-                                                          for t in traced})
+                                                          for t in traced},
+                     # Per traced rank: its stages' blocks and the shallow copies' it was extrapolated from, or why
+                     # it was traced whole.
+                     pipeline_ranks_extrapolated={
+                         str(t["pipeline_rank"]): t.get("extrapolated") or (
+                             "traced whole: its stages too shallow to extrapolate (a stage needs period + 2 blocks "
+                             "and two periods more), or two shallow copies no cheaper than the whole"
+                             if self.extrapolate else "traced whole: extrapolation off")
+                         for t in traced})
         return trace.sites, trace, notes
 
     def _shallow_traces(self, spec: TrialSpec, keys: list[tuple[int, int]]) -> dict[tuple[int, int], StepTrace]:
@@ -476,8 +493,12 @@ class SimBackend(TrialBackend):
                      f"sizes {trace.derived_from[0]} and {trace.derived_from[1]} (no shard padded: every site's "
                      "bytes affine in 1/world size)")
         if notes.get("per_pipeline_rank_tensor_peak_bytes"):
+            how = notes.get("pipeline_ranks_extrapolated", {})
+            shallow = [rank for rank, said in how.items() if not str(said).startswith("traced whole")]
             basis += (f", the worst of pipeline ranks {', '.join(notes['per_pipeline_rank_tensor_peak_bytes'])} (each "
-                      "traced whole at its own rank: their stages differ; not extrapolated)")
+                      "traced at its own rank, their stages differ; "
+                      + (f"ranks {', '.join(shallow)} extrapolated exactly from two shallow copies of their stages)"
+                         if shallow else "each traced whole)"))
         if notes["extrapolated"]:
             basis += (f", extrapolated from {notes['traced_layers'][0]} and {notes['traced_layers'][1]} "
                       f"blocks to {spec.model.num_layers}")

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # _trace imports torch; this module is used before any trace is needed
     from autotune.backends.sim._trace import SiteKey, StepTrace
 
-__all__ = ["Extrapolated", "shallow_depths", "extrapolate"]
+__all__ = ["Extrapolated", "shallow_depths", "extrapolate", "extrapolate_pipeline_sites"]
 
 
 def shallow_depths(num_layers: int, period: int) -> tuple[int, int] | None:
@@ -94,3 +94,19 @@ def extrapolate(traces: dict[tuple[int, int], StepTrace], *, num_layers: int, mi
     offloaded = {k: _affine(*(int(t.offloaded.get(k, 0)) for t in corners), x, y) for k in moved}
     return Extrapolated(sites=sites, flops=float(flops), dropped_sites=len(every - common), op_work=op_work,
                         offloaded=offloaded)
+
+
+def extrapolate_pipeline_sites(first: dict, second: dict, periods: int) -> tuple[dict, int]:
+    """A pipeline rank's sites (_pipeline's shallow traces: every stage of the rank one period deeper in
+    `second` than in `first`) extrapolated `periods` periods beyond `first`, per site and category, as
+    `extrapolate` does in the depth (one micro-batch size: the pipeline's is traced as asked). Returns the
+    sites both traces have, and how many sites only one has (left out: the optimizer's steps of the deeper
+    copy's extra blocks, which repeat those of blocks both copies have). The sites keep `first`'s order (the
+    order the step reaches them): of sites that tie at the peak, the first is the one a whole trace reports."""
+    sites = {}
+    for key, a in first.items():
+        b = second.get(key)
+        if b is None:
+            continue
+        sites[key] = {cat: _affine(a.get(cat, 0), b.get(cat, 0), 0, 0, periods, 0) for cat in a.keys() | b.keys()}
+    return sites, len(first.keys() ^ second.keys())
