@@ -320,10 +320,11 @@ def _extrapolation_bench():
     return module
 
 
-# Four of the benchmark's eight rows (both families and schedules, pp 2 and 4, with and without checkpointing, a
-# CPU and a GPU trace): the whole matrix is `python benchmarks/bench_pipeline_extrapolation.py` (minutes of traces).
+# Three of the benchmark's eight rows (both families and schedules, pp 2 and 4, with and without checkpointing, a
+# CPU and a GPU trace; 2-3 minutes of traces on a 2-core VM): the whole matrix, pp 4 interleaved among it (4 minutes
+# for its qwen2 row alone), is `python benchmarks/bench_pipeline_extrapolation.py`.
 SUITE_ROWS = [("llama", 12, 2, "1F1B", "none", True), ("qwen2", 20, 2, "Interleaved1F1B", "full", True),
-              ("llama", 22, 4, "1F1B", "none", False), ("qwen2", 38, 4, "Interleaved1F1B", "full", False)]
+              ("llama", 22, 4, "1F1B", "none", False)]
 
 
 @pytest.mark.parametrize("row", SUITE_ROWS, ids=["-".join(map(str, row)) for row in SUITE_ROWS])
