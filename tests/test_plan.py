@@ -187,6 +187,39 @@ def test_schema_describes_the_expected_time_to_train(shared_plan):
         jsonschema.validate(broken, PLAN_SCHEMA)
 
 
+def test_each_options_configuration_says_its_parallel_degrees(shared_plan):
+    """An option's configuration names the winner's tensor, context and pipeline degrees and schedule: the ones
+    the winner's own result rebuilds into (TrainConfig.from_result), so a reader comparing options need not dig."""
+    from autotune.problem.config import TrainConfig
+
+    plan, _, _ = shared_plan
+    answered = [option for option in plan["options"] if option["status"] == "ok"]
+    assert answered
+    for option in answered:
+        train = TrainConfig.from_result(option["result"])
+        said = option["configuration"]
+        assert (said["tensor_parallel"], said["context_parallel"], said["pipeline_parallel"],
+                said["pipeline_schedule"]) == (train.tensor_parallel, train.context_parallel, train.pipeline_parallel,
+                                               train.pipeline_schedule)
+        assert (said["micro_batch_size"], said["grad_accum_steps"]) == (train.micro_batch_size,
+                                                                       option["result"]["grad_accum_steps"])
+
+
+def test_the_plan_report_says_a_pipeline_winners_degrees(shared_plan):
+    """plan.html's winner column names the parallel degrees and schedule of the option's configuration (built
+    from its result as plan.json's is), where the degree is past 1."""
+    import copy
+
+    from autotune.drivers.plan import _configuration
+    from autotune.results.report import render_plan
+
+    plan, _, _ = shared_plan
+    option = _pipeline_winner(next(o for o in plan["options"] if o["status"] == "ok"))
+    option["configuration"] = _configuration(option["result"])
+    page = render_plan({**copy.deepcopy(plan), "options": [option]})
+    assert "tp 4" in page and "pp 8 1F1B" in page and "cp 1" not in page
+
+
 def _pipeline_winner(option: dict) -> dict:
     """`option` (a plan's, with a winner) with a long pipeline winner in its place, as a large plan's row has
     (tp 4 x pp 8, 1F1B over 16 micro-batches of 2, activation offload, HSDP over 8, compiled, float8)."""

@@ -494,12 +494,15 @@ def _expected_figures(row: dict[str, Any], options: PlanOptions, tps: float, tps
 
 
 def _configuration(document: dict) -> dict[str, Any]:
-    fsdp = document["fsdp"]
+    """The winner's knobs a plan reader compares across options: batch, memory and the parallel degrees."""
+    fsdp, parallel = document["fsdp"], document["parallelism"]
     return {"micro_batch_size": document["micro_batch_size"], "grad_accum_steps": document["grad_accum_steps"],
             "global_tokens": document["global_tokens"], "precision": document["precision"],
             "activation_checkpointing": fsdp["activation_checkpointing"], "cpu_offload": fsdp["cpu_offload"],
             "reshard_after_forward": fsdp["reshard_after_forward"], "shard_group_size": fsdp["shard_group_size"],
-            "reshard_group_size": fsdp["reshard_group_size"]}
+            "reshard_group_size": fsdp["reshard_group_size"],
+            **{name: parallel[name] for name in ("tensor_parallel", "context_parallel", "pipeline_parallel",
+                                                 "pipeline_schedule")}}
 
 
 # -- the plan -------------------------------------------------------------------------------------

@@ -93,7 +93,11 @@ def _table(plan: dict) -> str:
         c = o["configuration"]
         config = (f"mb {c['micro_batch_size']} &times; {c['grad_accum_steps']} acc, ac {escape(c['activation_checkpointing'])}"
                   + (", offload" if c["cpu_offload"] else "") + (f", hsdp {c['shard_group_size']}" if c["shard_group_size"] else "")
-                  + (f", reshard to {c['reshard_group_size']}" if c["reshard_group_size"] else ""))
+                  + (f", reshard to {c['reshard_group_size']}" if c["reshard_group_size"] else "")
+                  + "".join(f", {flag} {c[name]}" for name, flag in (("tensor_parallel", "tp"), ("context_parallel", "cp"))
+                            if c.get(name, 1) > 1)
+                  + (f", pp {c['pipeline_parallel']} {escape(c['pipeline_schedule'])}" if c.get("pipeline_parallel", 1) > 1
+                     else ""))
         rows.append(
             f'<tr><td>{escape(o["id"])}</td><td>{config}</td>'
             f'<td class="num">{_range(o["tokens_per_sec"], lambda v: f"{v:,.0f}")}</td>'
