@@ -1,7 +1,6 @@
 """The step-time model against things it was not derived from: independent FLOP counts, real CPU
 trials on a calibrated profile, and published runs held out of the fit (leave-one-out)."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from autotune.estimate import costmodel as cm
 from autotune.estimate import hardware
 from autotune.problem.catalog.gpus import GPUS
 from autotune.problem.config import Cluster, TrainConfig, TrialSpec
+from tests.benchmarks import load_benchmark
 from tests.shared_runs import register
 
 H100 = GPUS["h100-80gb"]
@@ -20,10 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_costmodel", ROOT / "benchmarks" / "bench_costmodel.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_costmodel")
 
 
 def test_multi_node_rings_are_slower_and_say_so():

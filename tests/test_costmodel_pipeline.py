@@ -256,18 +256,13 @@ def test_a_tensor_parallel_group_exchanges_its_context_parallel_shard_only():
     """Llama 3's 128k-token stage (TP8 x CP16 x PP16, arXiv 2407.21783 Table 4): each tensor-parallel group holds
     seq / cp tokens of a sequence, so its all-reduces carry what the same group would at cp 1 on a sequence cp
     times shorter, and its ring's K/V sends are on top; counted once per tp group, not once per sequence."""
-    import importlib.util
     import json
-    from pathlib import Path
 
     from autotune.backends.analytic import context_parallel_work, tensor_parallel_work
+    from tests.benchmarks import BENCHMARKS, load_benchmark
 
-    root = Path(__file__).resolve().parents[1]
-    spec_file = importlib.util.spec_from_file_location("bench_published_pipelines",
-                                                       root / "benchmarks" / "bench_published_pipelines.py")
-    bench = importlib.util.module_from_spec(spec_file)
-    spec_file.loader.exec_module(bench)
-    rows = json.loads((root / "benchmarks" / "results" / "published_pipeline_runs.json").read_text())
+    bench = load_benchmark("bench_published_pipelines")
+    rows = json.loads((BENCHMARKS / "results" / "published_pipeline_runs.json").read_text())
     rows = rows if isinstance(rows, list) else next(v for v in rows.values() if isinstance(v, list))
     row = next(r for r in rows if r["id"] == "L3-16384-cp16")
     spec = bench.spec_of(row)

@@ -23,6 +23,7 @@ from autotune.problem.config import Cluster, TrainConfig, TrialSpec
 from autotune.util.errors import UsageError
 from autotune.distributed.parallel import ParallelDims, split_stages
 from autotune.distributed.parallel.pipeline import stages_of_rank
+from tests.benchmarks import load_benchmark
 from tests.shared_runs import register
 from tests.test_sim_accuracy import assert_tensor_peaks_agree, predict_cpu_runs
 from tests.test_tensor_parallel import shrunk_or_catalog_model
@@ -309,17 +310,6 @@ def test_the_measured_throughput_counts_one_batch_per_pipeline(measured_and_pred
 
 # --- depth extrapolation of a pipeline rank (backends/sim/_pipeline.trace_pipeline_rank_extrapolated) ---------------
 
-def _extrapolation_bench():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_pipeline_extrapolation.py"
-    spec = importlib.util.spec_from_file_location("bench_pipeline_extrapolation", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 # Three of the benchmark's eight rows (both families and schedules, pp 2 and 4, with and without checkpointing, a
 # CPU and a GPU trace; 2-3 minutes of traces on a 2-core VM): the whole matrix, pp 4 interleaved among it (4 minutes
 # for its qwen2 row alone), is `python benchmarks/bench_pipeline_extrapolation.py`.
@@ -334,7 +324,7 @@ def test_a_pipeline_ranks_depth_extrapolated_peak_is_its_whole_traces_byte_for_b
     model's) and extrapolated per site, against the same rank traced whole: the same tensor peak to the byte and
     the same categories at it, under 1F1B and Interleaved1F1B at pp 2 and 4, with and without full activation
     checkpointing, for a GPU run's trace and a CPU run's (gloo's reduce-scatter copy)."""
-    bench = _extrapolation_bench()
+    bench = load_benchmark("bench_pipeline_extrapolation")
     assert row in bench.ROWS
     for rank, extrapolated, whole in bench.compare(row, tmp_path):
         assert extrapolated["tensor_peak_bytes"] == whole["tensor_peak_bytes"], (rank, extrapolated["extrapolated"])

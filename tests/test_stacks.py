@@ -258,14 +258,9 @@ def test_the_trial_command_predicts_the_stacks_step_and_says_which(capsys):
 
 
 def _torchtitan_bench():
-    import importlib.util
-    from pathlib import Path
+    from tests.benchmarks import load_benchmark
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_torchtitan_step.py"
-    spec = importlib.util.spec_from_file_location("bench_torchtitan_step", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_torchtitan_step")
 
 
 @pytest.mark.slow  # real gloo ranks (forked, not torchrun): 15 s of CPU, 55 s wall at load 14 on the 2-core VM

@@ -130,9 +130,9 @@ class _PeakTracker(MemTracker):
             self.sites[(phase, *anchor, self._ordinal, tag)] = cats
 
     def _accumulated_grad_bytes(self) -> int:
-        """What `_labelled` moves to _ACCUMULATED_GRAD (the same storages, counted once), without its quadratic
-        search: the sites record it after every op."""
-        moved, seen = 0, set()
+        """The live unsharded accumulated gradients' bytes MemTracker counts as temporaries (each storage once):
+        what `_labelled` and the sites (after every op) move to _ACCUMULATED_GRAD."""
+        moved, seen = 0, {}  # id -> the storage, held so that no id is reused within the loop
         winfo = self._WINFO
         for fsdp_param in self._fsdp_params:
             grad = getattr(fsdp_param, "unsharded_accumulated_grad", None)
@@ -142,7 +142,7 @@ class _PeakTracker(MemTracker):
             info = winfo.get(storage)
             if info is None or info[0].reftype != _MemRefType.TEMP or id(storage) in seen:
                 continue
-            seen.add(id(storage))
+            seen[id(storage)] = storage
             moved += info[0].mem_consumed
         return moved
 
@@ -181,17 +181,7 @@ class _PeakTracker(MemTracker):
     def _labelled(self, snapshot: dict) -> dict:
         """`snapshot` with the live unsharded accumulated gradients moved from the temporaries to their own category
         (each storage once, only what MemTracker counts as a temporary)."""
-        moved, seen = 0, []
-        for fsdp_param in self._fsdp_params:
-            grad = getattr(fsdp_param, "unsharded_accumulated_grad", None)
-            if grad is None:
-                continue
-            storage = grad.untyped_storage()
-            info = self._WINFO.get(storage)
-            if info is None or info[0].reftype != _MemRefType.TEMP or any(storage is other for other in seen):
-                continue
-            seen.append(storage)
-            moved += info[0].mem_consumed
+        moved = self._accumulated_grad_bytes()
         out = dict(snapshot)
         if moved:
             out[_MemRefType.TEMP] = out.get(_MemRefType.TEMP, 0) - moved
