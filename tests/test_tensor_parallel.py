@@ -21,7 +21,9 @@ from autotune.problem.knobs import KNOBS, ProblemShape, check_combination, tenso
 from tests.shared_runs import register
 from tests.test_sim_accuracy import assert_tensor_peaks_agree, predict_cpu_runs
 
-# (family, ranks, tensor parallel, micro-batch, checkpointing): TP alone on 2 ranks, FSDP x TP on 4.
+# (family, ranks, tensor parallel, micro-batch, checkpointing[, compile]): TP alone on 2 ranks, FSDP x TP on 4,
+# and TP with compiled blocks (inductor in the real run, AOT autograd's partition in the trace). TP with float8:
+# tests/test_float8.py, whose launch can import torchao.
 MATRIX = [
     ("tiny-llama", 2, 2, 2, "none"),
     ("tiny-qwen2", 2, 2, 2, "full"),
@@ -29,6 +31,7 @@ MATRIX = [
     ("tiny-llama", 4, 2, 2, "none"),
     ("tiny-qwen2", 4, 2, 1, "none"),
     ("mistral", 4, 2, 2, "full"),
+    ("tiny-qwen2", 2, 2, 2, "op", "blocks"),
 ]
 
 
@@ -45,9 +48,10 @@ def shrunk_or_catalog_model(name: str, folder):
 
 
 def _spec(row, folder) -> TrialSpec:
-    name, ranks, tp, mb, ac = row
+    name, ranks, tp, mb, ac, *compiled = row
     return TrialSpec(model=shrunk_or_catalog_model(name, folder), cluster=Cluster(num_gpus=ranks), seq_len=64,
-                     train=TrainConfig(tensor_parallel=tp, micro_batch_size=mb, activation_checkpointing=ac),
+                     train=TrainConfig(tensor_parallel=tp, micro_batch_size=mb, activation_checkpointing=ac,
+                                       compile=compiled[0] if compiled else "none"),
                      grad_accum_steps=1)
 
 
@@ -106,7 +110,9 @@ def test_degrees_proposed_follow_the_model_and_the_node(configs, model, gpus, pe
     ("mixtral-8x7b", dict(tensor_parallel=2), "not built here (only colwise/rowwise)"),
     ("llama3-8b", dict(tensor_parallel=16), "must divide the 8 GPUs per node"),
     ("llama3-8b", dict(tensor_parallel=2, cpu_offload=True), "--tp 2 with --offload"),
-    ("llama3-8b", dict(tensor_parallel=2, compile="blocks"), "--tp 2 with --compile"),
+    ("llama3-8b", dict(tensor_parallel=2, compile="blocks", activation_checkpointing="full"),
+     "--tp 2 with --compile blocks and --ac full: torch cannot compile"),
+    ("llama3-8b", dict(tensor_parallel=2, compile="blocks", activation_checkpointing="every:2"), "and --ac every:2"),
     ("llama3-8b", dict(tensor_parallel=2, shard_group_size=4), "--tp 2 with --hsdp"),
 ])
 def test_a_mesh_the_model_or_cluster_cannot_hold_is_refused_naming_the_flag(configs, model, changes, message):

@@ -765,7 +765,7 @@ def tensor_parallel_work(spec: TrialSpec, virtual_stages: int | None = None) -> 
         tokens_per_microbatch=spec.train.micro_batch_size * spec.seq_len // spec.train.context_parallel, hidden_size=spec.model.hidden_size,
         activation_bytes=PARAM_DTYPE_BYTES[spec.train.precision], num_blocks=len(_costed_blocks(spec, virtual_stages)),
         tensor_parallel=tp, checkpointed_blocks=_blocks_recomputing_forward(spec, virtual_stages),
-        num_microbatches=spec.grad_accum_steps))
+        num_microbatches=spec.grad_accum_steps, float8_gathers=spec.train.float8 == "tensorwise"))
 
 
 def context_parallel_work(spec: TrialSpec, virtual_stages: int | None = None) -> dict:

@@ -452,16 +452,22 @@ def cp_ring_bytes(*, tokens_per_microbatch: int, kv_width: int, activation_bytes
 
 
 def tp_all_reduce_bytes(*, tokens_per_microbatch: int, hidden_size: int, activation_bytes: int, num_blocks: int,
-                        tensor_parallel: int, checkpointed_blocks: int = 0, num_microbatches: int = 1) -> float:
+                        tensor_parallel: int, checkpointed_blocks: int = 0, num_microbatches: int = 1,
+                        float8_gathers: bool = False) -> float:
     """Bytes one GPU all-reduces within its tensor-parallel group per step (parallel/tensor.py, torch's
     Colwise/RowwiseParallel without sequence parallelism): each block's two row-wise linears (attention's
     output, the MLP's down projection) all-reduce their output in forward, the two column-wise inputs
     (q/k/v, gate/up) their input's gradient in backward, and a checkpointed block's recompute repeats
-    the forward two; each a micro-batch's tokens x hidden in the compute dtype."""
+    the forward two; each a micro-batch's tokens x hidden in the compute dtype. Under sequence parallelism
+    each all-reduce is a reduce-scatter and an all-gather moving as much; `float8_gathers` (tensorwise float8:
+    torchao gathers the inputs in forward and the output gradients in backward in float8, counted in
+    tests/test_float8.py::test_tensorwise_float8_tensor_parallelism_gathers_in_float8) makes the all-gather
+    half one byte an element, the reduce-scatter half staying in the compute dtype."""
     if tensor_parallel <= 1:
         return 0.0
     exchanges = 4 * num_blocks + 2 * checkpointed_blocks
-    return float(tokens_per_microbatch * hidden_size * activation_bytes * exchanges * num_microbatches)
+    per_element = (1 + activation_bytes) / 2 if float8_gathers else activation_bytes
+    return float(tokens_per_microbatch * hidden_size * per_element * exchanges * num_microbatches)
 
 
 PIPELINE_BUBBLE_SOURCE = ("Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters Using "

@@ -631,7 +631,15 @@ def _check_tensor_parallel(values: dict[str, Any], shape: ProblemShape) -> None:
     if why:
         raise UsageError(f"{flag}: {model.name} cannot be split: {why}; use --tp 1")
     _refuse_unbuilt(values, flag, "tensor parallelism", ("shard_group_size", "reshard_group_size", "expert_parallel",
-                                                         "compile", "float8", "cpu_offload", "shard_placement"))
+                                                         "cpu_offload", "shard_placement"))
+    ac = Checkpointing.parse(values["activation_checkpointing"])
+    if values["compile"] != "none" and ac.mode in ("full", "every"):
+        # torch 2.13: AOT autograd's partitioner saves the blocks' DTensor DeviceMesh for backward among the
+        # tensors of a whole-block checkpoint inside the compiled region, and save_from_forward asserts
+        # (AssertionError "expected all tensors_saved_with_vc_check to be Tensors"), in real runs and traces.
+        raise UsageError(f"{flag} with --compile {values['compile']} and --ac {ac}: torch cannot compile a "
+                         "tensor-parallel block checkpointed whole (its AOT autograd saves the device mesh as a "
+                         "tensor); use --ac op or --ac none, or --compile none")
 
 
 def why_no_context_parallel(config: dict[str, Any], *, seq_len: int, degree: int) -> str:

@@ -265,6 +265,10 @@ def allocator_fraction(*, limit_bytes: int, outside_allocator_bytes: int, total_
 def materialise(spec: TrialSpec, *, mesh, device: torch.device, seed: int) -> tuple[nn.Module, list[str]]:
     """A trial's model: build_sharded, then the stack's step prepared. Returns the model and notes on
     what could not be applied here."""
+    if device.type == "cpu" and spec.train.float8 == "tensorwise" and spec.train.tensor_parallel > 1:
+        from autotune.backends.real._gloo_float8 import gather_float8_as_bytes
+
+        gather_float8_as_bytes()  # torchao's float8 TP all-gathers float8, which gloo cannot carry
     model, notes = build_sharded(spec.model, spec.train, mesh=mesh, device=device, seed=seed,
                                  finetuning=spec.finetuning, step=spec.step, seq_len=spec.seq_len)
     set_routing(model, spec.routing_skew)  # a stated skew: the router forced to it (parallel.ExpertDispatch)

@@ -9,9 +9,10 @@ ranks split each sequence (context), `pp` blocks of ranks each hold a share of t
 stages (pipeline, the mesh's outermost dimension). `build_mesh` makes the data mesh `fully_shard` receives (with cp,
 dp_shard x cp flattened); the tp, ep and cp meshes are read back from its root.
 
-Order matters, as in torchtitan's parallelize_llama: expert and tensor parallelism split the blocks
-first, context parallelism switches attention to the causal SDPA its ring computes, float8 converts
-their linears (torchtitan's converters run at build time), activation checkpointing wraps blocks
+Order matters, as in torchtitan's parallelize_llama: expert parallelism splits the experts, float8 converts
+the blocks' linears (torchtitan's converters run at build time, before any split), tensor parallelism
+splits them (with torchao's float8 styles under tensorwise float8), context parallelism switches
+attention to the causal SDPA its ring computes, activation checkpointing wraps blocks
 (fully_shard must see the wrapper so the recompute also all-gathers), then each block is compiled,
 then each decoder block is sharded bottom-up (fsdp), then the root. Under pipeline parallelism
 (apply_pp) the model is first split into this rank's stages, and each stage is checkpointed and sharded
@@ -82,11 +83,11 @@ def parallelize(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bo
     else:
         blocks = find_decoder_blocks(model)
     apply_ep(blocks, mesh, train.expert_parallel)
+    apply_float8(blocks, train.float8)  # at build time, before TP splits the converted linears (torchtitan)
     if train.tensor_parallel > 1:
-        apply_tp(model, blocks, tensor_mesh(mesh), train.tensor_parallel)
+        apply_tp(model, blocks, tensor_mesh(mesh), train.tensor_parallel, float8=train.float8)
     if train.context_parallel > 1:
         apply_cp(model, context_mesh(mesh))
-    apply_float8(blocks, train.float8)
     apply_ac(blocks, train.activation_checkpointing)
     apply_compile(blocks, train.compile, backend=compile_backend)
     apply_fsdp(model, blocks, mesh, train, allow_offload=allow_offload, step=step)

@@ -5,9 +5,10 @@ column-wise, o and down row-wise), with sequence parallelism between them, appli
 
 Built: the plan's `colwise` and `rowwise` entries on the decoder blocks, the blocks' norms and the final
 norm on a sequence shard, the embeddings and head whole on every tp rank (FSDP shards them over the data
-ranks). Not built, and refused by name where asked (knobs.check_combination): loss parallelism, async TP,
-plan entries other than colwise/rowwise (MoE experts' local_* and the like), TP with HSDP, expert
-parallelism, compile, float8 or CPU offload."""
+ranks); with float8 (converted first, torchtitan's order) and compiled blocks. Not built, and refused by
+name where asked (knobs.check_combination): loss parallelism, async TP, plan entries other than
+colwise/rowwise (MoE experts' local_* and the like), TP with HSDP, expert parallelism or CPU offload, and
+compiled blocks checkpointed whole (torch 2.13's AOT autograd saves the mesh among the tensors)."""
 
 from __future__ import annotations
 
@@ -46,17 +47,55 @@ def _gather_sequence(module: nn.Module, args: tuple, kwargs: dict):
     return args, kwargs
 
 
+def _gather_sequence_in_float8(module: nn.Module, args: tuple, kwargs: dict):
+    """_gather_sequence under tensorwise float8: the sequence shard is cast to float8 and then all-gathered,
+    left a DTensor of torchao's Float8TrainingTensor that each colwise linear takes as cast (torchao's
+    PrepareFloat8ModuleInput, as torchtitan's apply_tp lays it out: one cast of a shard, half the bytes
+    gathered, where _gather_sequence gathers the compute dtype and each colwise linear casts the whole)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    prepare = module._float8_input
+
+    def whole(value):
+        if not isinstance(value, DTensor):
+            return value
+        return prepare._prepare_input_arg(value, value.device_mesh, Shard(1), Replicate())
+
+    if args:
+        args = (whole(args[0]), *args[1:])
+    if "hidden_states" in kwargs:
+        kwargs = {**kwargs, "hidden_states": whole(kwargs["hidden_states"])}
+    return args, kwargs
+
+
+def _float8_input(module: nn.Module):
+    """A PrepareFloat8ModuleInput configured as its _apply configures one (the linear_mm_config of the
+    module's float8 linears), for _gather_sequence_in_float8 to call (not applied as a style: families
+    pass the hidden states by position or by keyword, which a style's layouts must name)."""
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
+
+    prepare = PrepareFloat8ModuleInput(use_local_output=False)
+    configs = [m.linear_mm_config for m in module.modules() if isinstance(m, Float8Linear)]
+    if not configs or any(config != configs[0] for config in configs):
+        raise ValueError(f"{type(module).__name__}: float8 tensor parallelism needs its linears converted with one "
+                         "config (torchao's PrepareFloat8ModuleInput casts their input once)")
+    prepare.linear_mm_config = configs[0]
+    return prepare
+
+
 def _is_norm(module: nn.Module) -> bool:
     return "norm" in type(module).__name__.lower()
 
 
-def apply_tp(model: nn.Module, blocks: Blocks, tp_mesh: Any, degree: int) -> int:
+def apply_tp(model: nn.Module, blocks: Blocks, tp_mesh: Any, degree: int, *, float8: str = "none") -> int:
     """Tensor parallelism over `degree` ranks (1: nothing), with sequence parallelism between the blocks'
     linears, as torchtitan's apply_tp lays it out: the plan's colwise linears split their outputs, the rowwise
     ones reduce-scatter theirs to a sequence shard (Shard(1)); each block's norms run on that shard
     (SequenceParallel), and its attention and MLP all-gather their input (_gather_sequence); the embeddings'
     output is split to the sequence shard and the head's input gathered back, both left whole on each rank
-    (tied embeddings stay tied; no loss parallelism). Before checkpointing and FSDP (torchtitan's order).
+    (tied embeddings stay tied; no loss parallelism). After float8 converts the linears, before checkpointing
+    and FSDP (torchtitan's order); `float8` the recipe they were converted with (_linear_styles).
     Returns how many linears were split."""
     if degree == 1:
         return 0
@@ -66,7 +105,8 @@ def apply_tp(model: nn.Module, blocks: Blocks, tp_mesh: Any, degree: int) -> int
     if final_norm is None or embeddings is None or head is None:
         raise ValueError(f"{type(model).__name__}: no final norm, embeddings or head where sequence parallelism "
                          "expects them")
-    return _apply_tp_parts(plan, blocks, tp_mesh, embeddings=embeddings, final_norm=final_norm, head=head)
+    return _apply_tp_parts(plan, blocks, tp_mesh, embeddings=embeddings, final_norm=final_norm, head=head,
+                           float8=float8)
 
 
 def apply_tp_stage(model: nn.Module, blocks: Blocks, tp_mesh: Any, degree: int, *, embeddings: nn.Module | None,
@@ -88,15 +128,31 @@ def _colwise_rowwise_plan(model: nn.Module) -> dict[str, str]:
     return plan
 
 
+def _linear_styles(float8: str) -> tuple[type, type]:
+    """The (colwise, rowwise) styles for the plan's linears: torchao's Float8ColwiseParallel and
+    Float8RowwiseParallel on linears converted with tensorwise float8 (their weights and the inputs they
+    receive cast to float8 before the split's collectives, torchtitan's enable_float8_tensorwise_tp), torch's
+    own otherwise (rowwise float8: torchtitan keeps regular TP, the collectives in high precision). The
+    attention and MLP inputs are then gathered in float8 (_gather_sequence_in_float8) under tensorwise."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if float8 == "tensorwise":
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+        return Float8ColwiseParallel, Float8RowwiseParallel
+    return ColwiseParallel, RowwiseParallel
+
+
 def _apply_tp_parts(plan: dict[str, str], blocks: Blocks, tp_mesh: Any, *, embeddings: nn.Module | None,
-                    final_norm: nn.Module | None, head: nn.Module | None) -> int:
+                    final_norm: nn.Module | None, head: nn.Module | None, float8: str = "none") -> int:
     """apply_tp's layout on the blocks, and on each of the embeddings, final norm and head that is not None."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                                   RowwiseParallel, SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (PrepareModuleInput, PrepareModuleOutput, SequenceParallel,
+                                                   parallelize_module)
 
-    styles = {"colwise": lambda: ColwiseParallel(),
-              "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
+    colwise, rowwise = _linear_styles(float8)
+    styles = {"colwise": lambda: colwise(),
+              "rowwise": lambda: rowwise(output_layouts=Shard(1), use_local_output=False)}
     split = 0
     # The units whose input is gathered: the modules holding the plan's linears (self_attn, mlp, ...).
     gathering = sorted({key.rsplit(".", 1)[0] for key in plan if "." in key})
@@ -105,7 +161,12 @@ def _apply_tp_parts(plan: dict[str, str], blocks: Blocks, tp_mesh: Any, *, embed
             **{key: styles[style]() for key, style in plan.items()},
             **{name: SequenceParallel() for name, child in block.named_children() if _is_norm(child)}})
         for name in gathering:
-            block.get_submodule(name).register_forward_pre_hook(_gather_sequence, with_kwargs=True)
+            unit = block.get_submodule(name)
+            if float8 == "tensorwise":
+                unit._float8_input = _float8_input(unit)
+                unit.register_forward_pre_hook(_gather_sequence_in_float8, with_kwargs=True)
+            else:
+                unit.register_forward_pre_hook(_gather_sequence, with_kwargs=True)
         split += len(plan)
     if embeddings is not None:
         parallelize_module(embeddings, tp_mesh, PrepareModuleOutput(
