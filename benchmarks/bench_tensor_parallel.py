@@ -1,12 +1,14 @@
 """Tensor parallelism (--tp): the trace against real gloo runs, family by family, and the tune at scale.
 
-    python benchmarks/bench_tensor_parallel.py [--no-real] [--families llama,qwen2,mistral] [--no-tune]
+    python benchmarks/bench_tensor_parallel.py [--no-real] [--families llama,qwen2,mistral] [--no-tune] [--compiled]
 
 Memory: for each family whose transformers config has a tensor-parallel plan of colwise/rowwise entries,
 a shrunk config (autotune/problem/catalog/shrink.py, 4 layers, seq 64, micro-batch 2) is predicted by the simulator
 for a CPU gloo run and, unless --no-real, run for real: TP2 on 2 ranks and FSDP2 x TP2 on 4 ranks, each with
-checkpointing none and full, every trial of a world size in one launch of the cpu backend. Printed: the
-predicted and measured tensor peaks (`extras["tensor_peak_bytes"]`) and their difference.
+checkpointing none and full (with --compiled also compiled blocks, checkpointing none and op: inductor in the
+real runs, AOT autograd's partition in the trace; a cold compile is 30-60 s a world size), every trial of a world
+size in one launch of the cpu backend. Printed: the predicted and measured tensor peaks
+(`extras["tensor_peak_bytes"]`) and their difference.
 
 Tune: llama3-70b on 1024 x h100-80gb at seq 8192 with a 4Mi-token global batch (512 sequences for 1024 GPUs:
 past FSDP's batch wall), and a Llama-3.1-405B-shaped config on 128 x h100-80gb (FSDP alone fits only with
@@ -25,6 +27,7 @@ from pathlib import Path
 
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "olmo2", "granite")
 CHECKPOINTING = ("none", "full")
+COMPILED_CHECKPOINTING = ("none", "op")  # compiled TP blocks checkpointed whole are refused (knobs._check_tensor_parallel)
 SEQ_LEN = 64
 MICRO_BATCH = 2
 
@@ -44,7 +47,7 @@ LLAMA_405B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hid
 """Llama 3.1 405B's shapes, from its published config.json (meta-llama/Llama-3.1-405B)."""
 
 
-def memory_matrix(families: list[str], *, real: bool, folder: Path) -> list[dict]:
+def memory_matrix(families: list[str], *, real: bool, folder: Path, compiled: bool = False) -> list[dict]:
     from autotune.backends.base import TrialResult
     from autotune.backends.sim import SimBackend
     from autotune.problem.catalog.models import resolve_model
@@ -63,11 +66,12 @@ def memory_matrix(families: list[str], *, real: bool, folder: Path) -> list[dict
             if why:
                 rows.append(dict(family=family, ranks=ranks, refused=why))
                 continue
-            for ac in CHECKPOINTING:
+            cases = [(ac, "none") for ac in CHECKPOINTING] + [(ac, "blocks") for ac in COMPILED_CHECKPOINTING if compiled]
+            for ac, compile_mode in cases:
                 specs.append(TrialSpec(model=model, cluster=Cluster(num_gpus=ranks), seq_len=SEQ_LEN, grad_accum_steps=1,
                                        train=TrainConfig(tensor_parallel=2, micro_batch_size=MICRO_BATCH,
-                                                         activation_checkpointing=ac)))
-                rows.append(dict(family=family, ranks=ranks, ac=ac))
+                                                         activation_checkpointing=ac, compile=compile_mode)))
+                rows.append(dict(family=family, ranks=ranks, ac=ac + (" compiled" if compile_mode != "none" else "")))
     with SimBackend(device_kind="cpu") as sim:
         predicted = [sim.evaluate(spec) for spec in specs]
     measured: list = [None] * len(specs)
@@ -113,11 +117,12 @@ def main() -> None:
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--no-real", action="store_true", help="predict only")
     parser.add_argument("--no-tune", action="store_true", help="skip the two tunes at scale")
+    parser.add_argument("--compiled", action="store_true", help="also compiled blocks (checkpointing none and op)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        rows = memory_matrix(args.families.split(","), real=not args.no_real, folder=folder)
-        print(f"{'family':10} {'ranks':>5} {'ac':>5} {'predicted B':>14} {'measured B':>14} {'error':>9}")
+        rows = memory_matrix(args.families.split(","), real=not args.no_real, folder=folder, compiled=args.compiled)
+        print(f"{'family':10} {'ranks':>5} {'ac':>12} {'predicted B':>14} {'measured B':>14} {'error':>9}")
         for row in rows:
             if "refused" in row:
                 print(f"{row['family']:10} {row['ranks']:>5}   refused: {row['refused']}")
@@ -125,7 +130,7 @@ def main() -> None:
             predicted, measured = row["predicted"], row.get("measured")
             error = (f"{(predicted - measured) / measured:+.4%}" if isinstance(predicted, int) and isinstance(measured, int)
                      else "-")
-            print(f"{row['family']:10} {row['ranks']:>5} {row['ac']:>5} {predicted!s:>14} {measured!s:>14} {error:>9}")
+            print(f"{row['family']:10} {row['ranks']:>5} {row['ac']:>12} {predicted!s:>14} {measured!s:>14} {error:>9}")
         if args.no_tune:
             return
         config = folder / "llama3.1-405b-shaped" / "config.json"

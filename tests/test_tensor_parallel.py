@@ -21,9 +21,9 @@ from autotune.problem.knobs import KNOBS, ProblemShape, check_combination, tenso
 from tests.shared_runs import register
 from tests.test_sim_accuracy import assert_tensor_peaks_agree, predict_cpu_runs
 
-# (family, ranks, tensor parallel, micro-batch, checkpointing[, compile]): TP alone on 2 ranks, FSDP x TP on 4,
-# and TP with compiled blocks (inductor in the real run, AOT autograd's partition in the trace). TP with float8:
-# tests/test_float8.py, whose launch can import torchao.
+# (family, ranks, tensor parallel, micro-batch, checkpointing): TP alone on 2 ranks, FSDP x TP on 4. TP with float8
+# and compiled blocks: tests/test_float8.py, whose launch can import torchao (one compiled row there; every family
+# compiled: benchmarks/bench_tensor_parallel.py --compiled).
 MATRIX = [
     ("tiny-llama", 2, 2, 2, "none"),
     ("tiny-qwen2", 2, 2, 2, "full"),
@@ -31,7 +31,6 @@ MATRIX = [
     ("tiny-llama", 4, 2, 2, "none"),
     ("tiny-qwen2", 4, 2, 1, "none"),
     ("mistral", 4, 2, 2, "full"),
-    ("tiny-qwen2", 2, 2, 2, "op", "blocks"),
 ]
 
 
@@ -48,10 +47,9 @@ def shrunk_or_catalog_model(name: str, folder):
 
 
 def _spec(row, folder) -> TrialSpec:
-    name, ranks, tp, mb, ac, *compiled = row
+    name, ranks, tp, mb, ac = row
     return TrialSpec(model=shrunk_or_catalog_model(name, folder), cluster=Cluster(num_gpus=ranks), seq_len=64,
-                     train=TrainConfig(tensor_parallel=tp, micro_batch_size=mb, activation_checkpointing=ac,
-                                       compile=compiled[0] if compiled else "none"),
+                     train=TrainConfig(tensor_parallel=tp, micro_batch_size=mb, activation_checkpointing=ac),
                      grad_accum_steps=1)
 
 
