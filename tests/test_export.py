@@ -642,7 +642,8 @@ def test_fsdp1_kwargs_bind_to_fully_sharded_data_parallel(run_result, tmp_path):
 
 # llama-cookbook's train_config and fsdp_config fields (src/llama_cookbook/configs/{training,fsdp}.py).
 COOKBOOK_BOOL_KEYS = {"enable_fsdp", "mixed_precision", "use_fp16", "pure_bf16", "fsdp_activation_checkpointing",
-                      "fsdp_cpu_offload", "save_optimizer", "low_cpu_fsdp", "hsdp", "run_validation"}
+                      "fsdp_cpu_offload", "save_optimizer", "low_cpu_fsdp", "hsdp", "run_validation",
+                      "use_fast_kernels"}
 COOKBOOK_KEYS = COOKBOOK_BOOL_KEYS | {
     "model_name", "batch_size_training", "batching_strategy", "context_length", "gradient_accumulation_steps",
     "sharding_strategy", "checkpoint_type", "num_epochs", "lr", "output_dir", "dist_checkpoint_root_folder",
@@ -1207,6 +1208,151 @@ def test_every_script_sets_the_allocator_setting_the_prediction_assumed(run_resu
         assert echoed == wanted and mapping.status == "mapped"
     else:
         assert mapping.status == "unsupported" and wanted in mapping.note and wanted in path.read_text()
+
+
+def with_attention(result: dict, attention: str | None) -> dict:
+    """The run's result as if tuned with --attention `attention` (None: a best.json from before the key)."""
+    changed = copy.deepcopy(result)
+    if attention is None:
+        changed["model"].pop("attention_implementation", None)
+    else:
+        changed["model"]["attention_implementation"] = attention
+    return changed
+
+
+def _flash_attn_missing() -> bool:
+    return importlib.util.find_spec("flash_attn") is None
+
+
+@pytest.mark.parametrize("attention", ["eager", "flash_attention_2"])
+def test_scripts_build_the_model_with_the_tuned_attention(run_result, tmp_path, attention):
+    """The fsdp2 script switches its built model to the tuned attention with transformers' own call,
+    Lightning's build_model() builds it so, and the FSDP1 modules name it for the user's from_pretrained;
+    each file compiles and runs as Python, and a flash-attention tune says what it needs."""
+    result = with_attention(run_result, attention)
+    modules = {}
+    for fmt in ("fsdp2", "fsdp1", "lightning", "lightning-fsdp1"):
+        path, exported = write(tmp_path, result, fmt)
+        compile(path.read_text(), path.name, "exec")
+        modules[fmt] = runpy.run_path(str(path), run_name=f"{fmt}_export")
+        assert {m.knob: m.status for m in exported.mappings}["attention"] == "mapped", fmt
+        flash = [w for w in exported.warnings if "pip install flash-attn" in w and "Ampere" in w]
+        assert len(flash) == (attention == "flash_attention_2"), fmt
+    assert modules["fsdp2"]["ATTENTION"] == attention
+    assert "model.set_attn_implementation(ATTENTION)" in export_result(result, "fsdp2").text
+    assert modules["fsdp1"]["ATTN_IMPLEMENTATION"] == modules["lightning-fsdp1"]["ATTN_IMPLEMENTATION"] == attention
+    assert f"config._attn_implementation = {attention!r}" in export_result(result, "lightning").text
+    if attention == "eager":
+        model = _tiny_model()
+        model.set_attn_implementation(modules["fsdp2"]["ATTENTION"])  # the fsdp2 script's call, once built
+        assert model.config._attn_implementation == "eager"
+        assert modules["lightning"]["build_model"]().config._attn_implementation == "eager"
+    elif _flash_attn_missing():  # transformers asks for the package the warning names
+        with pytest.raises(ImportError, match="FlashAttention2"):
+            _tiny_model().set_attn_implementation(modules["fsdp2"]["ATTENTION"])
+        with pytest.raises(ImportError, match="FlashAttention2"):
+            modules["lightning"]["build_model"]()
+
+
+@pytest.mark.parametrize("attention", ["eager", "flash_attention_2"])
+def test_trl_loads_the_tuned_attention_and_the_hf_configs_say_how(run_result, tmp_path, attention):
+    """TRL: SFTConfig's and GRPOConfig's model_init_kwargs, read back by TRL's own CLI parser and by
+    HfArgumentParser (unknown keys raise). TrainingArguments and Accelerate's YAML have no such key:
+    their files say how to load the model instead, and still parse."""
+    pytest.importorskip("trl", reason="trl is not installed (pip install trl)")
+    from transformers import TrainingArguments
+    from trl import GRPOConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
+
+    result = with_attention(variant(run_result, activation_checkpointing="full"), attention)
+    path, exported = write(tmp_path, result, "trl")
+    _, sft, model_args = TrlParser((ScriptArguments, SFTConfig, ModelConfig)).parse_args_and_config(
+        ["--config", str(path), "--dataset_name", "DATA", "--model_name_or_path", "MODEL", "--use_cpu", "true"])
+    assert sft.model_init_kwargs == {"attn_implementation": attention}
+    assert model_args.attn_implementation is None  # trl sft applies model_init_kwargs over ModelConfig's
+    assert _trainer_args(path, SFTConfig).model_init_kwargs == {"attn_implementation": attention}
+    assert {m.knob: m.status for m in exported.mappings}["attention"] == "mapped"
+    assert any("pip install flash-attn" in w for w in exported.warnings) == (attention == "flash_attention_2")
+    grpo = copy.deepcopy(result)
+    grpo["workload"] = {"kind": "grpo", "vllm_gpu_memory_utilization": 0.3}
+    path, _ = write(tmp_path, grpo, "trl")
+    assert _trainer_args(path, GRPOConfig).model_init_kwargs == {"attn_implementation": attention}
+    for fmt in ("hf-trainer", "accelerate"):
+        path, exported = write(tmp_path, result, fmt)
+        call = f"attn_implementation={attention!r}"
+        assert any(w.startswith("attention: unsupported") and call in w for w in exported.warnings), fmt
+        usage = [line for line in path.read_text().splitlines() if not line.startswith("#  ")]  # header's indented
+        assert any(call in line for line in usage), fmt  # the usage comment too, not only the header's warning
+        assert any("pip install flash-attn" in w for w in exported.warnings) == (attention == "flash_attention_2")
+    _trainer_args(tmp_path / "hf_trainer_args.yaml", TrainingArguments)
+
+
+def test_sft_trainer_loads_the_model_with_the_exported_attention(run_result, tmp_path):
+    """SFTTrainer itself, given a model folder and the parsed SFTConfig, loads it with the tuned attention."""
+    trl = pytest.importorskip("trl", reason="trl is not installed (pip install trl)")
+    from datasets import Dataset
+
+    from tests.test_stacks import tiny_tokenizer
+
+    path, _ = write(tmp_path, with_attention(variant(run_result, activation_checkpointing="full"), "eager"), "trl")
+    args = _trainer_args(path, trl.SFTConfig)
+    args.output_dir, args.report_to, args.fsdp, args.fsdp_config = str(tmp_path), [], [], None  # one CPU rank
+    _tiny_model().to_empty(device="cpu").save_pretrained(tmp_path / "model")
+    data = Dataset.from_dict({"input_ids": [list(range(3, 40))] * 2})
+    trainer = trl.SFTTrainer(model=str(tmp_path / "model"), args=args, train_dataset=data,
+                             processing_class=tiny_tokenizer())
+    assert trainer.model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flash_attention_2"])
+def test_trl_packed_batches_keep_flash_attention_2(run_result, tmp_path, attention):
+    """--token-budget: ModelConfig's flash_attention_2 (TRL's padding-free attention), as before; exact
+    where flash_attention_2 was tuned, said otherwise."""
+    pytest.importorskip("trl", reason="trl is not installed (pip install trl)")
+    from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
+
+    result = with_attention(variant(run_result, activation_checkpointing="full"), attention)
+    result["packing"] = {"token_budget": result["micro_batch_size"] * result["seq_len"]}
+    path, exported = write(tmp_path, result, "trl")
+    _, sft, model_args = TrlParser((ScriptArguments, SFTConfig, ModelConfig)).parse_args_and_config(
+        ["--config", str(path), "--dataset_name", "DATA", "--model_name_or_path", "MODEL", "--use_cpu", "true"])
+    assert model_args.attn_implementation == "flash_attention_2" and sft.model_init_kwargs is None
+    status = {m.knob: m.status for m in exported.mappings}["attention"]
+    assert status == ("mapped" if attention == "flash_attention_2" else "approximated")
+    assert any("pip install flash-attn" in w for w in exported.warnings)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager", "flash_attention_2"])
+def test_stacks_with_their_own_attention_say_when_it_is_not_the_tuned_one(run_result, attention):
+    """llama-cookbook loads with SDPA (--use_fast_kernels) and no flag reaches another; torchtitan and
+    LitGPT run their own models' SDPA: exact for sdpa, a warning naming the attention tuned otherwise."""
+    result = with_attention(llama3_8b(run_result), attention)
+    exported = {fmt: export_result(result, fmt) for fmt in ("llama-cookbook", "torchtitan", "litgpt")}
+    assert "--use_fast_kernels True" in exported["llama-cookbook"].text
+    for fmt, export in exported.items():
+        said = [w for w in export.warnings if w.startswith("attention:")]
+        if attention == "sdpa":
+            assert not said and {m.knob: m.status for m in export.mappings}["attention"] == "mapped", fmt
+        else:
+            (warning,) = said
+            assert warning.startswith("attention: approximated") and attention in warning, fmt
+            assert ("cannot express" if fmt == "llama-cookbook" else "runs its own SDPA attention") in warning, fmt
+            assert warning in export.text, fmt
+        assert not any("pip install flash-attn" in w for w in export.warnings), fmt  # none of them loads it
+
+
+def test_a_result_without_the_attention_key_exports_sdpa(run_result, tmp_path):
+    """best.json files from before --attention: model.attention_implementation missing reads as sdpa."""
+    from autotune.results.export import Tuned
+
+    result = with_attention(run_result, None)
+    assert Tuned.from_result(result).attention == "sdpa"
+    assert "ATTENTION = 'sdpa'" in export_result(result, "fsdp2").text
+    assert "config._attn_implementation = 'sdpa'" in export_result(result, "lightning").text
+    path, _ = write(tmp_path, result, "trl")
+    assert yaml.safe_load(path.read_text())["model_init_kwargs"] == {"attn_implementation": "sdpa"}
+    for fmt in FORMATS:
+        export = export_result(for_format(result, fmt), fmt)
+        assert not any(w.startswith("attention") or "flash-attn" in w for w in export.warnings), fmt
 
 
 def test_shard_placement_is_written_where_the_stack_runs_autotunes_parallelize(run_result):

@@ -28,6 +28,7 @@ from functools import lru_cache
 
 from autotune.estimate import costmodel
 from autotune.problem import knobs
+from autotune.problem.catalog.attention import COST_KERNEL
 from autotune.estimate.runtime_memory import runtime_memory
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
 from autotune.problem.config import (MASTER_DTYPE_BYTES, MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, TRL_STEPS, TrialSpec,
@@ -783,16 +784,17 @@ def context_parallel_work(spec: TrialSpec, virtual_stages: int | None = None) ->
 
 
 def step_work(spec: TrialSpec, *, reduce_bytes: int = 4, kernels: str = "eager",
-              attention_kernel: str = "flash2", pipeline_virtual_stages: int | None = None) -> costmodel.StepWork:
+              attention_kernel: str | None = None, pipeline_virtual_stages: int | None = None) -> costmodel.StepWork:
     """FLOPs, collective and offload bytes of one optimizer step on one GPU, gradients reduced in
     `reduce_bytes` per element (fp32, as autotune's trials reduce); attention's FLOPs apart, as counted
     and as the `attention_kernel` executes them, and the memory-bound ops' bytes of `kernels`
     (costmodel.MEMORY_BYTES_PER_TOKEN: "eager" is transformers' and torchtitan's code, what autotune
     runs; the published runs name their stack's). Under pipeline parallelism the work is the slowest rank's
     (pipeline_costed_rank: its blocks, the head on the last stage) with `pipeline_virtual_stages` stages per rank
-    (default: the schedule's)."""
+    (default: the schedule's). `attention_kernel` None: the one the model's attention runs (attention.COST_KERNEL)."""
     from autotune.problem.catalog.models import model_flops_per_token
 
+    attention_kernel = attention_kernel or COST_KERNEL[spec.model.attention_implementation]
     if spec.train.pipeline_parallel > 1:
         return _pipeline_step_work(spec, reduce_bytes=reduce_bytes, kernels=kernels, attention_kernel=attention_kernel,
                                    virtual_stages=pipeline_virtual_stages)
@@ -827,7 +829,9 @@ def step_work(spec: TrialSpec, *, reduce_bytes: int = 4, kernels: str = "eager",
             shape.num_layers * costmodel.memory_bytes_per_token(kernels, hidden=shape.hidden, ffn=shape.intermediate,
                                                                kv_width=shape.kv_width)
             + num_checkpointed * costmodel.memory_bytes_per_token(kernels, hidden=shape.hidden, ffn=shape.intermediate,
-                                                                  kv_width=shape.kv_width, forward=True)))
+                                                                  kv_width=shape.kv_width, forward=True))
+        + _eager_score_bytes(spec, attention_kernel, tokens=tokens_per_gpu, span=span, blocks=shape.num_layers,
+                             recomputed=attention_recomputed))
     # Tensor parallelism: each GPU of a group does a tp-th of its tokens' work (attention by heads too);
     # context parallelism a cp-th (its tokens; attention load-balanced, in ring steps of a cp-th of the keys).
     tp, cp = train.tensor_parallel, train.context_parallel
@@ -845,6 +849,17 @@ def step_work(spec: TrialSpec, *, reduce_bytes: int = 4, kernels: str = "eager",
         trainable=trainable_split(spec), attention=attention, precision=train.precision,
         offload_fresh_page_bytes=offload_fresh_page_bytes(spec), **expert_parallel_work(spec),
         **tensor_parallel_work(spec), **context_parallel_work(spec))
+
+
+def _eager_score_bytes(spec: TrialSpec, attention_kernel: str, *, tokens: int, span: int, blocks: int,
+                       recomputed: int) -> float:
+    """The memory-bound bytes eager attention adds on the score tensors (costmodel.EAGER_SCORE_BYTES) for
+    `tokens` tokens attending over `span` keys each, in the trial's compute dtype; 0 for a fused kernel."""
+    if attention_kernel != "eager":
+        return 0.0
+    heads = model_shape(spec.model).num_heads
+    return costmodel.eager_score_bytes(scores=float(tokens) * span * heads, blocks=blocks,
+                                       recomputed=recomputed) * PARAM_BYTES[spec.train.precision] / 2
 
 
 def _pipeline_step_work(spec: TrialSpec, *, reduce_bytes: int, kernels: str, attention_kernel: str,
@@ -874,7 +889,9 @@ def _pipeline_step_work(spec: TrialSpec, *, reduce_bytes: int, kernels: str, att
         attention_kernel=attention_kernel,
         memory_bytes_per_gpu=tokens_per_gpu * PARAM_BYTES[train.precision] / 2 * (
             blocks * costmodel.memory_bytes_per_token(kernels, **shape_bytes)
-            + checkpointed * costmodel.memory_bytes_per_token(kernels, **shape_bytes, forward=True)) / (tp * cp))
+            + checkpointed * costmodel.memory_bytes_per_token(kernels, **shape_bytes, forward=True)) / (tp * cp)
+        + _eager_score_bytes(spec, attention_kernel, tokens=tokens_per_gpu, span=span, blocks=blocks,
+                             recomputed=attention_recomputed) / (tp * cp))
     model_flops = model_flops_per_token(spec.model, spec.seq_len, num_parameters=shape.num_parameters)
     return costmodel.fsdp_step_work(
         flops_per_gpu=tokens_per_gpu * _rank_flops_per_token(spec, rank, span) / (tp * cp),

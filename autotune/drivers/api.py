@@ -431,7 +431,8 @@ def resolve_problem(options: Options, *, check_batch=None) -> tuple[Any, Any, in
         raise UsageError("--model is required (a catalog name or a path to a config.json)")
     if options.gpus is None:
         raise UsageError("--gpus is required: the total number of GPUs of the job, e.g. --gpus 8")
-    model = resolve_model(options.model, trust_remote_code=options.trust_remote_code, text_only=options.text_only)
+    model = resolve_model(options.model, trust_remote_code=options.trust_remote_code,
+                          text_only=options.text_only).with_attention(getattr(options, "attention", None))
     seq_len = options.seq_len or model.default_seq_len
     if model.max_positions and seq_len > model.max_positions:
         raise UsageError(f"--seq-len {seq_len} is longer than {model.name} supports "

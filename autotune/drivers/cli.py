@@ -25,6 +25,7 @@ from autotune.drivers.api import (check_backend_traces, check_hardware, check_mu
                           write_formats)
 from autotune.util.errors import AutotuneError, NothingFits, StorageUnavailable, UsageError
 from autotune.util.interrupts import raised_where_safe
+from autotune.problem.catalog.attention import ATTENTION_IMPLEMENTATIONS
 from autotune.problem.config import PEFT_METHODS, STACKS, check_float8_library
 from autotune.problem.options import (BACKENDS, COMPILE_SEARCH, FLOAT8_SEARCH, SEQ_LEN_STEP, WORKLOADS, TuneOptions, duration, fraction, number,
                               positive_int, routing_skew, token_budget, doc_lengths, usage_error)
@@ -137,6 +138,11 @@ def _add_model_options(group, *, required: bool) -> None:
                        help="a multimodal config (Llava, Gemma 3, ...): tune its language model (text_config) "
                             "alone; the run says what it leaves out (the other towers' parameters and their "
                             "estimated memory per GPU, their activations)")
+    group.add_argument("--attention", choices=ATTENTION_IMPLEMENTATIONS, default=None,
+                       help="the attention your stack runs (transformers' attn_implementation): sdpa (the default "
+                            "where the model has it), eager (keeps every layer's seq x seq scores), flash_attention_2 "
+                            "(Ampere or newer), flash_attention_3 (Hopper); traced and costed as it runs on the GPU "
+                            "(docs/KNOBS.md)")
 
 
 def _add_seq_len(group, *, seq_len_max: bool) -> None:
@@ -410,7 +416,8 @@ def cmd_plan(args: argparse.Namespace, console) -> int:
                           gpus_per_node=args.gpus_per_node, headroom=args.headroom,
                           global_tolerance=args.global_tolerance, space=args.space, runs_dir=args.runs_dir,
                           storage=args.storage, trust_remote_code=args.trust_remote_code,
-                          text_only=args.text_only, jobs=args.jobs, compile=args.compile, float8=args.float8,
+                          text_only=args.text_only, attention=args.attention, jobs=args.jobs, compile=args.compile,
+                          float8=args.float8,
                           train_assumptions=assumptions)
     seq_len_max = None
     if args.seq_len == "max":
@@ -491,6 +498,7 @@ def cmd_trial(args: argparse.Namespace, console) -> int:
         recorded = document.get("workload")
         recorded_finetuning = document.get("finetuning")
         recorded_stack = (document.get("stack") or {}).get("name")
+        args.attention = args.attention or document["model"].get("attention_implementation")  # as tuned
         if args.routing_skew is None and document.get("routing_skew"):  # the assumption the result was tuned under
             args.routing_skew = RoutingSkew.from_dict(document["routing_skew"])
         if args.token_budget is None and document.get("packing"):  # packed batches, as tuned

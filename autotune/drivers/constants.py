@@ -77,6 +77,13 @@ def registry() -> tuple[Constant, ...]:
                  "the flash kernels' published benchmark bars (costmodel.ATTENTION_KERNEL_TFLOPS docstring)", lopo),
         Constant("costmodel.MEMORY_BYTES_PER_TOKEN", "per stack", "bytes per token", "derived",
                  "the memory-bound ops' bytes counted per stack, at the HBM data sheet", lopo),
+        Constant("costmodel.EAGER_SCORE_BYTES", f"{cm.EAGER_SCORE_BYTES[0]:g} / {cm.EAGER_SCORE_BYTES[1]:g}",
+                 "bytes per score per block (fwd+bwd / fwd)", "derived",
+                 "transformers' eager attention's memory-bound ops on the seq x seq scores, counted in micro-llama's "
+                 "trace (eager less SDPA); costs --attention eager in the closed form (the simulator costs the "
+                 "traced ops themselves)",
+                 "tests/test_attention.py::test_eager_score_bytes_hold_on_another_model (recounted on tiny-qwen2); "
+                 "::test_closed_form_prices_eager_attention_as_the_trace_does (against the simulator's traced ops)"),
         Constant("costmodel.INTRA_NODE_BUS_EFFICIENCY", cm.INTRA_NODE_BUS_EFFICIENCY, "fraction of link rate",
                  "assumption", "NCCL busbw on NVLink 3/4 (~75-80% of the one-way data sheet); applied to NVLink "
                  "and PCIe alike", lopo + ": NVLink nodes only; none on PCIe parts"),

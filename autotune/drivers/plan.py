@@ -66,6 +66,8 @@ class PlanOptions:
     storage: str | None = None
     trust_remote_code: bool = False
     text_only: bool = False
+    attention: str | None = None
+    """As tune's --attention."""
     jobs: int | None = None
     compile: str | None = None
     """As tune's --compile: None, the search space's (auto: compiled candidates explored where tune would)."""
@@ -96,7 +98,8 @@ class PlanOptions:
                            gpu_type=gpu_type, seq_len=seq_len, backend=self.backend, headroom=self.headroom,
                            global_tolerance=self.global_tolerance, space=self.space, runs_dir=self.runs_dir,
                            storage=self.storage, trust_remote_code=self.trust_remote_code,
-                           text_only=self.text_only, compile=self.compile, float8=self.float8)
+                           text_only=self.text_only, attention=self.attention, compile=self.compile,
+                           float8=self.float8)
 
 
 # -- parsing the flags ------------------------------------------------------------------------------
@@ -226,7 +229,7 @@ def batch_refusal(options: PlanOptions, gpus: int, seq_len: int) -> str | None:
         check_batch_beyond_fsdp(check, gpus=gpus, gpus_per_node=gpus // nodes_for(gpus, options.gpus_per_node),
                                 seq_len=seq_len, model=lambda: resolve_model(
                                     options.model, trust_remote_code=options.trust_remote_code,
-                                    text_only=options.text_only))
+                                    text_only=options.text_only).with_attention(options.attention))
     except UsageError as exc:
         return str(exc)
     return None
@@ -515,7 +518,8 @@ def run_plan(options: PlanOptions, log, *, seq_len_max=None, progress=None) -> d
     from autotune.results.result import provenance, text_only_note, text_only_section
 
     began = time.monotonic()
-    model = resolve_model(options.model, trust_remote_code=options.trust_remote_code, text_only=options.text_only)
+    model = resolve_model(options.model, trust_remote_code=options.trust_remote_code,
+                          text_only=options.text_only).with_attention(options.attention)
     check_wrappable(model)
     check_backend_traces(model, options.backend)  # refused once here, not by every option's tune
     precision = load_space(options.space).precision

@@ -37,7 +37,7 @@ __all__ = [
     "matmul_efficiency", "offload_bytes",
     "ESTIMATE_BASIS",
     "MATMUL_EFFICIENCY", "DEFAULT_MATMUL_EFFICIENCY", "HALF_EFFICIENCY_TOKENS", "HALF_EFFICIENCY_HIDDEN",
-    "REFERENCE_HIDDEN", "ATTENTION_KERNEL_TFLOPS", "ATTENTION_KERNEL_SPEEDUP", "MEMORY_BYTES_PER_TOKEN",
+    "REFERENCE_HIDDEN", "ATTENTION_KERNEL_TFLOPS", "ATTENTION_KERNEL_SPEEDUP", "MEMORY_BYTES_PER_TOKEN", "EAGER_SCORE_BYTES",
     "attention_kernel_tflops", "memory_bytes_per_token",
     "INTRA_NODE_BUS_EFFICIENCY", "NIC_BUS_EFFICIENCY", "inter_node_ring_gbps", "CPU_ADAM_PARAMS_PER_S_PER_NODE",
     "HOST_PROCESS_BYTES", "HOST_OP_US", "LARGE_MEMORY_OP_BYTES",
@@ -303,6 +303,21 @@ def _measured_attention_tflops(kernel: str, family: str, span: int, head_dim: in
     lo, hi = at_seq(table[64]), at_seq(table[128])
     w = min(max((head_dim - 64) / 64, 0.0), 1.0)
     return lo + w * (hi - lo)
+
+
+EAGER_SCORE_BYTES = (60.5, 32.5)
+"""Bytes transformers' eager attention moves per score (batch x heads x seq x keys, the full square) per decoder
+block, bf16, forward + backward, then forward alone (a checkpointed block's recompute): the mask add, the fp32
+softmax and its casts, dropout where set, and their gradients, beyond what SDPA's attention moves. Counted with
+the simulator's op classifier (backends/sim/_trace.py `_op_kind`, `_tensor_bytes`) on micro-llama's blocks, eager
+less SDPA, 2 and 4 layers, at 256 and 512 tokens: a x seq^2 + b x seq per head, a taken (2026-11-29;
+tests/test_attention.py recounts it on another model)."""
+
+
+def eager_score_bytes(*, scores: float, blocks: int, recomputed: int) -> float:
+    """EAGER_SCORE_BYTES of `scores` score elements per block, over `blocks` blocks, `recomputed` of them run
+    forward again (bf16; a caller scales by the compute dtype)."""
+    return scores * (blocks * EAGER_SCORE_BYTES[0] + recomputed * EAGER_SCORE_BYTES[1])
 
 
 def memory_bytes_per_token(kernels: str, *, hidden: int, ffn: int, kv_width: int, forward: bool = False) -> float:

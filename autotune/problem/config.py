@@ -14,6 +14,7 @@ from typing import Any, Literal
 from autotune.problem.catalog.gpus import GPUSpec, GPUS
 from autotune.problem.catalog.models import ModelSpec
 from autotune.problem import knobs
+from autotune.problem.catalog.attention import check_attention
 from autotune.util.errors import UsageError
 from autotune.problem.knobs import Checkpointing
 from autotune.problem.packing import STEP as PACKED_STEP, Packing, check_packing_problem
@@ -551,6 +552,8 @@ class TrialSpec:
         if not self.routing_skew.balanced:
             self.routing_skew.check_experts(self.model.num_experts, self.model.name)
         check_float8_gpu(self.train.float8, self.cluster.gpu)
+        check_attention(self.model.attention, model=self.model, gpu=self.cluster.gpu, precision=self.train.precision,
+                        stack=self.stack, packed=self.packing is not None)
         if self.train.float8 != "none" and self.finetuning.lora:
             raise UsageError(f"--float8 {self.train.float8} with --peft {self.finetuning.peft}: float8 training converts the frozen "
                              "base linears too (not supported here); use --float8 none")

@@ -701,6 +701,8 @@ def _check_context_parallel(values: dict[str, Any], shape: ProblemShape) -> None
     if shape.step not in CONTEXT_PARALLEL_STEPS:
         raise UsageError(f"{flag}: context parallelism slices the model's own loss (--stack fsdp2, accelerate, "
                          f"hf-trainer), not the {shape.step} step of the stack given; use --cp 1")
+    if getattr(model, "attention", None) == "eager":
+        raise UsageError(f"{flag} with --attention eager: the ring runs SDPA's kernels; use --cp 1 or another --attention")
     why = why_no_context_parallel(model.config_dict, seq_len=shape.seq_len, degree=cp)
     if why:
         raise UsageError(f"{flag}: {model.name} at sequence length {shape.seq_len}: {why}; use --cp 1")

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from autotune.problem.catalog.attention import ATTENTION_IMPLEMENTATIONS
 from autotune.problem.config import PEFT_METHODS, STACKS
 from autotune.problem.knobs import COMPILE_SEARCH, FLOAT8_SEARCH, PRECISIONS
 from autotune.util.errors import UsageError
@@ -115,6 +116,7 @@ class TuneOptions:
     # model and cluster
     trust_remote_code: bool = False
     text_only: bool = False
+    attention: str | None = _option(choices=ATTENTION_IMPLEMENTATIONS)
     """A multimodal config's language model alone (its text_config); the run says what is left out."""
     nodes: int | None = _option(check=positive_int)
     """None: --gpus / --gpus-per-node (config.cluster_nodes)."""

@@ -392,6 +392,11 @@ class Console:
             f"node{'s' if cluster.num_nodes > 1 else ''}), seq_len {request.seq_len}, workload "
             f"{request.workload.label()}"), 0, first=Text("autotune ", style="bold")))
         self.note(f"backend: {backend_name} ({backend_why})")
+        if model.attention is not None:  # stated (--attention); the default is in best.json only
+            from autotune.problem.catalog.attention import attention_note
+
+            self.note(f"attention: {model.attention} (--attention)"
+                      + (f"; {attention_note(model.attention)}" if attention_note(model.attention) else ""))
         if self.verbose:  # the backend's line above says what its figures are; this is their full basis
             self.note(f"figures: {backend_description}")
         if request.vllm_share:

@@ -51,6 +51,8 @@ def study_name(request: TuneRequest, backend: str) -> str:
         # Nor a torchtitan (LitGPT) study whose trials ran its own step one whose trials could not
         # (its package not importable where it ran: autotune's step; config.stack_step).
         **({f"{request.stack}_step": OWN_STEPS[request.stack].importable()} if request.stack in OWN_STEPS else {}),
+        # Nor another attention implementation (--attention) the model's default.
+        **({"attention": request.model.attention} if request.model.attention is not None else {}),
         # Nor a multimodal model's language model alone (--text-only) the whole model.
         **({"text_only_of": request.model.text_tower_of["model_type"]} if request.model.text_tower_of else {}),
     }, sort_keys=True, default=str)

@@ -236,7 +236,8 @@ class SimBackend(TrialBackend):
                 spec.workload.weight_sync, spec.finetuning.key(), spec.step,
                 self._gpu_sm(spec) if _has_dropout(spec.model.config_dict) else None,
                 *((spec.routing_skew.key(),) if train.expert_parallel > 1 and not spec.routing_skew.balanced else ()),
-                *((spec.packing.key(),) if spec.packing is not None else ()))
+                *((spec.packing.key(),) if spec.packing is not None else ()),
+                *((spec.model.attention,) if spec.model.attention is not None else ()))
 
     def _gpu_sm(self, spec: TrialSpec) -> tuple[int, int] | None:
         """The compute capability a GPU run's attention kernels are chosen for (_gpu_kernels); None on CPU."""
@@ -515,10 +516,13 @@ class SimBackend(TrialBackend):
             basis += ("; saved activations offloaded to pinned host memory (the offload hooks traced: the device "
                       "frees each at pack and allocates it again at unpack)")
         from autotune.backends.sim._gpu_kernels import attention_note
+        from autotune.problem.catalog.attention import attention_note as stated_attention_note
 
         dropout_note = attention_note(trace.dropout, gpu=self.device_kind == "cuda")
         if dropout_note:
             basis += "; " + dropout_note
+        if (kernel_note := stated_attention_note(spec.model.attention or "")):
+            basis += "; " + kernel_note
         source = "estimated" if offload else "predicted+estimated" if runtime else "predicted"
         peak = Figure(total, source, basis)
 

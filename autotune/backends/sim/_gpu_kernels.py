@@ -64,17 +64,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from autotune.problem.catalog.gpus import DEFAULT_SM, GPU_SM
+
 FLASH, EFFICIENT, CUDNN, MATH = "flash_attention", "efficient_attention", "cudnn_attention", "math"
 FUSED = (FLASH, EFFICIENT, CUDNN)
 """The kernels that apply dropout inside the kernel (philox seed/offset, no mask kept)."""
-
-# Compute capability of the catalog's GPUs (autotune/problem/catalog/gpus.py), for the SM checks above: NVIDIA's
-# published figures, written from memory (H100/H200 9.0, A100 8.0, L40S and RTX 4090 8.9, A10G 8.6, V100 7.0).
-GPU_SM: dict[str, tuple[int, int]] = {
-    "h100-80gb": (9, 0), "h200-141gb": (9, 0), "a100-80gb": (8, 0), "a100-40gb": (8, 0),
-    "l40s-48gb": (8, 9), "rtx4090-24gb": (8, 9), "a10g-24gb": (8, 6), "v100-32gb": (7, 0),
-}
-DEFAULT_SM = (9, 0)
 
 _HALF = (torch.float16, torch.bfloat16)
 

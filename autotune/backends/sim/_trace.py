@@ -769,7 +769,8 @@ class Tracer:
         # built model (as FSDP2 allows at run time), which saves a build and a warm-up step.
         key = (model_spec.name, repr(sorted(model_spec.config_dict.items())), depth, world_size,
                train.with_(micro_batch_size=1, cpu_offload=False, reshard_after_forward=True).cache_key(),
-               finetuning.key(), step, seq_len if step == "torchtitan" else None)  # its RoPE cache: seq_len rows
+               finetuning.key(), step, seq_len if step == "torchtitan" else None,  # its RoPE cache: seq_len rows
+               model_spec.attention)
         if key in self._models:
             built = self._models[key]
             _set_reshard_after_forward(built, train.reshard_after_forward)

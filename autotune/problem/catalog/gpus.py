@@ -133,3 +133,13 @@ def detect_gpu() -> GPUSpec | None:
     if "A100" in name:
         return GPUS["a100-80gb" if props.total_memory > 50 * 2**30 else "a100-40gb"]
     return None
+
+
+# Compute capability of the catalog's GPUs, for the kernel checks (backends/sim/_gpu_kernels.py, catalog/attention.py):
+# NVIDIA's published figures, written from memory (H100/H200 9.0, A100 8.0, L40S and RTX 4090 8.9, A10G 8.6, V100 7.0).
+GPU_SM: dict[str, tuple[int, int]] = {
+    "h100-80gb": (9, 0), "h200-141gb": (9, 0), "a100-80gb": (8, 0), "a100-40gb": (8, 0),
+    "l40s-48gb": (8, 9), "rtx4090-24gb": (8, 9), "a10g-24gb": (8, 6), "v100-32gb": (7, 0),
+}
+DEFAULT_SM = (9, 0)
+"""A GPU not in GPU_SM is taken as SM 9.0 (Hopper)."""

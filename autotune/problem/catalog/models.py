@@ -12,11 +12,12 @@ import difflib
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from autotune.problem.catalog import attention
 from autotune.problem.catalog import layers
 from autotune.util.errors import UsageError
 
@@ -311,6 +312,9 @@ class ModelSpec:
     text_tower_of: dict[str, Any] | None = field(default=None, hash=False, compare=False)
     """--text-only: this model is the language model (text_config) of a multimodal one, and this
     says what of that model was left out (`_towers_left_out`); None for a text model."""
+    attention: str | None = None
+    """--attention: the attention implementation the user's stack runs (problem/catalog/attention.py); None: the
+    model's default (default_attention)."""
 
     def hf_config(self, *, num_layers: int | None = None):
         """The transformers config; `num_layers` makes a shallower copy (for depth extrapolation)
@@ -342,24 +346,38 @@ class ModelSpec:
         overrides.pop("model_type", None)
         overrides.pop("transformers_version", None)
         config = AutoConfig.for_model(self.model_type, **overrides)
-        config._attn_implementation = self.attention_implementation
+        config._attn_implementation = attention.traced_name(self.attention_implementation)
         config.use_cache = False
         return config
 
-    @cached_property
+    @property
     def attention_implementation(self) -> str:
+        """transformers' attn_implementation of this problem: the one stated (--attention), else the
+        model's default."""
+        return self.attention or self.default_attention
+
+    def with_attention(self, name: str | None) -> "ModelSpec":
+        """This model with `name` stated as its attention; None or the model's default: the model as it is
+        (its keys, and the traces cached under them, unchanged)."""
+        return self if name is None or name == self.default_attention else replace(self, attention=name)
+
+    @cached_property
+    def default_attention(self) -> str:
         """SDPA where the model supports it: fused attention on CPUs and GPUs alike keeps no
         seq x seq score matrix, so what a CPU trace or CPU trial counts is what a GPU run keeps.
         Models without an SDPA path (Gemma 2's logit softcapping) are traced with eager
-        attention, which keeps the scores: an upper bound for a flash-attention GPU run."""
+        attention, which keeps the scores: an upper bound for a flash-attention GPU run
+        (--attention flash_attention_2 traces the flash kernel instead)."""
         from autotune.util import cache
 
         return cache.cached("attention-implementation", self.model_type, self._attention_implementation)
 
     def _attention_implementation(self) -> str:
-        from transformers import AutoConfig
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
+        try:
+            from transformers import AutoConfig
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+        except ImportError:  # a stack's own venv (torchtitan, LitGPT): their own models run SDPA
+            return "sdpa"
         try:
             config_class = type(AutoConfig.for_model(self.model_type))
             model_class = MODEL_FOR_CAUSAL_LM_MAPPING[config_class]
@@ -642,14 +660,16 @@ class ModelSpec:
     def to_dict(self) -> dict[str, Any]:
         return dict(name=self.name, model_type=self.model_type, config=self.config_dict,
                     default_seq_len=self.default_seq_len, source=self.source,
-                    trust_remote_code=self.trust_remote_code, text_tower_of=self.text_tower_of)
+                    trust_remote_code=self.trust_remote_code, text_tower_of=self.text_tower_of,
+                    # Only where stated: a default model keeps the keys (and cached traces) it had.
+                    **({"attention": self.attention} if self.attention is not None else {}))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelSpec":
         return cls(name=data["name"], model_type=data["model_type"], config_dict=data["config"],
                    default_seq_len=data["default_seq_len"], source=data["source"],
                    trust_remote_code=data.get("trust_remote_code", False),
-                   text_tower_of=data.get("text_tower_of"))
+                   text_tower_of=data.get("text_tower_of"), attention=data.get("attention"))
 
 
 def resolve_model(name_or_path: str, *, trust_remote_code: bool = False, text_only: bool = False) -> ModelSpec:

@@ -21,10 +21,12 @@ from autotune.estimate.runtime_memory import ALLOC_CONF_ENV, RECOMMENDED_ALLOC_C
 
 Status = Literal["mapped", "approximated", "unsupported"]
 
-# The knobs autotune tunes (autotune/problem/knobs.py) or fixes; every exporter accounts for each of them.
-KNOBS: tuple[str, ...] = (
+# The knobs autotune tunes (autotune/problem/knobs.py) or fixes, and the attention it was told to predict for;
+# every exporter accounts for each of them.
+KNOBS: tuple[str, ...] = tuple(dict.fromkeys((
     *knob_registry.BY_NAME, "reduce_dtype", "grad_accum_steps", "wrap", "world_size", "state_dict_type", "alloc_conf",
-)
+    "attention",
+)))
 
 
 class ExportRefused(UsageError):
@@ -121,6 +123,9 @@ class Tuned:
     text_only: dict[str, Any] | None = None
     """--text-only: the result's `text_only` section (the multimodal model whose language model alone
     was tuned); None for a text model."""
+    attention: str = "sdpa"
+    """transformers' attn_implementation the memory was predicted for (best.json model.attention_implementation;
+    results from before the key: sdpa)."""
 
     @property
     def stack_precision(self) -> str:
@@ -228,6 +233,7 @@ class Tuned:
                 stack=str((result.get("stack") or {}).get("name", "fsdp2")),
                 token_budget=int((result.get("packing") or {}).get("token_budget", 0)),
                 text_only=result.get("text_only"),
+                attention=str(model.get("attention_implementation") or "sdpa"),
             )
         except (KeyError, TypeError) as exc:
             raise UsageError(f"not an autotune result (best.json): missing or malformed field {exc}; "
@@ -267,6 +273,59 @@ class Mapper:
     def check_complete(self) -> None:
         missing = set(KNOBS) - {m.knob for m in self.mappings}
         assert not missing, f"exporter left knobs unaccounted for: {sorted(missing)}"
+
+
+FLASH_ATTENTION_NEEDS = {
+    "flash_attention_2": "the flash-attn package (pip install flash-attn --no-build-isolation; imported as "
+                         "flash_attn) and an NVIDIA GPU of Ampere or newer",
+    "flash_attention_3": "flash-attention's Hopper build (the flash-attn-3 package from flash-attention's "
+                         "hopper/ directory, imported as flash_attn_interface; pip install flash-attn is FA2 only) "
+                         "and a Hopper GPU (H100, H200)",
+}
+"""What transformers needs to load a model with each flash-attention attn_implementation (it refuses without)."""
+
+
+def map_attention(m: Mapper, t: Tuned, key: str) -> None:
+    """The file loads the model with the tuned attention at `key`; flash-attention's needs are warned of."""
+    m.mapped("attention", key)
+    warn_flash_attention(m, t)
+
+
+def warn_flash_attention(m: Mapper, t: Tuned, attention: str | None = None) -> None:
+    """A flash-attention attn_implementation runs only where its package and GPU are: say so."""
+    attention = attention or t.attention
+    if attention in FLASH_ATTENTION_NEEDS:
+        m.warn(f"attn_implementation {attention!r} needs {FLASH_ATTENTION_NEEDS[attention]}: without them "
+               "transformers refuses to load the model")
+
+
+def map_attention_by_hand(m: Mapper, t: Tuned, where: str) -> None:
+    """A config that does not load the model: transformers' default attention (sdpa) is the tuned one,
+    any other is for the user's script to pass."""
+    if t.attention == "sdpa":
+        m.mapped("attention", "transformers' default attn_implementation (sdpa), as tuned")
+        return
+    m.unsupported("attention", f"not {where}: load the model with from_pretrained(..., attn_implementation="
+                               f"{t.attention!r}) in your script, the attention the memory was predicted for "
+                               "(transformers' default is sdpa)")
+    warn_flash_attention(m, t)
+
+
+def map_own_attention(m: Mapper, t: Tuned, stack: str) -> None:
+    """Stacks that run a model of their own, whose attention is SDPA whatever was tuned."""
+    key = f"{stack}'s own model: its attention through SDPA"
+    if t.attention == "sdpa":
+        m.mapped("attention", key + ", as tuned")
+        return
+    m.approximated("attention", key, f"{stack} runs its own SDPA attention, not the {t.attention} tuned: "
+                                     f"{sdpa_instead(t)}")
+
+
+def sdpa_instead(t: Tuned) -> str:
+    """What running SDPA instead of the tuned attention changes, in a clause."""
+    if t.attention == "eager":
+        return "less activation memory than predicted: eager keeps every block's (tokens x tokens) scores, SDPA does not"
+    return "activation memory close to flash-attention's, speed may differ"
 
 
 EXPRESSIBLE = ("op_level_ac", "hsdp", "bf16_pure", "lora", "qlora", "packing")

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import shlex
 
-from autotune.results.export._base import Export, Mapper, Tuned, build_export, nodes_note, torchrun_launch
+from autotune.results.export._base import (Export, Mapper, Tuned, build_export, nodes_note, sdpa_instead,
+                                           torchrun_launch)
 
 TARGET = "llama-cookbook 0.0.5.post1 (python -m llama_cookbook.finetuning; train_config / fsdp_config flags, FSDP1)"
 
@@ -69,6 +70,15 @@ def export_cookbook(t: Tuned) -> Export:
     m.mapped("wrap", "LlamaDecoderLayer (llama-cookbook's fixed wrapping policy)")
     m.mapped("world_size", torchrun_launch(t))
     m.mapped("state_dict_type", "--checkpoint_type")
+    # finetuning.py loads with attn_implementation="sdpa" if use_fast_kernels else None (transformers'
+    # default, also sdpa for llama): no flag reaches eager or flash-attention.
+    if t.attention == "sdpa":
+        m.mapped("attention", "--use_fast_kernels True (from_pretrained(..., attn_implementation='sdpa'))")
+    else:
+        m.approximated("attention", "--use_fast_kernels True (attn_implementation='sdpa')",
+                       f"llama-cookbook cannot express {t.attention}: finetuning.py loads the model with "
+                       f"attn_implementation='sdpa' or transformers' default (also sdpa), so it runs SDPA "
+                       f"({sdpa_instead(t)}); edit its from_pretrained call to train with the attention tuned")
     m.unsupported("optimizer_impl", f"llama-cookbook builds optim.AdamW itself with torch's default (foreach on "
                   f"CUDA); the {t.optimizer_impl} AdamW traced needs an edit of its train script")
     if t.cpu_offload and t.grad_accum_steps > 1:
@@ -82,6 +92,7 @@ def export_cookbook(t: Tuned) -> Export:
         ("gradient_accumulation_steps", t.grad_accum_steps),
         ("context_length", t.seq_len),
         ("batching_strategy", "packing"),
+        ("use_fast_kernels", True),
         *precision_flags.items(),
         ("fsdp_activation_checkpointing", t.ac_every is not None),
         ("fsdp_cpu_offload", t.cpu_offload),

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from autotune.results.export._base import Export, Mapper, Tuned, block_import, build_export, torchrun_launch
+from autotune.results.export._base import (Export, Mapper, Tuned, block_import, build_export, map_attention,
+                                           torchrun_launch)
 
 FSDP1_TARGET = (f"PyTorch FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel, deprecated in favour of "
                 f"fully_shard), torch {torch.__version__.split('+')[0]}")
@@ -58,6 +59,13 @@ def _map_common(m: Mapper, t: Tuned, *, ac_key: str, sharding_key: str, offload_
     m.mapped("wrap", f"{t.wrap} (auto wrap policy)")
     m.mapped("state_dict_type", f"{state_key} ({t.state_dict_type})")
     m.mapped("optimizer_impl", f"OPTIMIZER_KWARGS = {optimizer_kwargs(t.optimizer_impl)} for torch.optim.AdamW")
+    map_attention(m, t, "ATTN_IMPLEMENTATION for from_pretrained(..., attn_implementation=...)")
+
+
+def _attention_constant(t: Tuned) -> str:
+    """The attention the memory was predicted for, for the user's model loading (these files do not load it)."""
+    return ("# AutoModelForCausalLM.from_pretrained(..., attn_implementation=ATTN_IMPLEMENTATION): the attention\n"
+            f"# the memory was predicted for.\nATTN_IMPLEMENTATION = {t.attention!r}\n")
 
 
 def _ac_check(t: Tuned) -> str:
@@ -110,6 +118,7 @@ SEQ_LEN = {t.seq_len}
 STATE_DICT_TYPE = StateDictType.{t.state_dict_enum}
 # torch.optim.AdamW(model.parameters(), lr=..., **OPTIMIZER_KWARGS): the implementation autotune traced.
 OPTIMIZER_KWARGS = {optimizer_kwargs(t.optimizer_impl)!r}
+{_attention_constant(t)}
 
 FSDP_KWARGS = dict(
     sharding_strategy=ShardingStrategy.{t.sharding_strategy},
@@ -189,7 +198,7 @@ from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 MICRO_BATCH_SIZE = {t.micro_batch_size}
 # In configure_optimizers: torch.optim.AdamW(self.parameters(), lr=..., **OPTIMIZER_KWARGS), as traced.
 OPTIMIZER_KWARGS = {optimizer_kwargs(t.optimizer_impl)!r}
-SEQ_LEN = {t.seq_len}
+{_attention_constant(t)}SEQ_LEN = {t.seq_len}
 TRAINER_KWARGS = dict(
     accelerator="gpu",
     devices={t.gpus_per_node},

@@ -21,7 +21,7 @@ from autotune.distributed.parallel import dims as _dims
 from autotune.distributed.parallel import expert as _expert
 from autotune.distributed.parallel import tensor as _tensor
 from autotune.distributed import training as _training
-from autotune.results.export._base import Export, Mapper, Tuned, build_export, torchrun_launch
+from autotune.results.export._base import Export, Mapper, Tuned, build_export, map_attention, torchrun_launch
 
 TARGET = f"PyTorch FSDP2 (torch.distributed.fsdp.fully_shard), torch {torch.__version__.split('+')[0]}"
 
@@ -95,6 +95,10 @@ def export_fsdp2(tuned: Tuned) -> Export:
                                 "them into safetensors)")
     m.mapped("optimizer_impl", f"make_optimizer(impl={tuned.optimizer_impl!r})")
     m.mapped("shard_group_size", "ParallelDims.of(TUNED, world).build_mesh(): 1-D, or 2-D (replicate, shard) for HSDP")
+    if tuned.context_parallel > 1:  # the ring computes with SDPA's kernels whatever the model's attention
+        m.mapped("attention", "apply_cp in parallelize(): the ring's causal SDPA, as traced under context parallelism")
+    else:
+        map_attention(m, tuned, "ATTENTION: model.set_attn_implementation(ATTENTION) once built")
     return build_export(fmt="fsdp2", filename="train_fsdp2.py", target=TARGET, tuned=tuned, mapper=m,
                         expresses=("op_level_ac", "hsdp", "bf16_pure"),
                         prologue="#!/usr/bin/env python\n", body=_script(tuned))
@@ -140,6 +144,7 @@ TUNED = TrainConfig({knobs})
 GRAD_ACCUM_STEPS = {t.grad_accum_steps}
 SEQ_LEN = {t.seq_len}
 WORLD_SIZE = {t.gpus}
+ATTENTION = {t.attention!r}  # transformers' attn_implementation the memory was predicted for
 # The model tuned: what --random-init builds, and what a --checkpoint is compared with.
 MODEL = ModelSpec(name={t.model_name!r}, model_type={t.model_type!r}, default_seq_len=SEQ_LEN,
                   source="autotune run {t.run_id}", config_dict={_model_config(t)!r})
@@ -196,6 +201,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"note: tuned for {{WORLD_SIZE}} ranks, running on {{world}}: memory and speed will differ")
         mesh = ParallelDims.of(TUNED, world).build_mesh(device.type)
         model = sharded_model(spec, mesh, TUNED, device=device, checkpoint=args.checkpoint)
+        if TUNED.context_parallel == 1:  # (context parallelism's ring runs its own causal SDPA)
+            model.set_attn_implementation(ATTENTION)
     except UsageError as exc:
         parser.exit(2, f"train_fsdp2.py: error: {{exc}}\\n")
     optimizer = make_optimizer(model, impl=TUNED.optimizer_impl, lr=args.lr)
@@ -323,8 +330,8 @@ TUNED = TrainConfig(precision={t.precision!r}, activation_checkpointing=Checkpoi
 '''
 
 
-def build_model_source() -> str:
-    return '''def build_model() -> nn.Module:
+def build_model_source(t: Tuned) -> str:
+    return f'''def build_model() -> nn.Module:
     """The model from its transformers config: fp32 master weights (FSDP casts for compute), or
     bf16 throughout for bf16-pure.
     fully_shard moves each rank's shard to the mesh's device; for models whose fp32 copy does
@@ -333,7 +340,7 @@ def build_model_source() -> str:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(MODEL_TYPE, **MODEL_CONFIG)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = {t.attention!r}  # the attention the memory was predicted for
     config.use_cache = False
     torch.manual_seed(0)
     dtype = torch.bfloat16 if TUNED.precision == "bf16-pure" else torch.float32

@@ -19,8 +19,11 @@ from autotune.results.export._base import (
     Tuned,
     accelerate_launch,
     build_export,
+    map_attention,
+    map_attention_by_hand,
     nodes_note,
     torchrun_launch,
+    warn_flash_attention,
 )
 from autotune.results.export._fsdp1 import optimizer_kwargs
 
@@ -154,6 +157,7 @@ def export_accelerate(t: Tuned) -> Export:
                        "Accelerate's ParallelismConfig mesh; wrap each step in accelerator.maybe_context_parallel("
                        "buffers=[input_ids, shift_labels, position_ids], buffer_seq_dims=[1, 1, 1]): torch's ring "
                        "attention through SDPA, as traced (CUDA's kernels there, the CPU flash kernel here)")
+    map_attention_by_hand(m, t, "an accelerate config key")
     m.unsupported("optimizer_impl", f"not an accelerate config key: build torch.optim.AdamW(..., "
                   f"{', '.join(f'{k}={v}' for k, v in optimizer_kwargs(t.optimizer_impl).items())}) in your script, "
                   "the implementation traced")
@@ -200,7 +204,8 @@ def export_accelerate(t: Tuned) -> Export:
     body = (f"# Use: {accelerate_launch(t, 'accelerate_fsdp2.yaml')} train.py\n"
             f"{nodes_note(t, ranks=True)}{placeholders}"
             f"# with DataLoader(batch_size={t.micro_batch_size}) and "
-            f"Accelerator(gradient_accumulation_steps={t.grad_accum_steps}), sequences of {t.seq_len} tokens.\n"
+            f"Accelerator(gradient_accumulation_steps={t.grad_accum_steps}), sequences of {t.seq_len} tokens,\n"
+            f"# the model loaded with from_pretrained(..., attn_implementation={t.attention!r}).\n"
             + _dump(config))
     return build_export(fmt="accelerate", filename="accelerate_fsdp2.yaml", tuned=t, mapper=m, body=body,
                         expresses=("hsdp",),
@@ -254,9 +259,11 @@ def _trainer_fields(t: Tuned, m: Mapper) -> dict[str, Any]:
 def export_hf_trainer(t: Tuned) -> Export:
     m = Mapper()
     fields = _trainer_fields(t, m)
+    map_attention_by_hand(m, t, "a TrainingArguments field")
     body = (f"# Use: {hsdp_launch_env(t)}{torchrun_launch(t)} train.py hf_trainer_args.yaml\n"
             f"{nodes_note(t, ranks=False)}"
             "# where train.py does: (args,) = HfArgumentParser(TrainingArguments).parse_yaml_file(sys.argv[1])\n"
+            f"# and loads the model with from_pretrained(..., attn_implementation={t.attention!r}).\n"
             f"# Tokenize into sequences of {t.seq_len} tokens (the tuned seq_len).\n"
             + _dump(fields))
     return build_export(fmt="hf-trainer", filename="hf_trainer_args.yaml", tuned=t, mapper=m, body=body,
@@ -286,6 +293,7 @@ def export_trl(t: Tuned) -> Export:
         m.mapped("activation_offload", "activation_offloading: false (TRL's default)")
     if t.token_budget:
         fields["attn_implementation"] = "flash_attention_2"
+        _map_packed_attention(m, t)
         m.approximated("token_budget", f"packing_strategy: bfd, padding_free: true, per_device_train_batch_size x "
                        f"max_length = {t.token_budget:,} tokens, attn_implementation: flash_attention_2",
                        "TRL packs whole documents into rows of max_length (bfd) and flattens a micro-batch's rows into "
@@ -306,7 +314,29 @@ def export_trl(t: Tuned) -> Export:
         note = (f"wrapped packing fills rows of max_length={t.seq_len} tokens, as traced; TRL's default bfd "
                 "packing makes batches padding-free, a step of its own: tune with --stack trl-padding-free "
                 "for it.")
+    if not t.token_budget:
+        fields.update(_model_init_attention(m, t))
     return _trl_export(t, m, fields, command="sft", config="SFTConfig", note=note)
+
+
+def _model_init_attention(m: Mapper, t: Tuned) -> dict[str, Any]:
+    """The tuned attention as SFTConfig / GRPOConfig model_init_kwargs: the from_pretrained kwargs the
+    trainer loads a model name with, which `trl sft` / `trl grpo` also apply over ModelConfig's (trl 1.16,
+    trl/scripts/sft.py: model_init_kwargs.update(training_args.model_init_kwargs))."""
+    map_attention(m, t, f"model_init_kwargs: attn_implementation: {t.attention}")
+    return {"model_init_kwargs": {"attn_implementation": t.attention}}
+
+
+def _map_packed_attention(m: Mapper, t: Tuned) -> None:
+    """Packed padding-free batches: ModelConfig's flash_attention_2, TRL's varlen attention for them."""
+    key = "attn_implementation: flash_attention_2 (ModelConfig)"
+    if t.attention == "flash_attention_2":
+        map_attention(m, t, key)
+        return
+    m.approximated("attention", key, f"packed padding-free batches attend within each document through "
+                                     f"flash-attention's varlen kernel (TRL's advice), not the {t.attention} "
+                                     "tuned (traced per document)")
+    warn_flash_attention(m, t, "flash_attention_2")
 
 
 def trl_packing(t: Tuned) -> dict[str, Any]:
@@ -384,6 +414,7 @@ def _export_trl_grpo(t: Tuned) -> Export:
     m = Mapper()
     fields = _trainer_fields(t, m)
     generations = grpo_num_generations(t)
+    fields.update(_model_init_attention(m, t))  # the trained model's; vLLM generates with its own
     fields.update({
         "use_vllm": True,
         "vllm_mode": "colocate",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from autotune.results.export._base import Export, Mapper, Tuned, build_export, fabric_nodes_note
+from autotune.results.export._base import Export, Mapper, Tuned, build_export, fabric_nodes_note, map_attention
 from autotune.results.export._fsdp2 import build_model_source, map_parallelize_knobs, tuned_and_wrapping
 
 
@@ -34,6 +34,7 @@ def export_lightning(t: Tuned) -> Export:
                                  "script builds it")
     m.mapped("state_dict_type", f"ModelParallelStrategy(save_distributed_checkpoint={t.state_dict_type == 'sharded'})")
     m.mapped("optimizer_impl", f"configure_optimizers: make_optimizer(impl={t.optimizer_impl!r})")
+    map_attention(m, t, "build_model(): config._attn_implementation")
     if t.precision == "fp16":
         m.warn("fp16: Lightning's ModelParallelStrategy runs no sharded grad scaler here, so the loss is not "
                "scaled as in the tuned run (torch's ShardedGradScaler): prefer bf16, or scale the loss yourself")
@@ -76,7 +77,7 @@ from torch.utils.data import DataLoader, IterableDataset
 # ---- Lightning ---------------------------------------------------------------------------
 
 
-{build_model_source()}
+{build_model_source(t)}
 class TunedModule(pl.LightningModule):
     """A causal LM trained with the tuned FSDP2 configuration."""
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from autotune.results.export._base import Export, Mapper, Tuned, build_export, fabric_nodes_note
+from autotune.results.export._base import Export, Mapper, Tuned, build_export, fabric_nodes_note, map_own_attention
 from autotune.results.export._fsdp1 import optimizer_kwargs
 
 VERSION = "0.5.13"
@@ -237,6 +237,7 @@ def export_litgpt(t: Tuned) -> Export:
                                  "are LitGPT's")
     m.mapped("world_size", "devices / num_nodes")
     optimizer = _map_optimizer(m, t)
+    map_own_attention(m, t, "LitGPT")
     if t.gpus == 1:
         m.warn("one GPU: LitGPT's scripts use the 'auto' strategy on a single device, no FSDP at all")
     config = {

@@ -15,7 +15,8 @@ import shlex
 from autotune.distributed.titan import titan_ac
 
 from autotune.problem.config import stack_step
-from autotune.results.export._base import Export, ExportRefused, Mapper, Tuned, build_export, nodes_note, torchrun_launch
+from autotune.results.export._base import (Export, ExportRefused, Mapper, Tuned, build_export, map_own_attention,
+                                           nodes_note, torchrun_launch)
 
 TARGET = "torchtitan 0.3.0 (python -m torchtitan.train --module M --config C, tyro overrides)"
 
@@ -188,6 +189,7 @@ def export_torchtitan(t: Tuned) -> Export:
                        "last_save_model_only default); add --checkpoint.last-save-in-hf for the final one as Hugging "
                        "Face safetensors, or consolidate it, for the full state dict recommended")
     m.mapped("optimizer_impl", f"--optimizer.implementation {t.optimizer_impl}")
+    map_own_attention(m, t, "torchtitan")
     if t.compile != "none":
         m.mapped("compile", "--compile.enable --compile.components model",
                  "torchtitan's apply_compile: each TransformerBlock compiled (fullgraph, inductor) after "
