@@ -256,6 +256,30 @@ def packed_mask_bytes(step: str, *, tokens: int, d: int) -> tuple[float, float]:
     return float(tokens * tokens), float(d * tokens * tokens)
 
 
+def runs_eager_attention(spec: TrialSpec) -> bool:
+    """Whether the trial runs transformers' eager attention: stated or the model's default, unless context
+    parallelism's ring or packed rows switch the model to SDPA (parallel/context.py, training.varlen_attention)."""
+    return (spec.model.attention_implementation == "eager" and spec.train.context_parallel == 1
+            and spec.packing is None)
+
+
+def eager_score_memory(spec: TrialSpec, *, tokens: int, d: int) -> tuple[float, float, float]:
+    """Transformers' eager attention (--attention eager, or a model's default without SDPA) on `tokens` tokens
+    of this rank attending over the sequence: (what each block that keeps its activations saves for backward of
+    the seq x seq scores: the fp32 softmax output and its compute-dtype cast, and under attention dropout the
+    mask and the dropped copy, both in the compute dtype as the CPU's dropout makes them; the fp32 gradient of
+    the softmax a block's backward holds beside them; the additive causal mask built once per forward in the
+    compute dtype). (0, 0, 0) for the fused kernels, which keep no scores. From llama-7b's traces at seq 2048
+    (docs/KNOBS.md): 6.0 bytes per score saved, 4.2 held in backward, at bf16."""
+    if not runs_eager_attention(spec):
+        return 0.0, 0.0, 0.0
+    scores = float(tokens) * spec.seq_len * model_shape(spec.model).num_heads
+    dropout = any(isinstance(spec.model.config_dict.get(key), (int, float)) and spec.model.config_dict[key] > 0
+                  for key in ("attention_dropout", "attn_pdrop"))
+    saved = scores * ((4 + d) + (2 * d if dropout else 0))
+    return saved, scores * 4, float(tokens) * spec.seq_len * d
+
+
 def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     """Closed-form per-rank memory of one FSDP2 training step (see the module docstring); under pipeline
     parallelism the worst stage's (estimate_pipeline_memory)."""
@@ -311,7 +335,8 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
                                                     dropout=spec.finetuning.dropout, param_bytes=d)
     else:
         per_token = activation_bytes_per_token(shape, d)
-    per_layer = per_token * tokens + layer_mask
+    scores_saved, scores_held, causal_mask = eager_score_memory(spec, tokens=tokens, d=d)
+    per_layer = per_token * tokens + layer_mask + scores_saved
     checkpoint_input = shape.hidden * d * tokens
     if train.tensor_parallel > 1:
         # Tensor parallelism (with sequence parallelism): a lower bound, each block's gathered weights and
@@ -333,8 +358,8 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     # Gradients of the block's input and of two ffn-wide tensors, plus the unsharded gradient
     # of its largest weight in flight (fitted to traces: docs/COSTMODEL.md).
     backward_temps = 2 * d * (shape.hidden + shape.intermediate) * tokens + (
-        dequantized if lora else d * shape.hidden * shape.intermediate)
-    inputs = 16 * tokens + shared_mask  # int64 input ids and labels (and a padding-free batch's mask)
+        dequantized if lora else d * shape.hidden * shape.intermediate) + scores_held / train.tensor_parallel
+    inputs = 16 * tokens + shared_mask + causal_mask  # int64 input ids and labels (and a batch's mask)
 
     # Activation offload: what forward saves waits on the host; backward brings back one block's at
     # a time (and the loss's). The held bytes are the saved activations of every block and the norm.
@@ -526,11 +551,12 @@ def pipeline_rank_memory(spec: TrialSpec, virtual_stages: int | None = None) -> 
     tokens = train.micro_batch_size * spec.seq_len // cp
     h, vocab = shape.hidden, shape.vocab
     ac = train.activation_checkpointing
-    per_layer = activation_bytes_per_token(shape, d) * tokens / tp
+    scores_saved, scores_held, _ = eager_score_memory(spec, tokens=tokens, d=d)
+    per_layer = (activation_bytes_per_token(shape, d) * tokens + scores_saved) / tp
     checkpoint_input = h * d * tokens / tp
     if ac.mode == "op":
         checkpoint_input += op_checkpoint_saved_bytes_per_token(shape, ac.policy, d) * tokens / tp
-    backward_temps = (2 * d * (h + shape.intermediate) * tokens + d * h * shape.intermediate) / tp
+    backward_temps = (2 * d * (h + shape.intermediate) * tokens + d * h * shape.intermediate + scores_held) / tp
     hidden_states = h * d * tokens / tp  # one micro-batch's hidden states between stages
     logits = d * tokens * vocab  # one micro-batch's logits, the last stage's output (in fwd_cache to its backward)
     embed, head = _root_split(shape)
@@ -794,7 +820,8 @@ def step_work(spec: TrialSpec, *, reduce_bytes: int = 4, kernels: str = "eager",
     (default: the schedule's). `attention_kernel` None: the one the model's attention runs (attention.COST_KERNEL)."""
     from autotune.problem.catalog.models import model_flops_per_token
 
-    attention_kernel = attention_kernel or COST_KERNEL[spec.model.attention_implementation]
+    attention_kernel = attention_kernel or ("eager" if runs_eager_attention(spec) else
+                                            COST_KERNEL[spec.model.attention_implementation].replace("eager", "flash2"))
     if spec.train.pipeline_parallel > 1:
         return _pipeline_step_work(spec, reduce_bytes=reduce_bytes, kernels=kernels, attention_kernel=attention_kernel,
                                    virtual_stages=pipeline_virtual_stages)

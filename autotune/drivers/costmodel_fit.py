@@ -168,7 +168,10 @@ def _published_work(run: PublishedRun):
         gpu = replace(gpu, peak_tflops=run.peak_tflops)
     if run.hbm_gbps:
         gpu = replace(gpu, hbm_gbps=run.hbm_gbps)
-    spec = TrialSpec(model=published_model(run.model), seq_len=run.seq_len,
+    model = published_model(run.model)
+    if model.default_attention == "eager":  # MPT: every published run ran a flash kernel (run.attention_kernel)
+        model = model.with_attention("flash_attention_2")
+    spec = TrialSpec(model=model, seq_len=run.seq_len,
                      cluster=Cluster(num_gpus=run.num_gpus, num_nodes=run.num_nodes, gpu=gpu),
                      train=TrainConfig(micro_batch_size=run.micro_batch_size,
                                        activation_checkpointing=run.activation_checkpointing,

@@ -40,10 +40,16 @@ def _gather_sequence(module: nn.Module, args: tuple, kwargs: dict):
     def whole(value):
         return value.redistribute(placements=[Replicate()]).to_local() if isinstance(value, DTensor) else value
 
+    return _with_hidden_states(args, kwargs, whole)
+
+
+def _with_hidden_states(args: tuple, kwargs: dict, gather) -> tuple[tuple, dict]:
+    """A block's attention or MLP arguments with `gather` applied to its hidden states: the first positional
+    argument, or the `hidden_states` keyword (HF families pass them either way)."""
     if args:
-        args = (whole(args[0]), *args[1:])
+        args = (gather(args[0]), *args[1:])
     if "hidden_states" in kwargs:
-        kwargs = {**kwargs, "hidden_states": whole(kwargs["hidden_states"])}
+        kwargs = {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
     return args, kwargs
 
 
@@ -61,11 +67,7 @@ def _gather_sequence_in_float8(module: nn.Module, args: tuple, kwargs: dict):
             return value
         return prepare._prepare_input_arg(value, value.device_mesh, Shard(1), Replicate())
 
-    if args:
-        args = (whole(args[0]), *args[1:])
-    if "hidden_states" in kwargs:
-        kwargs = {**kwargs, "hidden_states": whole(kwargs["hidden_states"])}
-    return args, kwargs
+    return _with_hidden_states(args, kwargs, whole)
 
 
 def _float8_input(module: nn.Module):

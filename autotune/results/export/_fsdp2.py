@@ -32,7 +32,7 @@ _SOURCES = (
     _blocks.Blocks, _blocks.find_decoder_blocks, _blocks._config_depth, _blocks._block_class_name,
     _blocks.fused_experts, _parallel.expert_meshes, _parallel.balanced_splits, _expert._AllToAll,
     _parallel.ExpertDispatch, _parallel.apply_ep, _tensor.model_tp_plan, _tensor._gather_sequence,
-    _tensor._gather_sequence_in_float8, _tensor._float8_input, _tensor._is_norm, _tensor.apply_tp,
+    _tensor._with_hidden_states, _tensor._gather_sequence_in_float8, _tensor._float8_input, _tensor._is_norm, _tensor.apply_tp,
     _tensor._colwise_rowwise_plan, _tensor._linear_styles, _tensor._apply_tp_parts,
     _parallel.mixed_precision_policy,
     _parallel.op_sac_policy, _parallel.apply_ac, _parallel.apply_compile, _parallel.float8_linear_config,
