@@ -28,6 +28,7 @@ SPACE: dict[str, tuple] = {
     "headroom": (None, None, "0.05", "0.3"),
     "sequences_per_gpu": (1, 2, 3, 4, 8),
     "precision": (None, None, None, None, "bf16-pure", "fp32"),
+    "attention": (None, None, None, None, "eager", "flash_attention_2", "flash_attention_3"),
 }
 """Each field's values, repeated where a value is what most users type (the default)."""
 
@@ -54,6 +55,8 @@ def argv(problem: dict, runs_dir: str) -> list[str]:
         line += ["--headroom", problem["headroom"]]
     if problem.get("precision"):
         line += ["--precision", problem["precision"]]
+    if problem.get("attention"):
+        line += ["--attention", problem["attention"]]
     return line
 
 
