@@ -183,3 +183,18 @@ def test_a_matrix_can_vary_the_workload(tmp_path):
     # Training's limit: what vLLM leaves, less the headroom (against the SFT run's limit).
     assert share_05["memory_limit_bytes"] == pytest.approx(sft["memory_limit_bytes"] * 0.5, rel=1e-6)
     assert share_03["memory_limit_bytes"] == pytest.approx(sft["memory_limit_bytes"] * 0.7, rel=1e-6)
+
+
+def test_a_matrix_can_vary_the_attention(tmp_path):
+    """--attention per cell: each problem tuned with its own (best.json says which), keyed apart."""
+    runs = tmp_path / "runs"
+    matrix = MATRIX.replace('["tiny-llama", "micro-llama"]', '["tiny-llama"]').replace("[2, 4, 8]", "[2]")
+    matrix += 'attention = ["sdpa", "eager"]\n'
+    assert main(["sweep", str(write_sweep(tmp_path, "attention", matrix)), "--runs-dir", str(runs)]) == 0
+    results = {t.user_attrs["problem"]: t.user_attrs for t in sweep_study(runs, "attention").get_trials()}
+    documents = {key.rsplit("/", 1)[-1]: json.loads(Path(attrs["result_file"]).read_text())
+                 for key, attrs in results.items()}
+    assert set(documents) == {"attention-sdpa", "attention-eager"}
+    for attention, document in documents.items():
+        assert document["model"]["attention_implementation"] == attention.removeprefix("attention-")
+

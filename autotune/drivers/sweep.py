@@ -52,7 +52,7 @@ from autotune.util.errors import AutotuneError, NothingFits, StorageUnavailable,
 
 SWEEP_PREFIX = "sweep:"
 MATRIX_KEYS = ("model", "gpus", "nodes", "gpu_type", "global_tokens", "seq_len", "backend", "workload",
-               "vllm_gpu_memory_utilization")
+               "vllm_gpu_memory_utilization", "attention")
 OPTION_KEYS = ("headroom", "global_tolerance", "max_trials", "time_budget", "space", "timeout", "text_only")
 DEFAULT_HEARTBEAT_S = 10.0
 ENQUEUE_WAIT_S = 120.0
@@ -72,6 +72,8 @@ class Problem:
     backend: str = "sim"
     workload: str | None = None
     vllm_gpu_memory_utilization: float | None = None
+    attention: str | None = None
+    """--attention (autotune/problem/catalog/attention.py); None: the model's default."""
 
     @property
     def key(self) -> str:
@@ -79,6 +81,8 @@ class Problem:
                  f"tokens-{self.global_tokens}", f"seq-{self.seq_len or 'default'}", self.backend]
         if self.workload not in (None, "sft"):  # SFT problems keep the keys they always had
             parts.append(f"{self.workload}-{self.vllm_gpu_memory_utilization or 'default'}")
+        if self.attention is not None:  # problems without one keep the keys they always had
+            parts.append(f"attention-{self.attention}")
         return "/".join(parts)
 
 
