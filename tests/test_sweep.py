@@ -168,16 +168,19 @@ def test_bad_sweep_files_are_one_line_usage_errors(tmp_path, capsys):
     assert "cannot open storage" in capsys.readouterr().err  # no database there yet
 
 
+def _one_model_sweep(tmp_path: Path, name: str, keys: str) -> dict[str, dict]:
+    """A sweep of tiny-llama on 2 GPUs with the matrix `keys` added: each problem's result, by its key's last part."""
+    runs = tmp_path / "runs"
+    matrix = MATRIX.replace('["tiny-llama", "micro-llama"]', '["tiny-llama"]').replace("[2, 4, 8]", "[2]") + keys
+    assert main(["sweep", str(write_sweep(tmp_path, name, matrix)), "--runs-dir", str(runs)]) == 0
+    results = {t.user_attrs["problem"]: t.user_attrs for t in sweep_study(runs, name).get_trials()}
+    return {key.rsplit("/", 1)[-1]: json.loads(Path(attrs["result_file"]).read_text()) for key, attrs in results.items()}
+
+
 def test_a_matrix_can_vary_the_workload(tmp_path):
     """SFT and GRPO (vLLM colocated) in one sweep; vLLM's share applies to the GRPO problems only."""
-    runs = tmp_path / "runs"
-    matrix = MATRIX.replace('["tiny-llama", "micro-llama"]', '["tiny-llama"]').replace("[2, 4, 8]", "[2]")
-    matrix += 'workload = ["sft", "grpo"]\nvllm_gpu_memory_utilization = [0.3, 0.5]\n'
-    assert main(["sweep", str(write_sweep(tmp_path, "grpo", matrix)), "--runs-dir", str(runs)]) == 0
-    results = {t.user_attrs["problem"]: t.user_attrs for t in sweep_study(runs, "grpo").get_trials()}
-    assert len(results) == 3  # sft once, grpo at 0.3 and 0.5
-    documents = {key.rsplit("/", 1)[-1]: json.loads(Path(attrs["result_file"]).read_text())
-                 for key, attrs in results.items()}
+    documents = _one_model_sweep(tmp_path, "grpo", 'workload = ["sft", "grpo"]\nvllm_gpu_memory_utilization = [0.3, 0.5]\n')
+    assert len(documents) == 3  # sft once, grpo at 0.3 and 0.5
     sft, share_03, share_05 = documents["analytic"], documents["grpo-0.3"], documents["grpo-0.5"]
     assert share_05["workload"]["vllm_gpu_memory_utilization"] == 0.5
     # Training's limit: what vLLM leaves, less the headroom (against the SFT run's limit).
@@ -187,13 +190,7 @@ def test_a_matrix_can_vary_the_workload(tmp_path):
 
 def test_a_matrix_can_vary_the_attention(tmp_path):
     """--attention per cell: each problem tuned with its own (best.json says which), keyed apart."""
-    runs = tmp_path / "runs"
-    matrix = MATRIX.replace('["tiny-llama", "micro-llama"]', '["tiny-llama"]').replace("[2, 4, 8]", "[2]")
-    matrix += 'attention = ["sdpa", "eager"]\n'
-    assert main(["sweep", str(write_sweep(tmp_path, "attention", matrix)), "--runs-dir", str(runs)]) == 0
-    results = {t.user_attrs["problem"]: t.user_attrs for t in sweep_study(runs, "attention").get_trials()}
-    documents = {key.rsplit("/", 1)[-1]: json.loads(Path(attrs["result_file"]).read_text())
-                 for key, attrs in results.items()}
+    documents = _one_model_sweep(tmp_path, "attention", 'attention = ["sdpa", "eager"]\n')
     assert set(documents) == {"attention-sdpa", "attention-eager"}
     for attention, document in documents.items():
         assert document["model"]["attention_implementation"] == attention.removeprefix("attention-")
