@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from autotune.backends.sim import SimBackend
-from autotune.backends.sim._gpu_kernels import (CUDNN, EFFICIENT, FLASH, MATH, SdpaCall, attention_note,
+from autotune.backends.sim._gpu_kernels import (CUDNN, EFFICIENT, FLASH, MATH, SdpaCall, dropout_note,
                                                 cudnn_first, gpu_sm, sdpa_as_on_a_gpu, select_cuda_backend)
 from autotune.problem.catalog.models import resolve_model
 from autotune.problem.config import Cluster, TrainConfig, TrialSpec
@@ -135,8 +135,8 @@ def test_a_gpu_trace_of_sdpa_keeps_what_flash_keeps():
         # fp32 on a GPU: the memory-efficient kernel (flash takes fp16/bf16 only), dropout in the kernel.
         assert seen == ({"dropout_in_kernel:efficient_attention": 1} if gpu else {"math_with_dropout": 1})
     assert torch.nn.functional.scaled_dot_product_attention.__name__ == "scaled_dot_product_attention"
-    assert "fused kernel" in attention_note({"dropout_in_kernel:flash_attention": 1}, gpu=True)
-    assert "higher than a GPU run" in attention_note({"math_with_dropout": 1}, gpu=False)
+    assert "fused kernel" in dropout_note({"dropout_in_kernel:flash_attention": 1}, gpu=True)
+    assert "higher than a GPU run" in dropout_note({"math_with_dropout": 1}, gpu=False)
 
 
 # --- the traces (issue 56) -------------------------------------------------------------------------

@@ -28,7 +28,6 @@ from functools import lru_cache
 
 from autotune.estimate import costmodel
 from autotune.problem import knobs
-from autotune.problem.catalog.attention import COST_KERNEL
 from autotune.estimate.runtime_memory import runtime_memory
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
 from autotune.problem.config import (MASTER_DTYPE_BYTES, MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, TRL_STEPS, TrialSpec,
@@ -274,8 +273,7 @@ def eager_score_memory(spec: TrialSpec, *, tokens: int, d: int) -> tuple[float, 
     if not runs_eager_attention(spec):
         return 0.0, 0.0, 0.0
     scores = float(tokens) * spec.seq_len * model_shape(spec.model).num_heads
-    dropout = any(isinstance(spec.model.config_dict.get(key), (int, float)) and spec.model.config_dict[key] > 0
-                  for key in ("attention_dropout", "attn_pdrop"))
+    dropout = knobs.attention_dropout(spec.model.config_dict) > 0
     saved = scores * ((4 + d) + (2 * d if dropout else 0))
     return saved, scores * 4, float(tokens) * spec.seq_len * d
 
@@ -817,11 +815,11 @@ def step_work(spec: TrialSpec, *, reduce_bytes: int = 4, kernels: str = "eager",
     (costmodel.MEMORY_BYTES_PER_TOKEN: "eager" is transformers' and torchtitan's code, what autotune
     runs; the published runs name their stack's). Under pipeline parallelism the work is the slowest rank's
     (pipeline_costed_rank: its blocks, the head on the last stage) with `pipeline_virtual_stages` stages per rank
-    (default: the schedule's). `attention_kernel` None: the one the model's attention runs (attention.COST_KERNEL)."""
+    (default: the schedule's). `attention_kernel` None: the one the model's attention runs: "eager" (its products
+    at the matmul rate) or "flash2" (sdpa and both flash kernels, at FlashAttention-2's rate: catalog/attention.py)."""
     from autotune.problem.catalog.models import model_flops_per_token
 
-    attention_kernel = attention_kernel or ("eager" if runs_eager_attention(spec) else
-                                            COST_KERNEL[spec.model.attention_implementation].replace("eager", "flash2"))
+    attention_kernel = attention_kernel or ("eager" if runs_eager_attention(spec) else "flash2")
     if spec.train.pipeline_parallel > 1:
         return _pipeline_step_work(spec, reduce_bytes=reduce_bytes, kernels=kernels, attention_kernel=attention_kernel,
                                    virtual_stages=pipeline_virtual_stages)

@@ -315,6 +315,9 @@ OWN_MODEL_STACKS: tuple[str, ...] = ("torchtitan", "litgpt", "llama-cookbook")
 """Stacks that train a model or step of their own: their memory is predicted for autotune's step on the
 Hugging Face model, and said so (stack_note), except torchtitan's and LitGPT's own for the families each
 has where its package is importable (OWN_STEPS)."""
+OWN_ATTENTION_STACKS: tuple[str, ...] = ("torchtitan", "litgpt")
+"""Stacks whose own model runs its own SDPA attention, not transformers' attn_implementation: --attention other
+than sdpa is refused for them (catalog/attention.check_attention). llama-cookbook trains transformers' model."""
 TORCHTITAN_FAMILIES: dict[str, str] = {"llama": "llama3", "qwen3": "qwen3"}
 """transformers model types whose torchtitan 0.3 model autotune builds, traces and runs (autotune/distributed/titan.py),
 and the torchtitan module that has it."""
@@ -553,7 +556,7 @@ class TrialSpec:
             self.routing_skew.check_experts(self.model.num_experts, self.model.name)
         check_float8_gpu(self.train.float8, self.cluster.gpu)
         check_attention(self.model.attention, model=self.model, gpu=self.cluster.gpu, precision=self.train.precision,
-                        stack=self.stack, packed=self.packing is not None)
+                        own_attention=self.stack in OWN_ATTENTION_STACKS, packed=self.packing is not None)
         if self.train.float8 != "none" and self.finetuning.lora:
             raise UsageError(f"--float8 {self.train.float8} with --peft {self.finetuning.peft}: float8 training converts the frozen "
                              "base linears too (not supported here); use --float8 none")

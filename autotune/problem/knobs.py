@@ -642,6 +642,18 @@ def _check_tensor_parallel(values: dict[str, Any], shape: ProblemShape) -> None:
                          "tensor); use --ac op or --ac none, or --compile none")
 
 
+ATTENTION_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop")
+"""The transformers config keys of the dropout applied to attention probabilities (Llama-family, GPT-2-family)."""
+
+
+def attention_dropout(config: dict[str, Any]) -> float:
+    """The attention dropout a (transformers config) dict sets, 0.0 where none: what makes eager attention keep a
+    mask per layer and what context parallelism's ring cannot apply."""
+    text = config.get("text_config") or config
+    values = [text.get(key) for key in ATTENTION_DROPOUT_KEYS]
+    return max((float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)), default=0.0)
+
+
 def why_no_context_parallel(config: dict[str, Any], *, seq_len: int, degree: int) -> str:
     """'' where a causal LM of this (transformers config) dict can train with `degree`-way context
     parallelism at `seq_len` (parallel/context.py: torch's ring of plain causal SDPA attention, head-tail
@@ -653,8 +665,7 @@ def why_no_context_parallel(config: dict[str, Any], *, seq_len: int, degree: int
                 "load balancing needs 2 x degree equal chunks")
     if text.get("is_encoder_decoder") or text.get("is_causal") is False:
         return "its attention is not causal: the ring computes causal attention only"
-    dropout = text.get("attention_dropout") or text.get("attn_pdrop")
-    if dropout:
+    if (dropout := attention_dropout(config)):
         return f"it sets attention dropout {dropout}: the ring's kernels run without dropout"
     if text.get("attn_logit_softcapping") or text.get("attention_logit_softcapping"):
         return "it soft-caps attention logits, which SDPA cannot"

@@ -393,10 +393,10 @@ class Console:
             f"{request.workload.label()}"), 0, first=Text("autotune ", style="bold")))
         self.note(f"backend: {backend_name} ({backend_why})")
         if model.attention is not None:  # stated (--attention); the default is in best.json only
-            from autotune.problem.catalog.attention import attention_note
+            from autotune.problem.catalog.attention import kernel_note
 
             self.note(f"attention: {model.attention} (--attention)"
-                      + (f"; {attention_note(model.attention)}" if attention_note(model.attention) else ""))
+                      + (f"; {kernel_note(model.attention)}" if kernel_note(model.attention) else ""))
         if self.verbose:  # the backend's line above says what its figures are; this is their full basis
             self.note(f"figures: {backend_description}")
         if request.vllm_share:

@@ -198,10 +198,10 @@ def run_trial(spec: TrialSpec, *, mesh, device: torch.device, rank: int, warmup_
             raise RuntimeError(f"fp16: the grad scaler skipped all {len(losses)} optimizer steps (inf/NaN "
                                "gradients at every scale): the optimizer state was never allocated")
 
-    from autotune.problem.catalog.attention import FLASH, attention_note
+    from autotune.problem.catalog.attention import FLASH, kernel_note
 
     if spec.model.attention in FLASH:  # flash-attn is not run here: its stand-in is (catalog/attention.py)
-        notes.append(attention_note(spec.model.attention_implementation).replace("traced", "run", 1))
+        notes.append(kernel_note(spec.model.attention_implementation, run=True))
     if dropout.get("math_with_dropout"):
         from autotune.backends.sim._gpu_kernels import CPU_DROPOUT_NOTE
 

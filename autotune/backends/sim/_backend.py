@@ -515,14 +515,13 @@ class SimBackend(TrialBackend):
         if offloaded:
             basis += ("; saved activations offloaded to pinned host memory (the offload hooks traced: the device "
                       "frees each at pack and allocates it again at unpack)")
-        from autotune.backends.sim._gpu_kernels import attention_note
-        from autotune.problem.catalog.attention import attention_note as stated_attention_note
+        from autotune.backends.sim._gpu_kernels import dropout_note
+        from autotune.problem.catalog.attention import kernel_note
 
-        dropout_note = attention_note(trace.dropout, gpu=self.device_kind == "cuda")
-        if dropout_note:
-            basis += "; " + dropout_note
-        if (kernel_note := stated_attention_note(spec.model.attention or "")):
-            basis += "; " + kernel_note
+        dropout = dropout_note(trace.dropout, gpu=self.device_kind == "cuda")
+        for note in (dropout, kernel_note(spec.model.attention or "")):
+            if note:
+                basis += "; " + note
         source = "estimated" if offload else "predicted+estimated" if runtime else "predicted"
         peak = Figure(total, source, basis)
 
@@ -530,7 +529,7 @@ class SimBackend(TrialBackend):
                                       peak_site=" / ".join(str(part) for part in peak_key), **notes)
         if trace.dropout:  # calls in one traced step (of `trace.depth` blocks), recomputation included
             extras["dropout"] = dict(calls=dict(sorted(trace.dropout.items())), traced_blocks=trace.depth,
-                                     note=dropout_note)
+                                     note=dropout)
         if sync:
             extras["weight_sync"] = {k: v for k, v in sync.items() if k != "basis"}
         if runtime:

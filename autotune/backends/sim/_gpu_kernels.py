@@ -321,7 +321,7 @@ CPU_DROPOUT_NOTE = ("attention dropout > 0: torch's CPU SDPA has no fused kernel
                     "is higher than a GPU run's of the same configuration (issue 56)")
 
 
-def attention_note(seen: dict[str, int], *, gpu: bool) -> str:
+def dropout_note(seen: dict[str, int], *, gpu: bool) -> str:
     """What a result says of the dropout a trace met (`seen` from `sdpa_as_on_a_gpu` / `count_dropout`),
     or '' where there was none."""
     fused = sum(n for what, n in seen.items() if what.startswith("dropout_in_kernel"))

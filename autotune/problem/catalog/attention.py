@@ -32,10 +32,6 @@ FUSED_ATTENTION = "autotune_fused"
 """The name FLASH implementations are registered under with transformers for the trace and CPU runs (not
 'flash...': transformers reads such a name as a request for the flash-attn package or a hub kernel)."""
 
-COST_KERNEL = {"sdpa": "flash2", "flash_attention_2": "flash2", "flash_attention_3": "flash2", "eager": "eager"}
-"""costmodel's attention kernel for each implementation ('eager': no kernel rate, its products at the
-matmul efficiency; FA3 at FA2's rate, see above)."""
-
 FLASH_MAX_HEAD_DIM = 256
 """flash-attn 2.x and 3.x take head dims up to 256 (its README, 'FlashAttention-2 ... all head dimensions
 up to 256')."""
@@ -45,16 +41,17 @@ FLASH_MAX_SM = {"flash_attention_2": (12, 1), "flash_attention_3": (9, 0)}
 Hopper GPUs'; Blackwell consumer parts since 2.7), FA3 Hopper only (its README: 'H100 / H800 GPU')."""
 
 
-def check_attention(attention: str | None, *, model: Any, gpu: Any, precision: str, stack: str,
+def check_attention(attention: str | None, *, model: Any, gpu: Any, precision: str, own_attention: bool,
                     packed: bool) -> None:
     """Refuse, in one line naming the user's flags, an attention implementation the problem cannot run:
-    `model` a catalog.ModelSpec, `gpu` a catalog GPUSpec, `stack` the user's (config.STACKS)."""
+    `model` a catalog.ModelSpec, `gpu` a catalog GPUSpec, `own_attention` whether the user's stack trains its
+    own model with its own attention (config.OWN_ATTENTION_STACKS)."""
     if attention is None:
         return
     if attention not in ATTENTION_IMPLEMENTATIONS:
         raise UsageError(f"--attention {attention!r} is not one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
     flag = f"--attention {attention}"
-    if stack in ("torchtitan", "litgpt") and attention != "sdpa":  # whether or not their model is traced here
+    if own_attention and attention != "sdpa":  # whether or not the stack's own model is traced here
         raise UsageError(f"{flag}: this stack's own model runs its own SDPA attention, not transformers' "
                          f"{attention}; leave --attention out or use --attention sdpa")
     if packed and attention == "eager":
@@ -110,13 +107,14 @@ def register_fused_attention() -> None:
     AttentionMaskInterface.register(FUSED_ATTENTION, _no_mask)
 
 
-def attention_note(attention: str) -> str:
-    """What a result says of how its attention was traced and costed, or '' for sdpa and eager."""
+def kernel_note(attention: str, *, run: bool = False) -> str:
+    """What a result says of how its attention was traced (or, `run`, run in a CPU trial) and costed, or ''
+    for sdpa and eager."""
     if attention not in FLASH:
         return ""
-    note = (f"{attention} traced as torch SDPA's flash kernel (causal, no mask): the output and log-sum-exp kept, "
+    note = (f"{attention} {'run' if run else 'traced'} as torch SDPA's flash kernel (causal, no mask): the output and log-sum-exp kept, "
             "as flash-attn keeps them; sliding windows and soft-capping, applied inside flash-attn's kernel, "
-            "not applied in the trace")
+            f"not applied {'here' if run else 'in the trace'}")
     if attention == "flash_attention_3":
         note += "; estimated at FlashAttention-2's published speed (FA3's is not in the cost model: a lower bound)"
     return note
