@@ -1457,6 +1457,17 @@ says it. Taken from the two models above; no check covers it (the one it had, ll
 range wide enough to hold compiled bf16 too, could not fail). What is checked instead is the float8 speed-up
 itself against llama3.2-1b's H200 rows and torchtitan's published 8B run
 (tests/test_float8.py::test_float8_ratios_against_published_and_measured_rows; docs/VALIDATION.md)."""
+
+
+def float8_measured_summary() -> str:
+    """The one GPU measurement of float8's speed-up against its estimate, in a clause (FLOAT8_ONE_GPU_MEASURED)."""
+    measured = [m for _, _, m, _ in FLOAT8_ONE_GPU_MEASURED]
+    estimated = [e for _, _, _, e in FLOAT8_ONE_GPU_MEASURED]
+    models = ", ".join(dict.fromkeys(model for model, *_ in FLOAT8_ONE_GPU_MEASURED))
+    return (f"on one H200 ({models}; world size 1, seq 2048) compiled float8 measured {min(measured):.2f}-"
+            f"{max(measured):.2f}x of compiled bf16 where estimated {min(estimated):.2f}-{max(estimated):.2f}x")
+
+
 FLOAT8_SOURCES = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md Tables 1 and 3 (Llama 3.1 8B, local batch 2, "
                   "selective AC, compiled, 8 and 128 H100s); torchao docs/source/workflows/training.md 'e2e training "
                   "benchmarks' (Llama3-8b, 8 H100s, batch 1, compiled, per-op SAC); torchtitan commit 7a04053 "

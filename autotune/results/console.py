@@ -243,9 +243,13 @@ def _short_why(document: dict, why: dict) -> str:
                 f"{_SOURCE_LETTER.get(document['throughput_source'], '?')} against the runner-up, trial {runner}")
     margin = why.get("close_call_margin")
     if why.get("close_call"):
-        return text + f": a close call, not settled (two estimates can be {margin:.1%} apart); a real trial of each decides"
-    if why.get("close_call") is False:
-        return text + f", beyond the {margin:.1%} two estimates can be apart"
+        text += f": a close call, not settled (two estimates can be {margin:.1%} apart); a real trial of each decides"
+    elif why.get("close_call") is False:
+        text += f", beyond the {margin:.1%} two estimates can be apart"
+    float8 = why.get("float8_call")
+    if float8 and float8["close"]:  # float8 won on an estimate the one GPU measurement of it contradicts
+        text += (f"; float8's {float8['lead']:+.1%} E over trial {float8['versus_step']} without it is within the "
+                 f"{float8['margin']:.0%} float8 estimates have measured short: not settled, a real trial of each decides")
     return text
 
 

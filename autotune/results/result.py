@@ -217,7 +217,47 @@ def why_winner(winner: Step, steps: list[Step], request: TuneRequest) -> dict[st
                          f"trial of each decides ({commands[0]}; {commands[1]})")
         else:
             sentence += f"; the lead is beyond the {margin:.1%} two such estimates can be off ({basis})"
+        if (versus := float8_versus(winner, runner, others)) is not None:
+            float8, text = float8_call(winner, versus)
+            section["float8_call"] = float8
+            sentence += "; " + text
+            if float8["close"]:
+                section.setdefault("decide_with", [_trial_command(request, winner)])
+                section["decide_with"].append(_trial_command(request, versus))
     return {**section, "sentence": sentence}
+
+
+def float8_versus(winner: Step, runner: Step, others: list[Step]) -> Step | None:
+    """The fastest configuration without float8 that a float8 winner's estimate is weighed against, where
+    the runner-up is float8 too (a runner-up without float8 is weighed by ranking_margin already); None
+    where the winner is not float8 or every other configuration is."""
+    if winner.train.float8 == "none" or runner.train.float8 == "none":
+        return None
+    without = [s for s in others if s.train.float8 == "none"]
+    return max(without, key=lambda s: s.result.throughput, default=None)
+
+
+def float8_call(winner: Step, versus: Step) -> tuple[dict[str, Any], str]:
+    """Whether a float8 winner's estimated lead over the fastest configuration without float8 is within
+    what float8 estimates have measured short (costmodel.FLOAT8_RANGE_LOW, with the ranking error): then
+    the choice of float8 rests on an estimate the one GPU measurement contradicts, and the result says so
+    rather than picking it silently (issue 56)."""
+    from autotune.estimate import costmodel
+
+    lead = (winner.result.throughput or 0) / versus.result.throughput - 1
+    margin = 1 - (1 - costmodel.RANKING_ERROR) * costmodel.FLOAT8_RANGE_LOW
+    close = lead < margin / (1 - margin)  # the winner's estimate x (1 - margin) would not beat versus's
+    call = {"versus_step": versus.step, "lead": lead, "margin": margin, "close": close,
+            "measured": costmodel.float8_measured_summary()}
+    tps = versus.result.tokens_per_sec
+    text = (f"float8's lead over the fastest configuration without it, step {versus.step} ({versus.train.label()}) "
+            f"at {tps.value:,.0f} tokens/s ({tps.source}), is {lead:+.1%} (estimated)")
+    if close:
+        text += (f", within the {margin:.1%} a float8 estimate can fall short ({call['measured']}): float8 is not "
+                 "settled; a real trial of each decides")
+    else:
+        text += f", beyond the {margin:.1%} a float8 estimate has fallen short ({call['measured']})"
+    return call, text
 
 
 def ranking_margin(winner: Step, runner: Step) -> tuple[float, str]:
