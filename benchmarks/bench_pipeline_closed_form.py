@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GiB = 2**30
 
-# (model, GPUs, pp, schedule, activation checkpointing, micro-batch, accumulation steps = micro-batches, seq)
+# (model, GPUs, pp, schedule, activation checkpointing, micro-batch, accumulation steps = micro-batches, seq[, tp])
 MATRIX = [
     ("llama3-8b", 64, 4, "1F1B", "full", 1, 8, 8192),
     ("llama3-8b", 64, 4, "GPipe", "full", 1, 8, 8192),
@@ -55,6 +55,7 @@ MATRIX = [
     ("mistral-7b", 16, 2, "Interleaved1F1B", "full", 2, 4, 4096),
     ("mistral-7b", 64, 8, "GPipe", "none", 1, 8, 2048),
     ("mistral-7b", 32, 4, "1F1B", "full", 1, 12, 4096),  # within its 4,096-token sliding window: no mask to pipeline
+    ("llama3-8b", 16, 2, "1F1B", "full", 1, 4, 4096, 2),  # FSDP x TP2 x PP2
 ]
 
 
@@ -62,10 +63,10 @@ def make_spec(row):
     from autotune.problem.catalog.models import resolve_model
     from autotune.problem.config import Cluster, TrainConfig, TrialSpec
 
-    model, gpus, pp, schedule, ac, mb, accum, seq = row
+    model, gpus, pp, schedule, ac, mb, accum, seq, tp = (*row, 1) if len(row) == 8 else row
     return TrialSpec(model=resolve_model(model), cluster=Cluster(num_gpus=gpus), seq_len=seq,
                      train=TrainConfig(pipeline_parallel=pp, pipeline_schedule=schedule, activation_checkpointing=ac,
-                                       micro_batch_size=mb), grad_accum_steps=accum)
+                                       micro_batch_size=mb, tensor_parallel=tp), grad_accum_steps=accum)
 
 
 def key_of(row) -> str:

@@ -562,9 +562,13 @@ def pipeline_rank_memory(spec: TrialSpec, virtual_stages: int | None = None) -> 
     for rank in _pipeline_layout(spec, virtual_stages):
         n, blocks = rank.num_blocks, rank.num_blocks * shape.block_params
         root = (embed if rank.first else 0) + (head if rank.last else 0)
-        params = blocks + root
-        sharded = master * params / stage_gpus
-        states = dict(parameters=sharded, optimizer_state=2 * master * params / stage_gpus)
+        # Under tensor parallelism each GPU holds a tp-th of the blocks (their norms taken as split too: a lower
+        # bound) and the whole root (apply_tp_stage splits the embeddings' output and gathers the head's input,
+        # leaving both whole on every tp rank): FSDP shards the blocks over the stage's GPUs, the root over its
+        # data ranks; the accumulated unsharded gradients are a tp-th of the blocks' and all of the root's.
+        params = blocks / tp + root
+        sharded = master * (blocks + root * tp) / stage_gpus
+        states = dict(parameters=sharded, optimizer_state=2 * sharded)
         # Receive buffers torch's PipelineStage makes for every micro-batch up front, each stage its own: the
         # activations from the previous stage, the gradients from the next.
         stages_receiving = sum(rank.rank + k * pp > 0 for k in range(v))
