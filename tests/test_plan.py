@@ -7,7 +7,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from autotune.drivers.cli import EXIT_OK, EXIT_USAGE, main
+from autotune.drivers.cli import EXIT_NOTHING_FITS, EXIT_OK, EXIT_USAGE, main
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAN_SCHEMA = json.loads((ROOT / "schemas" / "plan.schema.json").read_text())
@@ -270,11 +270,13 @@ def test_console_table_says_a_long_pipeline_winner_in_full(shared_plan, width):
     assert all(f"• {option['id']} winner:" not in said for option in plan["options"][1:])
 
 
-def test_global_batch_binds_where_it_cannot_be_kept(tmp_path):
+def test_global_batch_binds_where_it_cannot_be_kept(tmp_path, capsys):
     """4Mi tokens at seq 8192 is half a sequence per GPU on 1024 GPUs: FSDP alone cannot keep it, a
     tensor-parallel group (or a pipeline) sharing each sequence can, and the plan's row (and tune) goes past it
-    split; 256Ki tokens is 32 sequences, fewer than even pp=16's 64 data ranks: that row says the global batch
-    binds, and the plan goes on with the others."""
+    split; 256Ki tokens is 32 sequences, fewer than any one split's data ranks (pp=16: 64), which only pipeline
+    stages over tensor-parallel groups keep (tp 8 x pp 4: 32), a search the default space leaves out: that row
+    says the global batch binds and how to search them, and the plan goes on with the others; 32Ki tokens (4
+    sequences) is fewer than even tp 8 x pp 16's 8 data ranks: refused up front."""
     plan = _plan(tmp_path, "--model", "llama3-8b", "--train-tokens", "1T", "--gpus", "256,1024",
                  "--global-tokens", "4Mi", "--backend", "analytic")
     rows = {o["gpus"]: o for o in plan["options"]}
@@ -291,10 +293,39 @@ def test_global_batch_binds_where_it_cannot_be_kept(tmp_path):
                                           "--gpus", "256,1024", "--global-tokens", "256Ki",
                                           "--backend", "analytic")["options"]}
     assert small[1024]["status"] == "global-batch" and small[1024]["binds"]["limit"] == "global batch"
-    assert "64 data ranks (1024 GPUs / pipeline parallel 16)" in small[1024]["message"]
+    assert "explore.pipeline_parallel = true" in small[1024]["message"]
     assert small[256]["status"] == "ok"
     assert main(["--model", "llama3-8b", "--gpus", "1024", "--nodes", "128", "--global-tokens", "256Ki",
-                 "--backend", "analytic", "--runs-dir", str(tmp_path / "t2")]) == EXIT_USAGE
+                 "--backend", "analytic", "--runs-dir", str(tmp_path / "t2")]) == EXIT_NOTHING_FITS
+    capsys.readouterr()
+    assert main(["--model", "llama3-8b", "--gpus", "1024", "--nodes", "128", "--global-tokens", "32Ki",
+                 "--backend", "analytic", "--runs-dir", str(tmp_path / "t3")]) == EXIT_USAGE
+    assert "8 data ranks (1024 GPUs / tensor parallel 8 x pipeline parallel 16)" in capsys.readouterr().err
+
+
+def test_pipeline_stages_over_tensor_parallel_groups_keep_a_batch_neither_keeps_alone(tmp_path, capsys):
+    """llama3-70b on 1024 GPUs with 512Ki tokens at seq 8192 is 64 sequences a step: tensor or context
+    parallelism (8 GPUs of a node at most) leaves 128 groups each needing a sequence, so the default search finds
+    nothing and says it is the global batch (not memory) that binds, naming the space key that lets pipelines
+    share sequences. With pipelines searched, stages over tensor-parallel groups (FSDP x TP x PP) keep it: the
+    winner's data ranks x accumulation x micro-batch x seq, counted from its degrees, is the target exactly, and
+    the console says the data ranks the pipeline leaves."""
+    problem = ["--model", "llama3-70b", "--gpus", "1024", "--nodes", "128", "--seq-len", "8192", "--global-tokens",
+               "512Ki", "--backend", "analytic", *EAGER]
+    assert main([*problem, "--runs-dir", str(tmp_path / "fsdp-tp")]) == EXIT_NOTHING_FITS
+    said = " ".join(capsys.readouterr().err.split())
+    assert "no configuration keeps the global batch" in said and "explore.pipeline_parallel = true" in said
+    assert "fits within" not in said  # not a memory limit
+    space, out = tmp_path / "pp.toml", tmp_path / "best.json"
+    space.write_text("[explore]\npipeline_parallel = true\n")
+    assert main([*problem, "--space", str(space), "--runs-dir", str(tmp_path / "runs"), "--out", str(out)]) == EXIT_OK
+    best = json.loads(out.read_text())
+    tp, pp = best["parallelism"]["tensor_parallel"], best["parallelism"]["pipeline_parallel"]
+    assert tp > 1 and pp > 1
+    data_ranks = 1024 // (tp * pp)
+    assert data_ranks * best["grad_accum_steps"] * best["micro_batch_size"] * 8192 == 512 * 2**10 == best["global_tokens"]
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"{data_ranks} data ranks (1024 GPUs / tensor parallel {tp} x pipeline parallel {pp})" in printed
 
 
 BAD_PLANS = [

@@ -235,8 +235,9 @@ def _tune_in_run_dir(options: TuneOptions, console, *, request, store, finished,
         # no better).
         last = next((s for s in reversed(outcome.steps) if s.train.ranks_per_batch == 1),
                     outcome.steps[-1] if outcome.steps else None)
-        reason = why_nothing_fits(last, request) if last is not None else "no configuration was evaluated"
-        raise NothingFits(f"{reason}; trials are in {run_dir}")
+        reason = why_nothing_fits(last, request, outcome.steps) if last is not None else "no configuration was evaluated"
+        raise NothingFits(f"{reason}; trials are in {run_dir}",
+                          binds="global batch" if any(s.fits for s in outcome.steps) else "memory")
     document = build(outcome.winner, runnable)
     text = dumps(document)
     write_atomic(run_dir / "best.json", text)
@@ -398,25 +399,30 @@ def check_multi_node(options: Options) -> None:
 
 def check_batch_beyond_fsdp(check, *, gpus: int, gpus_per_node: int, seq_len: int, model) -> None:
     """`check(ranks, seq_len, who)` (the global batch's checks, UsageError when it cannot be kept) on every GPU,
-    and where FSDP alone cannot keep it, on the data ranks of the widest degree the model and the cluster
-    allow, tensor-, context- or pipeline-parallel (a group of GPUs then shares each sequence; the error, if
-    any, counts those ranks). `model`: a callable giving the ModelSpec, asked for only past the wall."""
+    and where FSDP alone cannot keep it, on the data ranks of the widest split the model and the cluster
+    allow: tensor-, context- or pipeline-parallel, or pipeline stages over tensor-parallel groups (a group of
+    GPUs then shares each sequence; the error, if any, counts those ranks). `model`: a callable giving the
+    ModelSpec, asked for only past the wall."""
     try:
         check(gpus, seq_len, "")
     except UsageError:
         from autotune.problem.batch import data_ranks_text
-        from autotune.problem.knobs import (ProblemShape, context_parallel_degrees, pipeline_parallel_degrees,
-                                    tensor_parallel_degrees)
+        from autotune.problem.knobs import (KNOBS, ProblemShape, context_parallel_degrees, pipeline_parallel_degrees,
+                                            tensor_parallel_degrees, why_not_buildable)
 
         shape = ProblemShape(num_gpus=gpus, gpus_per_node=gpus_per_node, model=model(), seq_len=seq_len)
-        degrees = (max(tensor_parallel_degrees(shape)), max(context_parallel_degrees(shape)),
-                   max(pipeline_parallel_degrees(shape)))
-        widest = max(degrees)
-        if widest == 1:
+        tp, cp, pp = (max(tensor_parallel_degrees(shape)), max(context_parallel_degrees(shape)),
+                      max(pipeline_parallel_degrees(shape)))
+        splits = [(tp, 1, 1), (1, cp, 1), (1, 1, pp)]  # (tp, cp, pp), the first of equal widths said
+        defaults = {knob.name: knob.default for knob in KNOBS}
+        if tp > 1 and pp > 1 and not why_not_buildable({**defaults, "tensor_parallel": tp, "pipeline_parallel": pp},
+                                                        shape):
+            splits.insert(0, (tp, 1, pp))
+        widest = max(splits, key=lambda split: split[0] * split[1] * split[2])
+        ways = widest[0] * widest[1] * widest[2]
+        if ways == 1:
             raise
-        one_split = tuple(degree if degree == widest and degree not in degrees[:i] else 1
-                          for i, degree in enumerate(degrees))
-        check(gpus // widest, seq_len, data_ranks_text(gpus, *one_split))
+        check(gpus // ways, seq_len, data_ranks_text(gpus, *widest))
 
 
 def resolve_problem(options: Options, *, check_batch=None) -> tuple[Any, Any, int, str]:

@@ -270,7 +270,8 @@ def _run_group(options: PlanOptions, gpus: int, gpu_types: tuple[str, ...], seq_
                     document = run_tune(asked, _quiet(), backend=backend)
                     row.update(status="ok", result=document, records=_records(options, document))
                 except NothingFits as exc:
-                    row.update(status="nothing-fits", message=str(exc))
+                    row.update(status="global-batch" if exc.binds == "global batch" else "nothing-fits",
+                               message=str(exc))
             row["wall_s"] = time.monotonic() - began
             rows.append(row)
     finally:

@@ -528,7 +528,7 @@ class Console:
         self.out.print(_Wrapped(Text(
             f"{_short_label(train)} ({_precision_words(train)}), {document['grad_accum_steps']} accumulation "
             f"step{'s' if document['grad_accum_steps'] != 1 else ''} "
-            f"x {data_ranks_text(document['gpus'], train.tensor_parallel, train.context_parallel)} x "
+            f"x {data_ranks_text(document['gpus'], train.tensor_parallel, train.context_parallel, train.pipeline_parallel)} x "
             + (f"seq {document['seq_len']} = " if not document.get("packing") else
                f"{document['packing']['expected_tokens_per_micro_batch']:,.0f} packed tokens (expected) = ")
             + f"{document['global_tokens']:,} tokens/step "

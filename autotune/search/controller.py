@@ -45,6 +45,10 @@ SATURATION_GAIN = 0.02
 while still below the best configuration found: throughput saturates with the micro-batch."""
 
 
+TENSOR_PIPELINE_CANDIDATES = 3
+"""How many tp x pp pairs the search traces (the closed form's first: _explore_tensor_pipeline): a pipeline
+candidate on a 70B model costs about a CPU-minute to trace (docs/PIPELINE.md), and up to 12 pairs are allowed."""
+
 COMPILE_CANDIDATES = 2
 """With compile "explore": how many of the fastest fitting eager configurations are tried compiled."""
 
@@ -412,6 +416,7 @@ class Controller:
         self._explore_expert_parallel()
         self._explore_split("tensor_parallel")
         self._explore_split("pipeline_parallel")
+        self._explore_tensor_pipeline()
         best = self._choose()
         if best is not None and best.train.activation_checkpointing.mode != "none":
             # Context parallelism trades ring sends for activation memory: beyond the walls it is worth a trial
@@ -686,7 +691,64 @@ class Controller:
     def _explore_meshes(self, *, start: TrainConfig | None = None) -> bool:
         """Tensor, context, then pipeline parallelism (_explore_split); True where any fits."""
         found = [self._explore_split(knob, start=start) for knob in self._SPLITS]
+        found.append(self._explore_tensor_pipeline(start=start))
         return any(found)
+
+    def _explore_tensor_pipeline(self, *, start: TrainConfig | None = None) -> bool:
+        """FSDP x TP x PP (torchtitan's mesh for its 405B recipes, Llama 3's): pipeline stages over tensor-parallel
+        groups, where the space searches both (_explore_split tries each alone). Of every tp x pp pair the model and
+        the cluster allow, at most TENSOR_PIPELINE_CANDIDATES are traced: those the closed form (the estimator) puts
+        first, the fastest of those it says fit and keep the global batch, then the least memory of the rest
+        (without an estimator, the widest tp with each pp). Each is tried at FSDP's walls (nothing fits, only with CPU offload, or the global batch
+        missed: tp x pp GPUs share each sequence) or where the estimate allows it to win, again with every block
+        checkpointed where it does not fit; the fastest that fits is grown. True where one fits."""
+        space = self.request.space
+        tensor_degrees = knobs.tensor_parallel_degrees(self.shape)[1:] if space.tensor_parallel else ()
+        pipeline_degrees = knobs.pipeline_parallel_degrees(self.shape)[1:] if space.pipeline_parallel else ()
+        best = self._choose()
+        base = start or (best.train if best is not None else self.steps[0].train if self.steps else None)
+        if not tensor_degrees or not pipeline_degrees or base is None:
+            return False
+        base = base.with_(cpu_offload=False, activation_offload=False, compile="none", float8="none",
+                          shard_group_size=0, reshard_group_size=0, expert_parallel=1, shard_placement="dim0",
+                          context_parallel=1, micro_batch_size=1)
+        pairs = [self._with_runnable_schedule(base.with_(tensor_parallel=tp, pipeline_parallel=pp))
+                 for tp in reversed(tensor_degrees) for pp in pipeline_degrees]
+        pairs = [train for train in pairs if self._buildable(train)]
+        if self.estimator is not None:
+            def rank(train: TrainConfig) -> tuple:
+                estimate = self.estimator.evaluate(self.request.spec(train))
+                batch = self.request.global_batch(1, ranks_per_batch=train.ranks_per_batch)
+                peak = estimate.peak_bytes or 0
+                held = (estimate.ok and peak <= self.request.memory_limit_bytes
+                        and within_tolerance(batch, self.request.tolerance))
+                return (0, -(estimate.throughput or 0.0)) if held else (1, peak)
+            pairs.sort(key=rank)
+        else:
+            pairs = [train for train in pairs if train.tensor_parallel == tensor_degrees[-1]]
+        fitting = []
+        for train in pairs[:TENSOR_PIPELINE_CANDIDATES]:
+            best = self._choose()
+            wall = best is None or best.train.cpu_offload
+            if not wall and not self._could_win(train):
+                continue
+            why = ("FSDP alone holds no configuration of this problem" if best is None else
+                   f"FSDP holds this problem only with CPU offload ({best.train.label()})" if wall else
+                   "the estimate allows a mesh to win")
+            tp, pp = train.tensor_parallel, train.pipeline_parallel
+            step = self.run("explore", train, f"{why}: tensor parallelism over {tp} GPUs of a node within pipeline "
+                                              f"parallelism over {pp} stages ({tp * pp} GPUs share a batch, each "
+                                              f"holding 1/{tp} of 1/{pp} of the decoder blocks)")
+            if not step.fits and train.activation_checkpointing.mode != "full" and space.checkpointing:
+                step = self.run("explore", train.with_(activation_checkpointing="full"),
+                                f"tp {tp} x pp {pp} {self._why(step)}: checkpoint every block too")
+            if step.fits:
+                fitting.append(step)
+        if not fitting:
+            return False
+        fastest = max(fitting, key=lambda s: s.result.throughput or 0.0)
+        self._align(self._grow(fastest.train, stage="explore", until_saturated=True))
+        return True
 
     _SPLITS = {
         "tensor_parallel": ("tensor parallelism", "{n} GPUs of a node", "each holds and computes 1/{n} of every "

@@ -183,10 +183,21 @@ def config_key(train: TrainConfig, *, grad_accum_steps: int, backend: str) -> st
                       sort_keys=True)
 
 
-def why_nothing_fits(last: Step, request: TuneRequest) -> str:
-    """Which limit the last, most memory-saving configuration hit, and what to do about it."""
+def why_nothing_fits(last: Step, request: TuneRequest, steps: list[Step] | tuple[Step, ...] = ()) -> str:
+    """Which limit the last, most memory-saving configuration hit, and what to do about it; where some of `steps`
+    fit in memory but none keeps the global batch (the batch wall: each data rank needs a whole sequence), that."""
     from autotune.util.units import format_bytes
 
+    fitting = [s for s in steps if s.fits]
+    if fitting:
+        closest = min(fitting, key=lambda s: abs(s.batch.deviation))
+        pipelines = ("" if request.space.pipeline_parallel or not request.space.tensor_parallel else
+                     ", or let pipeline stages share each sequence too (explore.pipeline_parallel = true in a --space "
+                     "file: docs/PIPELINE.md)")
+        return (f"no configuration keeps the global batch: {len(fitting)} fit in memory, but the closest, "
+                f"{closest.train.label()}, takes {closest.batch.global_tokens:,} tokens a step "
+                f"({closest.batch.deviation:+.0%} off {request.target_tokens:,}, tolerance {request.tolerance:.1%}): "
+                f"raise --global-tokens or use fewer GPUs{pipelines}")
     message = last.result.message or ""
     if last.result.status == "error":  # not a memory limit: more GPUs would not help
         return (f"no configuration could be evaluated: the last trial ({last.train.label()}) failed: {message}; "

@@ -22,4 +22,9 @@ class StorageUnavailable(AutotuneError):
 
 
 class NothingFits(AutotuneError):
-    """No configuration fits (autotune.tune; the CLI exits 3): the message says which limit and what to do."""
+    """No configuration fits (autotune.tune; the CLI exits 3): the message says which limit and what to do;
+    `binds` names it: "memory", or "global batch" where configurations fit but none keeps the batch."""
+
+    def __init__(self, message: str, *, binds: str = "memory") -> None:
+        super().__init__(message)
+        self.binds = binds
