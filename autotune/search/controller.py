@@ -705,13 +705,9 @@ class Controller:
         space = self.request.space
         tensor_degrees = knobs.tensor_parallel_degrees(self.shape)[1:] if space.tensor_parallel else ()
         pipeline_degrees = knobs.pipeline_parallel_degrees(self.shape)[1:] if space.pipeline_parallel else ()
-        best = self._choose()
-        base = start or (best.train if best is not None else self.steps[0].train if self.steps else None)
+        base = self._mesh_base(start)
         if not tensor_degrees or not pipeline_degrees or base is None:
             return False
-        base = base.with_(cpu_offload=False, activation_offload=False, compile="none", float8="none",
-                          shard_group_size=0, reshard_group_size=0, expert_parallel=1, shard_placement="dim0",
-                          context_parallel=1, micro_batch_size=1)
         pairs = [self._with_runnable_schedule(base.with_(tensor_parallel=tp, pipeline_parallel=pp))
                  for tp in reversed(tensor_degrees) for pp in pipeline_degrees]
         pairs = [train for train in pairs if self._buildable(train)]
@@ -728,26 +724,53 @@ class Controller:
             pairs = [train for train in pairs if train.tensor_parallel == tensor_degrees[-1]]
         fitting = []
         for train in pairs[:TENSOR_PIPELINE_CANDIDATES]:
-            best = self._choose()
-            wall = best is None or best.train.cpu_offload
-            if not wall and not self._could_win(train):
-                continue
-            why = ("FSDP alone holds no configuration of this problem" if best is None else
-                   f"FSDP holds this problem only with CPU offload ({best.train.label()})" if wall else
-                   "the estimate allows a mesh to win")
             tp, pp = train.tensor_parallel, train.pipeline_parallel
-            step = self.run("explore", train, f"{why}: tensor parallelism over {tp} GPUs of a node within pipeline "
-                                              f"parallelism over {pp} stages ({tp * pp} GPUs share a batch, each "
-                                              f"holding 1/{tp} of 1/{pp} of the decoder blocks)")
-            if not step.fits and train.activation_checkpointing.mode != "full" and space.checkpointing:
-                step = self.run("explore", train.with_(activation_checkpointing="full"),
-                                f"tp {tp} x pp {pp} {self._why(step)}: checkpoint every block too")
-            if step.fits:
+            step = self._try_mesh(train, f"tensor parallelism over {tp} GPUs of a node within pipeline parallelism "
+                                         f"over {pp} stages ({tp * pp} GPUs share a batch, each holding 1/{tp} of "
+                                         f"1/{pp} of the decoder blocks)", f"tp {tp} x pp {pp}")
+            if step is not None and step.fits:
                 fitting.append(step)
+        return self._grow_fastest(fitting)
+
+    def _mesh_base(self, start: TrainConfig | None) -> TrainConfig | None:
+        """What a mesh is split from: `start` (where the graph stopped), else the best so far or the first trial,
+        without offload, compile, float8, HSDP, expert or other splits, at micro-batch 1 (grown after: a group of
+        GPUs takes each batch)."""
+        best = self._choose()
+        base = start or (best.train if best is not None else self.steps[0].train if self.steps else None)
+        if base is None:
+            return None
+        return base.with_(cpu_offload=False, activation_offload=False, compile="none", float8="none",
+                          shard_group_size=0, reshard_group_size=0, expert_parallel=1, shard_placement="dim0",
+                          tensor_parallel=1, context_parallel=1, pipeline_parallel=1, micro_batch_size=1)
+
+    def _try_mesh(self, train: TrainConfig, what: str, short: str) -> Step | None:
+        """Run the mesh `train` (`what` it is, in the reason; `short`, in a retry's) where FSDP is at its walls (nothing
+        fits or keeps the global batch, or only CPU offload holds the model: then the mesh is traced, not judged by two
+        estimates of unlike costs) or the estimate allows it to win, again with every block checkpointed where it
+        does not fit. None where it is not run."""
+        best = self._choose()
+        wall = best is None or best.train.cpu_offload
+        if not wall and not self._could_win(train):
+            return None
+        why = ("FSDP alone holds no configuration of this problem" if best is None else
+               f"FSDP holds this problem only with CPU offload ({best.train.label()})" if wall else
+               "the estimate allows a mesh to win")
+        step = self.run("explore", train, f"{why}: {what}")
+        if not step.fits and train.activation_checkpointing.mode != "full" and self.request.space.checkpointing:
+            step = self.run("explore", train.with_(activation_checkpointing="full"),
+                            f"{short} {self._why(step)}: checkpoint every block too")
+        return step
+
+    def _grow_fastest(self, fitting: list[Step]) -> bool:
+        """Grow (and align) the fastest of the mesh trials that fit, and try lighter checkpointing on it; True where
+        there is one."""
         if not fitting:
             return False
         fastest = max(fitting, key=lambda s: s.result.throughput or 0.0)
-        self._align(self._grow(fastest.train, stage="explore", until_saturated=True))
+        largest = self._grow(fastest.train, stage="explore", until_saturated=True)
+        self._align(largest)
+        self._explore_checkpointing(fastest.train, largest)
         return True
 
     _SPLITS = {
@@ -768,44 +791,21 @@ class Controller:
         (`start`: nothing fitted; or no configuration hits the global batch, each GPU needing a whole sequence)
         or where the estimate says a mesh may win. A degree that does not fit is tried again with every block
         checkpointed; the fastest that fits is grown. True where one fits."""
-        best = self._choose()
-        base = start or (best.train if best is not None else self.steps[0].train if self.steps else None)
+        base = self._mesh_base(start)
         searched = getattr(self.request.space, knob)
         degrees = self._SPLIT_DEGREES[knob](self.shape)[1:] if searched else ()
         if base is None or not degrees:
             return False
-        base = base.with_(cpu_offload=False, activation_offload=False, compile="none", float8="none",
-                          shard_group_size=0, reshard_group_size=0, expert_parallel=1, shard_placement="dim0",
-                          tensor_parallel=1, context_parallel=1, pipeline_parallel=1,
-                          micro_batch_size=1)  # grown below: a group of GPUs takes each batch
         name, where, what = self._SPLITS[knob]
         fitting = []
         for degree in degrees:
             train = self._with_runnable_schedule(base.with_(**{knob: degree}))
-            # The walls: nothing to beat (FSDP alone fits nothing, or misses the global batch), or only offloading
-            # holds the model: then the mesh is traced, not judged by two estimates of unlike costs.
-            best = self._choose()
-            wall = best is None or best.train.cpu_offload
-            if not wall and not self._could_win(train):
-                continue
-            why = ("FSDP alone holds no configuration of this problem" if best is None else
-                   f"FSDP holds this problem only with CPU offload ({best.train.label()})" if wall else
-                   "the estimate allows a mesh to win")
             over = where.format(n=degree)
-            step = self.run("explore", train, f"{why}: {name} over {over} ({what.format(n=degree)}; "
-                                              f"{degree} GPUs share a batch)")
-            if not step.fits and train.activation_checkpointing.mode != "full" and self.request.space.checkpointing:
-                step = self.run("explore", train.with_(activation_checkpointing="full"),
-                                f"{name} over {over} {self._why(step)}: checkpoint every block too")
-            if step.fits:
+            step = self._try_mesh(train, f"{name} over {over} ({what.format(n=degree)}; {degree} GPUs share a batch)",
+                                  f"{name} over {over}")
+            if step is not None and step.fits:
                 fitting.append(step)
-        if not fitting:
-            return False
-        fastest = max(fitting, key=lambda s: s.result.throughput or 0.0)
-        largest = self._grow(fastest.train, stage="explore", until_saturated=True)
-        self._align(largest)
-        self._explore_checkpointing(fastest.train, largest)
-        return True
+        return self._grow_fastest(fitting)
 
     # -- beyond the graph: sampling under --time-budget ----------------------------------------------
     def _sample_domains(self) -> dict[str, tuple]:
