@@ -315,7 +315,11 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     frozen_bytes = frozen_bytes or d * frozen
     block_gathered = block_gathered or gathered_block_params(spec, block) * d  # expert parallel: 1/ep of the experts
 
-    # Model states (sharded): on the host instead when offloading.
+    # Model states (sharded): on the host instead when offloading. Under tensor parallelism the blocks are split over
+    # the tp GPUs of a group and the root (embeddings, head) left whole on each (tensor.apply_tp), so FSDP shards each
+    # root parameter over the data ranks only: the world holds tp copies of it.
+    if train.tensor_parallel > 1 and not lora:
+        trained += shape.root_params * (train.tensor_parallel - 1)
     states_on_device = 0 if train.cpu_offload else 1
     sharded_params = states_on_device * (master * trained + frozen_bytes) / world + quant_states
     optimizer = states_on_device * 2 * master * trained / world
@@ -339,8 +343,8 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     if train.tensor_parallel > 1:
         # Tensor parallelism (with sequence parallelism): a lower bound, each block's gathered weights and
         # activations as if all of them split (attention's and the MLP's gathered inputs are whole): it
-        # screens out no configuration the trace would fit. Parameters, gradients and optimizer state stay
-        # sharded over every GPU (dp x tp).
+        # screens out no configuration the trace would fit. The blocks' parameters, gradients and optimizer
+        # state stay sharded over every GPU (dp x tp), the root's over the data ranks (below).
         block_gathered /= train.tensor_parallel
         per_layer /= train.tensor_parallel
         checkpoint_input /= train.tensor_parallel
