@@ -60,8 +60,9 @@ def test_main_job_reads_at_80_columns_and_says_the_same_as_wide(tmp_path, monkey
     # The winner in a few short lines; its full bases are in best.json, not on the console.
     winner = lines[next(i for i, line in enumerate(lines) if line.startswith("winner:")):]
     # 12, one for eager vs compiled (vs float8), one for the longer labels of a float8 winner, one for the
-    # held-out rows and publishers the throughput range comes from (issue 60).
-    assert len(winner) <= 15, winner
+    # held-out rows and publishers the throughput range comes from (issue 60), one for a float8 winner whose lead
+    # over bf16 is within what float8 has measured short (result.float8_call).
+    assert len(winner) <= 16, winner
     best = next((tmp_path / "runs").glob("*/best.json"))
     document = json.loads(best.read_text())
     assert " ".join(document["memory_basis"].split()) not in " ".join(narrow.split())
@@ -265,7 +266,7 @@ def test_a_float8_winner_within_what_float8_has_measured_short_is_not_settled():
     assert settled["float8_call"]["close"] is False and "decide_with" not in settled
     document = {"decision_path": [{"step": 2, "tokens_per_sec": 52_000}], "tokens_per_sec": 65_000,
                 "throughput_source": "estimated"}
-    assert "float8's +30.0% E over trial 3" in _short_why(document, close)
+    assert "float8, +30.0% E over trial 3 without it, is within" in _short_why(document, close)
     assert "float8" not in _short_why(document, settled)
     # Without float8 anywhere, or with a runner-up without it (ranking_margin weighs that), no float8 call.
     bf16 = _step(1, request, tokens_per_sec=60_000, compile="blocks")

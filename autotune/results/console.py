@@ -248,8 +248,8 @@ def _short_why(document: dict, why: dict) -> str:
         text += f", beyond the {margin:.1%} two estimates can be apart"
     float8 = why.get("float8_call")
     if float8 and float8["close"]:  # float8 won on an estimate the one GPU measurement of it contradicts
-        text += (f"; float8's {float8['lead']:+.1%} E over trial {float8['versus_step']} without it is within the "
-                 f"{float8['margin']:.0%} float8 estimates have measured short: not settled, a real trial of each decides")
+        text += (f"; float8, {float8['lead']:+.1%} E over trial {float8['versus_step']} without it, is within the "
+                 f"{float8['margin']:.0%} it has measured short: unsettled")
     return text
 
 

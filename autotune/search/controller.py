@@ -699,9 +699,9 @@ class Controller:
         groups, where the space searches both (_explore_split tries each alone). Of every tp x pp pair the model and
         the cluster allow, at most TENSOR_PIPELINE_CANDIDATES are traced: those the closed form (the estimator) puts
         first, the fastest of those it says fit and keep the global batch, then the least memory of the rest
-        (without an estimator, the widest tp with each pp). Each is tried at FSDP's walls (nothing fits, only with CPU offload, or the global batch
-        missed: tp x pp GPUs share each sequence) or where the estimate allows it to win, again with every block
-        checkpointed where it does not fit; the fastest that fits is grown. True where one fits."""
+        (without an estimator, the widest tp with each pp). Each is tried as _try_mesh says (at FSDP's walls, where
+        tp x pp GPUs share each sequence, or where the estimate allows it to win); the fastest that fits is grown.
+        True where one fits."""
         space = self.request.space
         tensor_degrees = knobs.tensor_parallel_degrees(self.shape)[1:] if space.tensor_parallel else ()
         pipeline_degrees = knobs.pipeline_parallel_degrees(self.shape)[1:] if space.pipeline_parallel else ()
