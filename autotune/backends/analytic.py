@@ -318,12 +318,11 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     # Model states (sharded): on the host instead when offloading. Under tensor parallelism the blocks are split over
     # the tp GPUs of a group and the root (embeddings, head) left whole on each (tensor.apply_tp), so FSDP shards each
     # root parameter over the data ranks only: the world holds tp copies of it.
-    if train.tensor_parallel > 1 and not lora:
-        trained += shape.root_params * (train.tensor_parallel - 1)
+    held = trained + (shape.root_params * (train.tensor_parallel - 1) if not lora else 0)
     states_on_device = 0 if train.cpu_offload else 1
-    sharded_params = states_on_device * (master * trained + frozen_bytes) / world + quant_states
-    optimizer = states_on_device * 2 * master * trained / world
-    accumulated_grads = states_on_device * master * trained / world if spec.grad_accum_steps > 1 else 0.0
+    sharded_params = states_on_device * (master * held + frozen_bytes) / world + quant_states
+    optimizer = states_on_device * 2 * master * held / world
+    accumulated_grads = states_on_device * master * held / world if spec.grad_accum_steps > 1 else 0.0
     block_grad_shard = states_on_device * master * block_trained / world
     # Offloaded shards are copied to the device before each all-gather.
     h2d_staging = (1 - states_on_device) * master * block / world
@@ -401,7 +400,7 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
             other=inputs + h2d_staging,
         )))
     candidates.append(("optimizer step", dict(
-        parameters=sharded_params, gradients=states_on_device * master * trained / world,
+        parameters=sharded_params, gradients=states_on_device * master * held / world,
         optimizer_state=optimizer, other=2 * master * block_trained / world,
     )))
 
@@ -414,7 +413,7 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
 
     per_rank_host = costmodel.HOST_PROCESS_BYTES
     if train.cpu_offload:
-        per_rank_host += (4 * master * trained + frozen_bytes) / world
+        per_rank_host += (4 * master * held + frozen_bytes) / world
     per_rank_host += offloaded_host
     return MemoryEstimate(breakdown=breakdown, tensor_peak_bytes=tensor_peak,
                           peak_bytes=sum(breakdown.values()),

@@ -160,7 +160,7 @@ def _tune_in_run_dir(options: TuneOptions, console, *, request, store, finished,
     changed of what was asked, first among the outcome's notes."""
     from autotune.backends import get_backend
     from autotune.search.controller import Controller
-    from autotune.search.records import why_lost, why_nothing_fits
+    from autotune.search.records import at_batch_wall, why_lost, why_nothing_fits
     from autotune.util.files import write_atomic
     from autotune.results.result import build_result, dumps, text_only_note, text_only_section
     from autotune.results.run_folder import trials_csv
@@ -237,7 +237,7 @@ def _tune_in_run_dir(options: TuneOptions, console, *, request, store, finished,
                     outcome.steps[-1] if outcome.steps else None)
         reason = why_nothing_fits(last, request, outcome.steps) if last is not None else "no configuration was evaluated"
         raise NothingFits(f"{reason}; trials are in {run_dir}",
-                          binds="global batch" if any(s.fits for s in outcome.steps) else "memory")
+                          binds="global batch" if at_batch_wall(outcome.steps) else "memory")
     document = build(outcome.winner, runnable)
     text = dumps(document)
     write_atomic(run_dir / "best.json", text)
@@ -407,18 +407,9 @@ def check_batch_beyond_fsdp(check, *, gpus: int, gpus_per_node: int, seq_len: in
         check(gpus, seq_len, "")
     except UsageError:
         from autotune.problem.batch import data_ranks_text
-        from autotune.problem.knobs import (KNOBS, ProblemShape, context_parallel_degrees, pipeline_parallel_degrees,
-                                            tensor_parallel_degrees, why_not_buildable)
+        from autotune.problem.knobs import ProblemShape, widest_split
 
-        shape = ProblemShape(num_gpus=gpus, gpus_per_node=gpus_per_node, model=model(), seq_len=seq_len)
-        tp, cp, pp = (max(tensor_parallel_degrees(shape)), max(context_parallel_degrees(shape)),
-                      max(pipeline_parallel_degrees(shape)))
-        splits = [(tp, 1, 1), (1, cp, 1), (1, 1, pp)]  # (tp, cp, pp), the first of equal widths said
-        defaults = {knob.name: knob.default for knob in KNOBS}
-        if tp > 1 and pp > 1 and not why_not_buildable({**defaults, "tensor_parallel": tp, "pipeline_parallel": pp},
-                                                        shape):
-            splits.insert(0, (tp, 1, pp))
-        widest = max(splits, key=lambda split: split[0] * split[1] * split[2])
+        widest = widest_split(ProblemShape(num_gpus=gpus, gpus_per_node=gpus_per_node, model=model(), seq_len=seq_len))
         ways = widest[0] * widest[1] * widest[2]
         if ways == 1:
             raise

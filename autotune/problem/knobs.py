@@ -573,10 +573,15 @@ TENSOR_PARALLEL_DEGREES = (2, 4, 8)
 """Tensor-parallel degrees the search proposes (within a node: its per-layer collectives want NVLink)."""
 
 
+def default_values() -> dict[str, Any]:
+    """Every knob at its default: the configuration a degree or a split is checked on."""
+    return {knob.name: knob.default for knob in KNOBS}
+
+
 def tensor_parallel_degrees(shape: ProblemShape) -> tuple[int, ...]:
     """Tensor-parallel degrees the search proposes for `shape`: 1, then those of TENSOR_PARALLEL_DEGREES
     check_combination accepts (dividing a node's GPUs, the model's heads and MLP, a plan to apply)."""
-    base = {knob.name: knob.default for knob in KNOBS}
+    base = default_values()
     return (1, *(tp for tp in TENSOR_PARALLEL_DEGREES
                  if not why_not_buildable({**base, "tensor_parallel": tp}, shape)))
 
@@ -691,7 +696,7 @@ CONTEXT_PARALLEL_DEGREES = (2, 4, 8)
 
 def context_parallel_degrees(shape: ProblemShape) -> tuple[int, ...]:
     """1, then the degrees of CONTEXT_PARALLEL_DEGREES check_combination accepts for `shape`."""
-    base = {knob.name: knob.default for knob in KNOBS}
+    base = default_values()
     return (1, *(cp for cp in CONTEXT_PARALLEL_DEGREES
                  if not why_not_buildable({**base, "context_parallel": cp}, shape)))
 
@@ -818,9 +823,22 @@ def why_no_pipeline_schedule(*, schedule: str, degree: int, microbatches: int) -
 
 def pipeline_parallel_degrees(shape: ProblemShape) -> tuple[int, ...]:
     """1, then the degrees of PIPELINE_PARALLEL_DEGREES check_combination accepts for `shape`."""
-    base = {knob.name: knob.default for knob in KNOBS}
+    base = default_values()
     return (1, *(pp for pp in PIPELINE_PARALLEL_DEGREES
                  if not why_not_buildable({**base, "pipeline_parallel": pp}, shape)))
+
+
+def widest_split(shape: ProblemShape) -> tuple[int, int, int]:
+    """(tp, cp, pp) of the split that shares one sequence over the most GPUs the model and the cluster allow: the
+    widest tensor-, context- or pipeline-parallel degree alone, or pipeline stages over the widest tensor-parallel
+    groups where they combine (the first of equal widths in that order); (1, 1, 1) where none is allowed."""
+    tp, cp, pp = (max(tensor_parallel_degrees(shape)), max(context_parallel_degrees(shape)),
+                  max(pipeline_parallel_degrees(shape)))
+    splits = [(tp, 1, 1), (1, cp, 1), (1, 1, pp)]
+    if tp > 1 and pp > 1 and not why_not_buildable({**default_values(), "tensor_parallel": tp, "pipeline_parallel": pp},
+                                                    shape):
+        splits.insert(0, (tp, 1, pp))
+    return max(splits, key=lambda split: split[0] * split[1] * split[2])
 
 
 def _check_pipeline_parallel(values: dict[str, Any], shape: ProblemShape) -> None:

@@ -245,7 +245,7 @@ def float8_call(winner: Step, versus: Step) -> tuple[dict[str, Any], str]:
     from autotune.estimate import costmodel
 
     lead = (winner.result.throughput or 0) / versus.result.throughput - 1
-    margin = 1 - (1 - costmodel.RANKING_ERROR) * costmodel.FLOAT8_RANGE_LOW
+    margin = _float8_margin()
     close = lead < margin / (1 - margin)  # the winner's estimate x (1 - margin) would not beat versus's
     call = {"versus_step": versus.step, "lead": lead, "margin": margin, "close": close,
             "measured": costmodel.float8_measured_summary()}
@@ -258,6 +258,14 @@ def float8_call(winner: Step, versus: Step) -> tuple[dict[str, Any], str]:
     else:
         text += f", beyond the {margin:.1%} a float8 estimate has fallen short ({call['measured']})"
     return call, text
+
+
+def _float8_margin() -> float:
+    """How far below another's a float8 configuration's estimate could really be: the ranking error widened by the
+    worst float8 speed-up measured against its estimate (costmodel.FLOAT8_RANGE_LOW)."""
+    from autotune.estimate import costmodel
+
+    return 1 - (1 - costmodel.RANKING_ERROR) * costmodel.FLOAT8_RANGE_LOW
 
 
 def ranking_margin(winner: Step, runner: Step) -> tuple[float, str]:
@@ -278,7 +286,7 @@ def ranking_margin(winner: Step, runner: Step) -> tuple[float, str]:
     margin = costmodel.RANKING_ERROR
     basis = f"the worst a ratio of two GPU estimates has been off, costmodel.RANKING_ERROR {margin:.1%}"
     if winner.train.float8 not in ("none", runner.train.float8):
-        margin = 1 - (1 - costmodel.RANKING_ERROR) * costmodel.FLOAT8_RANGE_LOW
+        margin = _float8_margin()
         basis += (f", with the winner's float8 speed-up at the worst measured against its estimate "
                   f"(x{costmodel.FLOAT8_RANGE_LOW:.2f})")
     return margin, basis

@@ -183,13 +183,19 @@ def config_key(train: TrainConfig, *, grad_accum_steps: int, backend: str) -> st
                       sort_keys=True)
 
 
+def at_batch_wall(steps: list[Step] | tuple[Step, ...]) -> bool:
+    """Whether a search without a winner was stopped by the global batch, not memory: some configuration fit (none
+    keeping the batch within tolerance, or it would have won)."""
+    return any(s.fits for s in steps)
+
+
 def why_nothing_fits(last: Step, request: TuneRequest, steps: list[Step] | tuple[Step, ...] = ()) -> str:
     """Which limit the last, most memory-saving configuration hit, and what to do about it; where some of `steps`
     fit in memory but none keeps the global batch (the batch wall: each data rank needs a whole sequence), that."""
     from autotune.util.units import format_bytes
 
-    fitting = [s for s in steps if s.fits]
-    if fitting:
+    if at_batch_wall(steps):
+        fitting = [s for s in steps if s.fits]
         closest = min(fitting, key=lambda s: abs(s.batch.deviation))
         pipelines = ("" if request.space.pipeline_parallel or not request.space.tensor_parallel else
                      ", or let pipeline stages share each sequence too (explore.pipeline_parallel = true in a --space "

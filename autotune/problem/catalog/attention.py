@@ -112,8 +112,8 @@ def kernel_note(attention: str, *, run: bool = False) -> str:
     for sdpa and eager."""
     if attention not in FLASH:
         return ""
-    note = (f"{attention} {'run' if run else 'traced'} as torch SDPA's flash kernel (causal, no mask): the output and log-sum-exp kept, "
-            "as flash-attn keeps them; sliding windows and soft-capping, applied inside flash-attn's kernel, "
+    note = (f"{attention} {'run' if run else 'traced'} as torch SDPA's flash kernel (causal, no mask): the output "
+            "and log-sum-exp kept, as flash-attn keeps them; sliding windows and soft-capping, applied inside flash-attn's kernel, "
             f"not applied {'here' if run else 'in the trace'}")
     if attention == "flash_attention_3":
         note += "; estimated at FlashAttention-2's published speed (FA3's is not in the cost model: a lower bound)"
