@@ -957,7 +957,7 @@ for args in json.loads(sys.argv[1]):  # one exported command line per case
                              if ".layers." in f".{n}"),
         "head": type(model.lm_head).__name__,
         "ep": cfg.parallelism.expert_parallel_degree, "cuda_graphs_off": cfg.training.disable_cuda_graphs,
-        "tp": cfg.parallelism.tensor_parallel_degree,
+        "tp": cfg.parallelism.tensor_parallel_degree, "async_tp": cfg.compile.enable_async_tensor_parallel,
         "pp": [cfg.parallelism.pipeline_parallel_degree, cfg.parallelism.pipeline_parallel_schedule,
                cfg.parallelism.pipeline_parallel_microbatch_size],
     }), flush=True)
@@ -1042,7 +1042,9 @@ def torchtitan_builds(run_result, tmp_path_factory) -> dict:
         shim = tmp_path_factory.mktemp("torchao-shim")
         (shim / "torchao").symlink_to(Path(importlib.util.find_spec("torchao").origin).parent)
         env["PYTHONPATH"] = os.pathsep.join([str(float8_path.parent), str(shim)])
-    tensor_parallel = dict(llama3_8b(run_result), gpus=8, parallelism={"tensor_parallel": 2, "data_parallel_ranks": 4})
+    # Async TP on: torchtitan's CompileConfig refuses it without the model compiled, which the file sets.
+    tensor_parallel = dict(llama3_8b(run_result), gpus=8, compile={"mode": "blocks"},
+                           parallelism={"tensor_parallel": 2, "async_tensor_parallel": True, "data_parallel_ranks": 4})
     tp_path = write(tmp_path_factory.mktemp("torchtitan"), tensor_parallel, "torchtitan")[0]
     runs.append(overrides_of(tp_path.read_text()))
     pipeline = dict(llama3_8b(run_result), gpus=8, grad_accum_steps=4,
@@ -1112,10 +1114,12 @@ def test_torchtitan_builds_the_tuned_moe_model_with_the_tuned_expert_parallel_de
 
 @pytest.mark.slow
 def test_torchtitan_takes_the_tuned_tensor_parallel_degree_and_the_data_ranks_left(torchtitan_builds):
-    """--tp 2 on 8 GPUs: torchtitan 0.3 parses --parallelism.tensor-parallel-degree 2 with a data-parallel shard
-    degree of 4 (the GPUs left), and its global batch counts the 4 data ranks, not the 8 GPUs."""
+    """--tp 2 --async-tp on 8 GPUs: torchtitan 0.3 parses --parallelism.tensor-parallel-degree 2 with a data-parallel
+    shard degree of 4 (the GPUs left), and its global batch counts the 4 data ranks, not the 8 GPUs; async TP arrives
+    as its compile.enable_async_tensor_parallel, which its CompileConfig accepts with the model compiled."""
     result, path, got = torchtitan_builds["tp"]
     assert (got["tp"], got["shard"], got["replicate"]) == (2, 4, 1)
+    assert got["async_tp"] is True and got["compile"] == [True, ["model"]]  # --async-tp, accepted by its parser
     assert got["global"] == result["micro_batch_size"] * 4 * result["grad_accum_steps"]
     subprocess.run(["bash", "-n", str(path)], check=True)
 

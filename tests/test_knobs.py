@@ -41,7 +41,9 @@ def test_every_knob_changes_the_simulators_cache_keys(knob):
     assert (cache.key_of("sim-result", sim._cache_inputs(base))
             != cache.key_of("sim-result", sim._cache_inputs(changed)))
     keys = [sim._trace_key(s, depth=2, micro_batch_size=1, keep_middle=True) for s in (base, changed)]
-    if knob.name not in ("micro_batch_size", "cpu_offload"):  # traced at the micro-batch asked; offload modelled
+    # Traced at the micro-batch asked; offload modelled; async TP's fused ops allocate what the unfused graph does
+    # (its workspace is a runtime term: tests/test_async_tp.py).
+    if knob.name not in ("micro_batch_size", "cpu_offload", "async_tensor_parallel"):
         assert keys[0] != keys[1]
 
 

@@ -28,7 +28,7 @@ from functools import lru_cache
 
 from autotune.estimate import costmodel
 from autotune.problem import knobs
-from autotune.estimate.runtime_memory import runtime_memory
+from autotune.estimate.runtime_memory import async_tp_workspace_bytes, runtime_memory
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
 from autotune.problem.config import (MASTER_DTYPE_BYTES, MASTER_DTYPE_NAMES, PARAM_DTYPE_BYTES, TRL_STEPS, TrialSpec,
                              reduce_dtype_name)
@@ -407,9 +407,12 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     peak_at, parts = max(candidates, key=lambda item: sum(item[1].values()))
     breakdown = dict.fromkeys(MEMORY_CATEGORIES, 0) | {name: int(value) for name, value in parts.items()}
     tensor_peak = sum(breakdown.values())
+    # As the simulator passes them: the step's largest single tensor and the root's fp32 shard (fragmentation).
     breakdown["runtime_overhead"] = runtime_memory(
         spec.cluster.gpu, world_size=spec.cluster.num_gpus, gpus_per_node=spec.cluster.gpus_per_node,
-        tensor_peak_bytes=tensor_peak).total_bytes
+        tensor_peak_bytes=tensor_peak, largest_allocation_bytes=_largest_allocation(spec, first=True, last=True),
+        root_shard_bytes=shape.root_params * PARAM_DTYPE_BYTES["fp32"] // _root_shard_ranks(spec),
+        symmetric_memory_bytes=symmetric_memory_bytes(spec)).total_bytes
 
     per_rank_host = costmodel.HOST_PROCESS_BYTES
     if train.cpu_offload:
@@ -652,10 +655,17 @@ def pipeline_rank_memory(spec: TrialSpec, virtual_stages: int | None = None) -> 
     return out
 
 
-def _pipeline_largest_allocation(spec: TrialSpec, rank: PipelineRank, virtual_stages: int) -> int:
-    """The largest single tensor of a pipeline rank's step, for the runtime's fragmentation term (as the simulator
-    passes its traced one): on the last stage the loss's fp32 logits, on the first the embeddings' gradient accumulated in the reduce dtype, else a block's
-    flat fp32 gradients."""
+def _root_shard_ranks(spec: TrialSpec) -> int:
+    """The ranks the FSDP root's parameters shard over: the shard group (HSDP), else every GPU of a tensor-parallel
+    rank's stage (context-parallel ranks shard it too)."""
+    train = spec.train
+    return train.shard_group_size or spec.cluster.num_gpus // (train.tensor_parallel * train.pipeline_parallel)
+
+
+def _largest_allocation(spec: TrialSpec, *, first: bool, last: bool) -> int:
+    """The largest single tensor of a rank's step, for the runtime's fragmentation term (as the simulator passes its
+    traced one): where the rank computes the loss, its fp32 logits; where it holds the embeddings, their gradient
+    accumulated in the reduce dtype; else a block's flat fp32 gradients."""
     shape = model_shape(spec.model)
     train = spec.train
     d = PARAM_BYTES[train.precision]
@@ -663,9 +673,9 @@ def _pipeline_largest_allocation(spec: TrialSpec, rank: PipelineRank, virtual_st
     tokens = train.micro_batch_size * spec.seq_len // train.context_parallel
     embed, head = _root_split(shape)
     largest = reduce * shape.block_params / train.tensor_parallel
-    if rank.first:
+    if first:
         largest = max(largest, reduce * embed)
-    if rank.last:
+    if last:
         largest = max(largest, reduce * head, 4 * tokens * shape.vocab)
     return int(largest)
 
@@ -694,7 +704,7 @@ def estimate_pipeline_memory(spec: TrialSpec, virtual_stages: int | None = None)
       and merges none; the loss's fp32 log-softmax and two fp32 gradients (loss_backward_bytes) at its backward
       and the log-softmax of every other micro-batch whose loss has run (GPipe: all of them in flight).
 
-    Runtime memory: as the simulator passes it, the rank's largest allocation (_pipeline_largest_allocation: on the
+    Runtime memory: as the simulator passes it, the rank's largest allocation (_largest_allocation: on the
     last stage one micro-batch's fp32 logits in the loss) and the root's fp32 shard over the data ranks."""
     shape = model_shape(spec.model)
     train = spec.train
@@ -708,7 +718,7 @@ def estimate_pipeline_memory(spec: TrialSpec, virtual_stages: int | None = None)
     data_ranks = spec.cluster.num_gpus // (pp * train.tensor_parallel * train.context_parallel)
     breakdown["runtime_overhead"] = runtime_memory(
         spec.cluster.gpu, world_size=spec.cluster.num_gpus, gpus_per_node=spec.cluster.gpus_per_node,
-        tensor_peak_bytes=tensor_peak, largest_allocation_bytes=_pipeline_largest_allocation(spec, rank, v),
+        tensor_peak_bytes=tensor_peak, largest_allocation_bytes=_largest_allocation(spec, first=rank.first, last=rank.last),
         root_shard_bytes=shape.root_params * PARAM_DTYPE_BYTES["fp32"] // (data_ranks * train.context_parallel),
     ).total_bytes
     return MemoryEstimate(breakdown=breakdown, tensor_peak_bytes=tensor_peak, peak_bytes=sum(breakdown.values()),
@@ -786,6 +796,17 @@ def _blocks_recomputing_forward(spec: TrialSpec, virtual_stages: int | None = No
     return 0 if ac.mode == "op" else sum(ac.wraps_block(i) for i in _costed_blocks(spec, virtual_stages))
 
 
+def symmetric_memory_bytes(spec: TrialSpec) -> int:
+    """Async TP's symmetric-memory workspace on each GPU (runtime_memory.async_tp_workspace_bytes); 0 without it."""
+    train = spec.train
+    if not train.async_tensor_parallel:
+        return 0
+    return async_tp_workspace_bytes(
+        tokens_per_microbatch=train.micro_batch_size * spec.seq_len // train.context_parallel,
+        hidden_size=model_shape(spec.model).hidden, tensor_parallel=train.tensor_parallel,
+        activation_bytes=PARAM_DTYPE_BYTES[train.precision])
+
+
 def tensor_parallel_work(spec: TrialSpec, virtual_stages: int | None = None) -> dict:
     """fsdp_step_work's tensor-parallel arguments for `spec` (nothing without tensor parallelism)."""
     tp = spec.train.tensor_parallel
@@ -793,11 +814,23 @@ def tensor_parallel_work(spec: TrialSpec, virtual_stages: int | None = None) -> 
         return {}
     # With context parallelism each tensor-parallel group holds a cp-th of the sequence: its exchanges carry those
     # tokens only.
-    return dict(tensor_parallel=tp, tp_all_reduce_bytes=costmodel.tp_all_reduce_bytes(
-        tokens_per_microbatch=spec.train.micro_batch_size * spec.seq_len // spec.train.context_parallel, hidden_size=spec.model.hidden_size,
-        activation_bytes=PARAM_DTYPE_BYTES[spec.train.precision], num_blocks=len(_costed_blocks(spec, virtual_stages)),
-        tensor_parallel=tp, checkpointed_blocks=_blocks_recomputing_forward(spec, virtual_stages),
-        num_microbatches=spec.grad_accum_steps, float8_gathers=spec.train.float8 == "tensorwise"))
+    exchanges = dict(
+        tokens_per_microbatch=spec.train.micro_batch_size * spec.seq_len // spec.train.context_parallel,
+        hidden_size=spec.model.hidden_size, activation_bytes=PARAM_DTYPE_BYTES[spec.train.precision],
+        num_blocks=len(_costed_blocks(spec, virtual_stages)), tensor_parallel=tp,
+        checkpointed_blocks=_blocks_recomputing_forward(spec, virtual_stages), num_microbatches=spec.grad_accum_steps,
+        float8_gathers=spec.train.float8 == "tensorwise")
+    work = dict(tensor_parallel=tp, tp_all_reduce_bytes=costmodel.tp_all_reduce_bytes(**exchanges))
+    if spec.train.async_tensor_parallel:
+        shape = model_shape(spec.model)
+        q_width = (spec.model.config_dict.get("head_dim") or shape.hidden // shape.num_heads) * shape.num_heads
+        # Gated MLPs (gate and up beside each other) hold three ffn x hidden matrices, plain ones two.
+        mlp_params = shape.block_params - shape.hidden * (2 * q_width + 2 * shape.kv_width)
+        gated = mlp_params >= 2.5 * shape.hidden * shape.intermediate
+        work.update(async_tensor_parallel=True, tp_overlap=costmodel.tp_exchanges(
+            **exchanges, q_width=q_width, kv_width=shape.kv_width, ffn=shape.intermediate,
+            mlp_in_width=(2 if gated else 1) * shape.intermediate, gathers_fuse=spec.train.float8 != "rowwise"))
+    return work
 
 
 def context_parallel_work(spec: TrialSpec, virtual_stages: int | None = None) -> dict:

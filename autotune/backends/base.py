@@ -110,6 +110,9 @@ class TrialBackend(abc.ABC):
     applies_cpu_offload: bool = True
     """False where a trial cannot apply CPU offload (real CPU trials: CPUOffloadPolicy pins host
     memory, which needs an accelerator): the backend refuses such trials and the search skips them."""
+    applies_async_tp: bool = True
+    """False where a trial cannot run async TP (CPUs: torch's fused symmetric-memory ops have CUDA kernels only):
+    the backend refuses such trials and the search skips them."""
 
     @abc.abstractmethod
     def evaluate(self, spec: TrialSpec) -> TrialResult:

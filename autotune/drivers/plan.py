@@ -506,7 +506,8 @@ def _configuration(document: dict) -> dict[str, Any]:
             "reshard_after_forward": fsdp["reshard_after_forward"], "shard_group_size": fsdp["shard_group_size"],
             "reshard_group_size": fsdp["reshard_group_size"],
             **{name: parallel[name] for name in ("tensor_parallel", "context_parallel", "pipeline_parallel",
-                                                 "pipeline_schedule")}}
+                                                 "pipeline_schedule")},
+            "async_tensor_parallel": parallel.get("async_tensor_parallel", False)}
 
 
 # -- the plan -------------------------------------------------------------------------------------

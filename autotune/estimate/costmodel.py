@@ -434,6 +434,11 @@ class StepWork:
     tp_all_reduce_bytes_per_gpu: float = 0.0
     """Bytes each GPU all-reduces within its tensor-parallel group per step (tp_all_reduce_bytes),
     before the ring factor; on the critical path (no async TP): the next layer waits for them."""
+    async_tensor_parallel: bool = False
+    """Async TP (knobs): each of `tp_overlap`'s collectives runs in tp chunks under the matmul it is fused with."""
+    tp_overlap: tuple[tuple[float, float, float], ...] = ()
+    """The tensor-parallel collectives beside the matmuls async TP fuses them with (tp_exchanges): (how many per
+    step, bytes of the whole tensor one collective gathers or scatters, FLOPs of that matmul on one GPU)."""
     context_parallel: int = 1
     """GPUs that split each sequence (parallel/context.py) and share one batch; FSDP still shards over every GPU."""
     cp_ring_bytes_per_gpu: float = 0.0
@@ -483,6 +488,59 @@ def tp_all_reduce_bytes(*, tokens_per_microbatch: int, hidden_size: int, activat
     exchanges = 4 * num_blocks + 2 * checkpointed_blocks
     per_element = (1 + activation_bytes) / 2 if float8_gathers else activation_bytes
     return float(tokens_per_microbatch * hidden_size * per_element * exchanges * num_microbatches)
+
+
+def tp_exchanges(*, tokens_per_microbatch: int, hidden_size: int, q_width: int, kv_width: int, mlp_in_width: int,
+                 ffn: int, activation_bytes: int, num_blocks: int, tensor_parallel: int, checkpointed_blocks: int = 0,
+                 num_microbatches: int = 1, float8_gathers: bool = False,
+                 gathers_fuse: bool = True) -> tuple[tuple[float, float, float], ...]:
+    """tp_all_reduce_bytes's collectives one by one (StepWork.tp_overlap), each with the FLOPs of the matmul
+    inductor's micro-pipeline pass fuses it with under async TP (torch's fused_all_gather_matmul and
+    fused_matmul_reduce_scatter), 0 where the pass cannot (torch/_inductor/fx_passes/micro_pipeline_tp.py, torch
+    2.13). Per block and micro-batch, forward all-gathers the attention's and the MLP's input into q/k/v and
+    gate/up (fused) and reduce-scatters o's and down's outputs (fused: each a matmul's own output); backward
+    all-gathers the output gradients o and down take into their input-gradient matmuls (fused), and
+    reduce-scatters the input gradients of q/k/v and gate/up, which are sums of several matmuls' (not fused: the
+    pass needs the reduce-scatter's input to be one matmul's output); a checkpointed block's recompute repeats the
+    forward four. `mlp_in_width`: gate and up's outputs together (2 x ffn where gated). Gathers carry one byte an
+    element under tensorwise float8 (`float8_gathers`), as tp_all_reduce_bytes counts them; the sum of count x
+    bytes is twice tp_all_reduce_bytes (each exchange there an all-reduce's reduce-scatter and all-gather).
+    `gathers_fuse` False: no all-gather is fused (rowwise float8: the gathered bf16 tensor is cast to float8 before
+    its scaled matmul, and the pass fuses an all-gather only into the matmuls that take its output)."""
+    if tensor_parallel <= 1:
+        return ()
+    tokens, tp = tokens_per_microbatch, tensor_parallel
+    gathered = float(tokens * hidden_size * (1 if float8_gathers else activation_bytes))
+    scattered = float(tokens * hidden_size * activation_bytes)
+    qkv = 2.0 * tokens * hidden_size * (q_width + 2 * kv_width) / tp
+    out = 2.0 * tokens * q_width * hidden_size / tp
+    up = 2.0 * tokens * hidden_size * mlp_in_width / tp
+    down = 2.0 * tokens * ffn * hidden_size / tp
+    forward = float((num_blocks + checkpointed_blocks) * num_microbatches)
+    backward = float(num_blocks * num_microbatches)
+    if not gathers_fuse:
+        qkv = up = 0.0
+    into = (out, down) if gathers_fuse else (0.0, 0.0)  # the backward gathers' matmuls
+    return ((forward, gathered, qkv), (forward, scattered, out), (forward, gathered, up), (forward, scattered, down),
+            (backward, scattered, 0.0), (backward, gathered, into[0]), (backward, scattered, 0.0),
+            (backward, gathered, into[1]))
+
+
+def async_tp_exposed_seconds(exchanges, *, tensor_parallel: int, link_gbps: float, matmul_tflops: float) -> float:
+    """Seconds async TP leaves exposed of `exchanges`' collectives (tp_exchanges): each fused one runs as tp
+    chunks, the local chunk's matmul first while the next arrives (all-gather) or the previous leaves
+    (reduce-scatter), so what waits is the collective's (tp - 1) / tp of the bytes beyond the matmul's (tp - 1) / tp
+    of its time: max(0, comm - matmul x (tp - 1) / tp); one fused with no matmul waits whole, as without async TP.
+    The chunked matmuls are taken at the whole one's rate (matmul_tflops) and the copy engines' transfers as
+    contending for nothing: the overlap's upper bound."""
+    tp = tensor_parallel
+    share = (tp - 1) / tp
+    exposed = 0.0
+    for count, nbytes, flops in exchanges:
+        comm = nbytes * share / (link_gbps * 1e9)
+        matmul = flops / (matmul_tflops * 1e12)
+        exposed += count * max(0.0, comm - matmul * share)
+    return exposed
 
 
 PIPELINE_BUBBLE_SOURCE = ("Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters Using "
@@ -661,7 +719,8 @@ def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_p
                    all_to_all_bytes: float = 0.0, all_to_all_inter_node: bool = False,
                    attention: dict | None = None, precision: str = "bf16",
                    offload_fresh_page_bytes: float = 0.0, tensor_parallel: int = 1,
-                   tp_all_reduce_bytes: float = 0.0, context_parallel: int = 1,
+                   tp_all_reduce_bytes: float = 0.0, async_tensor_parallel: bool = False,
+                   tp_overlap: tuple[tuple[float, float, float], ...] = (), context_parallel: int = 1,
                    cp_ring_bytes: float = 0.0, pipeline_parallel: int = 1, pipeline_schedule: str = "1F1B",
                    pipeline_virtual_stages: int = 1, pp_p2p_bytes: float = 0.0, pp_p2p_inter_node: bool = False,
                    pipeline_stage_blocks: int = 0, pipeline_root_params: int = 0) -> StepWork:
@@ -720,6 +779,7 @@ def fsdp_step_work(*, flops_per_gpu: float, model_flops_per_gpu: float, tokens_p
         num_fsdp_units=num_blocks + 1, dispatched_ops_per_microbatch=dispatched_ops_per_microbatch,
         hidden_size=hidden_size, all_to_all_bytes_per_gpu=all_to_all_bytes, all_to_all_inter_node=all_to_all_inter_node,
         precision=precision, tensor_parallel=tp, tp_all_reduce_bytes_per_gpu=tp_all_reduce_bytes,
+        async_tensor_parallel=async_tensor_parallel, tp_overlap=tp_overlap,
         context_parallel=context_parallel, cp_ring_bytes_per_gpu=cp_ring_bytes, **(attention or {}),
     )
 
@@ -943,10 +1003,15 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
         node_params = work.cpu_optimizer_params * cluster.gpus_per_node
         cpu_optimizer_s = node_params / CPU_ADAM_PARAMS_PER_S_PER_NODE
 
-    # Tensor parallelism's all-reduces: ring all-reduce moves 2 (tp - 1) / tp of the bytes, within a node.
-    tp_s = (work.tp_all_reduce_bytes_per_gpu * 2 * (tp - 1) / tp / (_link_gbps(
-        cluster, inter_node=tp > cluster.gpus_per_node, whole_nodes=False, nic_bus_efficiency=nic_bus_efficiency) * 1e9)
-        if tp > 1 else 0.0)
+    # Tensor parallelism's all-reduces: ring all-reduce moves 2 (tp - 1) / tp of the bytes, within a node; under
+    # async TP each collective hides under the matmul it is fused with as far as that matmul lasts.
+    tp_gbps = _link_gbps(cluster, inter_node=tp > cluster.gpus_per_node, whole_nodes=False,
+                         nic_bus_efficiency=nic_bus_efficiency)
+    tp_s = work.tp_all_reduce_bytes_per_gpu * 2 * (tp - 1) / tp / (tp_gbps * 1e9) if tp > 1 else 0.0
+    tp_sync_s = tp_s
+    if tp > 1 and work.async_tensor_parallel and work.tp_overlap:
+        tp_s = async_tp_exposed_seconds(work.tp_overlap, tensor_parallel=tp, link_gbps=tp_gbps,
+                                        matmul_tflops=peak_tflops * efficiency)
     # Context parallelism's ring sends, within a node (exposed: an upper bound on the time); a ring's GPUs are tp
     # apart (tp innermost in the mesh), so with tensor parallelism it leaves the node once tp x cp GPUs outgrow it.
     cp = work.context_parallel
@@ -995,6 +1060,8 @@ def estimate_step_time(work: StepWork, cluster: Cluster, *, shard_group_size: in
                + (f"; {offload_accumulate_s:.3g} s per step of the host's blocking gradient copies and adds in "
                   f"{work.num_microbatches - 1} accumulating micro-batch(es) ({OFFLOAD_ACCUMULATE_BASIS})"
                   if offload_accumulate_s else "")
+               + (f"; async TP: the tensor-parallel collectives {tp_s:.3g} s exposed of {tp_sync_s:.3g} s (each past "
+                  "the matmul it is fused with, costmodel.async_tp_exposed_seconds)" if tp_s != tp_sync_s else "")
                + (f"; pipeline of {pp} stages' ranks x {work.pipeline_virtual_stages} ({work.pipeline_schedule}), "
                   f"{work.num_microbatches} micro-batches: bubble {bubble_s:.3g} s ((p-1)/(v m) of the slowest stage's "
                   f"time, {PIPELINE_BUBBLE_SOURCE}), stage-to-stage sends {p2p_s:.3g} s exposed "

@@ -6,6 +6,7 @@ less the allocator's own workspaces). A real process also holds:
     outside the caching allocator (device-level usage only: nvidia-smi, mem_get_info)
       cuda_context       the CUDA context and the kernels loaded into it (torch, cuBLAS, ...)
       nccl               NCCL communicators: their kernels, state and channel buffers
+      symmetric_memory   async TP's workspace (torch's symmetric-memory allocator), where async TP is on
     inside the caching allocator (counted in max_memory_reserved)
       cublas_workspace   cuBLAS/cuBLASLt workspaces, allocated by the caching allocator but
                          made by no traced op
@@ -181,9 +182,20 @@ def nccl_communicator_bytes(*, ranks: int, inter_node: bool, environ: Mapping[st
         "size >= 2)")
 
 
+def async_tp_workspace_bytes(*, tokens_per_microbatch: int, hidden_size: int, tensor_parallel: int,
+                             activation_bytes: int) -> int:
+    """The symmetric-memory workspace async TP keeps on each GPU: torch.distributed._symmetric_memory's
+    get_symm_mem_workspace holds one per tensor-parallel group, grown to the largest request and kept. A fused
+    matmul -> reduce-scatter asks for two of its output's per-rank chunks (_pipelined_produce_and_all2all), an
+    all-gather -> matmul for its input's shard (_pipelined_multi_all_gather_and_consume); a block's largest is the
+    reduce-scatter's: 2 x tokens / tp x hidden in the compute dtype (tests/test_async_tp.py asks torch's own
+    functions). Allocated outside the caching allocator (cuMem, mapped by every rank of the group)."""
+    return 2 * (tokens_per_microbatch // tensor_parallel) * hidden_size * activation_bytes
+
+
 def runtime_memory(gpu: GPUSpec, *, world_size: int, gpus_per_node: int, tensor_peak_bytes: int,
                    largest_allocation_bytes: int = 0, root_shard_bytes: int = 0, offload_staging_bytes: int = 0,
-                   communicators: int = 1,
+                   communicators: int = 1, symmetric_memory_bytes: int = 0,
                    environ: Mapping[str, str] | None = None, calibrated=None) -> RuntimeMemory:
     """The runtime terms of one rank of a job. `largest_allocation_bytes` is the step's largest
     single tensor (the simulator traces it); `root_shard_bytes` the root FSDP unit's fp32
@@ -191,7 +203,8 @@ def runtime_memory(gpu: GPUSpec, *, world_size: int, gpus_per_node: int, tensor_
     groups the configuration creates (1 for a 1-D mesh over the whole world; HSDP's shard and
     replicate groups add one each). `offload_staging_bytes`: with CPU offload, the root's fp32
     shard copied up at the start of forward; without expandable segments its cached block is
-    a size nothing else reuses (measured: +0.58 GB of gap for a 0.55 GB staging copy)."""
+    a size nothing else reuses (measured: +0.58 GB of gap for a 0.55 GB staging copy).
+    `symmetric_memory_bytes`: async TP's workspace (async_tp_workspace_bytes), 0 without async TP."""
     if world_size < 1 or gpus_per_node < 1 or tensor_peak_bytes < 0 or communicators < 1:
         raise ValueError("world_size, gpus_per_node and communicators must be >= 1 and tensor_peak_bytes >= 0")
     environ = os.environ if environ is None else environ
@@ -224,6 +237,11 @@ def runtime_memory(gpu: GPUSpec, *, world_size: int, gpus_per_node: int, tensor_
                    f"({measured_part}; {rule.basis})",
                    in_allocator=True),
     )
+    if symmetric_memory_bytes:
+        terms += (MemoryTerm("symmetric_memory", symmetric_memory_bytes, "estimated",
+                             "async TP's symmetric-memory workspace: two per-rank chunks of a fused matmul -> "
+                             "reduce-scatter's output (torch.distributed._symmetric_memory.get_symm_mem_workspace; "
+                             "not measured on a GPU)", in_allocator=False),)
     if calibrated is not None:
         terms = _calibrated_terms(terms, calibrated, world_size=world_size, communicators=communicators)
     return RuntimeMemory(terms=terms, alloc_conf=conf)

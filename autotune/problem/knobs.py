@@ -317,6 +317,8 @@ class SampleContext:
     """Expert-parallel degrees that apply (an MoE model: degrees dividing both its experts and the GPUs)."""
     tensor_parallel: tuple[int, ...] = (1,)
     """Tensor-parallel degrees that apply (tensor_parallel_degrees: a model with a plan, degrees within a node)."""
+    async_tensor_parallel: tuple[bool, ...] = (False,)
+    """Async TP values the sampler may draw (True only on GPUs, where tensor parallelism and compile apply)."""
     context_parallel: tuple[int, ...] = (1,)
     """Context-parallel degrees that apply (context_parallel_degrees)."""
     pipeline_parallel: tuple[int, ...] = (1,)
@@ -458,6 +460,16 @@ KNOBS: tuple[Knob, ...] = (
               "group sharing one batch; FSDP shards over the GPUs/N data ranks. 1: none (docs/KNOBS.md)",
          label=lambda v: f"tp={v}" if v > 1 else "", optuna=lambda v: _int_param("tensor_parallel", int)(v) if v > 1 else {},
          alternative=2, keyed_at_default=False, domain=lambda ctx: ctx.tensor_parallel),
+    Knob(name="async_tensor_parallel", default=False, flag="--async-tp", parse=_bool, boolean=True,
+         result_path=("parallelism", "async_tensor_parallel"),
+         help="async tensor parallelism (torchtitan's enable_async_tensor_parallel): inductor's micro-pipeline pass "
+              "splits each tensor-parallel all-gather and reduce-scatter into per-rank chunks over symmetric memory "
+              "that overlap the matmul they feed or follow; needs --tp and --compile blocks, CUDA GPUs only "
+              "(docs/KNOBS.md)",
+         label=lambda v: "async-tp" if v else "", short=lambda v: "atp" if v else "",
+         optuna=lambda v: _categorical_param("async_tensor_parallel", (False, True))(v) if v else {},
+         alternative=True, alternative_with={"tensor_parallel": 2, "compile": "blocks"}, keyed_at_default=False,
+         domain=lambda ctx: ctx.async_tensor_parallel),
     Knob(name="context_parallel", default=1, flag="--cp", parse=_degree("context"),
          result_path=("parallelism", "context_parallel"),
          help="context parallelism: each sequence split over groups of this many GPUs (torch's ring attention "
@@ -625,6 +637,14 @@ def _check_tensor_parallel(values: dict[str, Any], shape: ProblemShape) -> None:
     """--tp: a degree within a node, dividing the model's heads and MLP, a plan of the model's to apply
     (parallel/tensor.py), and only the knobs tensor parallelism is built with here."""
     tp = values["tensor_parallel"]
+    if values["async_tensor_parallel"]:
+        if tp == 1:
+            raise UsageError("--async-tp without --tp: async TP overlaps the tensor-parallel collectives with the "
+                             "matmuls beside them; add --tp 2 (or 4, 8) or drop --async-tp")
+        if values["compile"] == "none":
+            # torchtitan's maybe_enable_async_tp refuses it too: the overlap is inductor's micro-pipeline pass.
+            raise UsageError(f"--async-tp with --compile {values['compile']}: async TP is a pass of inductor's over "
+                             "the compiled blocks; add --compile blocks or drop --async-tp")
     if tp == 1:
         return
     flag, model, per_node = f"--tp {tp}", shape.model, shape.gpus_per_node

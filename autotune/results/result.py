@@ -306,6 +306,10 @@ def _trial_command(request: TuneRequest, step: Step) -> str:
             + (f" --reshard-group {t.reshard_group_size}" if t.reshard_group_size else "")
             + (f" --shard-placement {t.shard_placement}" if t.shard_placement != "dim0" else "")
             + (f" --ep {t.expert_parallel}" if t.expert_parallel > 1 else "")
+            + (f" --tp {t.tensor_parallel}" if t.tensor_parallel > 1 else "")
+            + (" --async-tp" if t.async_tensor_parallel else "")
+            + (f" --cp {t.context_parallel}" if t.context_parallel > 1 else "")
+            + (f" --pp {t.pipeline_parallel} --pp-schedule {t.pipeline_schedule}" if t.pipeline_parallel > 1 else "")
             + (" --activation-offload" if t.activation_offload else "")
             + (f" --compile {t.compile}" if t.compile != "none" else "")
             + (f" --float8 {t.float8}" if t.float8 != "none" else "")
@@ -441,6 +445,7 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
             "context_parallel": train.context_parallel,
             "pipeline_parallel": train.pipeline_parallel,
             "pipeline_schedule": train.pipeline_schedule,
+            "async_tensor_parallel": train.async_tensor_parallel,
             "data_parallel_ranks": request.cluster.num_gpus // train.ranks_per_batch,
             "note": "each tensor- or context-parallel group of GPUs, and each pipeline of stages, takes one batch; FSDP "
                     "shards over the data-parallel ranks (with context parallelism, over every GPU; with pipeline "

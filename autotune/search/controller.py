@@ -56,6 +56,9 @@ FLOAT8_CANDIDATES = 2
 """With float8 "explore": how many of the fastest fitting high-precision configurations (compiled ones
 included) are tried with each float8 recipe."""
 
+ASYNC_TP_CANDIDATES = 2
+"""Compiled tensor-parallel configurations (the fastest fitting) tried with async TP."""
+
 SAMPLER_SEED = 0
 """The sampler beyond the graph is seeded: the same problem samples the same configurations."""
 
@@ -426,6 +429,7 @@ class Controller:
         self._explore_reshard_to_a_node()
         self._explore_compile()
         self._explore_float8()
+        self._explore_async_tp()
 
     def _explore_checkpointing(self, mode: TrainConfig, largest: TrainConfig) -> None:
         """Lighter checkpointing than the graph's `mode` at its `largest` micro-batch, or checkpointing for a
@@ -614,6 +618,27 @@ class Controller:
                          f"float8 {recipe} on {base.label()} (fits in high precision): its block linears' "
                          "matmuls at the float8 rate")
 
+    def _explore_async_tp(self) -> None:
+        """Async TP on the fastest fitting compiled tensor-parallel configurations within the global batch's
+        tolerance (float8 ones included), where trials can run it: the same configuration with its tensor-parallel
+        collectives under the matmuls beside them, and a symmetric-memory workspace more."""
+        if not (self.request.space.async_tensor_parallel and self.backend.applies_async_tp):
+            return
+        fitting = sorted((s for s in eligible(self.steps, self.request.tolerance)
+                          if s.train.tensor_parallel > 1 and s.train.compile != "none"
+                          and not s.train.async_tensor_parallel and s.stage != "confirm"),
+                         key=lambda s: s.result.throughput or 0.0, reverse=True)
+        tried = 0
+        for step in fitting:
+            if tried == ASYNC_TP_CANDIDATES:
+                break
+            train = step.train.with_(async_tensor_parallel=True)
+            if self._find(train) or not self._buildable(train):
+                continue
+            tried += 1
+            self.run("explore", train, f"async TP on {step.train.label()} (step {step.step}, fits): its tensor-parallel "
+                                       "all-gathers and reduce-scatters overlapped with the matmuls they feed")
+
     def _explore_reshard_to_a_node(self) -> None:
         """On several nodes, when parameters are sharded across nodes: reshard each block after
         forward to a node's GPUs only (FSDP2's reshard_after_forward=N), so backward's all-gather
@@ -742,7 +767,8 @@ class Controller:
             return None
         return base.with_(cpu_offload=False, activation_offload=False, compile="none", float8="none",
                           shard_group_size=0, reshard_group_size=0, expert_parallel=1, shard_placement="dim0",
-                          tensor_parallel=1, context_parallel=1, pipeline_parallel=1, micro_batch_size=1)
+                          tensor_parallel=1, async_tensor_parallel=False, context_parallel=1, pipeline_parallel=1,
+                          micro_batch_size=1)
 
     def _try_mesh(self, train: TrainConfig, what: str, short: str) -> Step | None:
         """Run the mesh `train` (`what` it is, in the reason; `short`, in a retry's) where FSDP is at its walls (nothing

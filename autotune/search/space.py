@@ -20,7 +20,8 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "offload": {"enabled": bool, "activations": bool},
     "micro_batch": {"max": int, "refine": bool},
     "explore": {"no_reshard": bool, "checkpointed_larger_micro_batch": bool, "expert_parallel": bool,
-                "tensor_parallel": bool, "context_parallel": bool, "pipeline_parallel": bool},
+                "tensor_parallel": bool, "async_tensor_parallel": bool, "context_parallel": bool,
+                "pipeline_parallel": bool},
     "compile": {"mode": str},
     "float8": {"mode": str},
 }
@@ -54,6 +55,8 @@ class SearchSpace:
     tensor_parallel: bool = True
     """Try tensor parallelism over 2, 4, 8 GPUs of a node (--tp) where FSDP alone holds nothing, misses the
     global batch, or the estimate says a mesh may win."""
+    async_tensor_parallel: bool = True
+    """Try async TP (--async-tp) on the fastest fitting compiled tensor-parallel configurations, on GPUs."""
     context_parallel: bool = True
     """Try context parallelism over 2, 4, 8 GPUs of a node (--cp) where tensor parallelism is tried."""
     pipeline_parallel: bool = False
@@ -154,6 +157,7 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
         explore_checkpointed_larger_micro_batch=get("explore", "checkpointed_larger_micro_batch", True),
         expert_parallel=get("explore", "expert_parallel", True),
         tensor_parallel=get("explore", "tensor_parallel", True),
+        async_tensor_parallel=get("explore", "async_tensor_parallel", True),
         context_parallel=get("explore", "context_parallel", True),
         pipeline_parallel=get("explore", "pipeline_parallel", False),
         compile=compile_search,

@@ -61,6 +61,7 @@ class RealBackend(TrialBackend):
         self.name = device
         self.device = device
         self.applies_cpu_offload = device != "cpu"
+        self.applies_async_tp = device != "cpu"
         self.timeout_s = float(timeout_s)
         self.startup_timeout_s = float(startup_timeout_s)
         self.persistent = persistent
@@ -202,6 +203,13 @@ class RealBackend(TrialBackend):
                     status="error", message=(f"refused before launch: {why}: use --backend sim to predict it or "
                                              "--backend cuda to measure it"),
                     extras=dict(tensor_peak_bytes=None, refused=True, unsupported=knob))
+        if spec.train.async_tensor_parallel and not self.applies_async_tp:
+            return TrialResult(
+                status="error", message=("refused before launch: async tensor parallelism cannot run on the cpu "
+                                         "backend (torch's fused all-gather/matmul ops over symmetric memory have "
+                                         "CUDA kernels only): use --backend sim to predict it or --backend cuda to "
+                                         "measure it"),
+                extras=dict(tensor_peak_bytes=None, refused=True, unsupported="async_tensor_parallel"))
         if not self.host_check or (self.device == "cuda" and not spec.train.cpu_offload):
             return None
         need, basis = self._host_need(spec)

@@ -15,7 +15,8 @@ from autotune.util import cache
 from autotune.estimate import costmodel
 from autotune.backends.analytic import (attention_span, context_parallel_work, expert_parallel_work, fused_bytes_saved,
                                       tensor_parallel_work, model_shape,
-                                      offload_fresh_page_bytes, screen_margin, step_work, trainable_split)
+                                      offload_fresh_page_bytes, screen_margin, step_work, symmetric_memory_bytes,
+                                      trainable_split)
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
 from autotune.backends.sim._extrapolate import extrapolate, shallow_depths
 from autotune.problem.config import PARAM_DTYPE_BYTES, TrialSpec
@@ -66,6 +67,13 @@ def _why_untraceable(exc: Exception) -> str:
     return ""
 
 
+def _traced_train(train, micro_batch_size: int):
+    """The configuration a trace is made (and keyed) for: at the micro-batch traced, without CPU offload (modelled
+    from the trace) and without async TP (its fused ops allocate what the unfused graph traced does; its
+    symmetric-memory workspace is a runtime term: runtime_memory.async_tp_workspace_bytes)."""
+    return train.with_(micro_batch_size=micro_batch_size, cpu_offload=False, async_tensor_parallel=False)
+
+
 def _has_dropout(config: dict) -> bool:
     """Whether a config sets any dropout above 0: only then does the GPU's attention kernel choice
     (by compute capability) change a trace, so only then do traces differ by GPU type (the plan's
@@ -96,6 +104,7 @@ class SimBackend(TrialBackend):
         if device_kind not in ("cuda", "cpu"):
             raise ValueError(f"device_kind must be 'cuda' or 'cpu', got {device_kind!r}")
         self.device_kind = device_kind
+        self.applies_async_tp = device_kind == "cuda"  # a cpu-kind simulator predicts CPU trials, which refuse it
         self.hardware = hardware
         """A HardwareProfile (autotune/estimate/hardware.py) the step time is estimated on; None: the
         shipped profile of the cluster's GPU (no throughput for a CPU run without one)."""
@@ -230,7 +239,7 @@ class SimBackend(TrialBackend):
         return mesh
 
     def _trace_key(self, spec: TrialSpec, *, depth: int, micro_batch_size: int, keep_middle: bool) -> tuple:
-        train = spec.train.with_(micro_batch_size=micro_batch_size, cpu_offload=False)
+        train = _traced_train(spec.train, micro_batch_size)
         return (spec.model.name, repr(sorted(spec.model.config_dict.items())), depth, spec.cluster.num_gpus,
                 spec.seq_len, train.cache_key(), spec.grad_accum_steps > 1, keep_middle, self.device_kind,
                 spec.workload.weight_sync, spec.finetuning.key(), spec.step,
@@ -246,7 +255,7 @@ class SimBackend(TrialBackend):
         return gpu_sm(spec.cluster.gpu.name) if self.device_kind == "cuda" else None
 
     def _trace(self, spec: TrialSpec, *, depth: int, micro_batch_size: int, keep_middle: bool) -> StepTrace:
-        train = spec.train.with_(micro_batch_size=micro_batch_size, cpu_offload=False)
+        train = _traced_train(spec.train, micro_batch_size)
         world_size = spec.cluster.num_gpus
         key = self._trace_key(spec, depth=depth, micro_batch_size=micro_batch_size, keep_middle=keep_middle)
         self._derive(spec, key, train)
@@ -477,6 +486,7 @@ class SimBackend(TrialBackend):
                                      gpus_per_node=spec.cluster.gpus_per_node, tensor_peak_bytes=tensor_peak,
                                      largest_allocation_bytes=largest, offload_staging_bytes=root_staging,
                                      root_shard_bytes=_root_shard_bytes(spec),
+                                     symmetric_memory_bytes=symmetric_memory_bytes(spec),
                                      calibrated=self._profile if self._profile and self._profile.calibrated else None)
         overhead = runtime.total_bytes if runtime else 0
         total = tensor_peak + overhead
@@ -747,7 +757,7 @@ class SimBackend(TrialBackend):
         trial (usually cached: the controller compiles and converts configurations it evaluated eager),
         traced even where the closed form screens it (compiled, a configuration can fit where eager
         does not). None where the twin cannot be traced."""
-        twin_spec = spec.with_train(spec.train.with_(compile="none", float8="none"))
+        twin_spec = spec.with_train(spec.train.with_(compile="none", float8="none", async_tensor_parallel=False))
         key = cache.key_of("sim-eager-memory", self._cache_inputs(twin_spec))
         if key not in self._eager_op_work:  # compiled and float8 siblings share a twin: trace it once
             twin = self.evaluate(twin_spec)

@@ -35,12 +35,12 @@ from autotune.distributed.parallel.expert import ExpertDispatch, apply_ep, balan
 from autotune.distributed.parallel.float8 import FLOAT8_SKIPPED, apply_float8, float8_linear_config
 from autotune.distributed.parallel.fsdp import PARAM_DTYPES, apply_fsdp, mixed_precision_policy, shard_placement_fn
 from autotune.distributed.parallel.pipeline import PipelineStageModule, apply_pp, split_stages, why_no_pipeline_stages
-from autotune.distributed.parallel.tensor import apply_tp
+from autotune.distributed.parallel.tensor import apply_tp, enable_async_tp
 from autotune.distributed.parallel.tracing import keep_leaf_inputs_collectable, register_rng_rules
 
 __all__ = [
     "FLOAT8_SKIPPED", "PARAM_DTYPES", "ExpertDispatch", "ParallelDims", "apply_ac", "apply_compile", "apply_cp",
-    "apply_ep", "apply_tp", "apply_float8", "apply_fsdp", "balanced_splits", "context_mesh", "expert_meshes",
+    "apply_ep", "apply_tp", "enable_async_tp", "apply_float8", "apply_fsdp", "balanced_splits", "context_mesh", "expert_meshes",
     "float8_linear_config", "keep_leaf_inputs_collectable", "mixed_precision_policy", "op_sac_policy", "parallelize",
     "register_rng_rules", "shard_placement_fn", "tensor_mesh", "PipelineStageModule", "apply_pp", "pipeline_mesh",
     "split_stages", "why_no_pipeline_stages",
@@ -86,6 +86,8 @@ def parallelize(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bo
     apply_float8(blocks, train.float8)  # at build time, before TP splits the converted linears (torchtitan)
     if train.tensor_parallel > 1:
         apply_tp(model, blocks, tensor_mesh(mesh), train.tensor_parallel, float8=train.float8)
+        if train.async_tensor_parallel:
+            enable_async_tp(tensor_mesh(mesh), compile_backend=compile_backend)
     if train.context_parallel > 1:
         apply_cp(model, context_mesh(mesh))
     apply_ac(blocks, train.activation_checkpointing)

@@ -6,9 +6,11 @@ column-wise, o and down row-wise), with sequence parallelism between them, appli
 Built: the plan's `colwise` and `rowwise` entries on the decoder blocks, the blocks' norms and the final
 norm on a sequence shard, the embeddings and head whole on every tp rank (FSDP shards them over the data
 ranks); with float8 (converted first, torchtitan's order) and compiled blocks. Not built, and refused by
-name where asked (knobs.check_combination): loss parallelism, async TP, plan entries other than
+name where asked (knobs.check_combination): loss parallelism, plan entries other than
 colwise/rowwise (MoE experts' local_* and the like), TP with HSDP, expert parallelism or CPU offload, and
-compiled blocks checkpointed whole (torch 2.13's AOT autograd saves the mesh among the tensors)."""
+compiled blocks checkpointed whole (torch 2.13's AOT autograd saves the mesh among the tensors).
+Async TP (enable_async_tp) on GPUs: inductor's micro-pipeline pass rewrites the compiled blocks' all-gather ->
+matmul and matmul -> reduce-scatter pairs into torch's fused symmetric-memory ops."""
 
 from __future__ import annotations
 
@@ -109,6 +111,23 @@ def apply_tp(model: nn.Module, blocks: Blocks, tp_mesh: Any, degree: int, *, flo
                          "expects them")
     return _apply_tp_parts(plan, blocks, tp_mesh, embeddings=embeddings, final_norm=final_norm, head=head,
                            float8=float8)
+
+
+def enable_async_tp(tp_mesh: Any, *, compile_backend: str) -> bool:
+    """Async TP as torchtitan's maybe_enable_async_tp turns it on: inductor's micro-pipeline pass
+    (torch._inductor.config._micro_pipeline_tp) splits each all-gather feeding a matmul, and each matmul feeding
+    a reduce-scatter, of the compiled blocks into per-rank chunks exchanged over symmetric memory while the
+    other chunks multiply (torch.distributed._symmetric_memory's fused_all_gather_matmul and
+    fused_matmul_reduce_scatter; torch >= 2.9 rendezvouses the group itself). Only where inductor compiles on
+    CUDA: the fused ops have no CPU kernel, and the simulator (another compile backend) traces the unfused graph,
+    whose tensors the fused ops allocate alike; the flag is process-wide, so nothing is set elsewhere.
+    Returns whether it was turned on."""
+    if compile_backend != "inductor" or getattr(tp_mesh, "device_type", "cpu") != "cuda":
+        return False
+    import torch._inductor.config
+
+    torch._inductor.config._micro_pipeline_tp = True
+    return True
 
 
 def apply_tp_stage(model: nn.Module, blocks: Blocks, tp_mesh: Any, degree: int, *, embeddings: nn.Module | None,

@@ -108,6 +108,8 @@ class Tuned:
     """Expert-parallel degree (1: none; results from before the knob: 1)."""
     tensor_parallel: int = 1
     """Tensor-parallel degree (1: none; results from before the knob: 1)."""
+    async_tensor_parallel: bool = False
+    """Async TP (results from before the knob: off)."""
     context_parallel: int = 1
     """Context-parallel degree (1: none; results from before the knob: 1)."""
     pipeline_parallel: int = 1
@@ -214,6 +216,7 @@ class Tuned:
                 float8=str(values["float8"]),
                 expert_parallel=int(values["expert_parallel"]),
                 tensor_parallel=int(values["tensor_parallel"]),
+                async_tensor_parallel=bool(values["async_tensor_parallel"]),
                 context_parallel=int(values["context_parallel"]),
                 pipeline_parallel=int(values["pipeline_parallel"]),
                 pipeline_schedule=str(values["pipeline_schedule"]),
@@ -412,6 +415,12 @@ def map_knobs_not_expressed(tuned: Tuned, mapper: Mapper, *, stack: str, express
                            f"attention (attn_implementation='flash_attention_2'); verl: use_dynamic_bsz with "
                            f"ppo_max_token_len_per_gpu={tuned.token_budget}. Rows of --seq-len instead have another "
                            "memory and throughput than tuned; the trl export writes the packing")
+    _map_unless_written(mapper, "async_tensor_parallel", at_default=not tuned.async_tensor_parallel,
+                        default="synchronous tensor-parallel collectives, as tuned",
+                        missing=f"async tensor parallelism is not written for {stack}: its tensor-parallel all-gathers "
+                                "and reduce-scatters then wait for the matmuls beside them (slower than estimated, "
+                                "the same memory less the symmetric-memory workspace); the torchtitan export and the "
+                                "fsdp2 script turn it on")
     _map_unless_written(mapper, "context_parallel", at_default=tuned.context_parallel == 1,
                         default="no context parallelism, as tuned",
                         missing=f"context parallelism over {tuned.context_parallel} GPUs is not written for {stack}: "

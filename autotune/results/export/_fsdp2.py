@@ -33,6 +33,7 @@ _SOURCES = (
     _blocks.fused_experts, _parallel.expert_meshes, _parallel.balanced_splits, _expert._AllToAll,
     _parallel.ExpertDispatch, _parallel.apply_ep, _tensor.model_tp_plan, _tensor._gather_sequence,
     _tensor._with_hidden_states, _tensor._gather_sequence_in_float8, _tensor._float8_input, _tensor._is_norm, _tensor.apply_tp,
+    _tensor.enable_async_tp,
     _tensor._colwise_rowwise_plan, _tensor._linear_styles, _tensor._apply_tp_parts,
     _parallel.mixed_precision_policy,
     _parallel.op_sac_policy, _parallel.apply_ac, _parallel.apply_compile, _parallel.float8_linear_config,
@@ -56,6 +57,8 @@ def map_parallelize_knobs(m: Mapper, *, precision_also: str = "", tensor_paralle
         m.mapped("tensor_parallel", "apply_tp in parallelize() on ParallelDims.of(TUNED, world)'s (dp_shard, tp) mesh "
                                     "(the model's transformers tensor-parallel plan, colwise/rowwise; one batch per "
                                     "tensor-parallel group)")
+        m.mapped("async_tensor_parallel", "enable_async_tp in parallelize() after apply_tp (inductor's micro-pipeline "
+                                          "pass on the compiled blocks; on CUDA GPUs only)")
         m.mapped("context_parallel", "apply_cp in parallelize() on ParallelDims.of(TUNED, world)'s (dp_shard, cp) mesh "
                                      "(torch's ring attention through SDPA; train_step opens it around each "
                                      "micro-batch; one batch per context-parallel group)")
@@ -265,6 +268,7 @@ class TrainConfig:
     float8: str = "none"
     expert_parallel: int = 1
     tensor_parallel: int = 1
+    async_tensor_parallel: bool = False
     context_parallel: int = 1
     pipeline_parallel: int = 1
     pipeline_schedule: str = "1F1B"
@@ -324,7 +328,8 @@ TUNED = TrainConfig(precision={t.precision!r}, activation_checkpointing=Checkpoi
                     shard_group_size={t.shard_group_size!r}, reshard_group_size={t.reshard_group_size!r},
                     shard_placement={t.shard_placement!r}, activation_offload={t.activation_offload!r},
                     compile={t.compile!r}, float8={t.float8!r}, expert_parallel={t.expert_parallel!r},
-                    tensor_parallel={t.tensor_parallel!r}, context_parallel={t.context_parallel!r},
+                    tensor_parallel={t.tensor_parallel!r}, async_tensor_parallel={t.async_tensor_parallel!r},
+                    context_parallel={t.context_parallel!r},
                     pipeline_parallel={t.pipeline_parallel!r}, pipeline_schedule={t.pipeline_schedule!r})
 
 '''

@@ -153,6 +153,12 @@ def export_torchtitan(t: Tuned) -> Export:
                        "needs less memory than predicted")
     else:
         m.mapped("tensor_parallel", "--parallelism.tensor-parallel-degree 1 (none)")
+    if t.async_tensor_parallel:
+        m.mapped("async_tensor_parallel", "--compile.enable-async-tensor-parallel",
+                 "torchtitan 0.3's _maybe_enable_async_tp: inductor's micro-pipeline pass on the compiled blocks, as "
+                 "tuned (its CompileConfig requires --compile.enable with the model among the components: set here)")
+    else:
+        m.mapped("async_tensor_parallel", "async tensor parallelism off (torchtitan's default)")
     if t.context_parallel > 1:
         m.approximated("context_parallel", f"--parallelism.context-parallel-degree {t.context_parallel}",
                        "torchtitan's context parallelism: torch's ring attention through SDPA with the head-tail load "
@@ -226,6 +232,7 @@ def export_torchtitan(t: Tuned) -> Export:
         ("--optimizer.implementation", t.optimizer_impl),
         *((("--compile.enable", None), ("--compile.components", "model")) if t.compile != "none"
           else (("--compile.no-enable", None),)),
+        *((("--compile.enable-async-tensor-parallel", None),) if t.async_tensor_parallel else ()),
         ("--checkpoint.enable", None),
         ("--checkpoint.interval", CHECKPOINT_INTERVAL),
         ("--checkpoint.folder", CHECKPOINT_FOLDER),
