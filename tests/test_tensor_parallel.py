@@ -172,7 +172,7 @@ import torch, torch.distributed as dist
 from autotune.problem.catalog.models import resolve_model
 from autotune.problem.config import TrainConfig
 from autotune.distributed.parallel import ParallelDims, parallelize
-from autotune.distributed.training import build_model, micro_batch_loss
+from autotune.distributed.training import _micro_batch, build_model, micro_batch_loss
 
 rank, world = int(sys.argv[1]), 2
 dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=world)
@@ -184,10 +184,12 @@ parallel.load_state_dict(whole.state_dict())
 tokens = torch.randint(0, spec.config_dict["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(1))
 expected = micro_batch_loss(whole, tokens)
 expected.backward()
-train = TrainConfig(precision="fp32", tensor_parallel=2)
+train = TrainConfig(precision="fp32", tensor_parallel=2, loss_parallel=sys.argv[4] == "loss-parallel")
 parallelize(parallel, ParallelDims.of(train, world).build_mesh("cpu"), train, allow_offload=False)
-got = micro_batch_loss(parallel, tokens)
-got.backward()
+with _micro_batch(parallel, tokens) as batch:  # as train_step runs it (loss parallelism's context)
+    got = micro_batch_loss(parallel, batch)
+    got.backward()
+got = got.full_tensor() if hasattr(got, "full_tensor") else got
 grads = {}
 for name, param in parallel.named_parameters():
     full = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
@@ -199,15 +201,17 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
-def test_the_tensor_parallel_model_computes_the_whole_models_loss_and_gradients(tmp_path, model):
+@pytest.mark.parametrize("model, head", [("tiny-llama", "whole"), ("tiny-qwen2", "whole"),
+                                         ("tiny-qwen2", "loss-parallel")])
+def test_the_tensor_parallel_model_computes_the_whole_models_loss_and_gradients(tmp_path, model, head):
     """Two gloo ranks: the model parallelize() splits (TP2 with sequence parallelism, FSDP over the one data
-    rank) and the same weights unsplit, on the same tokens in fp32: one loss, and every parameter's gradient
-    (gathered whole) equal to the whole model's up to float32 reduction order."""
+    rank; with loss parallelism, the head and the cross-entropy by vocabulary too) and the same weights unsplit, on
+    the same tokens in fp32: one loss, and every parameter's gradient (gathered whole) equal to the whole model's up
+    to float32 reduction order."""
     import subprocess
     import sys
 
-    procs = [subprocess.Popen([sys.executable, "-c", _SAME_NUMBERS, str(rank), str(tmp_path / "store"), model],
+    procs = [subprocess.Popen([sys.executable, "-c", _SAME_NUMBERS, str(rank), str(tmp_path / "store"), model, head],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
     outs = [proc.communicate(timeout=300) for proc in procs]
     assert all(proc.returncode == 0 for proc in procs), outs[0][1][-3000:] + outs[1][1][-3000:]

@@ -204,6 +204,12 @@ _CHUNKED_LOGPROB_CHUNK_SIZE): the logits exist one tile at a time, in a buffer o
 whatever the vocabulary."""
 
 
+LOSS_PARALLEL_BYTES_PER_LOGIT = 16
+"""What torch's loss_parallel holds at the start of backward per logit of a GPU's vocabulary share: the fp32 logits,
+the log-softmax, its gradient and, beyond the 12 bytes of the whole-vocabulary loss (loss_backward_bytes), the
+shifted logits its log-softmax keeps (counted on the simulator's traces of llama3-8b at TP2 and TP4)."""
+
+
 def loss_backward_bytes(step: str, *, tokens: int, vocab: int, hidden: int, d: int, head_trains: bool = True) -> float:
     """What the loss holds at the start of backward, beyond the blocks' activations.
 
@@ -318,7 +324,10 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     # Model states (sharded): on the host instead when offloading. Under tensor parallelism the blocks are split over
     # the tp GPUs of a group and the root (embeddings, head) left whole on each (tensor.apply_tp), so FSDP shards each
     # root parameter over the data ranks only: the world holds tp copies of it.
-    held = trained + (shape.root_params * (train.tensor_parallel - 1) if not lora else 0)
+    # Loss parallelism splits the head by vocabulary over the tp GPUs: only the embeddings (and norm) stay whole.
+    _, head_params = _root_split(shape)
+    whole_root = shape.root_params - (head_params if train.loss_parallel else 0)
+    held = trained + (whole_root * (train.tensor_parallel - 1) if not lora else 0)
     states_on_device = 0 if train.cpu_offload else 1
     sharded_params = states_on_device * (master * held + frozen_bytes) / world + quant_states
     optimizer = states_on_device * 2 * master * held / world
@@ -327,9 +336,12 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     # Offloaded shards are copied to the device before each all-gather.
     h2d_staging = (1 - states_on_device) * master * block / world
 
-    root_gathered = shape.root_params * d  # the root is never resharded after forward
+    # The root is never resharded after forward; under loss parallelism each GPU gathers its vocabulary share of the
+    # head, and computes that share of the logits.
+    vocab_share = 1 / train.tensor_parallel if train.loss_parallel else 1
+    root_gathered = (whole_root + (shape.root_params - whole_root) * vocab_share) * d
     # LM head (or tied embedding) gradient, unsharded; none when it is frozen (LoRA).
-    head_grad = 0 if lora else shape.vocab * shape.hidden * d
+    head_grad = 0 if lora else shape.vocab * shape.hidden * d * vocab_share
     shared_mask, layer_mask = packed_mask_bytes(spec.step, tokens=tokens, d=d)
     if lora:
         per_token = lora_activation_bytes_per_token(shape, counts.adapted_inputs, rank=spec.finetuning.rank,
@@ -354,8 +366,9 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
              for i in range(num_layers)]
     # The final norm's fp32 input, and its output for the head's weight gradient unless the head is frozen (LoRA).
     final_norm = (4 * shape.hidden + (0 if lora else 2 * d * shape.hidden)) * tokens
-    logits = loss_backward_bytes(spec.step, tokens=tokens, vocab=shape.vocab, hidden=shape.hidden, d=d,
-                                 head_trains=not lora)
+    logits = (LOSS_PARALLEL_BYTES_PER_LOGIT * tokens * shape.vocab * vocab_share if train.loss_parallel else
+              loss_backward_bytes(spec.step, tokens=tokens, vocab=shape.vocab, hidden=shape.hidden, d=d,
+                                  head_trains=not lora))
     # Gradients of the block's input and of two ffn-wide tensors, plus the unsharded gradient
     # of its largest weight in flight (fitted to traces: docs/COSTMODEL.md).
     backward_temps = 2 * d * (shape.hidden + shape.intermediate) * tokens + (
@@ -676,7 +689,8 @@ def _largest_allocation(spec: TrialSpec, *, first: bool, last: bool) -> int:
     if first:
         largest = max(largest, reduce * embed)
     if last:
-        largest = max(largest, reduce * head, 4 * tokens * shape.vocab)
+        share = train.tensor_parallel if train.loss_parallel else 1  # loss parallelism: a vocabulary share
+        largest = max(largest, reduce * head / share, 4 * tokens * shape.vocab / share)
     return int(largest)
 
 

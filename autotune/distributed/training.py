@@ -521,12 +521,19 @@ def micro_batch_loss(model: nn.Module, tokens: torch.Tensor | dict, *, step: str
     return model(input_ids=tokens, labels=tokens).loss
 
 
-def _micro_batch(model: nn.Module, tokens: torch.Tensor | dict) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def _micro_batch(model: nn.Module, tokens: torch.Tensor | dict):
     """`tokens` as micro_batch_loss takes them: under context parallelism (parallel.apply_cp gave the model
     its `sequence_shards`) the model's arguments for this rank's sequence slices, within CP's context;
-    else as they are."""
+    else as they are. Under loss parallelism (parallel.apply_tp set the model's `loss_parallel`) within torch's
+    loss_parallel, which forward's cross-entropy on the vocabulary shards and its backward both need."""
     shards = getattr(model, "sequence_shards", None)
-    return contextlib.nullcontext(tokens) if shards is None else shards(tokens)
+    with contextlib.ExitStack() as stack:
+        if getattr(model, "loss_parallel", False):
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            stack.enter_context(loss_parallel())
+        yield tokens if shards is None else stack.enter_context(shards(tokens))
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator[torch.Tensor], *,
@@ -567,7 +574,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iter
             with saved_activations if saved_activations is not None else contextlib.nullcontext():
                 loss = micro_batch_loss(model, tokens, step=step) / grad_accum_steps
             (scaler.scale(loss) if scaler is not None else loss).backward()
-        total = loss.detach() if total is None else total + loss.detach()
+        value = loss.detach()
+        if hasattr(value, "full_tensor"):  # loss parallelism: a replicated DTensor
+            value = value.full_tensor()
+        total = value if total is None else total + value
         if timing and micro_step == 0 and grad_accum_steps > 1:
             first_done = clock()
     backward_done = clock() if timing else 0.0

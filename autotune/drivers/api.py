@@ -253,8 +253,8 @@ def _tune_in_run_dir(options: TuneOptions, console, *, request, store, finished,
 
 STACK_FORMATS = {"trl-padding-free": "trl"}
 """A stack's export format, where the names differ (config.STACKS)."""
-WRITTEN_PER_STACK = ("compile", "float8", "async_tensor_parallel", "activation_offload", "expert_parallel",
-                     "shard_placement", "shard_group_size", "reshard_group_size")
+WRITTEN_PER_STACK = ("compile", "float8", "async_tensor_parallel", "loss_parallel", "activation_offload",
+                     "expert_parallel", "shard_placement", "shard_group_size", "reshard_group_size")
 """Knobs an export may leave unwritten (export._base.map_knobs_not_expressed): a stack whose file marks one
 of them unsupported does not run the winner as tuned."""
 

@@ -507,7 +507,8 @@ def _configuration(document: dict) -> dict[str, Any]:
             "reshard_group_size": fsdp["reshard_group_size"],
             **{name: parallel[name] for name in ("tensor_parallel", "context_parallel", "pipeline_parallel",
                                                  "pipeline_schedule")},
-            "async_tensor_parallel": parallel.get("async_tensor_parallel", False)}
+            "async_tensor_parallel": parallel.get("async_tensor_parallel", False),
+            "loss_parallel": parallel.get("loss_parallel", False)}
 
 
 # -- the plan -------------------------------------------------------------------------------------

@@ -69,6 +69,8 @@ class TrainConfig:
     """Tensor-parallel degree: each block's linears split over groups of this many GPUs (parallel.apply_tp); 1: none."""
     async_tensor_parallel: bool = _D["async_tensor_parallel"].default
     """Async TP: inductor's micro-pipeline pass overlaps the tensor-parallel collectives (parallel.enable_async_tp)."""
+    loss_parallel: bool = _D["loss_parallel"].default
+    """Loss parallelism: the head split by vocabulary, the loss on each tp GPU's logits (parallel.apply_tp)."""
     context_parallel: int = _D["context_parallel"].default
     """Context-parallel degree: each sequence split over groups of this many GPUs (parallel/context.py); 1: none."""
     pipeline_parallel: int = _D["pipeline_parallel"].default

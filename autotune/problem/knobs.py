@@ -470,6 +470,15 @@ KNOBS: tuple[Knob, ...] = (
          optuna=lambda v: _categorical_param("async_tensor_parallel", (False, True))(v) if v else {},
          alternative=True, alternative_with={"tensor_parallel": 2, "compile": "blocks"}, keyed_at_default=False,
          domain=lambda ctx: ctx.async_tensor_parallel),
+    Knob(name="loss_parallel", default=False, flag="--loss-parallel", parse=_bool, boolean=True,
+         result_path=("parallelism", "loss_parallel"),
+         help="loss parallelism (torchtitan's default under TP): the LM head split by vocabulary over the "
+              "tensor-parallel GPUs, the logits and the cross-entropy computed on each GPU's share (torch's "
+              "loss_parallel); needs --tp and an untied head (docs/KNOBS.md)",
+         label=lambda v: "loss-par" if v else "", short=lambda v: "lp" if v else "",
+         optuna=lambda v: _categorical_param("loss_parallel", (False, True))(v) if v else {},
+         alternative=True, alternative_with={"tensor_parallel": 2}, keyed_at_default=False,
+         domain=lambda ctx: (False,)),
     Knob(name="context_parallel", default=1, flag="--cp", parse=_degree("context"),
          result_path=("parallelism", "context_parallel"),
          help="context parallelism: each sequence split over groups of this many GPUs (torch's ring attention "
@@ -645,6 +654,10 @@ def _check_tensor_parallel(values: dict[str, Any], shape: ProblemShape) -> None:
             # torchtitan's maybe_enable_async_tp refuses it too: the overlap is inductor's micro-pipeline pass.
             raise UsageError(f"--async-tp with --compile {values['compile']}: async TP is a pass of inductor's over "
                              "the compiled blocks; add --compile blocks or drop --async-tp")
+    if values["loss_parallel"]:
+        why = why_no_loss_parallel(shape, tensor_parallel=tp, pipeline_parallel=values["pipeline_parallel"])
+        if why:
+            raise UsageError(f"--loss-parallel: {why}")
     if tp == 1:
         return
     flag, model, per_node = f"--tp {tp}", shape.model, shape.gpus_per_node
@@ -665,6 +678,31 @@ def _check_tensor_parallel(values: dict[str, Any], shape: ProblemShape) -> None:
         raise UsageError(f"{flag} with --compile {values['compile']} and --ac {ac}: torch cannot compile a "
                          "tensor-parallel block checkpointed whole (its AOT autograd saves the device mesh as a "
                          "tensor); use --ac op or --ac none, or --compile none")
+
+
+LOSS_PARALLEL_STEPS = ("autotune",)
+"""Steps that run loss parallelism: autotune's loop (the model's own cross-entropy, transformers' ForCausalLMLoss,
+computed by torch's loss_parallel on vocabulary shards). Not the HF Trainer's and Accelerate's ('hf': transformers'
+tensor-parallel plan gathers the logits whole), TRL's fused head, nor the stacks' own losses."""
+
+
+def why_no_loss_parallel(shape: ProblemShape, *, tensor_parallel: int, pipeline_parallel: int = 1) -> str:
+    """'' where loss parallelism applies to `shape` at these degrees, else why not (the user's fix in the clause)."""
+    if tensor_parallel == 1:
+        return "it splits the head over the tensor-parallel GPUs; add --tp 2 (or 4, 8) or drop --loss-parallel"
+    if shape.step not in LOSS_PARALLEL_STEPS:
+        return (f"the {shape.step!r} step does not compute its loss on vocabulary shards (built for the steps "
+                f"{LOSS_PARALLEL_STEPS}); drop --loss-parallel")
+    if pipeline_parallel > 1:
+        return "not built with pipeline stages here yet (docs/KNOBS.md); drop --loss-parallel or --pp"
+    config = shape.model.config_dict
+    if (config.get("text_config") or config).get("tie_word_embeddings"):
+        return (f"{shape.model.name}'s head is tied to its embeddings, which stay whole on each GPU; drop "
+                "--loss-parallel")
+    if shape.model.vocab_size % tensor_parallel:
+        return (f"{shape.model.name}'s vocabulary of {shape.model.vocab_size} does not split evenly over "
+                f"{tensor_parallel} GPUs; drop --loss-parallel")
+    return ""
 
 
 ATTENTION_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop")

@@ -308,6 +308,7 @@ def _trial_command(request: TuneRequest, step: Step) -> str:
             + (f" --ep {t.expert_parallel}" if t.expert_parallel > 1 else "")
             + (f" --tp {t.tensor_parallel}" if t.tensor_parallel > 1 else "")
             + (" --async-tp" if t.async_tensor_parallel else "")
+            + (" --loss-parallel" if t.loss_parallel else "")
             + (f" --cp {t.context_parallel}" if t.context_parallel > 1 else "")
             + (f" --pp {t.pipeline_parallel} --pp-schedule {t.pipeline_schedule}" if t.pipeline_parallel > 1 else "")
             + (" --activation-offload" if t.activation_offload else "")
@@ -446,6 +447,7 @@ def build_result(request: TuneRequest, winner: Step, steps: list[Step], *, backe
             "pipeline_parallel": train.pipeline_parallel,
             "pipeline_schedule": train.pipeline_schedule,
             "async_tensor_parallel": train.async_tensor_parallel,
+            "loss_parallel": train.loss_parallel,
             "data_parallel_ranks": request.cluster.num_gpus // train.ranks_per_batch,
             "note": "each tensor- or context-parallel group of GPUs, and each pipeline of stages, takes one batch; FSDP "
                     "shards over the data-parallel ranks (with context parallelism, over every GPU; with pipeline "

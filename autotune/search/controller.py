@@ -767,14 +767,15 @@ class Controller:
             return None
         return base.with_(cpu_offload=False, activation_offload=False, compile="none", float8="none",
                           shard_group_size=0, reshard_group_size=0, expert_parallel=1, shard_placement="dim0",
-                          tensor_parallel=1, async_tensor_parallel=False, context_parallel=1, pipeline_parallel=1,
-                          micro_batch_size=1)
+                          tensor_parallel=1, async_tensor_parallel=False, loss_parallel=False, context_parallel=1,
+                          pipeline_parallel=1, micro_batch_size=1)
 
     def _try_mesh(self, train: TrainConfig, what: str, short: str) -> Step | None:
         """Run the mesh `train` (`what` it is, in the reason; `short`, in a retry's) where FSDP is at its walls (nothing
         fits or keeps the global batch, or only CPU offload holds the model: then the mesh is traced, not judged by two
         estimates of unlike costs) or the estimate allows it to win, again with every block checkpointed where it
         does not fit. None where it is not run."""
+        train = self._with_loss_parallel(train)
         best = self._choose()
         wall = best is None or best.train.cpu_offload
         if not wall and not self._could_win(train):
@@ -787,6 +788,15 @@ class Controller:
             step = self.run("explore", train.with_(activation_checkpointing="full"),
                             f"{short} {self._why(step)}: checkpoint every block too")
         return step
+
+    def _with_loss_parallel(self, train: TrainConfig) -> TrainConfig:
+        """A tensor-parallel mesh with loss parallelism where it applies and the space allows it (torchtitan's
+        default: the head and its logits split by vocabulary, less memory and head compute for a small reduction
+        in the loss), as it is."""
+        if train.tensor_parallel == 1 or train.loss_parallel or not self.request.space.loss_parallel:
+            return train
+        split = train.with_(loss_parallel=True)
+        return split if self._buildable(split) else train
 
     def _grow_fastest(self, fitting: list[Step]) -> bool:
         """Grow (and align) the fastest of the mesh trials that fit, and try lighter checkpointing on it; True where

@@ -20,7 +20,8 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "offload": {"enabled": bool, "activations": bool},
     "micro_batch": {"max": int, "refine": bool},
     "explore": {"no_reshard": bool, "checkpointed_larger_micro_batch": bool, "expert_parallel": bool,
-                "tensor_parallel": bool, "async_tensor_parallel": bool, "context_parallel": bool,
+                "tensor_parallel": bool, "async_tensor_parallel": bool, "loss_parallel": bool,
+                "context_parallel": bool,
                 "pipeline_parallel": bool},
     "compile": {"mode": str},
     "float8": {"mode": str},
@@ -57,6 +58,8 @@ class SearchSpace:
     global batch, or the estimate says a mesh may win."""
     async_tensor_parallel: bool = True
     """Try async TP (--async-tp) on the fastest fitting compiled tensor-parallel configurations, on GPUs."""
+    loss_parallel: bool = True
+    """Tensor-parallel meshes with loss parallelism (--loss-parallel) where the model and its step allow it."""
     context_parallel: bool = True
     """Try context parallelism over 2, 4, 8 GPUs of a node (--cp) where tensor parallelism is tried."""
     pipeline_parallel: bool = False
@@ -158,6 +161,7 @@ def load_space(path: str | Path | None = None) -> SearchSpace:
         expert_parallel=get("explore", "expert_parallel", True),
         tensor_parallel=get("explore", "tensor_parallel", True),
         async_tensor_parallel=get("explore", "async_tensor_parallel", True),
+        loss_parallel=get("explore", "loss_parallel", True),
         context_parallel=get("explore", "context_parallel", True),
         pipeline_parallel=get("explore", "pipeline_parallel", False),
         compile=compile_search,

@@ -85,7 +85,8 @@ def parallelize(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bo
     apply_ep(blocks, mesh, train.expert_parallel)
     apply_float8(blocks, train.float8)  # at build time, before TP splits the converted linears (torchtitan)
     if train.tensor_parallel > 1:
-        apply_tp(model, blocks, tensor_mesh(mesh), train.tensor_parallel, float8=train.float8)
+        apply_tp(model, blocks, tensor_mesh(mesh), train.tensor_parallel, float8=train.float8,
+                 loss_parallel=train.loss_parallel)
         if train.async_tensor_parallel:
             enable_async_tp(tensor_mesh(mesh), compile_backend=compile_backend)
     if train.context_parallel > 1:

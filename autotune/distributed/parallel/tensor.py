@@ -92,15 +92,18 @@ def _is_norm(module: nn.Module) -> bool:
     return "norm" in type(module).__name__.lower()
 
 
-def apply_tp(model: nn.Module, blocks: Blocks, tp_mesh: Any, degree: int, *, float8: str = "none") -> int:
+def apply_tp(model: nn.Module, blocks: Blocks, tp_mesh: Any, degree: int, *, float8: str = "none",
+             loss_parallel: bool = False) -> int:
     """Tensor parallelism over `degree` ranks (1: nothing), with sequence parallelism between the blocks'
     linears, as torchtitan's apply_tp lays it out: the plan's colwise linears split their outputs, the rowwise
     ones reduce-scatter theirs to a sequence shard (Shard(1)); each block's norms run on that shard
     (SequenceParallel), and its attention and MLP all-gather their input (_gather_sequence); the embeddings'
     output is split to the sequence shard and the head's input gathered back, both left whole on each rank
-    (tied embeddings stay tied; no loss parallelism). After float8 converts the linears, before checkpointing
-    and FSDP (torchtitan's order); `float8` the recipe they were converted with (_linear_styles).
-    Returns how many linears were split."""
+    (tied embeddings stay tied). After float8 converts the linears, before checkpointing and FSDP (torchtitan's
+    order); `float8` the recipe they were converted with (_linear_styles). `loss_parallel` (an untied head): the
+    head split by vocabulary instead, its logits left a DTensor of vocabulary shards that the model's
+    cross-entropy computes on within torch's loss_parallel (training._micro_batch opens it: the model's
+    `loss_parallel`), as torchtitan's default. Returns how many linears were split."""
     if degree == 1:
         return 0
     plan = _colwise_rowwise_plan(model)
@@ -109,8 +112,9 @@ def apply_tp(model: nn.Module, blocks: Blocks, tp_mesh: Any, degree: int, *, flo
     if final_norm is None or embeddings is None or head is None:
         raise ValueError(f"{type(model).__name__}: no final norm, embeddings or head where sequence parallelism "
                          "expects them")
+    model.loss_parallel = loss_parallel
     return _apply_tp_parts(plan, blocks, tp_mesh, embeddings=embeddings, final_norm=final_norm, head=head,
-                           float8=float8)
+                           float8=float8, loss_parallel=loss_parallel)
 
 
 def enable_async_tp(tp_mesh: Any, *, compile_backend: str) -> bool:
@@ -165,11 +169,12 @@ def _linear_styles(float8: str) -> tuple[type, type]:
 
 
 def _apply_tp_parts(plan: dict[str, str], blocks: Blocks, tp_mesh: Any, *, embeddings: nn.Module | None,
-                    final_norm: nn.Module | None, head: nn.Module | None, float8: str = "none") -> int:
+                    final_norm: nn.Module | None, head: nn.Module | None, float8: str = "none",
+                    loss_parallel: bool = False) -> int:
     """apply_tp's layout on the blocks, and on each of the embeddings, final norm and head that is not None."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (PrepareModuleInput, PrepareModuleOutput, SequenceParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   SequenceParallel, parallelize_module)
 
     colwise, rowwise = _linear_styles(float8)
     styles = {"colwise": lambda: colwise(),
@@ -194,7 +199,10 @@ def _apply_tp_parts(plan: dict[str, str], blocks: Blocks, tp_mesh: Any, *, embed
             output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False))
     if final_norm is not None:
         parallelize_module(final_norm, tp_mesh, SequenceParallel())
-    if head is not None:
+    if head is not None and loss_parallel:  # torchtitan's output layer under loss parallelism
+        parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                                          use_local_output=False))
+    elif head is not None:
         parallelize_module(head, tp_mesh, PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
                                                              use_local_output=True))
     return split

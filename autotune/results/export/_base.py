@@ -110,6 +110,8 @@ class Tuned:
     """Tensor-parallel degree (1: none; results from before the knob: 1)."""
     async_tensor_parallel: bool = False
     """Async TP (results from before the knob: off)."""
+    loss_parallel: bool = False
+    """Loss parallelism: the head and the loss split by vocabulary (results from before the knob: off)."""
     context_parallel: int = 1
     """Context-parallel degree (1: none; results from before the knob: 1)."""
     pipeline_parallel: int = 1
@@ -217,6 +219,7 @@ class Tuned:
                 expert_parallel=int(values["expert_parallel"]),
                 tensor_parallel=int(values["tensor_parallel"]),
                 async_tensor_parallel=bool(values["async_tensor_parallel"]),
+                loss_parallel=bool(values["loss_parallel"]),
                 context_parallel=int(values["context_parallel"]),
                 pipeline_parallel=int(values["pipeline_parallel"]),
                 pipeline_schedule=str(values["pipeline_schedule"]),
@@ -421,6 +424,11 @@ def map_knobs_not_expressed(tuned: Tuned, mapper: Mapper, *, stack: str, express
                                 "and reduce-scatters then wait for the matmuls beside them (slower than estimated, "
                                 "the same memory less the symmetric-memory workspace); the torchtitan export and the "
                                 "fsdp2 script turn it on")
+    _map_unless_written(mapper, "loss_parallel", at_default=not tuned.loss_parallel,
+                        default="the head whole on each GPU, as tuned",
+                        missing=f"loss parallelism is not written for {stack}: each tensor-parallel GPU computes the "
+                                "whole vocabulary's logits and holds the whole head (more memory than predicted); the "
+                                "fsdp2 script and the torchtitan export split them")
     _map_unless_written(mapper, "context_parallel", at_default=tuned.context_parallel == 1,
                         default="no context parallelism, as tuned",
                         missing=f"context parallelism over {tuned.context_parallel} GPUs is not written for {stack}: "

@@ -59,6 +59,9 @@ def map_parallelize_knobs(m: Mapper, *, precision_also: str = "", tensor_paralle
                                     "tensor-parallel group)")
         m.mapped("async_tensor_parallel", "enable_async_tp in parallelize() after apply_tp (inductor's micro-pipeline "
                                           "pass on the compiled blocks; on CUDA GPUs only)")
+        m.mapped("loss_parallel", "apply_tp(loss_parallel=TUNED.loss_parallel) in parallelize() (the head split by "
+                                  "vocabulary); train_step runs each micro-batch's loss and backward in torch's "
+                                  "loss_parallel")
         m.mapped("context_parallel", "apply_cp in parallelize() on ParallelDims.of(TUNED, world)'s (dp_shard, cp) mesh "
                                      "(torch's ring attention through SDPA; train_step opens it around each "
                                      "micro-batch; one batch per context-parallel group)")
@@ -269,6 +272,7 @@ class TrainConfig:
     expert_parallel: int = 1
     tensor_parallel: int = 1
     async_tensor_parallel: bool = False
+    loss_parallel: bool = False
     context_parallel: int = 1
     pipeline_parallel: int = 1
     pipeline_schedule: str = "1F1B"
@@ -329,6 +333,7 @@ TUNED = TrainConfig(precision={t.precision!r}, activation_checkpointing=Checkpoi
                     shard_placement={t.shard_placement!r}, activation_offload={t.activation_offload!r},
                     compile={t.compile!r}, float8={t.float8!r}, expert_parallel={t.expert_parallel!r},
                     tensor_parallel={t.tensor_parallel!r}, async_tensor_parallel={t.async_tensor_parallel!r},
+                    loss_parallel={t.loss_parallel!r},
                     context_parallel={t.context_parallel!r},
                     pipeline_parallel={t.pipeline_parallel!r}, pipeline_schedule={t.pipeline_schedule!r})
 

@@ -148,11 +148,22 @@ def export_torchtitan(t: Tuned) -> Export:
     if t.tensor_parallel > 1:
         m.approximated("tensor_parallel", f"--parallelism.tensor-parallel-degree {t.tensor_parallel}",
                        "torchtitan applies its own Llama plan (colwise q/k/v and w1/w3, rowwise wo and w2, sequence "
-                       "parallelism on the norms), as traced, and also splits the embeddings and the output layer by "
-                       "vocabulary with a loss-parallel cross-entropy, which autotune keeps whole on each GPU: it "
-                       "needs less memory than predicted")
+                       "parallelism on the norms), as traced, and also splits the embeddings by vocabulary, which "
+                       "autotune keeps whole on each GPU"
+                       + ("" if t.loss_parallel else ", and the output layer with a loss-parallel cross-entropy")
+                       + ": it needs less memory than predicted")
     else:
         m.mapped("tensor_parallel", "--parallelism.tensor-parallel-degree 1 (none)")
+    if t.loss_parallel:
+        m.mapped("loss_parallel", "torchtitan's own (its vocabulary-parallel cross-entropy under TP, always on)",
+                 "torchtitan 0.3 splits the output layer by vocabulary and computes the loss on each GPU's share "
+                 "whenever it tensor-parallelizes, as tuned")
+    elif t.tensor_parallel > 1:
+        m.approximated("loss_parallel", "torchtitan's own (its vocabulary-parallel cross-entropy under TP, always on)",
+                       "tuned with the head whole on each GPU; torchtitan 0.3 always splits it under TP: less memory "
+                       "than predicted")
+    else:
+        m.mapped("loss_parallel", "no tensor parallelism, no loss parallelism")
     if t.async_tensor_parallel:
         m.mapped("async_tensor_parallel", "--compile.enable-async-tensor-parallel",
                  "torchtitan 0.3's _maybe_enable_async_tp: inductor's micro-pipeline pass on the compiled blocks, as "
