@@ -420,12 +420,11 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     peak_at, parts = max(candidates, key=lambda item: sum(item[1].values()))
     breakdown = dict.fromkeys(MEMORY_CATEGORIES, 0) | {name: int(value) for name, value in parts.items()}
     tensor_peak = sum(breakdown.values())
-    # As the simulator passes them: the step's largest single tensor and the root's fp32 shard (fragmentation).
+    # No fragmentation term (no largest allocation or root shard passed, unlike the pipeline form and the simulator):
+    # passing them put five published runs that trained over the limit (tests/test_costmodel.py).
     breakdown["runtime_overhead"] = runtime_memory(
         spec.cluster.gpu, world_size=spec.cluster.num_gpus, gpus_per_node=spec.cluster.gpus_per_node,
-        tensor_peak_bytes=tensor_peak, largest_allocation_bytes=_largest_allocation(spec, first=True, last=True),
-        root_shard_bytes=shape.root_params * PARAM_DTYPE_BYTES["fp32"] // _root_shard_ranks(spec),
-        symmetric_memory_bytes=symmetric_memory_bytes(spec)).total_bytes
+        tensor_peak_bytes=tensor_peak, symmetric_memory_bytes=symmetric_memory_bytes(spec)).total_bytes
 
     per_rank_host = costmodel.HOST_PROCESS_BYTES
     if train.cpu_offload:
@@ -666,13 +665,6 @@ def pipeline_rank_memory(spec: TrialSpec, virtual_stages: int | None = None) -> 
         out.append((rank.rank, f"stage {rank.rank} of {pp} ({moment}, {first_held} "
                                f"{'chunks' if v > 1 else 'micro-batches'} in flight, {train.pipeline_schedule})", parts))
     return out
-
-
-def _root_shard_ranks(spec: TrialSpec) -> int:
-    """The ranks the FSDP root's parameters shard over: the shard group (HSDP), else every GPU of a tensor-parallel
-    rank's stage (context-parallel ranks shard it too)."""
-    train = spec.train
-    return train.shard_group_size or spec.cluster.num_gpus // (train.tensor_parallel * train.pipeline_parallel)
 
 
 def _largest_allocation(spec: TrialSpec, *, first: bool, last: bool) -> int:
