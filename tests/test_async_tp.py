@@ -76,7 +76,7 @@ def test_the_workspace_is_the_largest_request_torch_makes():
 
 @pytest.mark.parametrize("argv, message", [
     (["--async-tp"], "--async-tp without --tp"),
-    (["--async-tp", "--tp", "2"], "--async-tp with --compile none"),
+    (["--async-tp", "--tp", "2"], "--async-tp without compiled blocks"),
 ])
 def test_async_tp_needs_tensor_parallelism_and_compiled_blocks(argv, message, capsys):
     assert main(["trial", "--model", "tiny-llama", "--gpus", "4", "--backend", "analytic", *argv]) == EXIT_USAGE

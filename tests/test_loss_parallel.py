@@ -34,7 +34,7 @@ def test_the_traced_peak_is_a_real_gloo_runs_and_below_the_whole_heads(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--model", "tiny-qwen2", "--loss-parallel"], "add --tp 2"),
     (["--model", "qwen2.5-0.5b", "--tp", "2", "--loss-parallel"], "head is tied to its embeddings"),
-    (["--model", "tiny-qwen2", "--tp", "2", "--loss-parallel", "--stack", "accelerate"], "vocabulary shards"),
+    (["--model", "tiny-qwen2", "--tp", "2", "--loss-parallel", "--stack", "accelerate"], "--stack fsdp2"),
 ])
 def test_loss_parallelism_needs_a_split_untied_head_in_autotunes_loop(argv, message, capsys):
     assert main(["trial", "--gpus", "4", "--backend", "analytic", *argv]) == EXIT_USAGE

@@ -652,8 +652,8 @@ def _check_tensor_parallel(values: dict[str, Any], shape: ProblemShape) -> None:
                              "matmuls beside them; add --tp 2 (or 4, 8) or drop --async-tp")
         if values["compile"] == "none":
             # torchtitan's maybe_enable_async_tp refuses it too: the overlap is inductor's micro-pipeline pass.
-            raise UsageError(f"--async-tp with --compile {values['compile']}: async TP is a pass of inductor's over "
-                             "the compiled blocks; add --compile blocks or drop --async-tp")
+            raise UsageError("--async-tp without compiled blocks: async TP is a pass of inductor's over the compiled "
+                             "blocks; add --compile blocks or drop --async-tp")
     if values["loss_parallel"]:
         why = why_no_loss_parallel(shape, tensor_parallel=tp, pipeline_parallel=values["pipeline_parallel"])
         if why:
@@ -691,8 +691,8 @@ def why_no_loss_parallel(shape: ProblemShape, *, tensor_parallel: int, pipeline_
     if tensor_parallel == 1:
         return "it splits the head over the tensor-parallel GPUs; add --tp 2 (or 4, 8) or drop --loss-parallel"
     if shape.step not in LOSS_PARALLEL_STEPS:
-        return (f"the {shape.step!r} step does not compute its loss on vocabulary shards (built for the steps "
-                f"{LOSS_PARALLEL_STEPS}); drop --loss-parallel")
+        return ("the stack tuned for does not compute its loss on vocabulary shards (built for autotune's own loop, "
+                "--stack fsdp2); drop --loss-parallel")
     if pipeline_parallel > 1:
         return "not built with pipeline stages here yet (docs/KNOBS.md); drop --loss-parallel or --pp"
     config = shape.model.config_dict
