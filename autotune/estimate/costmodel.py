@@ -518,12 +518,10 @@ def tp_exchanges(*, tokens_per_microbatch: int, hidden_size: int, q_width: int, 
     down = 2.0 * tokens * ffn * hidden_size / tp
     forward = float((num_blocks + checkpointed_blocks) * num_microbatches)
     backward = float(num_blocks * num_microbatches)
-    if not gathers_fuse:
-        qkv = up = 0.0
-    into = (out, down) if gathers_fuse else (0.0, 0.0)  # the backward gathers' matmuls
-    return ((forward, gathered, qkv), (forward, scattered, out), (forward, gathered, up), (forward, scattered, down),
-            (backward, scattered, 0.0), (backward, gathered, into[0]), (backward, scattered, 0.0),
-            (backward, gathered, into[1]))
+    fused = 1.0 if gathers_fuse else 0.0  # an all-gather's matmul, where the pass fuses one
+    return ((forward, gathered, fused * qkv), (forward, scattered, out), (forward, gathered, fused * up),
+            (forward, scattered, down), (backward, scattered, 0.0), (backward, gathered, fused * out),
+            (backward, scattered, 0.0), (backward, gathered, fused * down))
 
 
 def async_tp_exposed_seconds(exchanges, *, tensor_parallel: int, link_gbps: float, matmul_tflops: float) -> float:

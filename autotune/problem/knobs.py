@@ -317,8 +317,6 @@ class SampleContext:
     """Expert-parallel degrees that apply (an MoE model: degrees dividing both its experts and the GPUs)."""
     tensor_parallel: tuple[int, ...] = (1,)
     """Tensor-parallel degrees that apply (tensor_parallel_degrees: a model with a plan, degrees within a node)."""
-    async_tensor_parallel: tuple[bool, ...] = (False,)
-    """Async TP values the sampler may draw (True only on GPUs, where tensor parallelism and compile apply)."""
     context_parallel: tuple[int, ...] = (1,)
     """Context-parallel degrees that apply (context_parallel_degrees)."""
     pipeline_parallel: tuple[int, ...] = (1,)
@@ -469,7 +467,7 @@ KNOBS: tuple[Knob, ...] = (
          label=lambda v: "async-tp" if v else "", short=lambda v: "atp" if v else "",
          optuna=lambda v: _categorical_param("async_tensor_parallel", (False, True))(v) if v else {},
          alternative=True, alternative_with={"tensor_parallel": 2, "compile": "blocks"}, keyed_at_default=False,
-         domain=lambda ctx: ctx.async_tensor_parallel),
+         domain=lambda ctx: (False,)),  # the sampler draws no split (tensor_parallel's domain stays at 1)
     Knob(name="loss_parallel", default=False, flag="--loss-parallel", parse=_bool, boolean=True,
          result_path=("parallelism", "loss_parallel"),
          help="loss parallelism (torchtitan's default under TP): the LM head split by vocabulary over the "
