@@ -25,20 +25,24 @@ from tests.test_sim_accuracy import assert_tensor_peaks_agree, predict_cpu_runs
 from tests.test_tensor_parallel import shrunk_or_catalog_model
 
 SEQ = 64
-# (model, ranks, context parallel, micro-batch, checkpointing): CP alone on 2 ranks, FSDP x CP on 4.
+# (model, ranks, context parallel, micro-batch, checkpointing[, tensor parallel]): CP alone on 2 ranks, FSDP x CP
+# on 4, and CP x TP2 (sequence parallelism) on 4, three families.
 MATRIX = [
     ("tiny-llama", 2, 2, 2, "none"),
     ("tiny-qwen2", 2, 2, 2, "full"),
     ("olmo2", 2, 2, 2, "none"),  # a shrunk OLMo 2: q/k norms over the whole projection, no catalog entry
     ("tiny-llama", 4, 2, 2, "none"),
+    ("tiny-llama", 4, 2, 2, "none", 2),
+    ("tiny-qwen2", 4, 2, 2, "full", 2),
+    ("granite", 4, 2, 2, "none", 2),  # a shrunk Granite (transformers' own config)
 ]
 
 
 def _spec(row, folder) -> TrialSpec:
-    name, ranks, cp, mb, ac = row
+    name, ranks, cp, mb, ac, tp = (*row, 1)[:6]
     return TrialSpec(model=shrunk_or_catalog_model(name, folder), cluster=Cluster(num_gpus=ranks), seq_len=SEQ,
-                     train=TrainConfig(context_parallel=cp, micro_batch_size=mb, activation_checkpointing=ac),
-                     grad_accum_steps=1)
+                     train=TrainConfig(context_parallel=cp, tensor_parallel=tp, micro_batch_size=mb,
+                                       activation_checkpointing=ac), grad_accum_steps=1)
 
 
 register("context-parallel", __name__, lambda folder: [_spec(row, folder) for row in MATRIX])
@@ -78,9 +82,9 @@ from autotune.problem.config import TrainConfig
 from autotune.distributed.parallel import ParallelDims, parallelize
 from autotune.distributed.training import build_model, micro_batch_loss, train_step
 
-rank, world = int(sys.argv[1]), 2
+rank, world, tp = int(sys.argv[1]), int(sys.argv[3]), int(sys.argv[4])
 dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=world)
-train = TrainConfig(precision="fp32", context_parallel=2)
+train = TrainConfig(precision="fp32", context_parallel=2, tensor_parallel=tp, loss_parallel=tp > 1)
 mesh = ParallelDims.of(train, world).build_mesh("cpu")
 
 
@@ -93,7 +97,7 @@ class Grads:  # train_step's optimizer: keeps the gradients (gathered whole) ins
 
 
 figures = {}
-for name in sys.argv[3:]:
+for name in sys.argv[5:]:
     spec = resolve_model(name)
     torch.manual_seed(0)
     whole = build_model(spec, precision="fp32")
@@ -105,7 +109,7 @@ for name in sys.argv[3:]:
     parallelize(parallel, mesh, train, allow_offload=False)
     optimizer = Grads()
     got = train_step(parallel, optimizer, iter([tokens.clone()]), grad_accum_steps=1)
-    dist.all_reduce(got)  # each rank's loss is its slice's share: the ranks' mean is the batch's
+    dist.all_reduce(got)  # each rank's loss is its slice's mean: the ranks' mean is the batch's (tp ranks hold the same)
     worst = 0.0
     for key, grad in optimizer.grads.items():
         reference = dict(whole.named_parameters())[key.replace("_checkpoint_wrapped_module.", "")].grad
@@ -117,13 +121,16 @@ dist.destroy_process_group()
 """
 
 
-def test_the_context_parallel_step_computes_the_whole_batchs_loss_and_gradients(tmp_path):
-    """Two gloo ranks, one CP group: parallelize() and train_step() as a trial runs them, in fp32, against
-    the same weights and tokens in one process without CP: one loss, and every gradient (gathered whole)
-    equal up to float32 reduction order. tiny-qwen2's attention is grouped-query (2 query heads per k/v)."""
-    models = ["tiny-llama", "tiny-qwen2"]
-    procs = [subprocess.Popen([sys.executable, "-c", _SAME_NUMBERS, str(rank), str(tmp_path / "store"), *models],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+@pytest.mark.parametrize("world, tp, models", [(2, 1, ["tiny-llama", "tiny-qwen2"]), (4, 2, ["tiny-qwen2"])],
+                         ids=["cp2", "cp2-tp2"])
+def test_the_context_parallel_step_computes_the_whole_batchs_loss_and_gradients(tmp_path, world, tp, models):
+    """Two gloo ranks, one CP group (and four: CP2 x TP2 with sequence and loss parallelism): parallelize() and
+    train_step() as a trial runs them, in fp32, against the same weights and tokens in one process unsplit: one
+    loss, and every gradient (gathered whole) equal up to float32 reduction order. tiny-qwen2's attention is
+    grouped-query (2 query heads per k/v)."""
+    procs = [subprocess.Popen([sys.executable, "-c", _SAME_NUMBERS, str(rank), str(tmp_path / "store"), str(world),
+                               str(tp), *models],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
     outs = [proc.communicate(timeout=300) for proc in procs]
     assert all(proc.returncode == 0 for proc in procs), outs[0][1][-3000:] + outs[1][1][-3000:]
     for name, figures in json.loads(outs[0][0].strip().splitlines()[-1]).items():
@@ -190,15 +197,17 @@ def test_past_the_context_wall_the_tune_splits_the_sequence(tmp_path):
     """llama3.1-8b at 128k tokens on 8 x h100-80gb: one sequence per GPU does not fit, checkpointed, offloaded or
     tensor-parallel with the head whole (the logits and checkpointed inputs grow with the tokens each GPU holds);
     only tp 8 with loss parallelism (the logits an eighth) does among those; a context-parallel group holding a
-    slice of each sequence does too, and wins, the batch shared by its GPUs."""
+    slice of each sequence does too (alone, or with tensor parallelism within it), and wins, the batch shared by its
+    GPUs."""
     import autotune
 
     result = autotune.tune("llama3.1-8b", gpus=8, gpu_type="h100-80gb", global_tokens="4Mi", seq_len=131072,
                            backend="sim", runs_dir=str(tmp_path / "runs"))
     import csv
 
-    assert result["parallelism"]["context_parallel"] > 1 and result["parallelism"]["tensor_parallel"] == 1
-    assert result["parallelism"]["data_parallel_ranks"] == 8 // result["parallelism"]["context_parallel"]
+    split = result["parallelism"]
+    assert split["context_parallel"] > 1
+    assert split["data_parallel_ranks"] == 8 // (split["context_parallel"] * split["tensor_parallel"])
     assert result["global_tokens"] == 4 * 2**20
     (trials,) = (tmp_path / "runs").glob("*/trials.csv")
     rows = list(csv.DictReader(trials.open()))

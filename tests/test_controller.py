@@ -380,7 +380,7 @@ def test_the_sampler_stops_when_the_space_is_exhausted():
     # 4,096 tokens on 8 GPUs x 256: micro-batches 1 and 2; only the optimizer implementation varies
     # besides (no checkpointing, offload, reshard, HSDP or compile to sample): 2 x 3 configurations in all.
     space = SearchSpace(checkpointing=False, offload=False, explore_no_reshard=False, compile="none", float8="none",
-                        tensor_parallel=False)
+                        tensor_parallel=False, context_parallel=False)
     backend = FormulaBackend()
     outcome = Controller(request_for(75, target=4096, space=space, time_budget_s=60), backend).tune()
     evaluated = {(t.micro_batch_size, t.optimizer_impl) for t in backend.calls}

@@ -226,15 +226,19 @@ def test_accelerate_hsdp_and_multi_node_launch_through_accelerate(run_result, tm
     assert node["argv"][node["argv"].index("--main_process_ip") + 1] == "10.0.0.1"
 
 
-def test_accelerate_tensor_parallel_mesh_through_accelerate(run_result, tmp_path, monkeypatch):
-    """--tp 2 on 8 GPUs: accelerate launch's own validation turns the YAML's parallelism_config into the
-    environment its ParallelismConfig reads: a (dp_shard 4, tp 2) mesh of the 8 GPUs; the file says that
-    transformers' own TP classes (tp_plan='auto') apply the plan, not torch's that autotune traced."""
+@pytest.mark.parametrize("cp", [1, 2])
+def test_accelerate_tensor_parallel_mesh_through_accelerate(run_result, tmp_path, monkeypatch, cp):
+    """--tp 2 (and --tp 2 --cp 2) on 8 GPUs: accelerate launch's own validation turns the YAML's parallelism_config
+    into the environment its ParallelismConfig reads: a (dp_shard 4, tp 2) mesh of the 8 GPUs (dp_shard 2, cp 2,
+    tp 2); the file says that transformers' own TP classes (tp_plan='auto') apply the plan, not torch's that autotune
+    traced."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    result = dict(run_result, parallelism={"tensor_parallel": 2, "data_parallel_ranks": run_result["gpus"] // 2})
+    data = 8 // (2 * cp)
+    result = dict(run_result, gpus=8, parallelism={"tensor_parallel": 2, "context_parallel": cp,
+                                                   "data_parallel_ranks": data})
     path, exported = write(tmp_path, result, "accelerate")
     assert any(w.startswith("tensor_parallel: approximated") and "tp_plan='auto'" in w for w in exported.warnings)
     for key in [k for k in os.environ if k.startswith(("PARALLELISM_CONFIG_", "ACCELERATE_"))]:
@@ -244,8 +248,8 @@ def test_accelerate_tensor_parallel_mesh_through_accelerate(run_result, tmp_path
         if key.startswith(("PARALLELISM_CONFIG_", "ACCELERATE_")):
             monkeypatch.setenv(key, value)
     mesh = ParallelismConfig()
-    assert (mesh.tp_size, mesh.dp_shard_size, mesh.dp_replicate_size) == (2, run_result["gpus"] // 2, 1)
-    assert mesh.total_size == run_result["gpus"] and mesh.tp_enabled
+    assert (mesh.tp_size, mesh.cp_size, mesh.dp_shard_size, mesh.dp_replicate_size) == (2, cp, data, 1)
+    assert mesh.total_size == 8 and mesh.tp_enabled and mesh.cp_enabled is (cp > 1)
 
 
 def _launched(tmp_path: Path, text: str, launcher: str, **env: str) -> dict:
@@ -958,6 +962,7 @@ for args in json.loads(sys.argv[1]):  # one exported command line per case
         "head": type(model.lm_head).__name__,
         "ep": cfg.parallelism.expert_parallel_degree, "cuda_graphs_off": cfg.training.disable_cuda_graphs,
         "tp": cfg.parallelism.tensor_parallel_degree, "async_tp": cfg.compile.enable_async_tensor_parallel,
+        "cp": cfg.parallelism.context_parallel_degree,
         "pp": [cfg.parallelism.pipeline_parallel_degree, cfg.parallelism.pipeline_parallel_schedule,
                cfg.parallelism.pipeline_parallel_microbatch_size],
     }), flush=True)
@@ -1047,6 +1052,10 @@ def torchtitan_builds(run_result, tmp_path_factory) -> dict:
                            parallelism={"tensor_parallel": 2, "async_tensor_parallel": True, "data_parallel_ranks": 4})
     tp_path = write(tmp_path_factory.mktemp("torchtitan"), tensor_parallel, "torchtitan")[0]
     runs.append(overrides_of(tp_path.read_text()))
+    tensor_context = dict(llama3_8b(run_result), gpus=8, seq_len=16384, parallelism={
+        "tensor_parallel": 2, "context_parallel": 2, "loss_parallel": True, "data_parallel_ranks": 2})
+    tp_cp_path = write(tmp_path_factory.mktemp("torchtitan"), tensor_context, "torchtitan")[0]
+    runs.append(overrides_of(tp_cp_path.read_text()))
     pipeline = dict(llama3_8b(run_result), gpus=8, grad_accum_steps=4,
                     parallelism={"pipeline_parallel": 2, "pipeline_schedule": "Interleaved1F1B", "data_parallel_ranks": 4})
     pp_path = write(tmp_path_factory.mktemp("torchtitan"), pipeline, "torchtitan")[0]
@@ -1060,6 +1069,7 @@ def torchtitan_builds(run_result, tmp_path_factory) -> dict:
     assert len(built) == len(runs), proc.stdout[-3000:]
     moe_got = built.pop()
     pp_got = built.pop()
+    tp_cp_got = built.pop()
     tp_got = built.pop()
     builds = {case: (result, path, got) for (case, (result, path)), got in zip(exports.items(), built)}
     builds["user-args"] = (None, last, built[-2 - (float8_path is not None)])
@@ -1068,6 +1078,7 @@ def torchtitan_builds(run_result, tmp_path_factory) -> dict:
         builds["float8"] = (None, float8_path, built[-1])
     builds["moe-ep"] = (None, moe, moe_got)
     builds["tp"] = (tensor_parallel, tp_path, tp_got)
+    builds["tp-cp"] = (tensor_context, tp_cp_path, tp_cp_got)
     builds["pp"] = (pipeline, pp_path, pp_got)
     return builds
 
@@ -1121,6 +1132,17 @@ def test_torchtitan_takes_the_tuned_tensor_parallel_degree_and_the_data_ranks_le
     assert (got["tp"], got["shard"], got["replicate"]) == (2, 4, 1)
     assert got["async_tp"] is True and got["compile"] == [True, ["model"]]  # --async-tp, accepted by its parser
     assert got["global"] == result["micro_batch_size"] * 4 * result["grad_accum_steps"]
+    subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+@pytest.mark.slow
+def test_torchtitan_takes_tensor_parallelism_within_context_parallelism(torchtitan_builds):
+    """--tp 2 --cp 2 on 8 GPUs at seq 16384: torchtitan 0.3 parses both degrees, with a data-parallel shard degree of
+    2 (its dp_shard excludes cp; FSDP shards over dp_shard x cp inside, as traced) and a global batch of the 2 data
+    ranks' sequences."""
+    result, path, got = torchtitan_builds["tp-cp"]
+    assert (got["tp"], got["cp"], got["shard"], got["replicate"]) == (2, 2, 2, 1)
+    assert got["seq_len"] == 16384 and got["global"] == result["micro_batch_size"] * 2 * result["grad_accum_steps"]
     subprocess.run(["bash", "-n", str(path)], check=True)
 
 

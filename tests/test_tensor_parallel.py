@@ -153,6 +153,31 @@ def test_the_tune_goes_past_the_batch_wall_with_tensor_parallelism(tmp_path):
     assert best["throughput_source"] == "estimated" and best["memory_source"] == "predicted+estimated"
 
 
+def test_past_the_batch_wall_the_mesh_winner_is_compiled_as_any_other(tmp_path):
+    """llama3-8b on 64 H100s with 128Ki tokens at seq 4096: 32 sequences for 64 GPUs, so the graph starts from the
+    meshes. The winner's step is then explored as FSDP's would be (compile was not explored here before):
+    torch cannot compile a tensor-parallel block checkpointed whole, so the compiled trials checkpoint op-level in
+    place of the eager ones' whole blocks, each reason says so, and the winner is the fastest trial that fits and
+    keeps the batch, counted from trials.csv."""
+    import csv
+
+    from autotune.drivers.cli import main
+
+    code = main(["--model", "llama3-8b", "--gpus", "64", "--gpu-type", "h100-80gb", "--global-tokens", "128Ki",
+                 "--seq-len", "4096", "--backend", "sim", "--runs-dir", str(tmp_path), "--float8", "none"])
+    assert code == 0
+    (run,) = tmp_path.glob("*/best.json")
+    best = json.loads(run.read_text())
+    rows = list(csv.DictReader((run.parent / "trials.csv").open()))
+    compiled = [r for r in rows if r["compile"] == "blocks" and r["tensor_parallel"] != "1"]
+    assert compiled and all(r["activation_checkpointing"].startswith("op") for r in compiled)
+    assert any("in place of every:4" in r["reason"] or "in place of full" in r["reason"] for r in compiled)
+    kept = [r for r in rows if r["fits"] == "True" and int(r["global_tokens"]) == 128 * 2**10]
+    fastest = max(kept, key=lambda r: float(r["tokens_per_sec"]))
+    assert best["tokens_per_sec"] == pytest.approx(float(fastest["tokens_per_sec"]))
+    assert best["compile"]["mode"] == fastest["compile"] == "blocks" and best["parallelism"]["tensor_parallel"] > 1
+
+
 def test_a_model_without_a_plan_still_meets_the_batch_wall_in_one_line(configs, capsys):
     """gpt2's config has no tensor-parallel plan: the wall stays where FSDP puts it, and the error says so
     in the user's own numbers."""
@@ -230,6 +255,7 @@ class _SplitFormula:
     ring per doubling. Not a cost model: the controller's path is what is checked."""
 
     name, memory_source, throughput_source = "split-formula", "estimated", "estimated"
+    applies_async_tp = True  # as TrialBackend's (base.py)
 
     def __init__(self, *, states_gib: float, activation_gib: float) -> None:
         self.states, self.activation = states_gib * 2**30, activation_gib * 2**30
@@ -254,7 +280,7 @@ class _SplitFormula:
 
 
 def _controller_outcome(backend, *, capacity_gib: float, target: int, context_parallel: bool = False,
-                        pipeline_parallel: bool = False, tensor_parallel: bool = True):
+                        pipeline_parallel: bool = False, tensor_parallel: bool = True, **request):
     from autotune.problem.catalog.gpus import GPUS
     from autotune.search.controller import Controller
     from autotune.search.records import TuneRequest
@@ -265,7 +291,7 @@ def _controller_outcome(backend, *, capacity_gib: float, target: int, context_pa
                           headroom=0.0, space=SearchSpace(offload=False, compile="none", float8="none",
                                                           context_parallel=context_parallel,
                                                           pipeline_parallel=pipeline_parallel,
-                                                          tensor_parallel=tensor_parallel))
+                                                          tensor_parallel=tensor_parallel), **request)
     return Controller(request, backend).tune()
 
 
@@ -279,6 +305,21 @@ def test_past_the_batch_wall_the_graph_starts_split():
     assert {2, 4} <= {train.tensor_parallel for train in backend.calls}
     assert outcome.winner is not None and outcome.winner.batch.global_tokens == 1024
     assert any("FSDP alone cannot hit the global batch" in note for note in outcome.notes)
+
+
+def test_past_the_batch_wall_a_time_budget_samples_the_meshes():
+    """The same wall under --time-budget: the sampler draws tensor- and context-parallel degrees, loss parallelism
+    and micro-batches that keep the batch with each group (without them it had no micro-batch to draw at the wall,
+    FSDP alone keeping none): every sampled trial is a mesh, new, and the winner hits the batch."""
+    backend = _SplitFormula(states_gib=20, activation_gib=10)
+    outcome = _controller_outcome(backend, capacity_gib=80, target=1024, context_parallel=True, time_budget_s=5)
+    graph = [s.train for s in outcome.steps if s.stage != "sample"]
+    sampled = [s.train for s in outcome.steps if s.stage == "sample"]
+    assert sampled and len(set(sampled)) == len(sampled) and not set(sampled) & set(graph)
+    assert all(train.ranks_per_batch > 1 for train in sampled)
+    assert {t.context_parallel for t in sampled} > {1} and {t.loss_parallel for t in sampled} == {False, True}
+    assert outcome.sampling["space_size"] > len(graph) + len(sampled)
+    assert outcome.winner is not None and outcome.winner.batch.global_tokens == 1024
 
 
 def test_past_the_batch_wall_a_searched_pipeline_runs_the_one_micro_batch_with_a_schedule_that_can():
@@ -308,14 +349,38 @@ def test_at_the_memory_wall_the_graph_tries_each_degree_and_the_smallest_that_fi
 def test_at_the_context_wall_context_parallelism_is_tried_and_wins_where_it_is_faster():
     """Activations of 300 GiB a sequence (30 GiB checkpointed) beside 10 GiB of states on 30 GiB GPUs: FSDP fits
     nothing; tp=2 (20 GiB) and cp=2 (25 GiB) both fit from the checkpointed graph, and cp=2 loses less time in the
-    formula: it wins, and each GPU pair shares one batch."""
+    formula: of the single splits it is the faster. The tp x cp pairs are traced too (at the wall), and one holding
+    an eighth of the activations grows its micro-batch past both: the winner is the fastest fitting trial."""
     backend = _SplitFormula(states_gib=10, activation_gib=300)
     outcome = _controller_outcome(backend, capacity_gib=30, target=4 * 2**20, context_parallel=True)
     tried = {(t.tensor_parallel, t.context_parallel) for t in backend.calls}
-    assert {(1, 1), (2, 1), (1, 2)} <= tried and not any(tp > 1 and cp > 1 for tp, cp in tried)
+    assert {(1, 1), (2, 1), (1, 2)} <= tried and any(tp > 1 and cp > 1 for tp, cp in tried)
+    assert all(tp * cp <= 8 for tp, cp in tried)  # both within the node of 8
+
+    def fastest(tp: int, cp: int) -> float:
+        return max((s.result.throughput for s in outcome.steps if s.fits and (s.train.tensor_parallel,
+                    s.train.context_parallel) == (tp, cp)), default=0.0)
+
+    assert fastest(1, 2) > fastest(2, 1) > 0
+    fitting = [s for s in outcome.steps if s.fits]
+    assert outcome.winner.result.throughput == max(s.result.throughput for s in fitting)
     winner = outcome.winner.train
-    assert winner.context_parallel == 2 and winner.tensor_parallel == 1
-    assert outcome.winner.batch.global_tokens == winner.micro_batch_size * 256 * 4 * outcome.winner.batch.grad_accum_steps
+    assert outcome.winner.batch.global_tokens == (winner.micro_batch_size * 256 * 8 // winner.ranks_per_batch
+                                                  * outcome.winner.batch.grad_accum_steps)
+
+
+def test_where_neither_split_holds_a_sequence_alone_tensor_within_context_parallelism_does():
+    """States of 40 GiB and 1,000 GiB of activations a sequence (100 GiB checkpointed) on 30 GiB GPUs, 8 a node:
+    cp=8 keeps the states whole (40 + 12.5 GiB), tp=4 (tiny-llama's 4 heads) a quarter of the activations (10 + 25);
+    tp=4 x cp=2 holds a quarter of the states and an eighth of the activations (10 + 12.5 GiB) and fits: it wins,
+    the 8 GPUs of the node sharing one batch."""
+    backend = _SplitFormula(states_gib=40, activation_gib=1000)
+    outcome = _controller_outcome(backend, capacity_gib=30, target=4 * 2**20, context_parallel=True)
+    alone = [s for s in outcome.steps if (s.train.tensor_parallel == 1) != (s.train.context_parallel == 1)]
+    assert alone and not any(s.fits for s in alone)
+    winner = outcome.winner.train
+    assert (winner.tensor_parallel, winner.context_parallel) == (4, 2)
+    assert outcome.winner.batch.global_tokens == winner.micro_batch_size * 256 * outcome.winner.batch.grad_accum_steps
 
 
 def test_the_search_space_can_leave_context_parallelism_out():

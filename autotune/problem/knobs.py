@@ -323,6 +323,10 @@ class SampleContext:
     """Pipeline-parallel degrees that apply (pipeline_parallel_degrees)."""
     pipeline_schedules: tuple[str, ...] = ("1F1B",)
     """Pipeline schedules the sampler may draw (only where a degree above 1 applies)."""
+    async_tensor_parallel: tuple[bool, ...] = (False,)
+    """Async TP values (both where tensor-parallel degrees and compiled blocks are drawn and trials run it)."""
+    loss_parallel: tuple[bool, ...] = (False,)
+    """Loss-parallel values (both where tensor-parallel degrees are drawn and the search allows it)."""
     hsdp_groups: tuple[int, ...] = ()
     """HSDP group sizes that apply (several nodes): node, 2 nodes, ..."""
     reshard_groups: tuple[int, ...] = ()
@@ -467,7 +471,7 @@ KNOBS: tuple[Knob, ...] = (
          label=lambda v: "async-tp" if v else "", short=lambda v: "atp" if v else "",
          optuna=lambda v: _categorical_param("async_tensor_parallel", (False, True))(v) if v else {},
          alternative=True, alternative_with={"tensor_parallel": 2, "compile": "blocks"}, keyed_at_default=False,
-         domain=lambda ctx: (False,)),  # the sampler draws no split (tensor_parallel's domain stays at 1)
+         domain=lambda ctx: ctx.async_tensor_parallel),
     Knob(name="loss_parallel", default=False, flag="--loss-parallel", parse=_bool, boolean=True,
          result_path=("parallelism", "loss_parallel"),
          help="loss parallelism (torchtitan's default under TP): the LM head split by vocabulary over the "
@@ -476,7 +480,7 @@ KNOBS: tuple[Knob, ...] = (
          label=lambda v: "loss-par" if v else "", short=lambda v: "lp" if v else "",
          optuna=lambda v: _categorical_param("loss_parallel", (False, True))(v) if v else {},
          alternative=True, alternative_with={"tensor_parallel": 2}, keyed_at_default=False,
-         domain=lambda ctx: (False,)),
+         domain=lambda ctx: ctx.loss_parallel),
     Knob(name="context_parallel", default=1, flag="--cp", parse=_degree("context"),
          result_path=("parallelism", "context_parallel"),
          help="context parallelism: each sequence split over groups of this many GPUs (torch's ring attention "
@@ -758,15 +762,20 @@ def context_parallel_degrees(shape: ProblemShape) -> tuple[int, ...]:
 
 
 def _check_context_parallel(values: dict[str, Any], shape: ProblemShape) -> None:
-    """--cp: a degree within a node whose ring the model's attention allows (why_no_context_parallel), and
-    only the knobs context parallelism is built with here (FSDP over every GPU, no other split)."""
-    cp = values["context_parallel"]
+    """--cp: a degree within a node whose ring the model's attention allows (why_no_context_parallel), with
+    tensor parallelism inside the same node (torchtitan's mesh order: cp groups of tp groups), and only the
+    knobs context parallelism is built with here (FSDP over every GPU's data x cp ranks, no other split)."""
+    cp, tp = values["context_parallel"], values["tensor_parallel"]
     if cp == 1:
         return
     flag, model, per_node = f"--cp {cp}", shape.model, shape.gpus_per_node
     if per_node % cp or shape.num_gpus % cp:
         raise UsageError(f"{flag}: the context-parallel degree must divide the {per_node} GPUs per node (its ring "
                          f"passes keys and values every layer, within a node), e.g. --cp {_largest_divisor(per_node, 8)}")
+    if tp > 1 and per_node % (tp * cp):
+        raise UsageError(f"{flag} with --tp {tp}: the {tp} x {cp} GPUs sharing each batch must divide the {per_node} "
+                         f"GPUs per node (both exchange every layer, within a node), e.g. --cp "
+                         f"{_largest_divisor(max(per_node // tp, 1), cp)}")
     if shape.packed:
         raise UsageError(f"{flag} with --token-budget: the ring attention computes one causal sequence, not packed "
                          "documents; drop one of them")
@@ -778,7 +787,7 @@ def _check_context_parallel(values: dict[str, Any], shape: ProblemShape) -> None
     why = why_no_context_parallel(model.config_dict, seq_len=shape.seq_len, degree=cp)
     if why:
         raise UsageError(f"{flag}: {model.name} at sequence length {shape.seq_len}: {why}; use --cp 1")
-    _refuse_unbuilt(values, flag, "context parallelism", ("tensor_parallel", "shard_group_size", "reshard_group_size",
+    _refuse_unbuilt(values, flag, "context parallelism", ("shard_group_size", "reshard_group_size",
                                                           "expert_parallel", "compile", "float8", "cpu_offload",
                                                           "activation_offload", "shard_placement"))
 

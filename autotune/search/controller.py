@@ -46,7 +46,7 @@ while still below the best configuration found: throughput saturates with the mi
 
 
 TENSOR_PIPELINE_CANDIDATES = 3
-"""How many tp x pp pairs the search traces (the closed form's first: _explore_tensor_pipeline): a pipeline
+"""How many tp x pp (or tp x cp) pairs the search traces (the closed form's first: _explore_tensor_pairs): a pipeline
 candidate on a 70B model costs about a CPU-minute to trace (docs/PIPELINE.md), and up to 12 pairs are allowed."""
 
 COMPILE_CANDIDATES = 2
@@ -271,8 +271,10 @@ class Controller:
             self.notes.append(f"FSDP alone cannot hit the global batch: one sequence per GPU is {batch.global_tokens:,} "
                               f"tokens per step, {batch.deviation:+.0%} off the target; tensor, context and pipeline "
                               "parallelism let several GPUs share one sequence")
-            if not self._explore_meshes(start=base.with_(
+            if self._explore_meshes(start=base.with_(
                     activation_checkpointing="full" if space.checkpointing else "none")):
+                self._explore_the_step()
+            else:
                 self.notes.append("no tensor-, context- or pipeline-parallel degree the model and the cluster allow "
                                   "fits either")
             return
@@ -296,7 +298,8 @@ class Controller:
             step = self.run("offload", checkpointed.with_(cpu_offload=True, activation_offload=True),
                             f"{self._why(step)} with parameters offloaded: offload the saved activations too")
         if not step.fits and self._explore_meshes(start=checkpointed):
-            return  # the memory wall: FSDP alone holds nothing, a tensor-parallel mesh does
+            self._explore_the_step()  # the memory wall: FSDP alone holds nothing, a mesh does
+            return
         if not step.fits:
             self.notes.append(why_nothing_fits(step, self.request))
             return
@@ -425,6 +428,12 @@ class Controller:
             # Context parallelism trades ring sends for activation memory: beyond the walls it is worth a trial
             # only where the best so far pays for its activations with recompute.
             self._explore_split("context_parallel")
+            self._explore_tensor_context()
+        self._explore_the_step()
+
+    def _explore_the_step(self) -> None:
+        """What changes the step of the best layouts found, not their layout: resharding, compiled blocks, float8,
+        async TP. Beyond the graph, and at FSDP's walls after the meshes (a mesh winner is compiled as any other)."""
         self._explore_no_reshard()
         self._explore_reshard_to_a_node()
         self._explore_compile()
@@ -559,14 +568,30 @@ class Controller:
             for step in candidates:
                 if tried == COMPILE_CANDIDATES:
                     break
-                train = step.train.with_(compile="blocks")
-                if (self._find(train) or not self._buildable(train)  # e.g. a split compile is not built with
-                        or (why != "fits eager" and not self._could_win(train))):
+                train, instead = self._compiled(step.train)
+                if (train is None or self._find(train)  # e.g. a split compile is not built with
+                        or ((why != "fits eager" or instead) and not self._could_win(train))):
                     continue
                 tried += 1
                 self.run("explore", train, f"compile each decoder block of {step.train.label()} (step {step.step}, "
-                                           f"{why}): the same configuration with torch.compile")
+                                           f"{why}): the same configuration with torch.compile{instead}")
         self._grow_compiled()
+
+    def _compiled(self, train: TrainConfig) -> tuple[TrainConfig | None, str]:
+        """`train` with compiled blocks, and what was changed besides (for the reason); None where it does not
+        build. torch cannot compile a tensor-parallel block checkpointed whole (knobs.check_combination): there the
+        space's op-level checkpointing takes the whole-block one's place, as torchtitan's compiled TP recipes run."""
+        compiled = train.with_(compile="blocks")
+        if self._buildable(compiled):
+            return compiled, ""
+        if train.tensor_parallel > 1 and train.activation_checkpointing.mode in ("full", "every"):
+            for policy in self.request.space.op_level:
+                op = compiled.with_(activation_checkpointing=str(Checkpointing(mode="op", policy=policy)))
+                if self._buildable(op):
+                    return op, (f", op-level checkpointing ({op.activation_checkpointing}) in place of "
+                                f"{train.activation_checkpointing}: torch cannot compile a tensor-parallel block "
+                                "checkpointed whole")
+        return None, ""
 
     def _grow_compiled(self) -> None:
         """Grow the fastest fitting compiled configuration's micro-batch as the graph grows eager's:
@@ -714,33 +739,54 @@ class Controller:
             self._align(self._grow(fastest.train, stage="explore", until_saturated=True))
 
     def _explore_meshes(self, *, start: TrainConfig | None = None) -> bool:
-        """Tensor, context, then pipeline parallelism (_explore_split); True where any fits."""
+        """Tensor, context, then pipeline parallelism (_explore_split), then tensor parallelism within pipelines and
+        within context-parallel groups (_explore_tensor_pairs); True where any fits."""
         found = [self._explore_split(knob, start=start) for knob in self._SPLITS]
         found.append(self._explore_tensor_pipeline(start=start))
+        found.append(self._explore_tensor_context(start=start))
         return any(found)
 
     def _explore_tensor_pipeline(self, *, start: TrainConfig | None = None) -> bool:
         """FSDP x TP x PP (torchtitan's mesh for its 405B recipes, Llama 3's): pipeline stages over tensor-parallel
-        groups, where the space searches both (_explore_split tries each alone). Of every tp x pp pair the model and
-        the cluster allow, at most TENSOR_PIPELINE_CANDIDATES are traced: those the closed form (the estimator) puts
-        first, the fastest of those it says fit and keep the global batch, then the least memory of the rest
-        (without an estimator, the widest tp with each pp). Each is tried as _try_mesh says (at FSDP's walls, where
-        tp x pp GPUs share each sequence, or where the estimate allows it to win); the fastest that fits is grown.
-        True where one fits."""
+        groups (_explore_tensor_pairs). True where one fits."""
+        return self._explore_tensor_pairs("pipeline_parallel", start=start)
+
+    def _explore_tensor_context(self, *, start: TrainConfig | None = None) -> bool:
+        """FSDP x CP x TP (torchtitan's mesh order: cp groups of tp groups, within a node): each sequence split
+        over the context-parallel ranks, each block's linears over the tensor-parallel ones, for sequences whose
+        activations neither split holds alone within a node (_explore_tensor_pairs). True where one fits."""
+        return self._explore_tensor_pairs("context_parallel", start=start)
+
+    _PAIRS = {
+        "pipeline_parallel": "tensor parallelism over {tp} GPUs of a node within pipeline parallelism over {n} stages "
+                             "({group} GPUs share a batch, each holding 1/{tp} of 1/{n} of the decoder blocks)",
+        "context_parallel": "tensor parallelism over {tp} GPUs within context parallelism over {n} such groups of a "
+                            "node ({group} GPUs share a batch, each holding 1/{tp} of every block's linears and 1/{n} "
+                            "of every sequence)",
+    }
+
+    def _explore_tensor_pairs(self, knob: str, *, start: TrainConfig | None = None) -> bool:
+        """Tensor parallelism with another split (`knob`: pipeline or context parallelism), where the space searches
+        both (_explore_split tries each alone). Of every tp x n pair the model and the cluster allow, at most
+        TENSOR_PIPELINE_CANDIDATES are traced: those the closed form (the estimator) puts first, the fastest of those
+        it says fit and keep the global batch, then the least memory of the rest (without an estimator, the widest
+        tp with each n). Each is tried as _try_mesh says (at FSDP's walls, where tp x n GPUs share each sequence, or
+        where the estimate allows it to win); the fastest that fits is grown. True where one fits."""
         space = self.request.space
         tensor_degrees = knobs.tensor_parallel_degrees(self.shape)[1:] if space.tensor_parallel else ()
-        pipeline_degrees = knobs.pipeline_parallel_degrees(self.shape)[1:] if space.pipeline_parallel else ()
+        other_degrees = self._SPLIT_DEGREES[knob](self.shape)[1:] if getattr(space, knob) else ()
         base = self._mesh_base(start)
-        if not tensor_degrees or not pipeline_degrees or base is None:
+        if not tensor_degrees or not other_degrees or base is None:
             return False
-        pairs = [self._with_runnable_schedule(base.with_(tensor_parallel=tp, pipeline_parallel=pp))
-                 for tp in reversed(tensor_degrees) for pp in pipeline_degrees]
+        pairs = [self._with_runnable_schedule(base.with_(tensor_parallel=tp, **{knob: n}))
+                 for tp in reversed(tensor_degrees) for n in other_degrees]
         pairs = [train for train in pairs if self._buildable(train)]
+        peaks: dict[TrainConfig, int] = {}
         if self.estimator is not None:
             def rank(train: TrainConfig) -> tuple:
-                estimate = self.estimator.evaluate(self.request.spec(train))
+                estimate = self.estimator.evaluate(self.request.spec(self._with_loss_parallel(train)))
                 batch = self.request.global_batch(1, ranks_per_batch=train.ranks_per_batch)
-                peak = estimate.peak_bytes or 0
+                peak = peaks[train] = estimate.peak_bytes or 0
                 held = (estimate.ok and peak <= self.request.memory_limit_bytes
                         and within_tolerance(batch, self.request.tolerance))
                 return (0, -(estimate.throughput or 0.0)) if held else (1, peak)
@@ -749,10 +795,14 @@ class Controller:
             pairs = [train for train in pairs if train.tensor_parallel == tensor_degrees[-1]]
         fitting = []
         for train in pairs[:TENSOR_PIPELINE_CANDIDATES]:
-            tp, pp = train.tensor_parallel, train.pipeline_parallel
-            step = self._try_mesh(train, f"tensor parallelism over {tp} GPUs of a node within pipeline parallelism "
-                                         f"over {pp} stages ({tp * pp} GPUs share a batch, each holding 1/{tp} of "
-                                         f"1/{pp} of the decoder blocks)", f"tp {tp} x pp {pp}")
+            tp, n = train.tensor_parallel, getattr(train, knob)
+            short = f"tp {tp} x {'pp' if knob == 'pipeline_parallel' else 'cp'} {n}"
+            limit = self.request.memory_limit_bytes * screen_margin(train.compile != "none")
+            if peaks.get(train, 0) > limit:  # a trace of it is minutes on a large model, and cannot fit
+                self.notes.append(f"not traced: {short} (estimated {peaks[train] / 2**30:.1f} GiB a GPU, far over the "
+                                  f"{self.request.memory_limit_bytes / 2**30:.1f} GiB limit)")
+                continue
+            step = self._try_mesh(train, self._PAIRS[knob].format(tp=tp, n=n, group=tp * n), short)
             if step is not None and step.fits:
                 fitting.append(step)
         return self._grow_fastest(fitting)
@@ -848,18 +898,34 @@ class Controller:
         request, space, cluster = self.request, self.request.space, self.request.cluster
         base = self.steps[0].train
         groups = knobs.hsdp_group_sizes(self.shape) if space.hsdp else ()
+
+        def degrees(knob: str) -> tuple[int, ...]:  # HSDP is built without the meshes: drawn apart
+            return self._SPLIT_DEGREES[knob](self.shape) if getattr(space, knob) and not groups else (1,)
+
+        tensor, context, pipeline = degrees("tensor_parallel"), degrees("context_parallel"), degrees("pipeline_parallel")
+        compile_modes = ("none", "blocks") if self.compile_search == "explore" else (base.compile,)
+        split = len(tensor) > 1
+        # Micro-batches that keep the global batch with some group of GPUs sharing each batch: a draw whose own
+        # group misses it is worth 0 to the sampler (_sample_value).
+        groups_of = {tp * cp * pp for tp in tensor for cp in context for pp in pipeline}
+        micro_batches = sorted({size for ranks in groups_of if cluster.num_gpus % ranks == 0
+                                for size in self._aligned_sizes(request.max_micro_batch_at(ranks), ranks)})
         ctx = knobs.SampleContext(
-            precision=base.precision, micro_batches=tuple(sorted(self._aligned_sizes(request.max_micro_batch))),
+            precision=base.precision, micro_batches=tuple(micro_batches),
             num_layers=request.model.num_layers, checkpointing=space.checkpointing, op_level=space.checkpointing,
             offload=self._searches_offload,
             activation_offload=self._searches_offload and space.offload_activations,
             reshard=(True, False) if space.explore_no_reshard else (base.reshard_after_forward,),
             placements=(base.shard_placement,),
-            compile_modes=("none", "blocks") if self.compile_search == "explore" else (base.compile,),
+            compile_modes=compile_modes,
             float8_recipes=(knobs.FLOAT8_RECIPES if self.float8_search == "explore" and cluster.gpu.has_float8
                             else (base.float8,)),
             hsdp_groups=tuple(groups),
-            pipeline_parallel=knobs.pipeline_parallel_degrees(self.shape) if space.pipeline_parallel and not groups else (1,),
+            tensor_parallel=tensor, context_parallel=context,
+            async_tensor_parallel=((False, True) if split and "blocks" in compile_modes and space.async_tensor_parallel
+                                   and self.backend.applies_async_tp else (False,)),
+            loss_parallel=(False, True) if split and space.loss_parallel else (False,),
+            pipeline_parallel=pipeline,
             pipeline_schedules=knobs.PIPELINE_SCHEDULES if space.pipeline_parallel and not groups else ("1F1B",),
             expert_parallel=(1, *self._expert_parallel_degrees(base)) if not groups else (1,),
             reshard_groups=(cluster.gpus_per_node,) if (space.explore_no_reshard and cluster.num_nodes > 1
@@ -908,7 +974,7 @@ class Controller:
                 study.add_trial(optuna.trial.create_trial(params=p, distributions=distributions, value=value))
         stats = {"sampler": "optuna TPESampler", "seed": SAMPLER_SEED, "space_size": size,
                  "from_graph": len(tried), "sampled": 0, "predicted_not_to_fit": 0, "estimated_not_to_fit": 0,
-                 "estimated_slower": 0, "not_buildable": 0,
+                 "estimated_slower": 0, "not_buildable": 0, "off_the_batch": 0,
                  "stopped": "", "source": "knob domains in autotune/problem/knobs.py"}
         self.sampling = stats
         rng = random.Random(SAMPLER_SEED)
@@ -946,7 +1012,8 @@ class Controller:
                           f"{stats['predicted_not_to_fit']} predicted not to fit (not launched), "
                           f"{stats['estimated_not_to_fit']} estimated far over the memory limit and "
                           f"{stats['estimated_slower']} estimated slower than the best (neither traced), "
-                          f"{stats['not_buildable']} combining knobs the problem cannot hold (not tried); "
+                          f"{stats['not_buildable']} combining knobs the problem cannot hold and "
+                          f"{stats['off_the_batch']} missing the global batch (neither tried); "
                           f"stopped: {stats['stopped']}")
 
     def _untried(self, domains: dict[str, tuple], tried: dict, rng: random.Random) -> TrainConfig:
@@ -963,6 +1030,10 @@ class Controller:
         expert parallelism) is counted, not tried."""
         if not self._buildable(train):
             stats["not_buildable"] += 1
+            return 0.0
+        batch = self.request.global_batch(train.micro_batch_size, ranks_per_batch=train.ranks_per_batch)
+        if self.request.packing is None and not within_tolerance(batch, self.request.tolerance):
+            stats["off_the_batch"] += 1  # its micro-batch keeps the batch with another group of GPUs, not this one
             return 0.0
         spec = self.request.spec(train)
         if self.predictor is not None:  # real trials: the simulator predicts first, for free

@@ -24,7 +24,9 @@ class ParallelDims:
 
     Context parallelism (`cp` > 1) sits between them, in torchtitan's order (dp_replicate, dp_shard,
     cp, tp): cp neighbouring ranks share one batch, each holding a slice of every sequence, and split
-    no weights, so FSDP shards every parameter over all dp_shard x cp ranks.
+    no weights, so FSDP shards every parameter over all dp_shard x cp ranks. With tensor parallelism too the mesh
+    is (dp_shard, cp, tp): cp groups of tp neighbouring ranks, FSDP sharding what each tp rank holds over the
+    flattened dp_shard x cp ranks.
 
     Pipeline parallelism (`pp` > 1) is the outermost dimension, in torchtitan's order (pp, dp_replicate,
     dp_shard, cp, tp): the world splits into pp blocks of world / pp consecutive ranks, block k holding
@@ -53,8 +55,8 @@ class ParallelDims:
             raise ValueError("pipeline parallelism with context or expert parallelism or HSDP is not built here")
         if tp > 1 and (train.shard_group_size or train.expert_parallel > 1):
             raise ValueError("tensor parallelism with HSDP or expert parallelism is not built here")
-        if cp > 1 and (tp > 1 or train.shard_group_size or train.expert_parallel > 1):
-            raise ValueError("context parallelism with tensor or expert parallelism or HSDP is not built here")
+        if cp > 1 and (train.shard_group_size or train.expert_parallel > 1):
+            raise ValueError("context parallelism with expert parallelism or HSDP is not built here")
         data = world_size // (tp * cp * pp)
         shard = train.shard_group_size or data
         if data % shard:
@@ -101,7 +103,8 @@ class ParallelDims:
         """The mesh fully_shard takes: a 2-D one shards over its last dimension and replicates over
         the first (HSDP). With expert parallelism, the 1-D dp_shard mesh flattened from the 2-D
         (dp_shard_mod_ep, ep) one that `expert_meshes` reads back; with context parallelism, the 1-D
-        dp_shard_cp mesh flattened from the 2-D (dp_shard, cp) one that `context_mesh` reads back."""
+        dp_shard_cp mesh flattened from the (dp_shard, cp[, tp]) one that `context_mesh` (and `tensor_mesh`)
+        read back."""
         from torch.distributed.device_mesh import init_device_mesh
 
         if self.pp > 1:  # the data mesh of a (pp, [dp_replicate,] dp_shard[, tp]) mesh; pipeline_mesh reads pp back,
@@ -114,9 +117,11 @@ class ParallelDims:
             experts = init_device_mesh(device_type, (self.dp_shard // self.ep, self.ep),
                                        mesh_dim_names=("dp_shard_mod_ep", "ep"))
             return experts._flatten("dp_shard")
-        if self.cp > 1:
-            root = init_device_mesh(device_type, (self.dp_shard, self.cp), mesh_dim_names=("dp_shard", "cp"))
-            return root._flatten("dp_shard_cp")
+        if self.cp > 1:  # (dp_shard, cp[, tp]): FSDP over dp_shard x cp flattened, tp innermost
+            tp = (self.tp,) if self.tp > 1 else ()
+            root = init_device_mesh(device_type, (self.dp_shard, self.cp, *tp),
+                                    mesh_dim_names=("dp_shard", "cp", *(("tp",) if tp else ())))
+            return root["dp_shard", "cp"]._flatten("dp_shard_cp")
         if self.tp > 1:  # the data mesh of a (dp_shard, tp) mesh; tensor_mesh reads the tp one back
             root = init_device_mesh(device_type, (*self.shape, self.tp), mesh_dim_names=(*self.dim_names, "tp"))
             return root[self.dim_names]
