@@ -208,6 +208,10 @@ def test_past_the_context_wall_the_tune_splits_the_sequence(tmp_path):
     split = result["parallelism"]
     assert split["context_parallel"] > 1
     assert split["data_parallel_ranks"] == 8 // (split["context_parallel"] * split["tensor_parallel"])
+    # No range: no published run of the winner's mesh is held out, and the label names each of its splits.
+    assert result["tokens_per_sec_range"] is None
+    assert ("tensor" in result["tokens_per_sec_range_from"]) is (split["tensor_parallel"] > 1)
+    assert "context" in result["tokens_per_sec_range_from"]
     assert result["global_tokens"] == 4 * 2**20
     (trials,) = (tmp_path / "runs").glob("*/trials.csv")
     rows = list(csv.DictReader(trials.open()))

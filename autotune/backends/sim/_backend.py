@@ -730,11 +730,13 @@ class SimBackend(TrialBackend):
                 extras["compile_eager_step_time"] = step_of(dataclasses.replace(
                     work, dispatched_ops_per_microbatch=twin["dispatched_ops"])).to_dict()
         if spec.train.ranks_per_batch > 1:  # the held-out rows are FSDP runs: they say nothing of TP's or CP's sends
-            split = ("tensor" if spec.train.tensor_parallel > 1 else "context" if spec.train.context_parallel > 1
-                     else "pipeline")
+            splits = [name for name, degree in (("tensor", spec.train.tensor_parallel),
+                                                ("context", spec.train.context_parallel),
+                                                ("pipeline", spec.train.pipeline_parallel)) if degree > 1]
+            split, mesh = " and ".join(splits), " x ".join(f"{name[0].upper()}P" for name in splits)
             extras["tokens_per_sec_range_from"] = f"not validated for {split} parallelism"
             return Figure(step.tokens_per_sec, "estimated", f"{step.basis}; {counted}; not validated for {split} "
-                          f"parallelism: no published FSDP x {split[0].upper()}P run is among the held-out rows, so no "
+                          f"parallelism: no published FSDP x {mesh} run is among the held-out rows, so no "
                           "range (docs/VALIDATION.md)"), ""
         shipped = profile_for(spec.cluster.gpu)
         span = costmodel.estimate_range(step.tokens_per_sec, shipped, host_bound=step.host_bound)
