@@ -4,7 +4,7 @@ categories compared to the byte, with the seconds each took.
 
     python benchmarks/bench_pipeline_extrapolation.py        # the 8 rows: several minutes on a 2-core VM
 
-tests/test_pipeline_parallel.py runs three of the rows (SUITE_ROWS there) with the same `compare`.
+tests/test_pipeline_parallel.py runs one of the rows (SUITE_ROWS there) with the same `compare`.
 """
 
 from __future__ import annotations

@@ -103,6 +103,27 @@ def test_extrapolated_equals_a_full_depth_trace_on_a_deep_model(cpu_sim, cpu_sim
     assert shallow.extras["flops_per_gpu_per_step"] == full.extras["flops_per_gpu_per_step"]
 
 
+@pytest.mark.parametrize("seq_len", [64, 4], ids=["logits-largest", "weights-largest"])
+def test_a_micro_batch_extrapolations_largest_allocation_is_exact_or_a_bound_above_it(gpu_sim, seq_len):
+    """The largest allocation the fragmentation term scales with, at micro-batch 5 extrapolated from traces at 2 and
+    3, against traces at 6 and 2 (each a first look: traced as asked). Where it grows with the micro-batch (the fp32
+    logits at seq 64) it is exact: 5 x seq x vocabulary x 4 bytes. Where it is weight-sized (seq 4: the logits are
+    4 x 512 x 4 B a sequence), the same W at micro-batches 2 and 6, it is W x 5 / 3: a bound above it, under the
+    W x 5 / 2 that scaling the trace at 2 would give."""
+    spec = _spec(_deeper("micro-llama", 5), seq_len=seq_len, micro_batch_size=6)
+    at = {mb: gpu_sim.evaluate(spec.with_train(spec.train.with_(micro_batch_size=mb))) for mb in (6, 5, 2)}
+    assert at[6].extras["traced_micro_batches"] == [6] and at[5].extras["traced_micro_batches"] == [2, 3]
+    largest = {mb: result.extras["largest_allocation_bytes"] for mb, result in at.items()}
+    if seq_len == 64:
+        logits = seq_len * spec.model.config_dict["vocab_size"] * 4
+        # At 2 a weight-sized tensor (262,400 B) is a little larger than the logits: max(W, a x m) switches.
+        assert (largest[6], largest[5]) == (6 * logits, 5 * logits) and largest[2] >= 2 * logits
+    else:
+        weight = largest[6]
+        assert largest[2] == weight and weight > 6 * seq_len * spec.model.config_dict["vocab_size"] * 4
+        assert weight < largest[5] == weight * 5 // 3 < weight * 5 // 2
+
+
 def test_extrapolation_finds_a_peak_next_to_the_first_block(cpu_sim, cpu_sim_whole):
     # Full checkpointing, no accumulation: backward grows towards the bottom, and the peak is in
     # the second block (the first has nothing to prefetch), a site the shallow copies must have.

@@ -352,7 +352,8 @@ class SimBackend(TrialBackend):
         combined = extrapolate(traces, num_layers=num_layers, micro_batch_size=mb, period=period)
         notes = dict(traced_layers=list(depths), traced_micro_batches=list(mbs), extrapolated=True,
                      flops_per_microbatch=combined.flops, dropped_sites=combined.dropped_sites,
-                     op_work=dict(combined.op_work or {}), offloaded_activations=dict(combined.offloaded or {}))
+                     op_work=dict(combined.op_work or {}), offloaded_activations=dict(combined.offloaded or {}),
+                     largest_allocation_bytes=_largest_at(traces, depths, mbs, mb))
         return combined.sites, traces[depths[0], mbs[0]], notes
 
     def _pipeline_sites(self, spec: TrialSpec) -> tuple[dict, StepTrace, dict[str, Any]]:
@@ -479,8 +480,7 @@ class SimBackend(TrialBackend):
                 if spec.workload.weight_sync else None)
         runtime = None
         if self.device_kind == "cuda":
-            traced_mb = (notes.get("traced_micro_batches") or [spec.train.micro_batch_size])[0]
-            largest = max(trace.largest_allocation_bytes * spec.train.micro_batch_size // traced_mb,
+            largest = max(notes.get("largest_allocation_bytes", trace.largest_allocation_bytes),
                           trace.sync_largest_allocation_bytes)
             runtime = runtime_memory(spec.cluster.gpu, world_size=world_size,
                                      gpus_per_node=spec.cluster.gpus_per_node, tensor_peak_bytes=tensor_peak,
@@ -544,7 +544,8 @@ class SimBackend(TrialBackend):
             extras["weight_sync"] = {k: v for k, v in sync.items() if k != "basis"}
         if runtime:
             workspace = sum(t.bytes for t in runtime.terms if t.name == "cublas_workspace")
-            extras.update(runtime_memory=runtime.to_dict(), predicted_allocated_bytes=int(tensor_peak + workspace),
+            extras.update(runtime_memory=runtime.to_dict(), largest_allocation_bytes=int(largest),
+                          predicted_allocated_bytes=int(tensor_peak + workspace),
                           predicted_reserved_bytes=int(tensor_peak + runtime.in_allocator_bytes),
                           predicted_device_bytes=int(total))
         throughput, message = self._throughput(spec, trace, notes["flops_per_microbatch"], extras,
@@ -923,6 +924,19 @@ def _weight_sync(sites: dict, peak_key: tuple, *, source: str = "predicted") -> 
 SYNC_HOW = ("TRL's colocate weight sync as traced: named_parameters() in order, each fp32 shard gathered with "
             "full_tensor() while the previous full parameter is still held (trl/generation/vllm_generation.py, "
             "VLLMGeneration.sync_weights / _iter_fsdp2_params)")
+
+
+def _largest_at(traces: dict, depths, mbs, mb: int) -> int:
+    """The step's largest single allocation at micro-batch `mb` (for the fragmentation term), from the traces at the
+    micro-batches `mbs`. Each tensor is either weight-sized (W: the same at every micro-batch) or grows with it (a x
+    m: the logits), and the largest is max(W, a x m). Traced at mb itself: read. Traced at two micro-batches m1 < m2
+    with L1 < L2: L2 is a x m2, so max(L1, L2 x mb / m2) is exact. With L1 == L2 the largest is W and a <= W / m2
+    is all that is known: W x mb / m2 is the bound taken (never below the truth)."""
+    at = {m: max(traces[d, m].largest_allocation_bytes for d in depths) for m in mbs}
+    if mb in at:
+        return at[mb]
+    low, high = min(mbs), max(mbs)
+    return max(at[low], at[high] * mb // high)
 
 
 def _root_shard_bytes(spec: TrialSpec) -> int:
