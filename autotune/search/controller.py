@@ -70,8 +70,9 @@ SAMPLER_REPEATS = 20
 untried one (drawn at random, seeded): TPE converges and would keep proposing its favourite."""
 
 SAMPLER_SLACK = 0.02
-"""Sampling stops this fraction of --time-budget early (besides the longest trial's time): the
-sampler's own work between trials is not free."""
+"""Sampling stops this fraction of --time-budget early, besides the longest draw's time (the sampler's ask and
+tell, the prediction, the trial) and, where a confirmation follows, the longest trial's: a hiccup longer than
+any draw before it is what this covers."""
 
 
 class BudgetExhausted(Exception):
@@ -980,13 +981,16 @@ class Controller:
         rng = random.Random(SAMPLER_SEED)
         repeats = 0
         reserve = 1 if self.backend.memory_source == "measured" else 0  # the confirmation trial's time
+        longest_draw = 0.0  # the longest draw so far: the sampler's ask and tell, a prediction, the trial if any
         try:
             while True:
                 if len(tried) >= size:
                     stats["stopped"] = f"space exhausted: all {size} configurations tried"
                     break
-                # Never start a trial that cannot finish in time (nor one that leaves none to confirm).
-                margin = self._longest_trial_s * (1 + reserve) + SAMPLER_SLACK * self.request.time_budget_s
+                # Never start a draw that cannot finish in time (nor one that leaves none to confirm): on a loaded
+                # machine the sampler's own work between trials can outlast a fast trial.
+                margin = (max(longest_draw, self._longest_trial_s) + self._longest_trial_s * reserve
+                          + SAMPLER_SLACK * self.request.time_budget_s)
                 if self._time_left() <= margin:
                     stats["stopped"] = (f"--time-budget {self.request.time_budget_s:g}s spent" +
                                         (" (the longest trial's time kept for the confirmation)" if reserve else ""))
@@ -995,16 +999,19 @@ class Controller:
                     untried = self._untried(domains, tried, rng)
                     study.enqueue_trial({n: knobs.BY_NAME[n].to_json(getattr(untried, n)) for n in names})
                     repeats = 0
+                began = time.monotonic()
                 trial = study.ask(distributions)
                 train = TrainConfig(**{n: encode[n][trial.params[n]] for n in names})
                 if train in tried:
                     study.tell(trial, tried[train])
                     repeats += 1
+                    longest_draw = max(longest_draw, time.monotonic() - began)
                     continue
                 repeats = 0
                 value = self._sample_one(train, stats)
                 tried[train] = value
                 study.tell(trial, value)
+                longest_draw = max(longest_draw, time.monotonic() - began)
         except BudgetExhausted as exc:  # --max-trials: the confirmation says what it could not do
             stats["stopped"] = str(exc)
         self.notes.append(f"sampled beyond the graph ({stats['sampler']}, seed {SAMPLER_SEED}, {size:,} "
