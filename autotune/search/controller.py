@@ -758,13 +758,14 @@ class Controller:
         activations neither split holds alone within a node (_explore_tensor_pairs). True where one fits."""
         return self._explore_tensor_pairs("context_parallel", start=start)
 
-    _PAIRS = {
+    _PAIRS = {  # each pair's description, by the other split's knob; _PAIR_SHORT its label in the notes
         "pipeline_parallel": "tensor parallelism over {tp} GPUs of a node within pipeline parallelism over {n} stages "
                              "({group} GPUs share a batch, each holding 1/{tp} of 1/{n} of the decoder blocks)",
         "context_parallel": "tensor parallelism over {tp} GPUs within context parallelism over {n} such groups of a "
                             "node ({group} GPUs share a batch, each holding 1/{tp} of every block's linears and 1/{n} "
                             "of every sequence)",
     }
+    _PAIR_SHORT = {"pipeline_parallel": "tp {tp} x pp {n}", "context_parallel": "tp {tp} x cp {n}"}
 
     def _explore_tensor_pairs(self, knob: str, *, start: TrainConfig | None = None) -> bool:
         """Tensor parallelism with another split (`knob`: pipeline or context parallelism), where the space searches
@@ -797,7 +798,7 @@ class Controller:
         fitting = []
         for train in pairs[:TENSOR_PIPELINE_CANDIDATES]:
             tp, n = train.tensor_parallel, getattr(train, knob)
-            short = f"tp {tp} x {'pp' if knob == 'pipeline_parallel' else 'cp'} {n}"
+            short = self._PAIR_SHORT[knob].format(tp=tp, n=n)
             limit = self.request.memory_limit_bytes * screen_margin(train.compile != "none")
             if peaks.get(train, 0) > limit:  # a trace of it is minutes on a large model, and cannot fit
                 self.notes.append(f"not traced: {short} (estimated {peaks[train] / 2**30:.1f} GiB a GPU, far over the "
@@ -1000,18 +1001,19 @@ class Controller:
                     study.enqueue_trial({n: knobs.BY_NAME[n].to_json(getattr(untried, n)) for n in names})
                     repeats = 0
                 began = time.monotonic()
-                trial = study.ask(distributions)
-                train = TrainConfig(**{n: encode[n][trial.params[n]] for n in names})
-                if train in tried:
-                    study.tell(trial, tried[train])
-                    repeats += 1
+                try:
+                    trial = study.ask(distributions)
+                    train = TrainConfig(**{n: encode[n][trial.params[n]] for n in names})
+                    if train in tried:
+                        study.tell(trial, tried[train])
+                        repeats += 1
+                        continue
+                    repeats = 0
+                    value = self._sample_one(train, stats)
+                    tried[train] = value
+                    study.tell(trial, value)
+                finally:  # a repeat's draw counts too: its ask and tell are the sampler's own work
                     longest_draw = max(longest_draw, time.monotonic() - began)
-                    continue
-                repeats = 0
-                value = self._sample_one(train, stats)
-                tried[train] = value
-                study.tell(trial, value)
-                longest_draw = max(longest_draw, time.monotonic() - began)
         except BudgetExhausted as exc:  # --max-trials: the confirmation says what it could not do
             stats["stopped"] = str(exc)
         self.notes.append(f"sampled beyond the graph ({stats['sampler']}, seed {SAMPLER_SEED}, {size:,} "
