@@ -69,7 +69,11 @@ def float8_counts(spec: TrialSpec, v: int) -> tuple[float, float]:
     float8 (6 FLOPs per weight per token, 2 more for a checkpointed block's recompute), and each GEMM casts its two
     operands: the input twice and the output gradient twice (T x width each), the weight three times with the
     recompute; column-wise linears of a tensor-parallel GPU keep the whole input and a tp-th of the output, row-wise
-    ones the reverse. An estimate of what the trace would count, not checked against a trace at this size."""
+    ones the reverse. Under tensor parallelism the column-wise linears' inputs (attention's, the MLP's) and the
+    row-wise ones' output gradients arrive by float8 all-gathers: cast once each on the sequence shard (T / tp x
+    hidden: two a forward pass, with the recompute's, and two in backward), and read by the matmuls without a cast
+    of their own. An estimate of what the trace would count, not checked against a trace at this size (the trace's
+    own count is checked on micro-llama TP2: tests/test_float8.py)."""
     from autotune.backends.analytic import model_shape, pipeline_costed_rank
 
     shape, train = model_shape(spec.model), spec.train
@@ -81,8 +85,11 @@ def float8_counts(spec: TrialSpec, v: int) -> tuple[float, float]:
     checkpointed = sum(train.activation_checkpointing.wraps_block(i) for i in rank.block_indices)
     weights = sum(i * o for i, o, _ in linears)
     flops = tokens * spec.grad_accum_steps * weights / tp * (6 * rank.num_blocks + 2 * checkpointed)
-    per_block = sum((3 * tokens * (i if col else i / tp) + 2 * tokens * (o / tp if col else o) + 3 * i * o / tp)
-                    for i, o, col in linears)
+    if tp == 1:
+        per_block = sum(3 * tokens * i + 2 * tokens * o + 3 * i * o for i, o, _ in linears)
+    else:  # the gathered operands cast on the shard instead: 2 inputs x 2 forward passes, 2 output gradients
+        per_block = sum((0 if col else 3 * tokens * i / tp) + (2 * tokens * o / tp if col else 0) + 3 * i * o / tp
+                        for i, o, col in linears) + 6 * tokens / tp * h
     return flops, per_block * rank.num_blocks * spec.grad_accum_steps
 
 

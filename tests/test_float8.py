@@ -136,6 +136,64 @@ def test_tensorwise_float8_tensor_parallelism_gathers_in_float8():
     assert tensorwise["all_gather float8_e4m3fn"] == tensorwise["all_gather float8_e5m2"] == 4 * shard // 2, tensorwise
 
 
+def _cast_elements_closed_form(model: str, *, tokens: int, tp: int) -> int:
+    """float8_cast_elements of one step without checkpointing, counted from the model's shapes alone: every block
+    linear (in, out) runs three float8 GEMMs (forward, input gradient, weight gradient) whose operands are the input
+    twice, the output gradient twice and the weight twice, at this rank's widths (column-wise linears: q, k, v, gate,
+    up split their outputs over tp ranks, row-wise ones: o, down their inputs). Under tensor parallelism the
+    column-wise linears' inputs and the row-wise ones' output gradients are what the float8 all-gathers carry
+    (test_tensorwise_float8_tensor_parallelism_gathers_in_float8 counts them): cast once each on the sequence shard
+    (tokens / tp x hidden: two in forward, two in backward), not once per operand."""
+    config = resolve_model(model).config_dict
+    h, f = config["hidden_size"], config["intermediate_size"]
+    kv = config["num_key_value_heads"] * config.get("head_dim", h // config["num_attention_heads"])
+    linears = [(h, h, True), (h, kv, True), (h, kv, True), (h, h, False), (h, f, True), (h, f, True), (f, h, False)]
+    per_block = 0
+    for width_in, width_out, column_wise in linears:
+        local_in, local_out = (width_in, width_out // tp) if column_wise else (width_in // tp, width_out)
+        gathered_in, gathered_out = tp > 1 and column_wise, tp > 1 and not column_wise
+        per_block += (0 if gathered_in else 2 * tokens * local_in) + (0 if gathered_out else 2 * tokens * local_out)
+        per_block += 2 * local_in * local_out
+    if tp > 1:
+        per_block += 4 * tokens // tp * h
+    return per_block * config["num_hidden_layers"]
+
+
+@pytest.mark.parametrize("tp, compiled", [(1, "none"), (2, "none"), (2, "blocks")])
+def test_the_traced_casts_count_each_gathered_float8_input_once_on_its_shard(tp, compiled):
+    """The simulator's float8_cast_elements (what costmodel.float8_step_seconds costs the casts from) on micro-llama,
+    2 ranks, tensorwise, no checkpointing, against the closed form above: FSDP alone counts every float8 GEMM operand;
+    tensor parallelism casts the gathered inputs once on the shard, where a count per operand took q, k and v's
+    gathered input three times over, at tp times its cast size (309,248 elements a step here, not 505,856).
+    Compiled, the gathered bytes reach the matmuls through inductor's uint8 concatenation: the same count."""
+    from autotune.backends.sim import SimBackend
+
+    spec = TrialSpec(model=resolve_model("micro-llama"), cluster=Cluster(num_gpus=2), seq_len=64,
+                     train=TrainConfig(micro_batch_size=2, float8="tensorwise", tensor_parallel=tp, compile=compiled,
+                                       activation_checkpointing="none"))
+    traced = SimBackend(device_kind="cuda", extrapolate=False).evaluate(spec).extras["op_work"]
+    assert traced["float8_cast_elements"] == _cast_elements_closed_form("micro-llama", tokens=2 * 64, tp=tp)
+
+
+def test_float8_changes_the_step_a_tensor_parallel_group_takes():
+    """float8's seconds saved and cast (costmodel.float8_step_seconds) change the step the job's tokens take, where a
+    tensor-parallel group shares one batch: eager llama3.2-1b TP2 on an H100 pair at seq 8192 (not host-bound: the
+    GPU's time decides), whose step is the roofline's own (extras step_time, no compile ratio). Taken over every
+    GPU's tokens, as until 2026-11-30, the step came out tp times too long and float8's change to it tp times too
+    small (here 0.84x, eager float8's unfused casts; 0.92x so taken)."""
+    from autotune.backends.sim import SimBackend
+    from autotune.problem.catalog.gpus import GPUS
+
+    spec = TrialSpec(model=resolve_model("llama3.2-1b"), cluster=Cluster(num_gpus=2, gpu=GPUS["h100-80gb"]),
+                     seq_len=8192, train=TrainConfig(micro_batch_size=2, float8="tensorwise", tensor_parallel=2))
+    extras = SimBackend(device_kind="cuda").evaluate(spec).extras
+    step, float8 = extras["step_time"], extras["float8"]
+    gpu, host = step["gpu_compute_s"], step["host_s"]
+    float8_step = step["seconds"] - max(gpu, host) + max(gpu - float8["saved_s"] + float8["casts_s"], host)
+    assert float8["speedup"] == pytest.approx(step["seconds"] / float8_step, rel=1e-9)
+    assert not step["host_bound"] and float8["speedup"] != pytest.approx(1.0, abs=0.05)
+
+
 def test_eager_cast_bytes_are_what_torchaos_own_cast_moves():
     """FLOAT8_CAST_BYTES['eager'] against a count made by a dispatch mode over torchao's cast of a real
     bf16 tensor (every op's inputs and outputs), for both recipes' scalings."""

@@ -164,6 +164,15 @@ def _any_dtensor(args) -> bool:
     return any(isinstance(a, DTensor) for a in tree_leaves(args))
 
 
+_FUNCTIONAL_ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+_ONE_BYTE = (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
+
+
+def _float8_data(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a float8 operand's bytes live in: torchao's Float8TrainingTensor (eager) holds them in `_data`."""
+    return getattr(t, "_data", t)
+
+
 def _tensor_bytes(values) -> int:
     total = 0
     for value in values:
@@ -252,7 +261,8 @@ class StepTrace:
     op_work: dict[str, float] = field(default_factory=dict)
     """Forward + backward of one micro-batch on one rank, by how the step-time model costs each
     op (`OP_KINDS`): '<kind>_ops' (count), 'matmul_flops', 'float8_matmul_flops', 'attention_flops',
-    'memory_bytes', 'float8_cast_elements' (the float8 matmuls' operands: what the casts wrote)."""
+    'memory_bytes', 'float8_cast_elements' (the float8 matmuls' operands: what the casts wrote; under tensor
+    parallelism an operand a float8 all-gather carried counts as the shard cast before the gather, once)."""
     offloaded: dict[str, int] = field(default_factory=dict)
     """Activation offload (GPU runs): 'host_bytes', the most one rank holds in pinned host memory
     at once, and 'moved_bytes', what one micro-batch copies each way (training.OffloadedActivations)."""
@@ -398,6 +408,10 @@ class _SiteTracker(FSDPMemTracker):
         self._ordinal = 0
         self._counts_as_op = True
         self._previous_compiled_op_memory = False
+        self._gathered_float8: dict[int, Any] = {}
+        """Tensors (by id, a weak reference each) holding what a tensor-parallel all-gather carried in float8, and
+        what views, splits and concatenations made of it: torchao cast it on this rank's sequence shard before the
+        gather (tensorwise float8), so a matmul reading it casts nothing (_follow_gathered_float8)."""
         self.phase: str | None = None
         """Set for the weight sync, which is neither forward nor backward."""
 
@@ -563,8 +577,36 @@ class _SiteTracker(FSDPMemTracker):
                     if moved >= LARGE_MEMORY_OP_BYTES:
                         work["memory_bytes_large"] = work.get("memory_bytes_large", 0) + moved
                 if kind == "float8_matmul":  # each float8 operand is one dynamic cast's output (or a transpose of one)
-                    work["float8_cast_elements"] = work.get("float8_cast_elements", 0) + args[0].numel() + args[1].numel()
+                    cast = sum(a.numel() for a in args[:2] if not self._gathered(a))
+                    work["float8_cast_elements"] = work.get("float8_cast_elements", 0) + cast
+            if self._dtensors and kind != "float8_matmul":
+                self._follow_gathered_float8(func, args, kwargs, out)
         return out
+
+    def _gathered(self, t) -> bool:
+        ref = self._gathered_float8.get(id(t))
+        return ref is not None and ref() is t
+
+    def _follow_gathered_float8(self, func, args, kwargs, out) -> None:
+        """Tensor parallelism under tensorwise float8 (torchao's Float8ColwiseParallel and its input preparation):
+        each block's attention and MLP inputs, and in backward the row-wise linears' output gradients, are cast on
+        this rank's sequence shard and all-gathered in float8, and the gathered tensor feeds every matmul that reads
+        it (q, k and v; gate and up). One cast of the shard's elements is counted at the gather, and the matmuls
+        reading what it gathered (through views, splits and the concatenation that orders it, in uint8 where
+        compiled) count no cast of their own: counted per matmul operand, the gathered input was cast tp x 3
+        times over for q, k and v."""
+        import weakref
+
+        from torch.utils._pytree import tree_leaves
+
+        outputs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
+        if func is _FUNCTIONAL_ALL_GATHER and _float8_data(args[0]).dtype in _ONE_BYTE[:2]:
+            self.op_work["float8_cast_elements"] = self.op_work.get("float8_cast_elements", 0) + args[0].numel()
+        elif not any(self._gathered(a) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)):
+            return
+        for o in outputs:
+            if _float8_data(o).dtype in _ONE_BYTE:
+                self._gathered_float8[id(o)] = weakref.ref(o)
 
     def _update_peak_stats(self, peak_state) -> None:
         # Called after every op. Replaces the per-module bookkeeping (unused here, a deepcopy
