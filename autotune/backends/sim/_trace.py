@@ -21,6 +21,7 @@ import functools
 import gc
 import math
 import time
+import weakref
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from torch import nn
 from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 # torch registers no FLOP formula for the CPU flash-attention kernels a CPU trace dispatches to;
@@ -159,7 +161,6 @@ def _transformers_grouped_mm(func):
 def _any_dtensor(args) -> bool:
     """Whether an op takes a DTensor (tensor parallelism's weights and activations)."""
     from torch.distributed.tensor import DTensor
-    from torch.utils._pytree import tree_leaves
 
     return any(isinstance(a, DTensor) for a in tree_leaves(args))
 
@@ -584,6 +585,8 @@ class _SiteTracker(FSDPMemTracker):
         return out
 
     def _gathered(self, t) -> bool:
+        """Whether `t` holds what a float8 all-gather carried (_follow_gathered_float8); ids of dead tensors are reused,
+        so the weak reference must still be to `t` itself."""
         ref = self._gathered_float8.get(id(t))
         return ref is not None and ref() is t
 
@@ -595,17 +598,12 @@ class _SiteTracker(FSDPMemTracker):
         reading what it gathered (through views, splits and the concatenation that orders it, in uint8 where
         compiled) count no cast of their own: counted per matmul operand, the gathered input was cast tp x 3
         times over for q, k and v."""
-        import weakref
-
-        from torch.utils._pytree import tree_leaves
-
-        outputs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
         if func is _FUNCTIONAL_ALL_GATHER and _float8_data(args[0]).dtype in _ONE_BYTE[:2]:
             self.op_work["float8_cast_elements"] = self.op_work.get("float8_cast_elements", 0) + args[0].numel()
-        elif not any(self._gathered(a) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)):
-            return
-        for o in outputs:
-            if _float8_data(o).dtype in _ONE_BYTE:
+        elif not self._gathered_float8 or not any(self._gathered(a) for a in tree_leaves((args, kwargs))):
+            return  # every op of a tensor-parallel step comes here: most read nothing gathered
+        for o in tree_leaves(out):
+            if isinstance(o, torch.Tensor) and _float8_data(o).dtype in _ONE_BYTE:
                 self._gathered_float8[id(o)] = weakref.ref(o)
 
     def _update_peak_stats(self, peak_state) -> None:
