@@ -360,8 +360,8 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
         per_layer /= train.tensor_parallel
         checkpoint_input /= train.tensor_parallel
     ac = train.activation_checkpointing
-    if ac.mode == "op":  # every block keeps its input and the op outputs its policy saves
-        checkpoint_input += op_checkpoint_saved_bytes_per_token(shape, ac.policy, d) * tokens
+    if ac.mode == "op":  # every block keeps its input and the op outputs its policy saves (split as the rest)
+        checkpoint_input += op_checkpoint_saved_bytes_per_token(shape, ac.policy, d) * tokens / train.tensor_parallel
     saved = [checkpoint_input if train.activation_checkpointing.wraps_block(i) else per_layer
              for i in range(num_layers)]
     # The final norm's fp32 input, and its output for the head's weight gradient unless the head is frozen (LoRA).
