@@ -7,6 +7,7 @@ exercised end to end in test_cli.py and their own tests.
 import dataclasses
 from dataclasses import replace
 
+import pytest
 
 from autotune.backends.base import Figure, TrialBackend, TrialResult
 from autotune.problem.catalog.gpus import GPUS
@@ -204,6 +205,26 @@ def test_resume_reuses_finished_trials():
     assert [s.train for s in second.steps] == [s.train for s in first.steps]
     assert second.winner.train == first.winner.train
     assert all(s.reused_from is not None for s in second.steps)
+
+
+@pytest.mark.parametrize("source", ["estimated", "measured"])
+def test_an_estimate_from_other_code_is_made_again_a_measurement_is_reused(source):
+    """A study outlives the code that filled it: an estimated trial recorded by another autotune (its `made_by`
+    differs) is evaluated again, where a measured one is still a measurement and is reused."""
+    from autotune.search.store import step_record
+
+    first = Controller(request_for(75), FormulaBackend(memory_source=source)).tune()
+    finished = {record["key"]: {**record, "made_by": "another-autotune", "number": i}
+                for i, record in enumerate(step_record(s) for s in first.steps) if record["stage"] != "confirm"}
+    again = FormulaBackend(memory_source=source)
+    second = Controller(request_for(75), again, finished=finished).tune()
+    assert second.winner.train == first.winner.train
+    if source == "estimated":
+        assert all(s.reused_from is None for s in second.steps)
+        assert again.calls == [s.train for s in second.steps]
+    else:
+        assert all(s.reused_from is not None for s in second.steps if s.stage != "confirm")
+        assert again.calls == [s.train for s in second.steps if s.stage == "confirm"]
 
 
 def test_fp16_where_the_gpu_has_no_bf16():

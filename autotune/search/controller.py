@@ -32,6 +32,7 @@ from autotune.backends.analytic import screen_margin
 from autotune.backends.base import TrialBackend, TrialResult
 from autotune.problem.batch import within_tolerance
 from autotune.problem.config import TrainConfig, problem_shape, stack_step
+from autotune.util.cache import code_digest
 from autotune.util.errors import UsageError
 from autotune.problem.knobs import Checkpointing
 from autotune.search.records import Step, TuneOutcome, TuneRequest, config_key, eligible, why_nothing_fits
@@ -128,6 +129,10 @@ class Controller:
         batch = request.global_batch(train.micro_batch_size, ranks_per_batch=train.ranks_per_batch)
         key = config_key(train, grad_accum_steps=batch.grad_accum_steps, backend=self.backend.name)
         cached = self.finished.get(key) if reuse else None
+        if cached is not None and self.backend.memory_source != "measured" and cached.get("made_by") != code_digest():
+            # A prediction or estimate from other code (another autotune, torch or transformers) is made again:
+            # a fixed closed form must not hand back the old answer. A measurement stays one.
+            cached = None
         predicted: TrialResult | None = None
         reused_from = None
         if cached is not None:

@@ -21,6 +21,7 @@ from typing import Any
 from autotune.problem import knobs
 from autotune.problem.config import OWN_STEPS
 from autotune.search.records import Step, TuneRequest, config_key
+from autotune.util.cache import code_digest
 from autotune.util.errors import StorageUnavailable, UsageError
 
 STUDY_DB = "autotune.db"
@@ -384,4 +385,5 @@ def step_record(step: Step) -> dict[str, Any]:
         "predicted": step.predicted.to_dict() if step.predicted else None,
         "reused_from": step.reused_from,
         "key": config_key(step.train, grad_accum_steps=step.batch.grad_accum_steps, backend=step.backend),
+        "made_by": code_digest(),  # an estimate is reused only by the code that made it (controller.run)
     }

@@ -55,6 +55,12 @@ def fingerprint() -> dict[str, str]:
     return versions
 
 
+def code_digest() -> str:
+    """One short hex of `fingerprint()`: which autotune sources and library versions made a result (a study's
+    estimated trials record it, and are reused only by the same code)."""
+    return hashlib.sha256(json.dumps(fingerprint(), sort_keys=True).encode()).hexdigest()[:16]
+
+
 def key_of(kind: str, inputs: Any) -> str:
     payload = json.dumps([kind, inputs, fingerprint()], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
