@@ -370,9 +370,10 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
               loss_backward_bytes(spec.step, tokens=tokens, vocab=shape.vocab, hidden=shape.hidden, d=d,
                                   head_trains=not lora))
     # Gradients of the block's input and of two ffn-wide tensors, plus the unsharded gradient
-    # of its largest weight in flight (fitted to traces: docs/COSTMODEL.md).
-    backward_temps = 2 * d * (shape.hidden + shape.intermediate) * tokens + (
-        dequantized if lora else d * shape.hidden * shape.intermediate) + scores_held / train.tensor_parallel
+    # of its largest weight in flight (fitted to traces: docs/COSTMODEL.md); a tp-th of each under tensor
+    # parallelism (the input's by sequence, the rest by column), as in the pipeline form below.
+    backward_temps = (2 * d * (shape.hidden + shape.intermediate) * tokens + (
+        dequantized if lora else d * shape.hidden * shape.intermediate) + scores_held) / train.tensor_parallel
     inputs = 16 * tokens + shared_mask + causal_mask  # int64 input ids and labels (and a batch's mask)
 
     # Activation offload: what forward saves waits on the host; backward brings back one block's at
