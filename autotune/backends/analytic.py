@@ -176,6 +176,24 @@ def op_checkpoint_saved_bytes_per_token(shape: ModelShape, policy: str, param_by
     return param_bytes * (kept + shape.hidden) + 4 * shape.num_heads
 
 
+def checkpointed_block_bytes(shape: ModelShape, ac: knobs.Checkpointing, param_bytes: int, tokens: float, tensor_parallel: int) -> float:
+    """What a checkpointed block keeps for backward on one GPU: its input, and under op-level checkpointing the op
+    outputs its policy saves; a tp-th of each under tensor parallelism (sequence parallel)."""
+    kept = shape.hidden * param_bytes * tokens
+    if ac.mode == "op":
+        kept += op_checkpoint_saved_bytes_per_token(shape, ac.policy, param_bytes) * tokens
+    return kept / tensor_parallel
+
+
+def block_backward_temp_bytes(shape: ModelShape, param_bytes: int, tokens: float, *, largest_weight_grad: float,
+                              scores_held: float, tensor_parallel: int) -> float:
+    """A block's backward temporaries on one GPU: the gradients of its input and of two ffn-wide tensors, the
+    unsharded gradient of its largest weight in flight (fitted to traces: docs/COSTMODEL.md) and eager attention's
+    held scores; a tp-th of each under tensor parallelism (the input's by sequence, the rest by column)."""
+    return (2 * param_bytes * (shape.hidden + shape.intermediate) * tokens + largest_weight_grad
+            + scores_held) / tensor_parallel
+
+
 def op_checkpoint_recompute_flops_per_token(shape: ModelShape, policy: str) -> float:
     """Forward FLOPs per token backward runs again in an op-level checkpointed block: the matmuls
     its policy did not save (attention's output is saved, so attention is not recomputed;
@@ -350,7 +368,6 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
         per_token = activation_bytes_per_token(shape, d)
     scores_saved, scores_held, causal_mask = eager_score_memory(spec, tokens=tokens, d=d)
     per_layer = per_token * tokens + layer_mask + scores_saved
-    checkpoint_input = shape.hidden * d * tokens
     if train.tensor_parallel > 1:
         # Tensor parallelism (with sequence parallelism): a lower bound, each block's gathered weights and
         # activations as if all of them split (attention's and the MLP's gathered inputs are whole): it
@@ -358,10 +375,7 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
         # state stay sharded over every GPU (dp x tp), the root's over the data ranks (below).
         block_gathered /= train.tensor_parallel
         per_layer /= train.tensor_parallel
-        checkpoint_input /= train.tensor_parallel
-    ac = train.activation_checkpointing
-    if ac.mode == "op":  # every block keeps its input and the op outputs its policy saves (split as the rest)
-        checkpoint_input += op_checkpoint_saved_bytes_per_token(shape, ac.policy, d) * tokens / train.tensor_parallel
+    checkpoint_input = checkpointed_block_bytes(shape, train.activation_checkpointing, d, tokens, train.tensor_parallel)
     saved = [checkpoint_input if train.activation_checkpointing.wraps_block(i) else per_layer
              for i in range(num_layers)]
     # The final norm's fp32 input, and its output for the head's weight gradient unless the head is frozen (LoRA).
@@ -369,11 +383,9 @@ def estimate_memory(spec: TrialSpec) -> MemoryEstimate:
     logits = (LOSS_PARALLEL_BYTES_PER_LOGIT * tokens * shape.vocab * vocab_share if train.loss_parallel else
               loss_backward_bytes(spec.step, tokens=tokens, vocab=shape.vocab, hidden=shape.hidden, d=d,
                                   head_trains=not lora))
-    # Gradients of the block's input and of two ffn-wide tensors, plus the unsharded gradient
-    # of its largest weight in flight (fitted to traces: docs/COSTMODEL.md); a tp-th of each under tensor
-    # parallelism (the input's by sequence, the rest by column), as in the pipeline form below.
-    backward_temps = (2 * d * (shape.hidden + shape.intermediate) * tokens + (
-        dequantized if lora else d * shape.hidden * shape.intermediate) + scores_held) / train.tensor_parallel
+    backward_temps = block_backward_temp_bytes(
+        shape, d, tokens, largest_weight_grad=dequantized if lora else d * shape.hidden * shape.intermediate,
+        scores_held=scores_held, tensor_parallel=train.tensor_parallel)
     inputs = 16 * tokens + shared_mask + causal_mask  # int64 input ids and labels (and a batch's mask)
 
     # Activation offload: what forward saves waits on the host; backward brings back one block's at
@@ -570,10 +582,9 @@ def pipeline_rank_memory(spec: TrialSpec, virtual_stages: int | None = None) -> 
     ac = train.activation_checkpointing
     scores_saved, scores_held, _ = eager_score_memory(spec, tokens=tokens, d=d)
     per_layer = (activation_bytes_per_token(shape, d) * tokens + scores_saved) / tp
-    checkpoint_input = h * d * tokens / tp
-    if ac.mode == "op":
-        checkpoint_input += op_checkpoint_saved_bytes_per_token(shape, ac.policy, d) * tokens / tp
-    backward_temps = (2 * d * (h + shape.intermediate) * tokens + d * h * shape.intermediate + scores_held) / tp
+    checkpoint_input = checkpointed_block_bytes(shape, ac, d, tokens, tp)
+    backward_temps = block_backward_temp_bytes(shape, d, tokens, largest_weight_grad=d * h * shape.intermediate,
+                                               scores_held=scores_held, tensor_parallel=tp)
     hidden_states = h * d * tokens / tp  # one micro-batch's hidden states between stages
     logits = d * tokens * vocab  # one micro-batch's logits, the last stage's output (in fwd_cache to its backward)
     embed, head = _root_split(shape)

@@ -579,6 +579,14 @@ class TrialSpec:
     def limit_bytes(self) -> int:
         return self.memory_limit_bytes if self.memory_limit_bytes is not None else self.cluster.capacity_bytes
 
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one optimizer step of the job takes: each data rank's micro-batches (a tensor-parallel group, a
+        context-parallel group and a pipeline's stages share one batch), as costmodel.StepWork.tokens_per_step
+        counts them. A step's seconds are these over the job's tokens/s."""
+        return (self.train.micro_batch_size * self.seq_len * self.grad_accum_steps * self.cluster.num_gpus
+                // self.train.ranks_per_batch)
+
     def with_train(self, train: TrainConfig) -> "TrialSpec":
         return replace(self, train=train)
 

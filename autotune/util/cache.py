@@ -55,6 +55,7 @@ def fingerprint() -> dict[str, str]:
     return versions
 
 
+@functools.cache
 def code_digest() -> str:
     """One short hex of `fingerprint()`: which autotune sources and library versions made a result (a study's
     estimated trials record it, and are reused only by the same code)."""

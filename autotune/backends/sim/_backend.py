@@ -821,21 +821,12 @@ def _compiled(throughput: Figure, extras: dict[str, Any]) -> Figure:
     return Figure(value, "estimated", f"{throughput.basis}; {basis}")
 
 
-def _tokens_per_step(spec: TrialSpec) -> int:
-    """Tokens one optimizer step takes, the job's: each data rank's micro-batches (a tensor-parallel group, a
-    context-parallel group and a pipeline's stages share one batch), as costmodel.StepWork.tokens_per_step counts
-    them. A step's seconds are these over the job's tokens/s: counted per GPU, a tensor-parallel step came out tp
-    times too long, and what float8 or activation offload add to it was diluted tp times."""
-    return (spec.train.micro_batch_size * spec.seq_len * spec.grad_accum_steps * spec.cluster.num_gpus
-            // spec.train.ranks_per_batch)
-
-
 def _float8(throughput: Figure, spec: TrialSpec, op_work: dict[str, float], extras: dict[str, Any]) -> Figure:
     """A float8 configuration's tokens/s: its step (after the estimated compile ratio, where compiled)
     less what the traced float8 matmuls save, plus their casts (costmodel.float8_step_seconds; the
     float8 all-gather's smaller bytes are in the step's collectives already). The range moves with it."""
     accum = spec.grad_accum_steps
-    step_s = _tokens_per_step(spec) / throughput.value
+    step_s = spec.tokens_per_step / throughput.value
     roofline = extras["step_time"]
     scale = step_s / roofline["seconds"]  # the estimated compile ratio's share (1 when eager)
     gpu_s, host_s = roofline["gpu_compute_s"] * scale, roofline["host_s"] * scale
@@ -870,7 +861,7 @@ def _with_activation_transfers(throughput: Figure, spec: TrialSpec, offloaded: d
     gbps = costmodel.host_link_gbps(spec.cluster.gpu)
     transfer_s = costmodel.activation_transfer_s(spec.cluster.gpu, moved_bytes=offloaded.get("moved_bytes", 0),
                                                  num_microbatches=spec.grad_accum_steps)
-    tokens = _tokens_per_step(spec)
+    tokens = spec.tokens_per_step
     step_s = tokens / throughput.value + transfer_s
     extras["activation_transfer_s"] = transfer_s
     if extras.get("tokens_per_sec_range"):
