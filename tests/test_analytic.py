@@ -271,3 +271,20 @@ def test_a_tensor_parallel_blocks_backward_peak_follows_the_trace(ac):
     closed, traced = estimate_memory(spec), SimBackend(screen=False).evaluate(spec)
     assert closed.peak_at.startswith("backward of block")
     assert closed.tensor_peak_bytes == pytest.approx(traced.extras["tensor_peak_bytes"], rel=0.015)
+
+
+def test_activation_offload_adds_its_copies_to_the_step_a_tensor_parallel_group_takes(backend):
+    """Activation offload's copies (costmodel.activation_transfer_s) lengthen the step the job's tokens take: the
+    roofline's own step (extras step_time, a count of seconds made apart from any token count) plus the copies is
+    the offloaded step, for llama3-8b TP2 on 8 H100s. Over every GPU's tokens, as until 2026-11-30, a
+    tensor-parallel step came out tp times too long and the copies changed it tp times too little."""
+    from autotune.estimate import costmodel
+
+    spec = make_spec("llama3-8b", gpus=8, seq=8192, accum=2, micro_batch_size=1, tensor_parallel=2,
+                     activation_checkpointing="full", activation_offload=True)
+    result = backend.evaluate(spec)
+    moved = estimate_memory(spec).offloaded_activation_bytes
+    transfer_s = costmodel.activation_transfer_s(spec.cluster.gpu, moved_bytes=moved, num_microbatches=2)
+    assert moved > 0 and transfer_s > 0.01 * result.extras["step_time"]["seconds"]
+    offloaded_step_s = 8 * 1 * 8192 * 2 // 2 / result.tokens_per_sec.value  # 8 GPUs / tp 2 data ranks x 2 micro-batches
+    assert offloaded_step_s == pytest.approx(result.extras["step_time"]["seconds"] + transfer_s, rel=1e-9)

@@ -1030,7 +1030,7 @@ class AnalyticBackend(TrialBackend):
             gbps = costmodel.host_link_gbps(spec.cluster.gpu)
             transfer_s = costmodel.activation_transfer_s(spec.cluster.gpu, moved_bytes=memory.offloaded_activation_bytes,
                                                          num_microbatches=spec.grad_accum_steps)
-            tokens = spec.train.micro_batch_size * spec.seq_len * spec.grad_accum_steps * spec.cluster.num_gpus
+            tokens = spec.tokens_per_step  # a tensor-parallel group's GPUs share one batch: tokens per GPU overcount
             tokens_per_sec = tokens / (tokens / tokens_per_sec + transfer_s)
             tps_basis += f"; plus {transfer_s:.3f} s per step of activation offload copies at {gbps:g} GB/s"
         status, message = "ok", f"peak at the {memory.peak_at}"
