@@ -379,9 +379,11 @@ def test_without_a_time_budget_nothing_is_sampled():
 
 
 def test_the_sampler_finds_what_the_graph_did_not_try_after_the_graph_path():
-    graph = Controller(request_for(75), FormulaBackend()).tune()
+    # The graph here stops at no checkpointing's largest micro-batch (not trying checkpointing for a larger one).
+    space = replace(FSDP_ONLY, explore_checkpointed_larger_micro_batch=False)
+    graph = Controller(request_for(75, space=space), FormulaBackend()).tune()
     backend = FormulaBackend()
-    outcome = Controller(request_for(75, time_budget_s=3), backend).tune()
+    outcome = Controller(request_for(75, time_budget_s=3, space=space), backend).tune()
     stages_seen = [s.stage for s in outcome.steps]
     first = stages_seen.index("sample")
     # The graph's path comes first, exactly as without a budget; then only sampled trials.
@@ -392,7 +394,7 @@ def test_the_sampler_finds_what_the_graph_did_not_try_after_the_graph_path():
     # Never a repeat: neither of the graph's configurations nor of another sampled one.
     assert len(set(sampled)) == len(sampled) and not set(sampled) & {s.train for s in graph.steps}
     assert len(backend.calls) == len(outcome.steps) == len(set(backend.calls))
-    # The formula pays for larger micro-batches beyond the graph's first checkpointing fit.
+    # The formula pays for checkpointed micro-batches beyond the graph's no-checkpointing limit.
     assert outcome.winner.stage == "sample"
     assert outcome.winner.result.throughput > graph.winner.result.throughput
 

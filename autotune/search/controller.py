@@ -468,16 +468,26 @@ class Controller:
                              "recomputes less than full checkpointing")
         if (mode.activation_checkpointing.mode == "none" and space.checkpointing
                 and space.explore_checkpointed_larger_micro_batch and largest.micro_batch_size < ceiling):
-            bigger = min(ceiling, largest.micro_batch_size * 2)
-            for ac in self._distinct_ac_modes([*lighter_first, "full"]):
-                if not self._could_win(largest.with_(activation_checkpointing=ac, micro_batch_size=bigger)):
-                    continue
-                step = self.run("explore", largest.with_(activation_checkpointing=ac, micro_batch_size=bigger),
-                                f"checkpointing ({ac}) may allow micro-batch {bigger}, beyond the no-checkpointing "
-                                f"limit of {largest.micro_batch_size}")
-                if step.fits:
-                    self._grow_branch(step.train)
+            op_level = [str(Checkpointing(mode="op", policy=policy)) for policy in space.op_level]
+            # Least recompute first; a mode that keeps less may still hold a micro-batch the ones before it do not.
+            reached, holds = largest.micro_batch_size, "no checkpointing"
+            for ac in self._distinct_ac_modes([*lighter_first, *op_level, "full"]):
+                if reached >= ceiling:
                     break
+                bigger = min(ceiling, reached * 2)
+                candidate = largest.with_(activation_checkpointing=ac, micro_batch_size=bigger)
+                if not self._could_win(candidate):
+                    continue
+                step = self.run("explore", candidate, f"checkpointing ({ac}) may allow micro-batch {bigger}, beyond the "
+                                                      f"{reached} {holds} holds")
+                if not step.fits:
+                    continue
+                grown, best = self._grow_branch(step.train), self._choose()
+                over = [s.result.throughput for s in self.steps if not s.fits and s.train.micro_batch_size >
+                        grown.micro_batch_size and s.train == grown.with_(micro_batch_size=s.train.micro_batch_size)]
+                if not any(rate is None or best is None or rate >= (best.result.throughput or 0) for rate in over):
+                    break  # stopped gaining, or even its first size over memory was slower than the best: more recompute pays less
+                reached, holds = max(reached, grown.micro_batch_size), "lighter checkpointing"
 
     def _explore_no_reshard(self) -> None:
         best = self._choose()
@@ -616,14 +626,15 @@ class Controller:
             self._grow_branch(fastest.train)
             self._explore_no_reshard()
 
-    def _grow_branch(self, train: TrainConfig) -> None:
+    def _grow_branch(self, train: TrainConfig) -> TrainConfig:
         """An exploration branch that fits at `train`: grow its micro-batch while doubling pays, then
-        align the largest to the global batch if the branch could win."""
+        align the largest to the global batch if the branch could win. Returns the largest that fits."""
         largest = self._find(self._grow(train, stage="explore", until_saturated=True))
         best = self._choose()
         # A smaller micro-batch is slower still: align only a branch that could win.
         if best is None or (largest.result.throughput or 0) >= (best.result.throughput or 0):
             self._align(largest.train)
+        return largest.train
 
     def _explore_float8(self) -> None:
         """float8 training (each recipe) on the fastest fitting high-precision configurations within the
@@ -835,8 +846,10 @@ class Controller:
         train = self._with_loss_parallel(train)
         best = self._choose()
         wall = best is None or best.train.cpu_offload
-        if not wall and not self._could_win(train):
-            return None
+        if not wall:
+            train = self._at_estimated_checkpointing(train)
+            if not self._could_win(train):
+                return None
         why = ("FSDP alone holds no configuration of this problem" if best is None else
                f"FSDP holds this problem only with CPU offload ({best.train.label()})" if wall else
                "the estimate allows a mesh to win")
@@ -845,6 +858,26 @@ class Controller:
             step = self.run("explore", train.with_(activation_checkpointing="full"),
                             f"{short} {self._why(step)}: checkpoint every block too")
         return step
+
+    def _at_estimated_checkpointing(self, train: TrainConfig) -> TrainConfig:
+        """The mesh `train` at the checkpointing the estimator puts fastest among those it says fit (`train`'s own
+        included). A mesh's split shrinks each GPU's activations, so the checkpointing FSDP needed is often more
+        than the mesh does: judged at FSDP's, a mesh that wins with lighter checkpointing would be screened out."""
+        if self.estimator is None or not self.request.space.checkpointing:
+            return train
+        space = self.request.space
+        modes = self._distinct_ac_modes(["none", *(f"every:{k}" for k in sorted(space.lighter_every, reverse=True)),
+                                         *(str(Checkpointing(mode="op", policy=p)) for p in space.op_level), "full"])
+        fastest, rate = train, None
+        for mode in modes:
+            candidate = train.with_(activation_checkpointing=mode)
+            if not self._buildable(candidate):
+                continue
+            estimate = self.estimator.evaluate(self.request.spec(candidate))
+            if (estimate.ok and (estimate.peak_bytes or 0) <= self.request.memory_limit_bytes
+                    and estimate.throughput and (rate is None or estimate.throughput > rate)):
+                fastest, rate = candidate, estimate.throughput
+        return fastest
 
     def _with_loss_parallel(self, train: TrainConfig) -> TrainConfig:
         """A tensor-parallel mesh with loss parallelism where it applies and the space allows it (torchtitan's
