@@ -203,12 +203,29 @@ class Controller:
 
     def _could_win(self, train: TrainConfig) -> bool:
         """False if the estimator puts `train` clearly below the best so far (then noted)."""
-        if self._find(train) or not self._buildable(train) or (slower := self._slower_than_best(train)) is None:
-            return True  # an unbuildable candidate: run() skips it with the reason in the notes
-        estimate, reference, best = slower
-        self.notes.append(f"not explored: {train.label()} (estimated {estimate:,.0f} tokens/s, "
-                          f"{estimate / reference - 1:+.1%} vs the best {best.train.label()} estimated the same way)")
+        if (slower := self._screened_out(train)) is None:
+            return True
+        self._note_screened([train], [slower])
         return False
+
+    def _screened_out(self, train: TrainConfig) -> tuple[float, float, Step] | None:
+        """_slower_than_best for a candidate not yet run that can be built, else None (an unbuildable candidate:
+        run() skips it with the reason in the notes)."""
+        if self._find(train) or not self._buildable(train):
+            return None
+        return self._slower_than_best(train)
+
+    def _note_screened(self, trains: list[TrainConfig], slower: list[tuple[float, float, Step]]) -> None:
+        """One note for candidates the estimator put below the same best (alternatives of one knob, in one line)."""
+        (first, *rest), best = trains, slower[0][2]
+        shared = set(first.label().split())  # the rest by what differs from the first
+        labels = ", ".join([first.label(), *(" ".join(w for w in t.label().split() if w not in shared) for t in rest)])
+        figures = [f"{estimate:,.0f}" for estimate, _, _ in slower]
+        figures = " and ".join([", ".join(figures[:-1]), figures[-1]] if len(figures) > 1 else figures)
+        gaps = [estimate / reference - 1 for estimate, reference, _ in slower]
+        gap = f"{gaps[0]:+.1%}" if len(gaps) == 1 else f"{max(gaps):+.1%} to {min(gaps):+.1%}"
+        self.notes.append(f"not explored: {labels} (estimated {figures} tokens/s, {gap} vs the best "
+                          f"{best.train.label()} estimated the same way)")
 
     def _slower_than_best(self, train: TrainConfig, estimated: TrialResult | None = None
                           ) -> tuple[float, float, Step] | None:
@@ -471,12 +488,14 @@ class Controller:
             op_level = [str(Checkpointing(mode="op", policy=policy)) for policy in space.op_level]
             # Least recompute first; a mode that keeps less may still hold a micro-batch the ones before it do not.
             reached, holds = largest.micro_batch_size, "no checkpointing"
+            screened: list[tuple[TrainConfig, tuple]] = []
             for ac in self._distinct_ac_modes([*lighter_first, *op_level, "full"]):
                 if reached >= ceiling:
                     break
                 bigger = min(ceiling, reached * 2)
                 candidate = largest.with_(activation_checkpointing=ac, micro_batch_size=bigger)
-                if not self._could_win(candidate):
+                if (slower := self._screened_out(candidate)) is not None:
+                    screened.append((candidate, slower))
                     continue
                 step = self.run("explore", candidate, f"checkpointing ({ac}) may allow micro-batch {bigger}, beyond the "
                                                       f"{reached} {holds} holds")
@@ -488,6 +507,9 @@ class Controller:
                 if not any(rate is None or best is None or rate >= (best.result.throughput or 0) for rate in over):
                     break  # stopped gaining, or even its first size over memory was slower than the best: more recompute pays less
                 reached, holds = max(reached, grown.micro_batch_size), "lighter checkpointing"
+            for size in sorted({train.micro_batch_size for train, _ in screened}):
+                same = [(train, slower) for train, slower in screened if train.micro_batch_size == size]
+                self._note_screened([train for train, _ in same], [slower for _, slower in same])
 
     def _explore_no_reshard(self) -> None:
         best = self._choose()
