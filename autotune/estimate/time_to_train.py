@@ -98,8 +98,8 @@ the factors the publishers' rows give alone span 1.7x (FITTED_GOODPUT_RANGE): au
 their steps, not their losses, is what one factor cannot carry."""
 FITTED_GOODPUT_RANGE = (0.49, 0.85)
 """The fitted factor's spread (the second fitted figure): the smallest and largest factor one
-publisher's rows give alone in the same fit (Bloomberg 0.49 ... TII 1.17: Falcon-180B sustained 1.13
-times autotune's estimate of its cluster), so the range carries how far one publisher's runs sit
+publisher's rows give alone in the same fit (Bloomberg 0.49 ... Meta 0.85: LLaMA-65B and Llama 3.1 405B
+sustained 0.84 and 0.80 times autotune's estimate of their clusters), so the range carries how far one publisher's runs sit
 from the others'."""
 
 
