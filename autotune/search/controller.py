@@ -225,7 +225,8 @@ class Controller:
         figures = [f"{estimate:,.0f}" for estimate, _, _ in slower]
         figures = " and ".join([", ".join(figures[:-1]), figures[-1]] if len(figures) > 1 else figures)
         gaps = [estimate / reference - 1 for estimate, reference, _ in slower]
-        gap = f"{gaps[0]:+.1%}" if len(gaps) == 1 else f"{max(gaps):+.1%} to {min(gaps):+.1%}"
+        gap = (f"{gaps[0]:+.1%}" if f"{max(gaps):+.1%}" == f"{min(gaps):+.1%}"
+               else f"{max(gaps):+.1%} to {min(gaps):+.1%}")
         self.notes.append(f"not explored: {labels} (estimated {figures} tokens/s, {gap} vs the best "
                           f"{best.train.label()} estimated the same way)")
 
