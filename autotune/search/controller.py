@@ -201,10 +201,9 @@ class Controller:
                 return candidate
         return train
 
-    def _could_win(self, train: TrainConfig, estimated: TrialResult | None = None) -> bool:
-        """False if the estimator puts `train` clearly below the best so far (then noted). `estimated`: `train`'s
-        estimate, when the caller has it already."""
-        if (slower := self._screened_out(train, estimated)) is None:
+    def _could_win(self, train: TrainConfig) -> bool:
+        """False if the estimator puts `train` clearly below the best so far (then noted)."""
+        if (slower := self._screened_out(train)) is None:
             return True
         self._note_screened([train], [slower])
         return False
@@ -898,8 +897,9 @@ class Controller:
 
     def _at_estimated_checkpointing(self, train: TrainConfig) -> tuple[TrainConfig, TrialResult | None]:
         """The mesh `train` at the checkpointing the estimator puts fastest among those it says fit (`train`'s own
-        included), and that estimate (None where none fits or there is no estimator). A mesh's split shrinks each GPU's activations, so the checkpointing FSDP needed is often more
-        than the mesh does: judged at FSDP's, a mesh that wins with lighter checkpointing would be screened out."""
+        included), and that estimate (None where none fits or there is no estimator). A mesh's split shrinks each
+        GPU's activations, so the checkpointing FSDP needed is often more than the mesh does: judged at FSDP's, a
+        mesh that wins with lighter checkpointing would be screened out."""
         if self.estimator is None or not self.request.space.checkpointing:
             return train, None
         fastest, fastest_estimate = train, None
