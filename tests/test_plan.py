@@ -566,6 +566,53 @@ def test_a_trace_derived_from_two_world_sizes_equals_a_fresh_trace(ac, micro, kn
     assert derived_fields == fresh_fields
 
 
+@pytest.mark.parametrize("gpus, knobs, config_json", [
+    (64, dict(shard_placement="largest", micro_batch_size=2, activation_checkpointing="none"), SCALED_70B),
+    (8, dict(tensor_parallel=2, activation_checkpointing="full"), None)], ids=["largest", "tp2"])
+def test_fsdp_chunks_made_on_demand_trace_as_fsdps_own_code(gpus, knobs, config_json, monkeypatch, tmp_path):
+    """What keeps a trace at thousands of GPUs from making thousands of fake views per parameter
+    (_fewer_views): FSDP2's per-rank chunks made only where read, and its reordering of shards off
+    dimension 0 one strided copy. The trace is the one FSDP2's own code gives, site by site (the same ops counted: the sites' names are op counts), FLOPs
+    and op work: for largest-dimension shards with accumulation (SCALED_70B's k and v projections, 32
+    rows, on dimension 1 over 64 GPUs: all-gather copy-out and reduce-scatter input reordered) and for
+    TP2 (shards of DTensors' local tensors)."""
+    from autotune.backends.sim import _fewer_views
+    from autotune.backends.sim._backend import SimBackend
+    from autotune.problem.config import TrainConfig
+
+    model = "llama3.2-1b"
+    if config_json:
+        model = str(tmp_path / "config.json")
+        Path(model).write_text(json.dumps(config_json))
+    config = TrainConfig(**knobs)
+    spec = _trace_spec(gpus, config, model)
+    assert spec.grad_accum_steps > 1
+
+    def traced(on_demand: bool):
+        monkeypatch.setattr(_fewer_views, "ENABLED", on_demand)
+        backend = SimBackend()
+        try:
+            return backend._trace(spec, depth=3, micro_batch_size=config.micro_batch_size, keep_middle=False)
+        finally:
+            backend.close()
+
+    made, reordered = [], []
+    monkeypatch.setattr(_fewer_views._Chunks, "__init__", _counting(_fewer_views._Chunks.__init__, made))
+    monkeypatch.setattr(_fewer_views._Chunks, "cat", _counting(_fewer_views._Chunks.cat, reordered))
+    fsdps_own = traced(False)
+    assert not made
+    on_demand = traced(True)
+    assert made and bool(reordered) == (config.shard_placement == "largest")
+    assert _fields(on_demand) == _fields(fsdps_own)
+
+
+def _counting(method, calls: list):
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return method(*args, **kwargs)
+    return counted
+
+
 def test_a_trace_for_the_other_accumulation_equals_a_fresh_trace():
     """The tracer traces one micro-batch with or without gradient accumulation; a step that
     accumulates holds, at each site, the gradients earlier micro-batches reduced. Traces with

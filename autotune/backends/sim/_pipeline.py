@@ -65,6 +65,7 @@ from autotune.distributed.parallel import ParallelDims, keep_leaf_inputs_collect
 from autotune.distributed.parallel.pipeline import stages_of_rank
 from autotune.distributed.training import build_model, make_optimizer, token_batches, train_step
 from autotune.backends.sim._trace import _is_step_op
+from autotune.backends.sim._fewer_views import fsdp_chunks_on_demand
 
 _TOTAL = "Total"
 _REDUCE_SCATTER = torch.ops.c10d._reduce_scatter_base_.default
@@ -336,13 +337,14 @@ def trace_pipeline_rank(spec: TrialSpec, pp_rank: int, *, gloo: bool, layout: li
             with _module_to_assigns_data():
                 model = build_model(spec.model, num_layers=num_layers, precision=train.precision,
                                     finetuning=spec.finetuning, step=spec.step, seq_len=spec.seq_len)
-            with _post_forward_meshes_outside_fake_mode():  # FSDP's (dp, tp) mesh of a tp-split parameter
+            with _post_forward_meshes_outside_fake_mode(), fsdp_chunks_on_demand():  # (dp, tp) mesh: see there
                 parallelize(model, mesh, train, allow_offload=False, step=spec.step)
             optimizer = make_optimizer(model, impl=train.optimizer_impl)
             batches = token_batches(vocab_size=int(spec.model.config_dict["vocab_size"]),
                                     micro_batch_size=train.micro_batch_size, seq_len=spec.seq_len, device="cpu")
             tracker = _PeakTracker(gloo=gloo, fsdp_params=_fsdp_params(model), sites=layout is not None)
-            with tracker, (_anchored_units(model, tracker, period) if layout is not None else nullcontext()):
+            with tracker, fsdp_chunks_on_demand(), \
+                    (_anchored_units(model, tracker, period) if layout is not None else nullcontext()):
                 tracker.track_external(model, optimizer)
                 batches = _reset_before_each_forward(batches, tracker)
                 loss = None

@@ -184,6 +184,7 @@ def _tensor_bytes(values) -> int:
     return total
 
 from autotune.backends.sim._compile_reuse import compile_reuse, route_module_hooks  # noqa: E402
+from autotune.backends.sim._fewer_views import fsdp_chunks_on_demand  # noqa: E402
 from autotune.backends.sim._gpu_kernels import DEFAULT_SM, sdpa_as_on_a_gpu  # noqa: E402
 from autotune.problem.catalog.blocks import Blocks, fused_experts  # noqa: E402
 from autotune.problem.catalog.models import ModelSpec
@@ -740,7 +741,7 @@ class Tracer:
             # trial enters, keeping no copy, so the device side is traced exactly.
             offload = OffloadedActivations(to_host=False) if train.activation_offload and not gloo else None
             dropout: dict[str, int] = {}
-            with _collections_skip_what_was_alive(), tracker, compile_reuse(), \
+            with _collections_skip_what_was_alive(), tracker, compile_reuse(), fsdp_chunks_on_demand(), \
                     _trl_kernels_as_on_a_gpu(step in TRL_STEPS and not gloo), \
                     sdpa_as_on_a_gpu(not gloo, sm=gpu_sm or DEFAULT_SM, seen=dropout):
                 # One micro-batch: later ones repeat it; their gradients are added below.
@@ -821,7 +822,7 @@ class Tracer:
             with _module_to_assigns_data():
                 model = build_model(model_spec, num_layers=depth, precision=train.precision, finetuning=finetuning,
                                     step=step, seq_len=seq_len)
-            with _post_forward_meshes_outside_fake_mode():
+            with _post_forward_meshes_outside_fake_mode(), fsdp_chunks_on_demand():
                 blocks = parallelize(model, mesh, train.with_(cpu_offload=False), allow_offload=False,
                                      compile_backend=SIM_COMPILE_BACKEND, step=step)
             prepare_step(model, step=step, precision=train.precision, device_type=_CPU.type)
