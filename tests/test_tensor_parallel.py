@@ -423,3 +423,31 @@ def test_the_search_space_can_leave_context_parallelism_out():
     backend = _SplitFormula(states_gib=10, activation_gib=300)
     _controller_outcome(backend, capacity_gib=30, target=4 * 2**20, context_parallel=False)
     assert all(t.context_parallel == 1 for t in backend.calls)
+
+
+def test_a_tensor_parallel_trace_under_a_new_fake_group_reaches_its_own_groups():
+    """DTensor caches its sharding and redistribution plans by mesh, and meshes of a new fake group compare
+    equal to the last group's while numbering their process groups afresh. The simulator forgets those plans
+    with the group (_fakepg.release_fake_group): a TP2 trace after the fake group was made again (a new
+    backend, as after a world-size change) must reach its own groups. Without it, TP2 after CP2 and TP4 on the
+    same 8 ranks failed in the next group with "Could not resolve the process group registered under the
+    name 15" (b13c06d's CI met it in another test's order). The second group's trace is the first's."""
+    from autotune.backends.sim._backend import SimBackend
+    from tests.test_plan import _trace_spec
+
+    def peak(backend, **knobs) -> int:
+        config = TrainConfig(activation_checkpointing="full", **knobs)
+        return backend._trace(_trace_spec(8, config), depth=2, micro_batch_size=1, keep_middle=False).tensor_peak_bytes
+
+    first = SimBackend()
+    try:
+        peak(first, context_parallel=2)
+        peak(first, tensor_parallel=4)
+        before = peak(first, tensor_parallel=2)
+    finally:
+        first.close()
+    again = SimBackend()
+    try:
+        assert peak(again, tensor_parallel=2) == before
+    finally:
+        again.close()

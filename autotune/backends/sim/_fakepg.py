@@ -39,7 +39,25 @@ def fake_mesh(dims: ParallelDims):
 
 
 def release_fake_group() -> None:
-    """Destroy the fake group if it is the one initialised (a real group is left alone)."""
+    """Destroy the fake group if it is the one initialised (a real group is left alone), and DTensor's
+    plans made under it (forget_dtensor_plans: the next fake group reuses its meshes' ranks)."""
     _mesh_cache.clear()
     if dist.is_initialized() and dist.get_backend() == _FAKE_BACKEND:
+        forget_dtensor_plans()
         dist.destroy_process_group()
+
+
+def forget_dtensor_plans() -> None:
+    """Empty DTensor's caches of sharding decisions and redistribution plans. They are keyed by meshes that
+    compare equal across fake groups (the same ranks and names) but hold the process group names of the group
+    they were made under, which a new fake group numbers afresh: a tensor-parallel trace under the next group
+    of the same size would reach a group that is gone ("Could not resolve the process group registered under
+    the name ..."). Only plans: no memory."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's own
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()

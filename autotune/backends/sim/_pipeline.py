@@ -65,6 +65,7 @@ from autotune.distributed.parallel import ParallelDims, keep_leaf_inputs_collect
 from autotune.distributed.parallel.pipeline import stages_of_rank
 from autotune.distributed.training import build_model, make_optimizer, token_batches, train_step
 from autotune.backends.sim._trace import _is_step_op
+from autotune.backends.sim._fakepg import forget_dtensor_plans
 from autotune.backends.sim._fewer_views import fsdp_chunks_on_demand
 
 _TOTAL = "Total"
@@ -328,7 +329,7 @@ def trace_pipeline_rank(spec: TrialSpec, pp_rank: int, *, gloo: bool, layout: li
     rank = pp_rank * (world // dims.pp)
     num_layers = sum(layout) if layout is not None else None
     release_fake_group()
-    _forget_dtensor_plans()
+    forget_dtensor_plans()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         mesh = dims.build_mesh("cpu")
@@ -361,8 +362,7 @@ def trace_pipeline_rank(spec: TrialSpec, pp_rank: int, *, gloo: bool, layout: li
         block_params = sum(p.numel() for p in first.layers[0].parameters())
         root_params = sum(p.numel() for p in model.parameters() if id(p) not in block_ids)
     finally:
-        release_fake_group()
-        _forget_dtensor_plans()  # nor may a later trace (the simulator's own, at rank 0) meet this group's plans
+        release_fake_group()  # and its DTensor plans: nor may a later trace (the simulator's own, at rank 0) meet them
     return dict(pipeline_rank=pp_rank, rank=rank, tensor_peak_bytes=peak, categories=cats,
                 stages=[dict(stage=i, blocks=[a, b]) for i, a, b in stages],
                 block_params=int(block_params), root_params=int(root_params),
@@ -533,21 +533,6 @@ def trace_pipeline_rank_extrapolated(spec: TrialSpec, pp_rank: int, *, gloo: boo
                                                                           for layout in (first, second)],
                                   periods_beyond=x, dropped_sites=dropped,
                                   traced_peaks=[t["tensor_peak_bytes"] for t in shallow]))
-
-
-def _forget_dtensor_plans() -> None:
-    """DTensor's caches of sharding decisions and redistribution plans, emptied before each rank's trace: they
-    are keyed by meshes that compare equal across fake groups (the same ranks and names) but hold the process
-    group names of the group they were made under, which each rank's new fake group numbers afresh (tensor
-    parallelism's DTensors in the stages would otherwise reach a group that is gone). Emptied again after the
-    trace, for the simulator's next trace in this process. Only plans: no memory."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import _redistribute
-
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's own
-    _redistribute._gen_transform_infos.cache_clear()
-    _redistribute.clear_redistribute_planner_cache()
 
 
 def _fsdp_params(model) -> list:
