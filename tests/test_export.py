@@ -1060,6 +1060,10 @@ def torchtitan_builds(run_result, tmp_path_factory) -> dict:
                     parallelism={"pipeline_parallel": 2, "pipeline_schedule": "Interleaved1F1B", "data_parallel_ranks": 4})
     pp_path = write(tmp_path_factory.mktemp("torchtitan"), pipeline, "torchtitan")[0]
     runs.append(overrides_of(pp_path.read_text()))
+    pipeline_context = dict(llama3_8b(run_result), gpus=8, seq_len=16384, grad_accum_steps=4, parallelism={
+        "pipeline_parallel": 2, "context_parallel": 2, "data_parallel_ranks": 2})
+    pp_cp_path = write(tmp_path_factory.mktemp("torchtitan"), pipeline_context, "torchtitan")[0]
+    runs.append(overrides_of(pp_cp_path.read_text()))
     moe = write(tmp_path_factory.mktemp("torchtitan"), qwen3_30b_a3b(run_result, expert_parallel=8), "torchtitan")[0]
     runs.append(overrides_of(moe.read_text()))
     proc = subprocess.run([python, "-c", TORCHTITAN_CHECK, json.dumps(runs)], env=env,
@@ -1068,6 +1072,7 @@ def torchtitan_builds(run_result, tmp_path_factory) -> dict:
     built = [json.loads(line[len("BUILT "):]) for line in proc.stdout.splitlines() if line.startswith("BUILT ")]
     assert len(built) == len(runs), proc.stdout[-3000:]
     moe_got = built.pop()
+    pp_cp_got = built.pop()
     pp_got = built.pop()
     tp_cp_got = built.pop()
     tp_got = built.pop()
@@ -1080,6 +1085,7 @@ def torchtitan_builds(run_result, tmp_path_factory) -> dict:
     builds["tp"] = (tensor_parallel, tp_path, tp_got)
     builds["tp-cp"] = (tensor_context, tp_cp_path, tp_cp_got)
     builds["pp"] = (pipeline, pp_path, pp_got)
+    builds["pp-cp"] = (pipeline_context, pp_cp_path, pp_cp_got)
     return builds
 
 
@@ -1156,6 +1162,19 @@ def test_torchtitan_takes_the_tuned_pipeline_and_runs_the_accumulation_steps_as_
     assert got["pp"] == [2, "Interleaved1F1B", mb] and (got["shard"], got["replicate"]) == (4, 1)
     assert got["local"] == mb * 4 and got["local"] // got["pp"][2] == result["grad_accum_steps"]
     assert got["global"] == mb * 4 * result["grad_accum_steps"]
+    subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+@pytest.mark.slow
+def test_torchtitan_takes_context_parallelism_within_the_tuned_pipeline(torchtitan_builds):
+    """--pp 2 --cp 2 on 8 GPUs at seq 16384, 4 accumulation steps: torchtitan 0.3 parses both degrees (1F1B), with a
+    data-parallel shard degree of 2 (its dp_shard excludes cp and pp), a local batch of the 4 micro-batches and a
+    global batch of the 2 data ranks' sequences."""
+    result, path, got = torchtitan_builds["pp-cp"]
+    mb = result["micro_batch_size"]
+    assert got["pp"] == [2, "1F1B", mb] and (got["cp"], got["shard"], got["replicate"]) == (2, 2, 1)
+    assert got["seq_len"] == 16384 and got["local"] == mb * 4
+    assert got["global"] == mb * 2 * result["grad_accum_steps"]
     subprocess.run(["bash", "-n", str(path)], check=True)
 
 

@@ -5,7 +5,7 @@ its data ranks, run by the training step every trial runs (training.train_step, 
 The real runs: PP2 on 2 ranks on three families (tiny-llama, tiny-qwen2 fully checkpointed, a shrunk OLMo 2)
 under 1F1B, tiny-llama under Interleaved1F1B, tiny-qwen2 under GPipe, and on 4 ranks tiny-llama PP4 (one block
 per stage) and PP2 x FSDP2 (Interleaved1F1B), and PP2 x TP2 (tiny-llama under 1F1B, tiny-qwen2 fully
-checkpointed under Interleaved1F1B), in the session's shared launch (tests/shared_runs.py), against the
+checkpointed under Interleaved1F1B), and PP2 x CP2 (tiny-llama under 1F1B), in the session's shared launch (tests/shared_runs.py), against the
 simulator, which traces every pipeline rank (backends/sim/_pipeline.py): the worst rank's peak is the
 prediction, and each rank's is compared with the real ranks of its pp block. The numbers: the pipelined step on
 2 gloo ranks (and PP2 x TP2 on 4) computes the loss and gradients of the same model and batch in one process."""
@@ -30,7 +30,7 @@ from tests.test_tensor_parallel import shrunk_or_catalog_model
 
 SEQ = 64
 ACCUM = 4  # the pipeline's micro-batches
-# (model, ranks, pipeline parallel, schedule, micro-batch, checkpointing[, tensor parallel])
+# (model, ranks, pipeline parallel, schedule, micro-batch, checkpointing[, tensor parallel[, context parallel]])
 MATRIX = [
     ("tiny-llama", 2, 2, "1F1B", 2, "none"),
     ("tiny-qwen2", 2, 2, "1F1B", 2, "full"),
@@ -41,14 +41,16 @@ MATRIX = [
     ("tiny-llama", 4, 2, "Interleaved1F1B", 2, "none"),  # PP2 x FSDP2: each stage sharded over 2 ranks
     ("tiny-llama", 4, 2, "1F1B", 2, "none", 2),  # PP2 x TP2: each stage's blocks split over 2 ranks
     ("tiny-qwen2", 4, 2, "Interleaved1F1B", 2, "full", 2),  # PP2 x TP2, grouped-query attention, 2 stages a rank
+    ("tiny-llama", 4, 2, "1F1B", 2, "none", 1, 2),  # PP2 x CP2: each stage's ranks hold slices of every sequence
 ]
 
 
 def _spec(row, folder) -> TrialSpec:
-    name, ranks, pp, schedule, mb, ac, *tp = row
+    name, ranks, pp, schedule, mb, ac, *split = row
+    tp, cp = (*split, 1, 1)[:2]
     return TrialSpec(model=shrunk_or_catalog_model(name, folder), cluster=Cluster(num_gpus=ranks), seq_len=SEQ,
                      train=TrainConfig(pipeline_parallel=pp, pipeline_schedule=schedule, micro_batch_size=mb,
-                                       activation_checkpointing=ac, tensor_parallel=tp[0] if tp else 1),
+                                       activation_checkpointing=ac, tensor_parallel=tp, context_parallel=cp),
                      grad_accum_steps=ACCUM)
 
 
@@ -104,9 +106,10 @@ from autotune.problem.config import TrainConfig
 from autotune.distributed.parallel import ParallelDims, parallelize
 from autotune.distributed.training import build_model, micro_batch_loss, train_step
 
-rank, world, tp = int(sys.argv[1]), int(sys.argv[3]), int(sys.argv[4])
+rank, world = int(sys.argv[1]), int(sys.argv[3])
+tp, cp = map(int, sys.argv[4].split("x"))
 dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=world)
-mesh = ParallelDims.of(TrainConfig(pipeline_parallel=2, tensor_parallel=tp), world).build_mesh("cpu")
+mesh = ParallelDims.of(TrainConfig(pipeline_parallel=2, tensor_parallel=tp, context_parallel=cp), world).build_mesh("cpu")
 ACCUM = 4
 
 
@@ -130,7 +133,8 @@ def whole_name(name, starts):
 figures = {}
 for case in sys.argv[5:]:
     name, schedule = case.split(":")
-    train = TrainConfig(precision="fp32", pipeline_parallel=2, pipeline_schedule=schedule, tensor_parallel=tp)
+    train = TrainConfig(precision="fp32", pipeline_parallel=2, pipeline_schedule=schedule, tensor_parallel=tp,
+                        context_parallel=cp)
     spec = resolve_model(name)
     torch.manual_seed(0)
     whole = build_model(spec, precision="fp32")
@@ -175,19 +179,29 @@ def test_the_pipelined_step_with_tensor_parallel_stages_computes_the_same_number
     _assert_the_same_numbers(tmp_path, ["tiny-llama:1F1B"], world=4, tp=2)
 
 
-def _assert_the_same_numbers(tmp_path, cases: list[str], *, world: int, tp: int) -> None:
+def test_the_pipelined_step_with_context_parallel_stages_computes_the_same_numbers(tmp_path):
+    """PP2 x CP2 on 4 gloo ranks (tiny-qwen2, grouped-query attention, Interleaved1F1B): each stage's ranks hold
+    load-balanced slices of every sequence, the ring attention running inside the schedule's step, the stages
+    passing each rank's slice; the cp ranks' losses average to the unsplit model's, and every gradient (gathered
+    whole over the cp ranks, which FSDP shards over) is the unsplit model's."""
+    _assert_the_same_numbers(tmp_path, ["tiny-qwen2:Interleaved1F1B"], world=4, cp=2)
+
+
+def _assert_the_same_numbers(tmp_path, cases: list[str], *, world: int, tp: int = 1, cp: int = 1) -> None:
     procs = [subprocess.Popen([sys.executable, "-c", _SAME_NUMBERS, str(rank), str(tmp_path / "store"), str(world),
-                               str(tp), *cases], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               f"{tp}x{cp}", *cases], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in range(world)]
     outs = [proc.communicate(timeout=300) for proc in procs]
     assert all(proc.returncode == 0 for proc in procs), "".join(err[-3000:] for _, err in outs)
     ranks = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
-    block = world // 2  # the ranks of each pipeline rank's block: its tp ranks
+    block = world // 2  # the ranks of each pipeline rank's block: its cp x tp ranks
     for case in cases:
         firsts, lasts = [r[case] for r in ranks[:block]], [r[case] for r in ranks[block:]]
         assert all(last["last"] for last in lasts) and not any(first["last"] for first in firsts)
-        for last in lasts:  # every tp rank of the last stage computes the loss
-            assert abs(last["got"] - last["expected"]) <= 1e-5 * abs(last["expected"]), (case, last)
+        for group in range(0, block, cp * tp):  # every tp rank of the last stage computes its cp slice's loss,
+            slices = lasts[group:group + cp * tp]  # whose mean over the cp slices is the whole batch's
+            got = sum(last["got"] for last in slices) / len(slices)
+            assert abs(got - slices[0]["expected"]) <= 1e-5 * abs(slices[0]["expected"]), (case, slices)
         for figures in firsts + lasts:
             assert figures["worst_grad"] <= 1e-4, (case, figures)
         for first, last in zip(firsts, lasts):  # every parameter, on one pipeline rank
@@ -232,8 +246,18 @@ def test_parallel_dims_put_tensor_parallelism_innermost_under_a_pipeline():
     assert (dims.pp, dims.dp_shard, dims.tp, dims.data_ranks, dims.world_size) == (2, 2, 2, 2, 8)
     assert [dims.pipeline_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [dims.data_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+
+
+def test_parallel_dims_put_context_parallelism_between_the_data_ranks_and_tensor_parallelism_under_a_pipeline():
+    """torchtitan's (pp, dp_shard, cp, tp): 16 ranks as PP2 x FSDP2 x CP2 x TP2, a cp x tp group of 4 neighbouring
+    ranks sharing a batch; FSDP shards over dp_shard x cp (4 ranks of each pp block), the mesh's flattened data
+    dimension."""
+    dims = ParallelDims.of(TrainConfig(pipeline_parallel=2, tensor_parallel=2, context_parallel=2), 16)
+    assert (dims.pp, dims.dp_shard, dims.cp, dims.tp, dims.data_ranks, dims.world_size) == (2, 2, 2, 2, 2, 16)
+    assert [dims.pipeline_rank(r) for r in range(16)] == [0] * 8 + [1] * 8
+    assert [dims.data_rank(r) for r in range(16)] == [0, 0, 0, 0, 1, 1, 1, 1] * 2
     with pytest.raises(ValueError, match="not built"):
-        ParallelDims.of(TrainConfig(pipeline_parallel=2, context_parallel=2), 8)
+        ParallelDims.of(TrainConfig(pipeline_parallel=2, shard_group_size=2), 8)
 
 
 def test_a_pipeline_with_tensor_parallelism_needs_a_sequence_its_tp_ranks_split_evenly():

@@ -909,8 +909,8 @@ def widest_split(shape: ProblemShape) -> tuple[int, int, int]:
 def _check_pipeline_parallel(values: dict[str, Any], shape: ProblemShape) -> None:
     """--pp: a degree dividing the GPUs, stages the model's blocks can fill (why_no_pipeline_parallel), the
     model's own step, and only the knobs pipeline parallelism is built with here (FSDP over each stage's ranks,
-    tensor parallelism within each stage: _check_tensor_parallel's conditions, and a sequence the tp ranks
-    split evenly, the stages passing on equal sequence shards)."""
+    tensor and context parallelism within each stage: _check_tensor_parallel's and _check_context_parallel's
+    conditions, and a sequence the cp x tp ranks split evenly, the stages passing on equal sequence shards)."""
     pp = values["pipeline_parallel"]
     if pp == 1:
         return
@@ -936,14 +936,17 @@ def _check_pipeline_parallel(values: dict[str, Any], shape: ProblemShape) -> Non
                                    model_type=getattr(model, "model_type", None), seq_len=shape.seq_len)
     if why:
         raise UsageError(f"{flag}: {model.name} cannot be split into pipeline stages: {why}; use --pp 1")
-    tp = values.get("tensor_parallel", 1)
-    if tp > 1 and shape.num_gpus % (pp * tp):
-        raise UsageError(f"{flag} with --tp {tp}: the pipeline x tensor-parallel degrees ({pp * tp}) must divide the "
+    tp, cp = values.get("tensor_parallel", 1), values.get("context_parallel", 1)
+    if tp * cp > 1 and shape.num_gpus % (pp * tp * cp):
+        splits = [(option, name, n) for option, name, n in (("cp", "context", cp), ("tp", "tensor", tp)) if n > 1]
+        given = " ".join(f"--{option} {n}" for option, _, n in splits)
+        names = " x ".join(["pipeline", *(name for _, name, _ in splits)])
+        raise UsageError(f"{flag} with {given}: the {names}-parallel degrees ({pp * tp * cp}) must divide the "
                          f"{shape.num_gpus} GPUs")
-    if tp > 1 and shape.seq_len and shape.seq_len % tp:
-        raise UsageError(f"{flag} with --tp {tp}: the stages pass each tp rank's sequence shard, and {tp} does not "
-                         f"divide the sequence length {shape.seq_len}; use a sequence length divisible by {tp}")
-    _refuse_unbuilt(values, flag, "pipeline parallelism", ("context_parallel", "shard_group_size",
+    if tp > 1 and shape.seq_len and shape.seq_len % (tp * cp):
+        raise UsageError(f"{flag} with --tp {tp}: the stages pass each tp rank's sequence shard, and {tp * cp} does not "
+                         f"divide the sequence length {shape.seq_len}; use a sequence length divisible by {tp * cp}")
+    _refuse_unbuilt(values, flag, "pipeline parallelism", ("shard_group_size",
                                                            "reshard_group_size", "expert_parallel", "compile", "float8",
                                                            "cpu_offload", "activation_offload", "shard_placement"))
 

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.fsdp._fully_shard import _fsdp_common
 from torch.utils._python_dispatch import _disable_current_modes
 
 ENABLED = True
@@ -74,15 +75,16 @@ class _Chunks(Sequence):
         makes no such views)."""
         with _disable_current_modes():
             ordered = self.chunked.movedim(self.dim, dim)
-            merged = list(ordered.shape)
-            merged[dim:dim + 2] = [merged[dim] * merged[dim + 1]]
-            target = None if out is None else out.view(ordered.shape)
-        if out is None:  # one new tensor written once, as cat's
-            copied = ordered.clone(memory_format=torch.contiguous_format)
+        if out is not None:
             with _disable_current_modes():
-                return copied.view(merged)
-        target.copy_(ordered)
-        return out
+                target = out.view(ordered.shape)
+            target.copy_(ordered)
+            return out
+        copied = ordered.clone(memory_format=torch.contiguous_format)  # one new tensor written once, as cat's
+        merged = list(ordered.shape)
+        merged[dim:dim + 2] = [merged[dim] * merged[dim + 1]]
+        with _disable_current_modes():
+            return copied.view(merged)
 
 
 def _applies(tensor) -> bool:
@@ -92,14 +94,8 @@ def _applies(tensor) -> bool:
 def _chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int):
     """FSDP's _fsdp_common._chunk_with_empty, its chunks made as read."""
     if not _applies(tensor) or tensor.size(dim) == 0:
-        return _fsdp_chunk_with_empty()(tensor, num_chunks, dim)
+        return _fsdp_common._chunk_with_empty(tensor, num_chunks, dim)
     return _Chunks(tensor, num_chunks, dim, pad_with_empty=True)
-
-
-def _fsdp_chunk_with_empty():
-    from torch.distributed.fsdp._fully_shard import _fsdp_common
-
-    return _fsdp_common._chunk_with_empty
 
 
 class _TorchForCollectives(types.ModuleType):

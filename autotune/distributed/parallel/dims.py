@@ -31,10 +31,11 @@ class ParallelDims:
     Pipeline parallelism (`pp` > 1) is the outermost dimension, in torchtitan's order (pp, dp_replicate,
     dp_shard, cp, tp): the world splits into pp blocks of world / pp consecutive ranks, block k holding
     pipeline rank k's stages (parallel/pipeline.py), and FSDP shards each stage over its block, the data
-    mesh. Only activations cross between blocks (point-to-point), so stages may span nodes. With tensor
-    parallelism the mesh is (pp, dp_shard, tp): each pp block's ranks split as without a pipeline, tp
-    neighbouring ranks splitting each of the stage's blocks, and a stage's output crosses to the next block as
-    each tp rank's sequence shard."""
+    mesh. Only activations cross between blocks (point-to-point), so stages may span nodes. With tensor and
+    context parallelism the mesh is (pp, dp_shard[, cp][, tp]): each pp block's ranks split as without a
+    pipeline, cp neighbouring groups each holding a slice of every sequence, tp neighbouring ranks splitting
+    each of the stage's blocks, and a stage's output crosses to the next block as each rank's sequence shard
+    (1 / (cp x tp) of it)."""
 
     dp_replicate: int
     dp_shard: int
@@ -51,8 +52,8 @@ class ParallelDims:
         if world_size % (tp * cp * pp):
             raise ValueError(f"the pipeline-parallel degree {pp} (x tensor x context {tp} x {cp}) does not divide the "
                              f"world size {world_size}")
-        if pp > 1 and (cp > 1 or train.shard_group_size or train.expert_parallel > 1):
-            raise ValueError("pipeline parallelism with context or expert parallelism or HSDP is not built here")
+        if pp > 1 and (train.shard_group_size or train.expert_parallel > 1):
+            raise ValueError("pipeline parallelism with expert parallelism or HSDP is not built here")
         if tp > 1 and (train.shard_group_size or train.expert_parallel > 1):
             raise ValueError("tensor parallelism with HSDP or expert parallelism is not built here")
         if cp > 1 and (train.shard_group_size or train.expert_parallel > 1):
@@ -107,11 +108,14 @@ class ParallelDims:
         read back."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        if self.pp > 1:  # the data mesh of a (pp, [dp_replicate,] dp_shard[, tp]) mesh; pipeline_mesh reads pp back,
-            # tensor_mesh tp (torchtitan's order: pp outermost, tp innermost)
-            tp = (self.tp,) if self.tp > 1 else ()
-            root = init_device_mesh(device_type, (self.pp, *self.shape, *tp),
-                                    mesh_dim_names=("pp", *self.dim_names, *(("tp",) if tp else ())))
+        if self.pp > 1:  # the data mesh of a (pp, [dp_replicate,] dp_shard[, cp][, tp]) mesh (with cp, dp_shard x cp
+            # flattened); pipeline_mesh reads pp back, context_mesh cp, tensor_mesh tp (torchtitan's order: pp
+            # outermost, tp innermost)
+            inner = [(name, size) for name, size in (("cp", self.cp), ("tp", self.tp)) if size > 1]
+            root = init_device_mesh(device_type, (self.pp, *self.shape, *(size for _, size in inner)),
+                                    mesh_dim_names=("pp", *self.dim_names, *(name for name, _ in inner)))
+            if self.cp > 1:
+                return root["dp_shard", "cp"]._flatten("dp_shard_cp")
             return root[self.dim_names]
         if self.ep > 1:
             experts = init_device_mesh(device_type, (self.dp_shard // self.ep, self.ep),

@@ -35,10 +35,18 @@ final norm and head). Between stages the hidden states are each tp rank's sequen
 (rows x seq / tp x hidden, torchtitan's stages pass the same): PipelineStageModule hands on `to_local()` of its
 output and re-marks its input as the sequence shard (DTensor Shard(1)), and the stages' metadata declares those
 per-rank shapes (Pipeline._metas), so the point-to-point sends carry 1/tp of the activations.
+
+With context parallelism (PP x CP, torchtitan's FSDP x CP x PP: the mesh (pp, dp_shard, cp[, tp]), FSDP over the
+flattened dp_shard x cp ranks), CP's context is opened around the schedule's whole step, as torchtitan opens its
+train context around its pipeline schedule's step: torch's load balancer slices the step's tokens, shifted labels
+and positions in place (context.context_parallel_step, which the unpipelined CP step uses too), every stage reads
+its rank's positions, the last stage's loss is its slice's share (stage_loss), and the hidden states between
+stages are each rank's slice (seq / (cp x tp) tokens).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 
@@ -49,7 +57,8 @@ from autotune.problem.catalog.blocks import Blocks
 from autotune.problem.config import TrainConfig
 from autotune.problem.knobs import PIPELINE_VIRTUAL_STAGES, split_stages, why_no_pipeline_parallel
 from autotune.distributed.parallel.checkpointing import apply_ac
-from autotune.distributed.parallel.dims import pipeline_mesh, tensor_mesh
+from autotune.distributed.parallel.context import use_causal_sdpa
+from autotune.distributed.parallel.dims import context_mesh, pipeline_mesh, tensor_mesh
 from autotune.distributed.parallel.fsdp import PARAM_DTYPES, apply_fsdp
 from autotune.distributed.parallel.tensor import apply_tp_stage
 
@@ -113,6 +122,9 @@ class PipelineStageModule(nn.Module):
         self.norm = base.norm if last else None
         self.lm_head = causal_lm.lm_head if last else None
         self.tp_mesh = None
+        self.position_ids: torch.Tensor | None = None
+        """Under context parallelism, this rank's positions (1 x seq / cp: the slices torch's load balancer gave it),
+        set by Pipeline for each step; else the stage counts them."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
@@ -123,7 +135,9 @@ class PipelineStageModule(nn.Module):
             hidden = DTensor.from_local(x, self.tp_mesh, [Shard(1)], run_check=False)
         else:
             hidden = x
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        position_ids = self.position_ids
+        if position_ids is None:
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=None, position_ids=position_ids,
@@ -139,15 +153,23 @@ class PipelineStageModule(nn.Module):
         return hidden
 
 
-def stage_loss(causal_lm: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def stage_loss(causal_lm: nn.Module, *, context_parallel: int = 1) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The last stage's loss: the model's own (training.micro_batch_loss's `model(input_ids, labels).loss`),
-    on the stage's logits with the micro-batch's tokens as labels (shifted inside)."""
+    on the stage's logits with the micro-batch's tokens as labels (shifted inside). Under context parallelism the
+    target is this rank's slice of labels shifted before slicing (Pipeline.__call__), and the loss is the slice's
+    summed token losses over the micro-batch's count / cp, as context.sequence_shards has it: the cp ranks'
+    gradients then average (FSDP over dp_shard x cp) to the micro-batch's mean loss's."""
     loss_function, vocab_size = causal_lm.loss_function, causal_lm.config.vocab_size
 
     def loss_fn(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         return loss_function(logits=logits, labels=tokens, vocab_size=vocab_size)
 
-    return loss_fn
+    def sliced_loss_fn(logits: torch.Tensor, shifted: torch.Tensor) -> torch.Tensor:
+        rows, local = shifted.shape
+        return loss_function(logits=logits, labels=None, shift_labels=shifted, vocab_size=vocab_size,
+                             num_items_in_batch=rows * (local * context_parallel - 1) / context_parallel)
+
+    return loss_fn if context_parallel == 1 else sliced_loss_fn
 
 
 class Pipeline:
@@ -158,7 +180,7 @@ class Pipeline:
 
     def __init__(self, modules: list[tuple[int, PipelineStageModule]], *, num_stages: int, schedule: str, group,
                  device: torch.device, loss_fn, hidden_size: int, vocab_size: int, dtype: torch.dtype,
-                 config: dict | None = None, sequence_shards: int = 1) -> None:
+                 config: dict | None = None, tensor_parallel: int = 1, cp_mesh=None) -> None:
         self.modules = modules
         self.num_stages = num_stages
         self.schedule_name = schedule
@@ -169,7 +191,10 @@ class Pipeline:
         self._schedule = None
         self._key: tuple | None = None
         self._config = config or {}
-        self.sequence_shards = sequence_shards  # tp: the hidden states between stages are sequence shards
+        self.cp_mesh = cp_mesh
+        self.context_parallel = cp_mesh.size() if cp_mesh is not None else 1
+        # The hidden states between stages are each rank's sequence shard: its cp slice, split over its tp ranks.
+        self.sequence_shards = self.context_parallel * tensor_parallel
 
     @property
     def has_first(self) -> bool:
@@ -182,11 +207,14 @@ class Pipeline:
     def _metas(self, index: int, rows: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Example input and output of stage `index` (meta tensors: only shapes, strides and dtypes are read).
         Every output requires grad: the grad-recv buffer of a non-last stage is made from its output's meta. Under
-        tensor parallelism the hidden states between stages are this tp rank's sequence shard (seq / tp tokens)."""
+        tensor and context parallelism the hidden states between stages are this rank's sequence shard (seq / (cp
+        x tp) tokens); the first stage's tokens and the last stage's logits are its cp slice (seq / cp: the head
+        gathers the slice over the tp ranks)."""
+        sliced = seq // self.context_parallel
         hidden = torch.empty(rows, seq // self.sequence_shards, self.hidden_size, dtype=self.dtype, device="meta",
                              requires_grad=True)
-        inputs = torch.empty(rows, seq, dtype=torch.long, device="meta") if index == 0 else hidden
-        outputs = (torch.empty(rows, seq, self.vocab_size, dtype=self.dtype, device="meta", requires_grad=True)
+        inputs = torch.empty(rows, sliced, dtype=torch.long, device="meta") if index == 0 else hidden
+        outputs = (torch.empty(rows, sliced, self.vocab_size, dtype=self.dtype, device="meta", requires_grad=True)
                    if index == self.num_stages - 1 else hidden)
         return inputs, outputs
 
@@ -197,10 +225,10 @@ class Pipeline:
         why = why_no_pipeline_stages(self._config, seq_len=seq) if self._config else ""
         if why:
             raise ValueError(f"pipeline stages of {seq}-token sequences: {why}")
-        if seq % self.sequence_shards:
-            raise ValueError(f"pipeline stages of {seq}-token sequences: the tensor-parallel degree "
-                             f"{self.sequence_shards} does not divide them into the equal sequence shards the stages "
-                             "pass on")
+        if seq % (self.sequence_shards * (2 if self.context_parallel > 1 else 1)):
+            raise ValueError(f"pipeline stages of {seq}-token sequences: the context- and tensor-parallel degrees "
+                             f"({self.context_parallel} x {self.sequence_shards // self.context_parallel}) do not "
+                             "divide them into the equal sequence shards the stages pass on")
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         stages = []
@@ -225,14 +253,41 @@ class Pipeline:
         schedule = self.schedule(len(micro_batches), rows, seq)
         tokens = torch.cat(micro_batches) if len(micro_batches) > 1 else micro_batches[0]
         losses: list[torch.Tensor] = []
-        args = (tokens,) if self.has_first else ()
-        target = tokens if self.has_last else None
-        # return_outputs=False, as torchtitan's trainer steps its schedule: the last stage would otherwise keep every
-        # micro-batch's logits (output_chunks) to the end of the step and concatenate them, for nobody.
-        schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
+        with self._sequence_slices(tokens) as (tokens, target):
+            args = (tokens,) if self.has_first else ()
+            # return_outputs=False, as torchtitan's trainer steps its schedule: the last stage would otherwise keep
+            # every micro-batch's logits (output_chunks) to the end of the step and concatenate them, for nobody.
+            schedule.step(*args, target=target if self.has_last else None, losses=losses if self.has_last else None,
+                          return_outputs=False)
         if not losses:
             return torch.zeros((), device=tokens.device)
         return torch.stack([loss.detach() for loss in losses]).mean()
+
+    @contextlib.contextmanager
+    def _sequence_slices(self, tokens: torch.Tensor):
+        """(tokens, target) for the schedule: as they are without context parallelism; with it, within CP's
+        context for the whole schedule step (the ring runs in every stage's forward and backward), this rank's
+        load-balanced slices of the tokens, of the labels shifted before slicing, and of the positions, which
+        each stage reads (context.context_parallel_step slices them in place, as torchtitan's train context
+        slices its inputs, labels and rotary table around its pipeline schedule's step)."""
+        if self.cp_mesh is None:
+            yield tokens, tokens
+            return
+        import torch.nn.functional as F
+
+        from autotune.distributed.parallel.context import context_parallel_step
+
+        labels = F.pad(tokens[:, 1:], (0, 1), value=-100)
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+        buffers = [tokens, labels, positions]
+        with context_parallel_step(self.cp_mesh, buffers, [1, 1, 1], no_restore_buffers=set(buffers)):
+            for _, module in self.modules:
+                module.position_ids = positions
+            try:
+                yield tokens, labels
+            finally:
+                for _, module in self.modules:
+                    module.position_ids = None
 
 
 def apply_pp(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bool = True,
@@ -248,6 +303,9 @@ def apply_pp(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bool 
     pp_mesh = pipeline_mesh(mesh)
     tp = train.tensor_parallel
     tp_mesh = tensor_mesh(mesh) if tp > 1 else None
+    cp_mesh = context_mesh(mesh) if train.context_parallel > 1 else None
+    if cp_mesh is not None:
+        use_causal_sdpa(model)  # the ring's attention: SDPA with is_causal and no mask (context.py)
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     virtual = PIPELINE_VIRTUAL_STAGES[train.pipeline_schedule]
     num_stages = pp * virtual
@@ -257,7 +315,7 @@ def apply_pp(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bool 
         start, end = bounds[index]
         modules.append((index, PipelineStageModule(model, start, end, first=index == 0, last=index == num_stages - 1)))
     config = model.config
-    loss_fn = stage_loss(model)
+    loss_fn = stage_loss(model, context_parallel=train.context_parallel)
     model.model = None
     model.lm_head = None
     model.pipeline_stages = nn.ModuleList(module for _, module in modules)
@@ -278,5 +336,6 @@ def apply_pp(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bool 
     model.pipeline = Pipeline(modules, num_stages=num_stages, schedule=train.pipeline_schedule,
                               group=pp_mesh.get_group(), device=device, loss_fn=loss_fn,
                               hidden_size=config.hidden_size, vocab_size=config.vocab_size,
-                              dtype=PARAM_DTYPES[train.precision], config=config.to_dict(), sequence_shards=tp)
+                              dtype=PARAM_DTYPES[train.precision], config=config.to_dict(), tensor_parallel=tp,
+                              cp_mesh=cp_mesh)
     return blocks[0]
