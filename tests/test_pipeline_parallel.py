@@ -324,11 +324,13 @@ def test_a_big_model_traces_only_the_ranks_that_could_peak_highest():
 
 
 def test_the_measured_throughput_counts_one_batch_per_pipeline(measured_and_predicted):
-    """A pipeline's stages share one batch: the job's tokens per step are the data ranks' (GPUs / pp), each
-    micro-batch x sequence x accumulation, counted once however many stages each batch passes through."""
+    """A pipeline's stages share one batch: the job's tokens per step are the data ranks' (GPUs / (pp x cp x tp)),
+    each micro-batch x sequence x accumulation, counted once however many stages and slices each batch passes
+    through."""
     specs, measured, _ = measured_and_predicted
     for spec, real in zip(specs, measured):
-        data_ranks = spec.cluster.num_gpus // (spec.train.pipeline_parallel * spec.train.tensor_parallel)
+        train = spec.train
+        data_ranks = spec.cluster.num_gpus // (train.pipeline_parallel * train.context_parallel * train.tensor_parallel)
         tokens_per_step = spec.train.micro_batch_size * spec.seq_len * spec.grad_accum_steps * data_ranks
         assert real.throughput * real.extras["step_seconds"] == pytest.approx(tokens_per_step, rel=1e-9)
 
