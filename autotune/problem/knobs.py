@@ -944,7 +944,8 @@ def _check_pipeline_parallel(values: dict[str, Any], shape: ProblemShape) -> Non
         raise UsageError(f"{flag} with {given}: the {names}-parallel degrees ({pp * tp * cp}) must divide the "
                          f"{shape.num_gpus} GPUs")
     if tp > 1 and shape.seq_len and shape.seq_len % (tp * cp):
-        raise UsageError(f"{flag} with --tp {tp}: the stages pass each tp rank's sequence shard, and {tp * cp} does not "
+        given = f"--cp {cp} --tp {tp}" if cp > 1 else f"--tp {tp}"
+        raise UsageError(f"{flag} with {given}: the stages pass each tp rank's sequence shard, and {tp * cp} does not "
                          f"divide the sequence length {shape.seq_len}; use a sequence length divisible by {tp * cp}")
     _refuse_unbuilt(values, flag, "pipeline parallelism", ("shard_group_size",
                                                            "reshard_group_size", "expert_parallel", "compile", "float8",

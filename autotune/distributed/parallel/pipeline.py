@@ -225,7 +225,8 @@ class Pipeline:
         why = why_no_pipeline_stages(self._config, seq_len=seq) if self._config else ""
         if why:
             raise ValueError(f"pipeline stages of {seq}-token sequences: {why}")
-        if seq % (self.sequence_shards * (2 if self.context_parallel > 1 else 1)):
+        # CP's load balancer cuts 2 x cp chunks; each rank's slice (two of them) then splits over its tp ranks.
+        if seq % self.sequence_shards or (self.context_parallel > 1 and seq % (2 * self.context_parallel)):
             raise ValueError(f"pipeline stages of {seq}-token sequences: the context- and tensor-parallel degrees "
                              f"({self.context_parallel} x {self.sequence_shards // self.context_parallel}) do not "
                              "divide them into the equal sequence shards the stages pass on")
