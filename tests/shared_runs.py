@@ -20,8 +20,9 @@ group. Trials run one warm-up step and the timed steps their set asks for: a mem
 one (the second step is the steady state whose tensor peak the simulator predicts: optimizer state
 exists), the cost model's check times two. Sets with different step counts, or with folders of
 their own on the path (torchao, which transformers then imports on every model build), run in
-separate launches; within a launch, sets with compiled trials run last (a compile leaves dynamo's
-and inductor's state in the process for the trials after it).
+separate launches. Within a launch the trials run grouped by world size, widest first (each change of
+size starts a new torchrun), and compiled trials last (a compile leaves dynamo's and inductor's state
+in the process for the trials after it): `_launch_order`.
 """
 
 from __future__ import annotations
@@ -119,11 +120,10 @@ class SharedRuns:
             folder = self._folder / trial_set.name
             folder.mkdir(parents=True, exist_ok=True)
             specs[trial_set.name] = trial_set.make_specs(folder)
-        # Compiled trials last (stable: registration order otherwise).
-        sets.sort(key=lambda trial_set: any(spec.train.compile != "none" for spec in specs[trial_set.name]))
         every = [spec for trial_set in sets for spec in specs[trial_set.name]]
+        order = _launch_order(every)
         log = self._folder / f"{kind}.stderr.log"
-        job = json.dumps(dict(timed_steps=required.timed_steps, specs=[s.to_dict() for s in every]))
+        job = json.dumps(dict(timed_steps=required.timed_steps, specs=[every[i].to_dict() for i in order]))
         env = (dict(os.environ, PYTHONPATH=os.pathsep.join([*required.python_path, os.environ.get("PYTHONPATH", "")]))
                if required.python_path else None)
         try:
@@ -138,13 +138,23 @@ class SharedRuns:
             failed.write_text(f"the shared launch of {', '.join(s.name for s in sets)} {problem}; "
                               f"the end of {log}:\n{log.read_text()[-3000:]}")
             raise AssertionError(failed.read_text())
-        results = json.loads(done.stdout.strip().splitlines()[-1])
+        results = [None] * len(every)
+        for i, result in zip(order, json.loads(done.stdout.strip().splitlines()[-1])):
+            results[i] = result
         start = 0
         for trial_set in sets:
             count = len(specs[trial_set.name])
             saved = dict(specs=[s.to_dict() for s in specs[trial_set.name]], results=results[start:start + count])
             write_json(self._saved(trial_set.name), saved)  # atomic: a reader never sees half a file
             start += count
+
+
+def _launch_order(specs: list[TrialSpec]) -> list[int]:
+    """The order the launch runs `specs` in (indices): the widest worlds first, then compiled trials last.
+    A persistent launch keeps its ranks only while the world size stays (a change of size is a new torchrun,
+    about 14 CPU s of start-up on the 2-core VM for 2 ranks, twice that for 4), and a compile leaves dynamo's and
+    inductor's state in the process for the trials after it. Stable: registration order otherwise."""
+    return sorted(range(len(specs)), key=lambda i: (specs[i].train.compile != "none", -specs[i].cluster.num_gpus))
 
 
 def _kind(trial_set: TrialSet) -> str:

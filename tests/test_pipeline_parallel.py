@@ -107,9 +107,8 @@ from autotune.distributed.parallel import ParallelDims, parallelize
 from autotune.distributed.training import build_model, micro_batch_loss, train_step
 
 rank, world = int(sys.argv[1]), int(sys.argv[3])
-tp, cp = map(int, sys.argv[4].split("x"))
 dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=world)
-mesh = ParallelDims.of(TrainConfig(pipeline_parallel=2, tensor_parallel=tp, context_parallel=cp), world).build_mesh("cpu")
+meshes = {}  # by (tp, cp): every rank builds the same ones in the same order
 ACCUM = 4
 
 
@@ -131,8 +130,13 @@ def whole_name(name, starts):
 
 
 figures = {}
-for case in sys.argv[5:]:
-    name, schedule = case.split(":")
+for case in sys.argv[4:]:  # MODEL:SCHEDULE:TPxCP
+    name, schedule, degrees = case.split(":")
+    tp, cp = map(int, degrees.split("x"))
+    if (tp, cp) not in meshes:
+        meshes[tp, cp] = ParallelDims.of(TrainConfig(pipeline_parallel=2, tensor_parallel=tp, context_parallel=cp),
+                                         world).build_mesh("cpu")
+    mesh = meshes[tp, cp]
     train = TrainConfig(precision="fp32", pipeline_parallel=2, pipeline_schedule=schedule, tensor_parallel=tp,
                         context_parallel=cp)
     spec = resolve_model(name)
@@ -170,32 +174,46 @@ def test_the_pipelined_step_computes_the_whole_batchs_loss_and_gradients(tmp_pat
     backpropagated): the last stage's mean loss is the same, and every gradient of every stage (gathered whole)
     is equal up to float32 reduction order; together the ranks hold every parameter once. tiny-llama under
     1F1B (one stage per rank), tiny-qwen2 (grouped-query attention) under Interleaved1F1B (two per rank)."""
-    _assert_the_same_numbers(tmp_path, ["tiny-llama:1F1B", "tiny-qwen2:Interleaved1F1B"], world=2, tp=1)
+    _assert_the_same_numbers(_run_the_same_numbers(tmp_path, ["tiny-llama:1F1B:1x1", "tiny-qwen2:Interleaved1F1B:1x1"],
+                                                   world=2))
 
 
-def test_the_pipelined_step_with_tensor_parallel_stages_computes_the_same_numbers(tmp_path):
+@pytest.fixture(scope="module")
+def four_ranks_same_numbers(tmp_path_factory):
+    """The 4-rank cases below in one set of gloo processes (each process's start, importing torch and
+    transformers, costs more than its cases' steps)."""
+    return _run_the_same_numbers(tmp_path_factory.mktemp("four-ranks"),
+                                 ["tiny-llama:1F1B:2x1", "tiny-qwen2:Interleaved1F1B:1x2"], world=4)
+
+
+def test_the_pipelined_step_with_tensor_parallel_stages_computes_the_same_numbers(four_ranks_same_numbers):
     """PP2 x TP2 on 4 gloo ranks (tiny-llama, 1F1B): each stage's blocks split over 2 ranks, the stages passing
     sequence shards; the loss and every gradient (gathered whole over the tp ranks) as the unsplit model's."""
-    _assert_the_same_numbers(tmp_path, ["tiny-llama:1F1B"], world=4, tp=2)
+    _assert_the_same_numbers(four_ranks_same_numbers, only="tiny-llama:1F1B:2x1")
 
 
-def test_the_pipelined_step_with_context_parallel_stages_computes_the_same_numbers(tmp_path):
+def test_the_pipelined_step_with_context_parallel_stages_computes_the_same_numbers(four_ranks_same_numbers):
     """PP2 x CP2 on 4 gloo ranks (tiny-qwen2, grouped-query attention, Interleaved1F1B): each stage's ranks hold
     load-balanced slices of every sequence, the ring attention running inside the schedule's step, the stages
     passing each rank's slice; the cp ranks' losses average to the unsplit model's, and every gradient (gathered
     whole over the cp ranks, which FSDP shards over) is the unsplit model's."""
-    _assert_the_same_numbers(tmp_path, ["tiny-qwen2:Interleaved1F1B"], world=4, cp=2)
+    _assert_the_same_numbers(four_ranks_same_numbers, only="tiny-qwen2:Interleaved1F1B:1x2")
 
 
-def _assert_the_same_numbers(tmp_path, cases: list[str], *, world: int, tp: int = 1, cp: int = 1) -> None:
-    procs = [subprocess.Popen([sys.executable, "-c", _SAME_NUMBERS, str(rank), str(tmp_path / "store"), str(world),
-                               f"{tp}x{cp}", *cases], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _run_the_same_numbers(folder, cases: list[str], *, world: int) -> list[dict]:
+    """Each rank's figures for `cases` (MODEL:SCHEDULE:TPxCP), run in one set of `world` gloo processes."""
+    procs = [subprocess.Popen([sys.executable, "-c", _SAME_NUMBERS, str(rank), str(folder / "store"), str(world),
+                               *cases], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in range(world)]
     outs = [proc.communicate(timeout=300) for proc in procs]
     assert all(proc.returncode == 0 for proc in procs), "".join(err[-3000:] for _, err in outs)
-    ranks = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
-    block = world // 2  # the ranks of each pipeline rank's block: its cp x tp ranks
-    for case in cases:
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+
+
+def _assert_the_same_numbers(ranks: list[dict], *, only: str | None = None) -> None:
+    block = len(ranks) // 2  # the ranks of each pipeline rank's block: its cp x tp ranks
+    for case in [only] if only else ranks[0]:
+        tp, cp = map(int, case.rsplit(":", 1)[1].split("x"))
         firsts, lasts = [r[case] for r in ranks[:block]], [r[case] for r in ranks[block:]]
         assert all(last["last"] for last in lasts) and not any(first["last"] for first in firsts)
         for group in range(0, block, cp * tp):  # every tp rank of the last stage computes its cp slice's loss,

@@ -3,7 +3,7 @@ within groups of 2 ranks and replicated across 2), op-level selective checkpoint
 resharding after forward to groups of 2 ranks (FSDP2's reshard_after_forward=2), on 4 ranks; and
 of issue 32: a model with 2 fused experts on 4 ranks, sharded on dimension 0 (half the ranks hold
 padding) and on the experts' largest dimension (`--shard-placement largest`), and with expert
-parallelism over 2 ranks (`--ep 2`: tokens sent to their expert's rank by all-to-all). One torchrun launch of the real cpu backend runs every row (each trial builds its own
+parallelism over 2 ranks (`--ep 2`: tokens sent to their expert's rank by all-to-all). The session's shared launch of the real cpu backend runs every row (each trial builds its own
 mesh from the same ParallelDims the simulator traces); the simulator predicts each row under a
 fake process group on the same mesh. The tensor peaks must agree within 1%, and the knobs must
 change the measured peak the way the simulator says (so the test fails if a knob is not applied).
@@ -15,7 +15,8 @@ import pytest
 
 from autotune.problem.catalog.models import ModelSpec, resolve_model
 from autotune.problem.config import Cluster, TrainConfig, TrialSpec
-from tests.test_sim_accuracy import assert_tensor_peaks_agree, measure_and_predict
+from tests.shared_runs import register
+from tests.test_sim_accuracy import assert_tensor_peaks_agree, predict_cpu_runs
 
 pytestmark = pytest.mark.slow
 
@@ -60,11 +61,15 @@ def _spec(model: str, ac: str, mb: int, group: int, reshard: int, placement: str
                                        reshard_group_size=reshard, shard_placement=placement))
 
 
+# 4 ranks (HSDP's 2 x 2 mesh), in the session's shared launch with the other 4-rank sets (tests/shared_runs.py).
+register("sim-accuracy-knobs", __name__,
+         lambda folder: [_spec(*row) for row in MATRIX] + [_expert_parallel_spec(ep) for ep in EXPERT_PARALLEL])
+
+
 @pytest.fixture(scope="module")
-def measured_and_predicted():
-    """A launch of its own (4 ranks, where the shared launch has 2): 4 gloo ranks on a 2-core VM
-    take about 2 minutes for these 7 trials; a world of 4 is what HSDP's 2 x 2 mesh needs."""
-    return measure_and_predict([_spec(*row) for row in MATRIX] + [_expert_parallel_spec(ep) for ep in EXPERT_PARALLEL])
+def measured_and_predicted(gloo_runs):
+    specs, measured = gloo_runs.run("sim-accuracy-knobs")
+    return specs, measured, predict_cpu_runs(specs)
 
 
 def test_tensor_peaks_match_real_gloo_runs(measured_and_predicted):

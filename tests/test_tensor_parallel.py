@@ -237,46 +237,60 @@ from autotune.distributed.training import _micro_batch, build_model, micro_batch
 
 rank, world = int(sys.argv[1]), 2
 dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=world)
-spec = resolve_model(sys.argv[3])
-torch.manual_seed(0)
-whole = build_model(spec, precision="fp32")
-parallel = build_model(spec, precision="fp32")
-parallel.load_state_dict(whole.state_dict())
-tokens = torch.randint(0, spec.config_dict["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(1))
-expected = micro_batch_loss(whole, tokens)
-expected.backward()
-train = TrainConfig(precision="fp32", tensor_parallel=2, loss_parallel=sys.argv[4] == "loss-parallel")
-parallelize(parallel, ParallelDims.of(train, world).build_mesh("cpu"), train, allow_offload=False)
-with _micro_batch(parallel, tokens) as batch:  # as train_step runs it (loss parallelism's context)
-    got = micro_batch_loss(parallel, batch)
-    got.backward()
-got = got.full_tensor() if hasattr(got, "full_tensor") else got
-grads = {}
-for name, param in parallel.named_parameters():
-    full = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
-    reference = dict(whole.named_parameters())[name.replace("_checkpoint_wrapped_module.", "")].grad
-    grads[name] = float((full - reference).abs().max() / reference.abs().max())
+cases = {}
+for case in sys.argv[3:]:  # MODEL:HEAD, each in the same two processes
+    model, head = case.split(":")
+    spec = resolve_model(model)
+    torch.manual_seed(0)
+    whole = build_model(spec, precision="fp32")
+    parallel = build_model(spec, precision="fp32")
+    parallel.load_state_dict(whole.state_dict())
+    tokens = torch.randint(0, spec.config_dict["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(1))
+    expected = micro_batch_loss(whole, tokens)
+    expected.backward()
+    train = TrainConfig(precision="fp32", tensor_parallel=2, loss_parallel=head == "loss-parallel")
+    parallelize(parallel, ParallelDims.of(train, world).build_mesh("cpu"), train, allow_offload=False)
+    with _micro_batch(parallel, tokens) as batch:  # as train_step runs it (loss parallelism's context)
+        got = micro_batch_loss(parallel, batch)
+        got.backward()
+    got = got.full_tensor() if hasattr(got, "full_tensor") else got
+    grads = {}
+    for name, param in parallel.named_parameters():
+        full = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+        reference = dict(whole.named_parameters())[name.replace("_checkpoint_wrapped_module.", "")].grad
+        grads[name] = float((full - reference).abs().max() / reference.abs().max())
+    cases[case] = {"expected": expected.item(), "got": got.item(), "worst_grad": max(grads.values())}
 if rank == 0:
-    print(json.dumps({"expected": expected.item(), "got": got.item(), "worst_grad": max(grads.values())}))
+    print(json.dumps(cases))
 dist.destroy_process_group()
 """
 
+SAME_NUMBERS_CASES = [("tiny-llama", "whole"), ("tiny-qwen2", "whole"), ("tiny-qwen2", "loss-parallel")]
 
-@pytest.mark.parametrize("model, head", [("tiny-llama", "whole"), ("tiny-qwen2", "whole"),
-                                         ("tiny-qwen2", "loss-parallel")])
-def test_the_tensor_parallel_model_computes_the_whole_models_loss_and_gradients(tmp_path, model, head):
+
+@pytest.fixture(scope="module")
+def same_numbers(tmp_path_factory):
+    """Every case of the test below in one pair of gloo processes (each process's start, importing torch and
+    transformers, costs more than the cases' steps)."""
+    import subprocess
+    import sys
+
+    store = tmp_path_factory.mktemp("same-numbers") / "store"
+    cases = [f"{model}:{head}" for model, head in SAME_NUMBERS_CASES]
+    procs = [subprocess.Popen([sys.executable, "-c", _SAME_NUMBERS, str(rank), str(store), *cases],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outs = [proc.communicate(timeout=300) for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), outs[0][1][-3000:] + outs[1][1][-3000:]
+    return json.loads(outs[0][0].strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("model, head", SAME_NUMBERS_CASES)
+def test_the_tensor_parallel_model_computes_the_whole_models_loss_and_gradients(same_numbers, model, head):
     """Two gloo ranks: the model parallelize() splits (TP2 with sequence parallelism, FSDP over the one data
     rank; with loss parallelism, the head and the cross-entropy by vocabulary too) and the same weights unsplit, on
     the same tokens in fp32: one loss, and every parameter's gradient (gathered whole) equal to the whole model's up
     to float32 reduction order."""
-    import subprocess
-    import sys
-
-    procs = [subprocess.Popen([sys.executable, "-c", _SAME_NUMBERS, str(rank), str(tmp_path / "store"), model, head],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
-    outs = [proc.communicate(timeout=300) for proc in procs]
-    assert all(proc.returncode == 0 for proc in procs), outs[0][1][-3000:] + outs[1][1][-3000:]
-    figures = json.loads(outs[0][0].strip().splitlines()[-1])
+    figures = same_numbers[f"{model}:{head}"]
     assert abs(figures["got"] - figures["expected"]) <= 1e-5 * abs(figures["expected"]), figures
     assert figures["worst_grad"] <= 1e-4, figures
 
@@ -288,7 +302,9 @@ class _SplitFormula:
     """A formula backend that models the split (tests/test_controller.py's, with tensor parallelism): the
     blocks' share of the memory and the activations a tp-th on each GPU, 15% of the time lost to the
     all-reduces per doubling of the degree; with context parallelism the activations a cp-th, 10% lost to the
-    ring per doubling. Not a cost model: the controller's path is what is checked."""
+    ring per doubling; with pipeline parallelism the states a pp-th (each stage's blocks) and the activations as
+    they were (1/pp of the blocks, pp micro-batches in flight under 1F1B), 20% lost to the bubble per doubling. Not
+    a cost model: the controller's path is what is checked."""
 
     name, memory_source, throughput_source = "split-formula", "estimated", "estimated"
     applies_async_tp = True  # as TrialBackend's (base.py)
@@ -302,12 +318,12 @@ class _SplitFormula:
 
         train = spec.train
         self.calls.append(train)
-        tp, cp = train.tensor_parallel, train.context_parallel
+        tp, cp, pp = train.tensor_parallel, train.context_parallel, train.pipeline_parallel
         kept = 0.1 if train.activation_checkpointing.mode == "full" else 1.0
-        states = self.states * (0.1 if train.cpu_offload else 1.0) / tp
+        states = self.states * (0.1 if train.cpu_offload else 1.0) / (tp * pp)
         peak = int(states + train.micro_batch_size * self.activation * kept / (tp * cp))
         tps = (train.micro_batch_size * 1000 * 0.85 ** (tp.bit_length() - 1) * 0.9 ** (cp.bit_length() - 1)
-               * (0.5 if train.cpu_offload else 1.0))
+               * 0.8 ** (pp.bit_length() - 1) * (0.5 if train.cpu_offload else 1.0))
         return TrialResult(status="ok" if peak <= spec.limit_bytes else "oom",
                            peak_memory=Figure(peak, "estimated", "formula"), tokens_per_sec=Figure(tps, "estimated", "formula"))
 
@@ -416,6 +432,28 @@ def test_where_neither_split_holds_a_sequence_alone_tensor_within_context_parall
     assert alone and not any(s.fits for s in alone)
     winner = outcome.winner.train
     assert (winner.tensor_parallel, winner.context_parallel) == (4, 2)
+    assert outcome.winner.batch.global_tokens == winner.micro_batch_size * 256 * outcome.winner.batch.grad_accum_steps
+
+
+def test_where_neither_split_holds_the_model_and_a_sequence_alone_pipelines_over_context_parallel_groups_do():
+    """States of 40 GiB and 400 GiB of activations a sequence (40 GiB checkpointed) on 32 GiB GPUs, 8 in all, tensor
+    parallelism not searched: cp=8 keeps the states whole (40 + 5 GiB), pp=4 (tiny-llama's 4 blocks) the
+    activations (10 + 40); cp x pp pairs split both. Without an estimator the widest cp the 8 GPUs allow with each
+    pp is traced: cp=4 x pp=2 (20 + 10 GiB) and cp=2 x pp=4 (10 + 20 GiB) both fit, and cp=4 x pp=2 loses less to
+    the formula's bubble: it wins, the 8 GPUs sharing one batch, every stage's ranks one context-parallel group."""
+    backend = _SplitFormula(states_gib=40, activation_gib=400)
+    outcome = _controller_outcome(backend, capacity_gib=32, target=4 * 2**20, context_parallel=True,
+                                  pipeline_parallel=True, tensor_parallel=False)
+    alone = [s for s in outcome.steps if (s.train.context_parallel == 1) != (s.train.pipeline_parallel == 1)]
+    assert alone and not any(s.fits for s in alone)
+    pairs = {(t.context_parallel, t.pipeline_parallel) for t in backend.calls
+             if t.context_parallel > 1 and t.pipeline_parallel > 1}
+    assert pairs == {(4, 2), (2, 4)}
+    assert all(t.tensor_parallel == 1 for t in backend.calls)
+    winner = outcome.winner.train
+    assert (winner.context_parallel, winner.pipeline_parallel) == (4, 2)
+    assert any("cp 4 x pp 2" in s.reason or "context parallelism over 4 GPUs of a node within pipeline parallelism "
+               "over 2 stages" in s.reason for s in outcome.steps)
     assert outcome.winner.batch.global_tokens == winner.micro_batch_size * 256 * outcome.winner.batch.grad_accum_steps
 
 

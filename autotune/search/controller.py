@@ -47,7 +47,7 @@ while still below the best configuration found: throughput saturates with the mi
 
 
 TENSOR_PIPELINE_CANDIDATES = 3
-"""How many tp x pp (or tp x cp) pairs the search traces (the closed form's first: _explore_tensor_pairs): a pipeline
+"""How many tp x pp (or tp x cp, cp x pp) pairs the search traces (the closed form's first: _explore_pairs): a pipeline
 candidate on a 70B model costs about a CPU-minute to trace (docs/PIPELINE.md), and up to 12 pairs are allowed."""
 
 COMPILE_CANDIDATES = 2
@@ -466,6 +466,7 @@ class Controller:
             # only where the best so far pays for its activations with recompute.
             self._explore_split("context_parallel")
             self._explore_tensor_context()
+            self._explore_context_pipeline()
         self._explore_the_step()
 
     def _explore_the_step(self) -> None:
@@ -789,48 +790,63 @@ class Controller:
             self._align(self._grow(fastest.train, stage="explore", until_saturated=True))
 
     def _explore_meshes(self, *, start: TrainConfig | None = None) -> bool:
-        """Tensor, context, then pipeline parallelism (_explore_split), then tensor parallelism within pipelines and
-        within context-parallel groups (_explore_tensor_pairs); True where any fits."""
+        """Tensor, context, then pipeline parallelism (_explore_split), then the pairs of splits (_explore_pairs):
+        tensor parallelism within pipelines and within context-parallel groups, and pipelines over context-parallel
+        groups; True where any fits."""
         found = [self._explore_split(knob, start=start) for knob in self._SPLITS]
         found.append(self._explore_tensor_pipeline(start=start))
         found.append(self._explore_tensor_context(start=start))
+        found.append(self._explore_context_pipeline(start=start))
         return any(found)
 
     def _explore_tensor_pipeline(self, *, start: TrainConfig | None = None) -> bool:
         """FSDP x TP x PP (torchtitan's mesh for its 405B recipes, Llama 3's): pipeline stages over tensor-parallel
-        groups (_explore_tensor_pairs). True where one fits."""
-        return self._explore_tensor_pairs("pipeline_parallel", start=start)
+        groups (_explore_pairs). True where one fits."""
+        return self._explore_pairs("tensor_parallel", "pipeline_parallel", start=start)
 
     def _explore_tensor_context(self, *, start: TrainConfig | None = None) -> bool:
         """FSDP x CP x TP (torchtitan's mesh order: cp groups of tp groups, within a node): each sequence split
         over the context-parallel ranks, each block's linears over the tensor-parallel ones, for sequences whose
-        activations neither split holds alone within a node (_explore_tensor_pairs). True where one fits."""
-        return self._explore_tensor_pairs("context_parallel", start=start)
+        activations neither split holds alone within a node (_explore_pairs). True where one fits."""
+        return self._explore_pairs("tensor_parallel", "context_parallel", start=start)
 
-    _PAIRS = {  # each pair's description, by the other split's knob; _PAIR_SHORT its label in the notes
-        "pipeline_parallel": "tensor parallelism over {tp} GPUs of a node within pipeline parallelism over {n} stages "
-                             "({group} GPUs share a batch, each holding 1/{tp} of 1/{n} of the decoder blocks)",
-        "context_parallel": "tensor parallelism over {tp} GPUs within context parallelism over {n} such groups of a "
-                            "node ({group} GPUs share a batch, each holding 1/{tp} of every block's linears and 1/{n} "
-                            "of every sequence)",
+    def _explore_context_pipeline(self, *, start: TrainConfig | None = None) -> bool:
+        """FSDP x CP x PP (torchtitan's order: pipeline stages over context-parallel groups, the ring running in
+        every stage): long sequences on a model whose blocks and activations a node's context-parallel groups cannot
+        hold together, the stages holding a share of the blocks each (_explore_pairs). True where one fits."""
+        return self._explore_pairs("context_parallel", "pipeline_parallel", start=start)
+
+    _PAIRS = {  # each pair's description, by (the split within, the split over it); _PAIR_SHORT its label in notes
+        ("tensor_parallel", "pipeline_parallel"):
+            "tensor parallelism over {a} GPUs of a node within pipeline parallelism over {b} stages ({group} GPUs "
+            "share a batch, each holding 1/{a} of 1/{b} of the decoder blocks)",
+        ("tensor_parallel", "context_parallel"):
+            "tensor parallelism over {a} GPUs within context parallelism over {b} such groups of a node ({group} GPUs "
+            "share a batch, each holding 1/{a} of every block's linears and 1/{b} of every sequence)",
+        ("context_parallel", "pipeline_parallel"):
+            "context parallelism over {a} GPUs of a node within pipeline parallelism over {b} stages ({group} GPUs "
+            "share a batch, each holding 1/{a} of every sequence and 1/{b} of the decoder blocks)",
     }
-    _PAIR_SHORT = {"pipeline_parallel": "tp {tp} x pp {n}", "context_parallel": "tp {tp} x cp {n}"}
+    _PAIR_SHORT = {("tensor_parallel", "pipeline_parallel"): "tp {a} x pp {b}",
+                   ("tensor_parallel", "context_parallel"): "tp {a} x cp {b}",
+                   ("context_parallel", "pipeline_parallel"): "cp {a} x pp {b}"}
 
-    def _explore_tensor_pairs(self, knob: str, *, start: TrainConfig | None = None) -> bool:
-        """Tensor parallelism with another split (`knob`: pipeline or context parallelism), where the space searches
-        both (_explore_split tries each alone). Of every tp x n pair the model and the cluster allow, at most
+    def _explore_pairs(self, inner: str, outer: str, *, start: TrainConfig | None = None) -> bool:
+        """Two splits together (`inner` within each group of `outer`: tensor parallelism within pipelines or
+        context-parallel groups, context parallelism within pipelines), where the space searches both (_explore_split
+        tries each alone). Of every pair of degrees the model and the cluster allow, at most
         TENSOR_PIPELINE_CANDIDATES are traced: those the closed form (the estimator) puts first, the fastest of those
         it says fit and keep the global batch, then the least memory of the rest (without an estimator, the widest
-        tp with each n). Each is tried as _try_mesh says (at FSDP's walls, where tp x n GPUs share each sequence, or
-        where the estimate allows it to win); the fastest that fits is grown. True where one fits."""
+        inner degree the cluster allows with each outer one). Each is tried as _try_mesh says (at FSDP's walls, where a x b GPUs share
+        each sequence, or where the estimate allows it to win); the fastest that fits is grown. True where one fits."""
         space = self.request.space
-        tensor_degrees = knobs.tensor_parallel_degrees(self.shape)[1:] if space.tensor_parallel else ()
-        other_degrees = self._SPLIT_DEGREES[knob](self.shape)[1:] if getattr(space, knob) else ()
+        inner_degrees = self._SPLIT_DEGREES[inner](self.shape)[1:] if getattr(space, inner) else ()
+        outer_degrees = self._SPLIT_DEGREES[outer](self.shape)[1:] if getattr(space, outer) else ()
         base = self._mesh_base(start)
-        if not tensor_degrees or not other_degrees or base is None:
+        if not inner_degrees or not outer_degrees or base is None:
             return False
-        pairs = [self._with_runnable_schedule(base.with_(tensor_parallel=tp, **{knob: n}))
-                 for tp in reversed(tensor_degrees) for n in other_degrees]
+        pairs = [self._with_runnable_schedule(base.with_(**{inner: a, outer: b}))
+                 for a in reversed(inner_degrees) for b in outer_degrees]
         pairs = [train for train in pairs if self._buildable(train)]
         peaks: dict[TrainConfig, int] = {}
         if self.estimator is not None:
@@ -842,18 +858,20 @@ class Controller:
                         and within_tolerance(batch, self.request.tolerance))
                 return (0, -(estimate.throughput or 0.0)) if held else (1, peak)
             pairs.sort(key=rank)
-        else:
-            pairs = [train for train in pairs if train.tensor_parallel == tensor_degrees[-1]]
+        else:  # the widest inner split the cluster allows with each outer degree
+            widest = {getattr(train, outer): max(getattr(t, inner) for t in pairs if getattr(t, outer) == getattr(train, outer))
+                      for train in pairs}
+            pairs = [train for train in pairs if getattr(train, inner) == widest[getattr(train, outer)]]
         fitting, screened = [], []
         for train in pairs[:TENSOR_PIPELINE_CANDIDATES]:
-            tp, n = train.tensor_parallel, getattr(train, knob)
-            short = self._PAIR_SHORT[knob].format(tp=tp, n=n)
+            a, b = getattr(train, inner), getattr(train, outer)
+            short = self._PAIR_SHORT[inner, outer].format(a=a, b=b)
             limit = self.request.memory_limit_bytes * screen_margin(train.compile != "none")
             if peaks.get(train, 0) > limit:  # a trace of it is minutes on a large model, and cannot fit
                 self.notes.append(f"not traced: {short} (estimated {peaks[train] / 2**30:.1f} GiB a GPU, far over the "
                                   f"{self.request.memory_limit_bytes / 2**30:.1f} GiB limit)")
                 continue
-            step = self._try_mesh(train, self._PAIRS[knob].format(tp=tp, n=n, group=tp * n), short, screened)
+            step = self._try_mesh(train, self._PAIRS[inner, outer].format(a=a, b=b, group=a * b), short, screened)
             if step is not None and step.fits:
                 fitting.append(step)
         self._note_screened_together(screened)
