@@ -355,11 +355,13 @@ def test_the_measured_throughput_counts_one_batch_per_pipeline(measured_and_pred
 
 # --- depth extrapolation of a pipeline rank (backends/sim/_pipeline.trace_pipeline_rank_extrapolated) ---------------
 
-# One of the benchmark's eight rows: qwen2, pp 2, 1F1B, full checkpointing (its period), a GPU run's trace (about a
-# minute of traces on a 2-core VM). test_the_simulator_extrapolates_deep_pipeline_ranks_to_the_peaks_of_whole_traces
-# below checks a CPU run's trace (llama, no checkpointing) through SimBackend. Interleaved1F1B and pp 4 (2-5 minutes a
-# row) are in the benchmark only: `python benchmarks/bench_pipeline_extrapolation.py` runs all eight.
-SUITE_ROWS = [("qwen2", 12, 2, "1F1B", "full", False)]
+# One of the benchmark's nine rows: llama, 32 blocks, pp 2, 1F1B, full checkpointing (its period), a GPU run's trace,
+# a 16k sequence and llama3.1-8b's vocabulary (the last stage's logits live through the step's end, whose run of ops
+# grows with the depth: extrapolated 85% over its whole trace before _extrapolate._from_both_ends; about a minute of
+# traces on a 2-core VM). test_the_simulator_extrapolates_deep_pipeline_ranks_to_the_peaks_of_whole_traces below
+# checks a CPU run's trace (llama, no checkpointing) through SimBackend. qwen2, Interleaved1F1B and pp 4 (2-5 minutes
+# a row) are in the benchmark only: `python benchmarks/bench_pipeline_extrapolation.py` runs all nine.
+SUITE_ROWS = [("llama", 32, 2, "1F1B", "full", False, 16384, 128256)]
 
 
 @pytest.mark.parametrize("row", SUITE_ROWS, ids=["-".join(map(str, row)) for row in SUITE_ROWS])

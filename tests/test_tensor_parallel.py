@@ -454,6 +454,9 @@ def test_where_neither_split_holds_the_model_and_a_sequence_alone_pipelines_over
     assert (winner.context_parallel, winner.pipeline_parallel) == (4, 2)
     assert any("cp 4 x pp 2" in s.reason or "context parallelism over 4 GPUs of a node within pipeline parallelism "
                "over 2 stages" in s.reason for s in outcome.steps)
+    # No estimator here: the pair tried after the first fit says so, not that an estimate let it through.
+    assert not any("the estimate allows" in s.reason for s in outcome.steps)
+    assert any("no estimator to screen meshes with: context parallelism over 2" in s.reason for s in outcome.steps)
     assert outcome.winner.batch.global_tokens == winner.micro_batch_size * 256 * outcome.winner.batch.grad_accum_steps
 
 

@@ -906,7 +906,8 @@ class Controller:
                 return None
         why = ("FSDP alone holds no configuration of this problem" if best is None else
                f"FSDP holds this problem only with CPU offload ({best.train.label()})" if wall else
-               "the estimate allows a mesh to win")
+               "the estimate allows a mesh to win" if self.estimator is not None else
+               "no estimator to screen meshes with")
         step = self.run("explore", train, f"{why}: {what}")
         if not step.fits and train.activation_checkpointing.mode != "full" and self.request.space.checkpointing:
             step = self.run("explore", train.with_(activation_checkpointing="full"),

@@ -102,7 +102,13 @@ def extrapolate_pipeline_sites(first: dict, second: dict, periods: int) -> tuple
     `extrapolate` does in the depth (one micro-batch size: the pipeline's is traced as asked). Returns the
     sites both traces have, and how many sites only one has (left out: the optimizer's steps of the deeper
     copy's extra blocks, which repeat those of blocks both copies have). The sites keep `first`'s order (the
-    order the step reaches them): of sites that tie at the peak, the first is the one a whole trace reports."""
+    order the step reaches them): of sites that tie at the peak, the first is the one a whole trace reports.
+
+    The ops after one anchor are matched counting from the nearer end of their run (_from_both_ends): a run whose
+    length grows with the depth (the step's end, after the top block's last post-backward hook, runs ops per
+    parameter before the last stage frees its logits) would otherwise match an op of the deeper copy with a later
+    one of the shallower, and extrapolate the memory freed between them as if each period added it."""
+    first, second = _from_both_ends(first), _from_both_ends(second)
     sites = {}
     for key, a in first.items():
         b = second.get(key)
@@ -110,3 +116,25 @@ def extrapolate_pipeline_sites(first: dict, second: dict, periods: int) -> tuple
             continue
         sites[key] = {cat: _affine(a.get(cat, 0), b.get(cat, 0), 0, 0, periods, 0) for cat in a.keys() | b.keys()}
     return sites, len(first.keys() ^ second.keys())
+
+
+def _from_both_ends(sites: dict) -> dict:
+    """`sites` (keys: phase, the anchor's hook, unit and count, the op's ordinal since the anchor, a tag) keyed by
+    the ordinal's place from the nearer end of its anchor's run of ops: ("head", ordinal) in the first half, ("tail",
+    ordinals before the run's last) in the second, as the optimizer's ops already are (their keys, led by "opt",
+    are kept). Runs of the same length in both copies match as before, op for op; in a run one copy has longer (ops
+    repeated per block) both ends still match the same ops, and the extra middle ones, which repeat, are dropped.
+    The order is kept."""
+    last: dict[tuple, int] = {}
+    for key in sites:
+        if key[0] != "opt":
+            last[key[:-2]] = max(last.get(key[:-2], 0), key[-2])
+    keyed = {}
+    for key, cats in sites.items():
+        if key[0] == "opt":
+            keyed[key] = cats
+            continue
+        run, ordinal, tag = key[:-2], key[-2], key[-1]
+        count = last[run]
+        keyed[(*run, "head", ordinal, tag) if ordinal <= count // 2 else (*run, "tail", count - ordinal, tag)] = cats
+    return keyed
