@@ -46,9 +46,10 @@ SATURATION_GAIN = 0.02
 while still below the best configuration found: throughput saturates with the micro-batch."""
 
 
-TENSOR_PIPELINE_CANDIDATES = 3
-"""How many tp x pp (or tp x cp, cp x pp) pairs the search traces (the closed form's first: _explore_pairs): a pipeline
-candidate on a 70B model costs about a CPU-minute to trace (docs/PIPELINE.md), and up to 12 pairs are allowed."""
+PAIR_CANDIDATES = 3
+"""How many tp x pp (or tp x cp, cp x pp) pairs the search traces (the closed form's first: _explore_pairs): a
+pipeline candidate on a 70B model costs about a CPU-minute to trace (docs/PIPELINE.md), and up to 12 pairs are
+allowed."""
 
 COMPILE_CANDIDATES = 2
 """With compile "explore": how many of the fastest fitting eager configurations are tried compiled."""
@@ -835,10 +836,11 @@ class Controller:
         """Two splits together (`inner` within each group of `outer`: tensor parallelism within pipelines or
         context-parallel groups, context parallelism within pipelines), where the space searches both (_explore_split
         tries each alone). Of every pair of degrees the model and the cluster allow, at most
-        TENSOR_PIPELINE_CANDIDATES are traced: those the closed form (the estimator) puts first, the fastest of those
+        PAIR_CANDIDATES are traced: those the closed form (the estimator) puts first, the fastest of those
         it says fit and keep the global batch, then the least memory of the rest (without an estimator, the widest
-        inner degree the cluster allows with each outer one). Each is tried as _try_mesh says (at FSDP's walls, where a x b GPUs share
-        each sequence, or where the estimate allows it to win); the fastest that fits is grown. True where one fits."""
+        inner degree the cluster allows with each outer one). Each is tried as _try_mesh says (at FSDP's walls, where
+        a x b GPUs share each sequence, or where the estimate allows it to win); the fastest that fits is grown. True
+        where one fits."""
         space = self.request.space
         inner_degrees = self._SPLIT_DEGREES[inner](self.shape)[1:] if getattr(space, inner) else ()
         outer_degrees = self._SPLIT_DEGREES[outer](self.shape)[1:] if getattr(space, outer) else ()
@@ -859,11 +861,12 @@ class Controller:
                 return (0, -(estimate.throughput or 0.0)) if held else (1, peak)
             pairs.sort(key=rank)
         else:  # the widest inner split the cluster allows with each outer degree
-            widest = {getattr(train, outer): max(getattr(t, inner) for t in pairs if getattr(t, outer) == getattr(train, outer))
-                      for train in pairs}
+            widest: dict[int, int] = {}
+            for train in pairs:
+                widest[getattr(train, outer)] = max(widest.get(getattr(train, outer), 0), getattr(train, inner))
             pairs = [train for train in pairs if getattr(train, inner) == widest[getattr(train, outer)]]
         fitting, screened = [], []
-        for train in pairs[:TENSOR_PIPELINE_CANDIDATES]:
+        for train in pairs[:PAIR_CANDIDATES]:
             a, b = getattr(train, inner), getattr(train, outer)
             short = self._PAIR_SHORT[inner, outer].format(a=a, b=b)
             limit = self.request.memory_limit_bytes * screen_margin(train.compile != "none")
