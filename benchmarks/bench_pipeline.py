@@ -3,6 +3,10 @@
     .venv/bin/python benchmarks/bench_pipeline.py            # the matrix below (~3 min on 2 cores)
     .venv/bin/python benchmarks/bench_pipeline.py --quick    # PP2 1F1B on the three families only
     .venv/bin/python benchmarks/bench_pipeline.py --tp       # PP2 x TP2 on 4 ranks only (1F1B, Interleaved1F1B)
+    .venv/bin/python benchmarks/bench_pipeline.py --compile  # compiled blocks (op checkpointing under TP): PP2 on
+        # 2 ranks (three schedules) and PP2 x TP2 on 4, tiny-llama and tiny-qwen2 (inductor's CPU code in the real runs)
+    PYTHONPATH=.float8-site .venv/bin/python benchmarks/bench_pipeline.py --float8  # float8 linears (torchao):
+        # tiny-llama PP2 1F1B tensorwise eager, rowwise compiled, and PP2 x TP2 tensorwise compiled (op checkpointing)
     .venv/bin/python benchmarks/bench_pipeline.py --timing llama3-8b --pp 4 --gpus 8 --schedule 1F1B
         # the simulator alone on a catalog model (no real run): seconds per pipeline candidate with each rank traced
         # whole and with depth extrapolation (_pipeline.trace_pipeline_rank_extrapolated), and both predictions
@@ -37,6 +41,14 @@ NO_TP = ("olmo2",)  # its plan's colwise_gather_output / rowwise_split_input ent
 LAYOUTS = [(2, 2, "1F1B"), (2, 2, "Interleaved1F1B"), (2, 2, "GPipe"), (4, 4, "1F1B"), (4, 2, "Interleaved1F1B"),
            (4, 2, "1F1B", 2), (4, 2, "Interleaved1F1B", 2)]
 
+# Compiled blocks: the two families whose blocks compile whole (fullgraph) on every layout; under TP op-level
+# checkpointing (torch cannot compile a whole-block checkpoint under TP: knobs._check_tensor_parallel).
+COMPILED_FAMILIES = ("tiny-llama", "tiny-qwen2")
+COMPILED_LAYOUTS = [(2, 2, "1F1B"), (2, 2, "Interleaved1F1B"), (2, 2, "GPipe"), (4, 2, "1F1B", 2)]
+# float8 linears (ranks, knobs), tiny-llama PP2 under 1F1B.
+FLOAT8_CASES = [(2, dict(float8="tensorwise")), (2, dict(float8="rowwise", compile="blocks")),
+                (4, dict(float8="tensorwise", tensor_parallel=2, activation_checkpointing="op", compile="blocks"))]
+
 
 def _model(name: str, folder: Path):
     if name in MODELS:
@@ -51,6 +63,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="PP2 1F1B on the three families only")
     parser.add_argument("--tp", action="store_true", help="PP2 x TP2 on 4 ranks only")
+    parser.add_argument("--compile", action="store_true", help="compiled blocks: PP2 (three schedules) and PP2 x TP2")
+    parser.add_argument("--float8", action="store_true", help="float8 linears (torchao on the path): three tiny-llama "
+                        "cases")
     parser.add_argument("--timing", metavar="MODEL", help="time the simulator on one pipeline candidate of this "
                         "catalog model, whole and depth-extrapolated (no real run)")
     parser.add_argument("--pp", type=int, default=4)
@@ -65,14 +80,7 @@ def main() -> None:
     if args.timing:
         _timing(args)
         return
-    layouts = LAYOUTS[:1] if args.quick else [row for row in LAYOUTS if len(row) > 3] if args.tp else LAYOUTS
-    folder = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
-    specs = [TrialSpec(model=_model(name, folder), cluster=Cluster(num_gpus=ranks), seq_len=SEQ,
-                       train=TrainConfig(pipeline_parallel=pp, pipeline_schedule=schedule,
-                                         micro_batch_size=MICRO_BATCH, tensor_parallel=tp[0] if tp else 1),
-                       grad_accum_steps=ACCUM)
-             for name in FAMILIES for ranks, pp, schedule, *tp in layouts
-             if not (tp and name in NO_TP)]
+    specs = _specs(args, Path(tempfile.mkdtemp(prefix="bench-pipeline-")))
     start = time.perf_counter()
     with SimBackend(device_kind="cpu") as sim:
         predicted = [sim.evaluate(spec) for spec in specs]
@@ -97,6 +105,25 @@ def main() -> None:
         print(f"{name:<11} {spec.cluster.num_gpus:>5} {spec.train.pipeline_parallel:>3} "
               f"{spec.train.tensor_parallel:>3} {spec.train.pipeline_schedule:<16} {sim_peak:>13,} {real_peak:>13,} {sim_peak - real_peak:>7,}  {per}")
     print(f"simulator {sim_s:.0f} s, real trials {real_s:.0f} s")
+
+
+def _specs(args, folder: Path) -> list[TrialSpec]:
+    """The cases the flags name: the matrix, --quick, --tp, --compile or --float8 (torchao on the path)."""
+    def spec(name: str, ranks: int, **knobs) -> TrialSpec:
+        return TrialSpec(model=_model(name, folder), cluster=Cluster(num_gpus=ranks), seq_len=SEQ,
+                         train=TrainConfig(micro_batch_size=MICRO_BATCH, **knobs), grad_accum_steps=ACCUM)
+
+    if args.float8:
+        import torchao  # noqa: F401  (the float8 extra: PYTHONPATH=.float8-site)
+
+        return [spec("tiny-llama", ranks, pipeline_parallel=2, **knobs) for ranks, knobs in FLOAT8_CASES]
+    layouts = (LAYOUTS[:1] if args.quick else [row for row in LAYOUTS if len(row) > 3] if args.tp else
+               COMPILED_LAYOUTS if args.compile else LAYOUTS)
+    compiled = dict(compile="blocks") if args.compile else {}
+    return [spec(name, ranks, pipeline_parallel=pp, pipeline_schedule=schedule, tensor_parallel=tp[0] if tp else 1,
+                 **compiled, **(dict(activation_checkpointing="op") if compiled and tp else {}))
+            for name in (COMPILED_FAMILIES if args.compile else FAMILIES) for ranks, pp, schedule, *tp in layouts
+            if not (tp and name in NO_TP)]
 
 
 def _timing(args) -> None:

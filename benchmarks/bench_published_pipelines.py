@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT))
 ROWS = ROOT / "benchmarks" / "results" / "published_pipeline_runs.json"
 
 from autotune.estimate import costmodel  # noqa: E402
-from autotune.backends.analytic import estimate_pipeline_memory, fused_bytes_saved, step_work  # noqa: E402
+from autotune.backends.analytic import (estimate_pipeline_memory, fused_bytes_saved, pipeline_float8_counts,  # noqa: E402
+                                      step_work)
 from autotune.problem.catalog.gpus import GPUS  # noqa: E402
 from autotune.problem.catalog.models import model_flops_per_token, resolve_model  # noqa: E402
 from autotune.problem.config import Cluster, TrainConfig, TrialSpec  # noqa: E402
@@ -62,37 +63,6 @@ def spec_of(row: dict) -> TrialSpec:
     return spec
 
 
-def float8_counts(spec: TrialSpec, v: int) -> tuple[float, float]:
-    """(converted matmul FLOPs, cast elements) of the slowest rank's step with float8 linears (torchao tensorwise),
-    counted in closed form as the simulator's trace counts them (`float8_matmul_flops`, `float8_cast_elements`): every
-    linear of its blocks (q, k, v, o, gate, up, down) runs its forward, input-gradient and weight-gradient GEMMs in
-    float8 (6 FLOPs per weight per token, 2 more for a checkpointed block's recompute), and each GEMM casts its two
-    operands: the input twice and the output gradient twice (T x width each), the weight three times with the
-    recompute; column-wise linears of a tensor-parallel GPU keep the whole input and a tp-th of the output, row-wise
-    ones the reverse. Under tensor parallelism the column-wise linears' inputs (attention's, the MLP's) and the
-    row-wise ones' output gradients arrive by float8 all-gathers: cast once each on the sequence shard (T / tp x
-    hidden: two a forward pass, with the recompute's, and two in backward), and read by the matmuls without a cast
-    of their own. An estimate of what the trace would count, not checked against a trace at this size (the trace's
-    own count is checked on micro-llama TP2: tests/test_float8.py)."""
-    from autotune.backends.analytic import model_shape, pipeline_costed_rank
-
-    shape, train = model_shape(spec.model), spec.train
-    rank = pipeline_costed_rank(spec, v)
-    tp, cp = train.tensor_parallel, train.context_parallel
-    h, kv, f = shape.hidden, shape.kv_width, shape.intermediate
-    linears = [(h, h, True), (h, kv, True), (h, kv, True), (h, h, False), (h, f, True), (h, f, True), (f, h, False)]
-    tokens = train.micro_batch_size * spec.seq_len // cp
-    checkpointed = sum(train.activation_checkpointing.wraps_block(i) for i in rank.block_indices)
-    weights = sum(i * o for i, o, _ in linears)
-    flops = tokens * spec.grad_accum_steps * weights / tp * (6 * rank.num_blocks + 2 * checkpointed)
-    if tp == 1:
-        per_block = sum(3 * tokens * i + 2 * tokens * o + 3 * i * o for i, o, _ in linears)
-    else:  # the gathered operands cast on the shard instead: 2 inputs x 2 forward passes, 2 output gradients
-        per_block = sum((0 if col else 3 * tokens * i / tp) + (2 * tokens * o / tp if col else 0) + 3 * i * o / tp
-                        for i, o, col in linears) + 6 * tokens / tp * h
-    return flops, per_block * rank.num_blocks * spec.grad_accum_steps
-
-
 def estimate(row: dict) -> tuple[float, costmodel.StepTime, float, float | None]:
     """(tokens/s per GPU, the eager step, the worst stage's estimated peak bytes, tokens/s per GPU with float8
     linears costed as the simulator costs them (costmodel.float8_step_seconds) on closed-form counts; None where
@@ -110,7 +80,7 @@ def estimate(row: dict) -> tuple[float, costmodel.StepTime, float, float | None]
     tokens = work.tokens_per_step / spec.cluster.num_gpus
     with_float8 = None
     if row["float8"]:
-        flops, casts = float8_counts(spec, v)
+        flops, casts = pipeline_float8_counts(spec, v)
         saved_s, casts_s, _ = costmodel.float8_step_seconds(
             gpu=spec.cluster.gpu, float8_flops=flops, cast_elements=casts, compiled=spec.train.compile != "none",
             efficiency=work.flops_per_gpu / (step.gpu_compute_s * spec.cluster.gpu.peak_tflops * 1e12))

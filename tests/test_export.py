@@ -1056,7 +1056,7 @@ def torchtitan_builds(run_result, tmp_path_factory) -> dict:
         "tensor_parallel": 2, "context_parallel": 2, "loss_parallel": True, "data_parallel_ranks": 2})
     tp_cp_path = write(tmp_path_factory.mktemp("torchtitan"), tensor_context, "torchtitan")[0]
     runs.append(overrides_of(tp_cp_path.read_text()))
-    pipeline = dict(llama3_8b(run_result), gpus=8, grad_accum_steps=4,
+    pipeline = dict(llama3_8b(run_result), gpus=8, grad_accum_steps=4, compile={"mode": "blocks"},
                     parallelism={"pipeline_parallel": 2, "pipeline_schedule": "Interleaved1F1B", "data_parallel_ranks": 4})
     pp_path = write(tmp_path_factory.mktemp("torchtitan"), pipeline, "torchtitan")[0]
     runs.append(overrides_of(pp_path.read_text()))
@@ -1154,12 +1154,14 @@ def test_torchtitan_takes_tensor_parallelism_within_context_parallelism(torchtit
 
 @pytest.mark.slow
 def test_torchtitan_takes_the_tuned_pipeline_and_runs_the_accumulation_steps_as_its_micro_batches(torchtitan_builds):
-    """--pp 2 (Interleaved1F1B) on 8 GPUs, 4 accumulation steps: torchtitan 0.3 parses the pipeline degree, schedule
-    and micro-batch size with 4 data ranks left; its local batch (micro-batch x 4) split into micro-batches of the
-    tuned size is the 4 steps the tuned schedule ran, and its global batch counts the 4 data ranks once."""
+    """--pp 2 (Interleaved1F1B) with compiled blocks on 8 GPUs, 4 accumulation steps: torchtitan 0.3 parses the
+    pipeline degree, schedule and micro-batch size with 4 data ranks left, and compiles the blocks; its local batch
+    (micro-batch x 4) split into micro-batches of the tuned size is the 4 steps the tuned schedule ran, and its
+    global batch counts the 4 data ranks once."""
     result, path, got = torchtitan_builds["pp"]
     mb = result["micro_batch_size"]
     assert got["pp"] == [2, "Interleaved1F1B", mb] and (got["shard"], got["replicate"]) == (4, 1)
+    assert got["compile"] == [True, ["model"]]  # each stage's blocks compiled, as autotune's stages are
     assert got["local"] == mb * 4 and got["local"] // got["pp"][2] == result["grad_accum_steps"]
     assert got["global"] == mb * 4 * result["grad_accum_steps"]
     subprocess.run(["bash", "-n", str(path)], check=True)

@@ -30,14 +30,17 @@ from tests.shared_runs import register  # noqa: E402
 from tests.test_sim_accuracy import predict_cpu_runs  # noqa: E402
 
 RECIPES = ("tensorwise", "rowwise")
-# (recipe, tensor parallel, compile): FSDP alone, then TP2 on the same 2 ranks (tensorwise: torchao's float8
-# TP styles, the weights and inputs all-gathered in float8; rowwise: torch's own styles, compiled as torchtitan runs).
-CASES = (("tensorwise", 1, "none"), ("rowwise", 1, "none"), ("tensorwise", 2, "none"), ("rowwise", 2, "blocks"))
+# (recipe, tensor parallel, compile[, pipeline parallel]): FSDP alone, then TP2 on the same 2 ranks (tensorwise:
+# torchao's float8 TP styles, the weights and inputs all-gathered in float8; rowwise: torch's own styles, compiled as
+# torchtitan runs), then PP2 (each stage's blocks converted, 4 micro-batches under 1F1B).
+CASES = (("tensorwise", 1, "none"), ("rowwise", 1, "none"), ("tensorwise", 2, "none"), ("rowwise", 2, "blocks"),
+         ("tensorwise", 1, "none", 2))
 
 
-def _spec(recipe: str, tp: int = 1, compiled: str = "none") -> TrialSpec:
+def _spec(recipe: str, tp: int = 1, compiled: str = "none", pp: int = 1) -> TrialSpec:
     return TrialSpec(model=resolve_model("micro-llama"), cluster=Cluster(num_gpus=2), seq_len=64,
-                     train=TrainConfig(micro_batch_size=2, float8=recipe, tensor_parallel=tp, compile=compiled))
+                     train=TrainConfig(micro_batch_size=2, float8=recipe, tensor_parallel=tp, compile=compiled,
+                                       pipeline_parallel=pp), grad_accum_steps=4 if pp > 1 else 1)
 
 
 register("float8", __name__, lambda folder: [_spec(*case) for case in CASES],
@@ -68,12 +71,13 @@ def test_float8_tensor_peak_matches_a_real_float8_gloo_run(measured_and_predicte
     """Within 1% (docs/COMPILE.md has the bytes: 4 apart eager; compiled, the trace's unfused transients are an
     upper bound of inductor's). The real trial really ran float8: every linear of transformers' decoder layers
     (all of micro-llama's dimensions divide by 16) was a torchao Float8Linear on both ranks, and its losses are
-    finite. Under TP the float8 all-gathers cross gloo as bytes (backends/real/_gloo_float8.py)."""
+    finite. Under TP the float8 all-gathers cross gloo as bytes (backends/real/_gloo_float8.py); under PP each rank
+    converts its stage's blocks' linears."""
     specs, measured, predicted = measured_and_predicted
     real, sim = measured[index], predicted[index]
     assert real.status == "ok", real.message
     assert sim.status == "ok", sim.message
-    assert real.extras["float8_linears"] == _block_linears("micro-llama")
+    assert real.extras["float8_linears"] == _block_linears("micro-llama") // specs[index].train.pipeline_parallel
     real_peak, sim_peak = real.extras["tensor_peak_bytes"], sim.extras["tensor_peak_bytes"]
     assert abs(sim_peak - real_peak) <= 0.01 * real_peak, (
         f"{specs[index].train.label()}: predicted {sim_peak:,} B, measured {real_peak:,} B")

@@ -5,7 +5,8 @@ its data ranks, run by the training step every trial runs (training.train_step, 
 The real runs: PP2 on 2 ranks on three families (tiny-llama, tiny-qwen2 fully checkpointed, a shrunk OLMo 2)
 under 1F1B, tiny-llama under Interleaved1F1B, tiny-qwen2 under GPipe, and on 4 ranks tiny-llama PP4 (one block
 per stage) and PP2 x FSDP2 (Interleaved1F1B), and PP2 x TP2 (tiny-llama under 1F1B, tiny-qwen2 fully
-checkpointed under Interleaved1F1B), and PP2 x CP2 (tiny-llama under 1F1B), in the session's shared launch (tests/shared_runs.py), against the
+checkpointed under Interleaved1F1B), PP2 x CP2 (tiny-llama under 1F1B), and tiny-llama PP2 under 1F1B with compiled
+blocks (inductor in the real run, the simulator's AOT-autograd graphs run op by op), in the session's shared launch (tests/shared_runs.py), against the
 simulator, which traces every pipeline rank (backends/sim/_pipeline.py): the worst rank's peak is the
 prediction, and each rank's is compared with the real ranks of its pp block. The numbers: the pipelined step on
 2 gloo ranks (and PP2 x TP2 on 4) computes the loss and gradients of the same model and batch in one process."""
@@ -30,7 +31,7 @@ from tests.test_tensor_parallel import shrunk_or_catalog_model
 
 SEQ = 64
 ACCUM = 4  # the pipeline's micro-batches
-# (model, ranks, pipeline parallel, schedule, micro-batch, checkpointing[, tensor parallel[, context parallel]])
+# (model, ranks, pipeline parallel, schedule, micro-batch, checkpointing[, tensor parallel[, context parallel[, compile]]])
 MATRIX = [
     ("tiny-llama", 2, 2, "1F1B", 2, "none"),
     ("tiny-qwen2", 2, 2, "1F1B", 2, "full"),
@@ -42,15 +43,17 @@ MATRIX = [
     ("tiny-llama", 4, 2, "1F1B", 2, "none", 2),  # PP2 x TP2: each stage's blocks split over 2 ranks
     ("tiny-qwen2", 4, 2, "Interleaved1F1B", 2, "full", 2),  # PP2 x TP2, grouped-query attention, 2 stages a rank
     ("tiny-llama", 4, 2, "1F1B", 2, "none", 1, 2),  # PP2 x CP2: each stage's ranks hold slices of every sequence
+    ("tiny-llama", 2, 2, "1F1B", 2, "none", 1, 1, "blocks"),  # each stage's blocks compiled (inductor, in real runs)
 ]
 
 
 def _spec(row, folder) -> TrialSpec:
     name, ranks, pp, schedule, mb, ac, *split = row
-    tp, cp = (*split, 1, 1)[:2]
+    tp, cp, compiled = (*split, *(1, 1, "none")[len(split):])
     return TrialSpec(model=shrunk_or_catalog_model(name, folder), cluster=Cluster(num_gpus=ranks), seq_len=SEQ,
                      train=TrainConfig(pipeline_parallel=pp, pipeline_schedule=schedule, micro_batch_size=mb,
-                                       activation_checkpointing=ac, tensor_parallel=tp, context_parallel=cp),
+                                       activation_checkpointing=ac, tensor_parallel=tp, context_parallel=cp,
+                                       compile=compiled),
                      grad_accum_steps=ACCUM)
 
 

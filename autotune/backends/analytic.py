@@ -514,6 +514,38 @@ def pipeline_costed_rank(spec: TrialSpec, virtual_stages: int | None = None) -> 
     return max(reversed(_pipeline_layout(spec, virtual_stages)), key=lambda r: _rank_flops_per_token(spec, r, span))
 
 
+def pipeline_float8_counts(spec: TrialSpec, virtual_stages: int | None = None) -> tuple[float, float]:
+    """(converted matmul FLOPs, cast elements) of the slowest pipeline rank's step (pipeline_costed_rank) with
+    float8 linears, counted in closed form as the simulator's trace counts them without a pipeline
+    (`float8_matmul_flops`, `float8_cast_elements`; the pipeline's traces count memory, not ops): every linear of
+    its blocks (q, k, v, o, gate, up, down) runs its forward, input-gradient and weight-gradient GEMMs in float8 (6
+    FLOPs per weight per token, 2 more for a checkpointed block's recompute), and each GEMM casts its two operands:
+    the input twice and the output gradient twice (T x width each), the weight three times with the recompute;
+    column-wise linears of a tensor-parallel GPU keep the whole input and a tp-th of the output, row-wise ones the
+    reverse. Under tensor parallelism with tensorwise float8 the column-wise linears' inputs (attention's, the
+    MLP's) and the row-wise ones' output gradients arrive by float8 all-gathers: cast once each on the sequence
+    shard (T / tp x hidden: two a forward pass, with the recompute's, and two in backward), and read by the matmuls
+    without a cast of their own (rowwise float8 gathers in high precision: each matmul casts its own). An estimate
+    of what a trace would count, not checked against one at this size (the trace's own count is checked on
+    micro-llama TP2: tests/test_float8.py)."""
+    shape, train = model_shape(spec.model), spec.train
+    rank = pipeline_costed_rank(spec, virtual_stages)
+    tp, cp = train.tensor_parallel, train.context_parallel
+    h, kv, f = shape.hidden, shape.kv_width, shape.intermediate
+    linears = [(h, h, True), (h, kv, True), (h, kv, True), (h, h, False), (h, f, True), (h, f, True), (f, h, False)]
+    tokens = train.micro_batch_size * spec.seq_len // cp
+    checkpointed = sum(train.activation_checkpointing.wraps_block(i) for i in rank.block_indices)
+    weights = sum(i * o for i, o, _ in linears)
+    flops = tokens * spec.grad_accum_steps * weights / tp * (6 * rank.num_blocks + 2 * checkpointed)
+    if tp > 1 and train.float8 != "rowwise":  # the gathered operands cast on the shard instead
+        per_block = sum((0 if col else 3 * tokens * i / tp) + (2 * tokens * o / tp if col else 0) + 3 * i * o / tp
+                        for i, o, col in linears) + 6 * tokens / tp * h
+    else:  # each GEMM casts its own operands, a column-wise linear's output and a row-wise one's input a tp-th
+        local = [(i, o / tp) if col else (i / tp, o) for i, o, col in linears]
+        per_block = sum(3 * tokens * i + 2 * tokens * o + 3 * i * o for i, o in local)
+    return flops, per_block * rank.num_blocks * spec.grad_accum_steps
+
+
 def _pipeline_layout(spec: TrialSpec, virtual_stages: int | None = None) -> list[PipelineRank]:
     """The pipeline's ranks: autotune's own as parallel/pipeline.py builds them (knobs.split_stages, the schedule's
     stages per rank); a published run's stated stages per rank (`virtual_stages` given) as its publisher lays them

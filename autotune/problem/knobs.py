@@ -948,7 +948,7 @@ def _check_pipeline_parallel(values: dict[str, Any], shape: ProblemShape) -> Non
         raise UsageError(f"{flag} with {given}: the stages pass each tp rank's sequence shard, and {tp * cp} does not "
                          f"divide the sequence length {shape.seq_len}; use a sequence length divisible by {tp * cp}")
     _refuse_unbuilt(values, flag, "pipeline parallelism", ("shard_group_size",
-                                                           "reshard_group_size", "expert_parallel", "compile", "float8",
+                                                           "reshard_group_size", "expert_parallel",
                                                            "cpu_offload", "activation_offload", "shard_placement"))
 
 

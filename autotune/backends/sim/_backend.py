@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 from autotune.util import cache
 from autotune.estimate import costmodel
 from autotune.backends.analytic import (attention_span, context_parallel_work, expert_parallel_work, fused_bytes_saved,
-                                      tensor_parallel_work, model_shape,
-                                      offload_fresh_page_bytes, screen_margin, step_work, symmetric_memory_bytes,
-                                      trainable_split)
+                                      tensor_parallel_work, model_shape, offload_fresh_page_bytes,
+                                      pipeline_float8_counts, pipeline_virtual_stages, screen_margin, step_work,
+                                      symmetric_memory_bytes, trainable_split)
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
 from autotune.backends.sim._extrapolate import extrapolate, shallow_depths
 from autotune.problem.config import PARAM_DTYPE_BYTES, TrialSpec
@@ -831,11 +831,21 @@ def _float8(throughput: Figure, spec: TrialSpec, op_work: dict[str, float], extr
     scale = step_s / roofline["seconds"]  # the estimated compile ratio's share (1 when eager)
     gpu_s, host_s = roofline["gpu_compute_s"] * scale, roofline["host_s"] * scale
     gpu = spec.cluster.gpu
+    pipelined = spec.train.pipeline_parallel > 1
+    if pipelined:  # the pipeline's traces count memory, not ops: the slowest rank's counts in closed form
+        float8_flops, cast_elements = pipeline_float8_counts(spec)
+    else:
+        float8_flops = op_work.get("float8_matmul_flops", 0.0) * accum
+        cast_elements = op_work.get("float8_cast_elements", 0.0) * accum
     saved_s, casts_s, basis = costmodel.float8_step_seconds(
-        gpu=gpu, float8_flops=op_work.get("float8_matmul_flops", 0.0) * accum,
-        cast_elements=op_work.get("float8_cast_elements", 0.0) * accum, compiled=spec.train.compile != "none",
+        gpu=gpu, float8_flops=float8_flops, cast_elements=cast_elements, compiled=spec.train.compile != "none",
         recipe=spec.train.float8,
         efficiency=extras["flops_per_gpu_per_step"] / (roofline["gpu_compute_s"] * gpu.peak_tflops * 1e12))
+    if pipelined:  # the bubble is (p - 1) / (v m) of the stage's time: it shrinks with it
+        bubble = costmodel.pipeline_bubble_ratio(stages=spec.train.pipeline_parallel, microbatches=accum,
+                                                 virtual_stages=pipeline_virtual_stages(spec))
+        saved_s, casts_s = saved_s * (1 + bubble), casts_s * (1 + bubble)
+        basis += "; the slowest pipeline rank's float8 GEMMs and casts counted in closed form (analytic.pipeline_float8_counts)"
     # The host's dispatch time (eager: the casts' ops are in the traced count) still bounds the step.
     float8_s = step_s - max(gpu_s, host_s) + max(gpu_s - saved_s + casts_s, host_s)
     ratio = step_s / float8_s

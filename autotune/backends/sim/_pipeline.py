@@ -61,7 +61,8 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 from autotune.problem.config import TrialSpec
 from autotune.problem.knobs import PIPELINE_VIRTUAL_STAGES
-from autotune.distributed.parallel import ParallelDims, keep_leaf_inputs_collectable, parallelize, split_stages
+from autotune.distributed.parallel import (ParallelDims, keep_leaf_inputs_collectable, parallelize, register_rng_rules,
+                                           split_stages)
 from autotune.distributed.parallel.pipeline import stages_of_rank
 from autotune.distributed.training import build_model, make_optimizer, token_batches, train_step
 from autotune.backends.sim._trace import _is_step_op
@@ -104,6 +105,12 @@ class _PeakTracker(MemTracker):
         self._optimizer_ops: list[dict[str, int]] = []
         self._optimizer_steps = 0
         self._was_in_opt = False
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """As _trace._SiteTracker's: dynamo compiles with the tracker switched off, and the compiled graphs'
+        ops (aten ops: _trace.SIM_COMPILE_BACKEND) are seen as they run."""
+        return True
 
     def anchor(self, anchors: tuple[tuple, ...]) -> None:
         """Count the ops from here (an FSDP hook of a named unit; () for a unit no other depth has)."""
@@ -319,8 +326,10 @@ def trace_pipeline_rank(spec: TrialSpec, pp_rank: int, *, gloo: bool, layout: li
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from autotune.backends.sim._fakepg import release_fake_group
-    from autotune.backends.sim._trace import (_module_to_assigns_data, _post_forward_meshes_outside_fake_mode,
-                                              _real_mask_decisions, _sharding_propagation_in_a_fake_mode_of_its_own)
+    from autotune.backends.sim._trace import (SIM_COMPILE_BACKEND, _float8_flatten_without_reading_scales,
+                                              _module_to_assigns_data,
+                                              _post_forward_meshes_outside_fake_mode, _real_mask_decisions,
+                                              _sharding_propagation_in_a_fake_mode_of_its_own)
 
     start = time.perf_counter()
     train = spec.train.with_(cpu_offload=False)
@@ -339,7 +348,12 @@ def trace_pipeline_rank(spec: TrialSpec, pp_rank: int, *, gloo: bool, layout: li
                 model = build_model(spec.model, num_layers=num_layers, precision=train.precision,
                                     finetuning=spec.finetuning, step=spec.step, seq_len=spec.seq_len)
             with _post_forward_meshes_outside_fake_mode(), fsdp_chunks_on_demand():  # (dp, tp) mesh: see there
-                parallelize(model, mesh, train, allow_offload=False, step=spec.step)
+                parallelize(model, mesh, train, allow_offload=False, compile_backend=SIM_COMPILE_BACKEND,
+                            step=spec.step)
+            if train.compile != "none":
+                register_rng_rules(_PeakTracker)
+            if train.float8 != "none":
+                _float8_flatten_without_reading_scales()
             optimizer = make_optimizer(model, impl=train.optimizer_impl)
             batches = token_batches(vocab_size=int(spec.model.config_dict["vocab_size"]),
                                     micro_batch_size=train.micro_batch_size, seq_len=spec.seq_len, device="cpu")

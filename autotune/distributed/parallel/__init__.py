@@ -68,7 +68,8 @@ def parallelize(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bo
             raise UsageError(f"--pp {train.pipeline_parallel}: pipeline stages are built for the steps "
                              f"{PIPELINE_PARALLEL_STEPS} only, not {step!r}")
         try:
-            return apply_pp(model, mesh, train, allow_offload=allow_offload, step=step)
+            return apply_pp(model, mesh, train, allow_offload=allow_offload, compile_backend=compile_backend,
+                            step=step)
         except ValueError as exc:  # a model the stage module cannot split: the user's to change
             raise UsageError(f"--pp {train.pipeline_parallel}: {exc}") from None
     if step == "torchtitan":

@@ -55,10 +55,12 @@ from torch import nn
 
 from autotune.problem.catalog.blocks import Blocks
 from autotune.problem.config import TrainConfig
-from autotune.problem.knobs import PIPELINE_VIRTUAL_STAGES, split_stages, why_no_pipeline_parallel
+from autotune.problem.knobs import COMPILE_BACKEND, PIPELINE_VIRTUAL_STAGES, split_stages, why_no_pipeline_parallel
 from autotune.distributed.parallel.checkpointing import apply_ac
+from autotune.distributed.parallel.compile import apply_compile
 from autotune.distributed.parallel.context import use_causal_sdpa
 from autotune.distributed.parallel.dims import context_mesh, pipeline_mesh, tensor_mesh
+from autotune.distributed.parallel.float8 import apply_float8
 from autotune.distributed.parallel.fsdp import PARAM_DTYPES, apply_fsdp
 from autotune.distributed.parallel.tensor import apply_tp_stage
 
@@ -292,14 +294,16 @@ class Pipeline:
 
 
 def apply_pp(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bool = True,
-             step: str = "autotune") -> Blocks:
+             compile_backend: str = COMPILE_BACKEND, step: str = "autotune") -> Blocks:
     """Split `model` (an HF causal LM, on meta or fake tensors) into this rank's stages, in place: the stages
     become `model.pipeline_stages`, the base model and head are dropped from `model` (what this rank does not
     hold is never materialised), activation checkpointing and FSDP2 are applied to each stage over the data
     mesh (the stage its FSDP root), and `model.pipeline` (Pipeline) runs the schedule. Returns the blocks of
     this rank's first stage (callers read their class). Under tensor parallelism each stage is first split over
-    the tp mesh (apply_tp_stage: its blocks, and the embeddings, final norm and head it holds, torchtitan's
-    order: pipeline split, then TP, then checkpointing and FSDP)."""
+    the tp mesh (apply_tp_stage: its blocks, and the embeddings, final norm and head it holds). Each stage goes
+    through parallelize's steps in parallelize's order, as torchtitan parallelizes each model part: float8
+    converts its blocks' linears, TP splits them, then checkpointing, compile (`compile_backend`, as parallelize's)
+    and FSDP."""
     base = _base_model(model)
     pp_mesh = pipeline_mesh(mesh)
     tp = train.tensor_parallel
@@ -323,11 +327,13 @@ def apply_pp(model: nn.Module, mesh, train: TrainConfig, *, allow_offload: bool 
     blocks = []
     for _, module in modules:
         stage_blocks = Blocks(parent=module, attr="layers", class_name=type(module.layers[0]).__name__)
+        apply_float8(stage_blocks, train.float8)  # before TP splits the converted linears, as parallelize
         if tp_mesh is not None:
             apply_tp_stage(model, stage_blocks, tp_mesh, tp, embeddings=module.embed_tokens,
-                           final_norm=module.norm, head=module.lm_head)
+                           final_norm=module.norm, head=module.lm_head, float8=train.float8)
             module.tp_mesh = tp_mesh
         apply_ac(stage_blocks, train.activation_checkpointing)
+        apply_compile(stage_blocks, train.compile, backend=compile_backend)
         apply_fsdp(module, stage_blocks, mesh, train, allow_offload=allow_offload, step=step)
         blocks.append(stage_blocks)
     if mesh.device_type == "cuda":

@@ -135,15 +135,16 @@ def enable_async_tp(tp_mesh: Any, *, compile_backend: str) -> bool:
 
 
 def apply_tp_stage(model: nn.Module, blocks: Blocks, tp_mesh: Any, degree: int, *, embeddings: nn.Module | None,
-                   final_norm: nn.Module | None, head: nn.Module | None) -> int:
+                   final_norm: nn.Module | None, head: nn.Module | None, float8: str = "none") -> int:
     """apply_tp on one pipeline stage (parallel/pipeline.py) of `model` (the causal LM whose plan is read): the
     stage's `blocks` as apply_tp splits a whole model's, and of the embeddings, final norm and head those the
     stage holds (None: another stage's). The stage passes its residual stream on as each tp rank's sequence
-    shard, a plain tensor (PipelineStageModule turns it into one and back). Returns how many linears were split."""
+    shard, a plain tensor (PipelineStageModule turns it into one and back). `float8`: the recipe the blocks'
+    linears were converted with, as apply_tp's. Returns how many linears were split."""
     if degree == 1:
         return 0
     return _apply_tp_parts(_colwise_rowwise_plan(model), blocks, tp_mesh, embeddings=embeddings,
-                           final_norm=final_norm, head=head)
+                           final_norm=final_norm, head=head, float8=float8)
 
 
 def _colwise_rowwise_plan(model: nn.Module) -> dict[str, str]:
