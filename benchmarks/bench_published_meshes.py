@@ -4,8 +4,8 @@ Reads benchmarks/results/published_mesh_runs.json (each row's source quoted, the
 the nearest configuration autotune can express) and runs each expressible row's trial with the simulator,
 printing the published and estimated tokens/s per GPU, the error, and the median and worst |error| per
 source and overall. No constant is fitted to these rows: every error is out of sample. Rows that compiled or
-used float8 run so where autotune combines it with their mesh (TP with selective checkpointing) and eager in
-bf16 where it does not (CP; TP with whole-block checkpointing, which torch 2.13 cannot compile under TP):
+used float8 run so where autotune combines it with their mesh (TP with selective checkpointing, CP) and eager in
+bf16 where it does not (TP with whole-block checkpointing, which torch 2.13 cannot compile under TP):
 their error mixes that in, and the table's "run as" column says which. Sources A-C ran 500 W HBM2e H100s: their rows
 run at the peak and HBM bandwidth the file's hardware_basis gives them, as the published fit costs the same parts. A row
 with an FSDP-only control from its source (same model, same tokens per GPU) also prints its error over the control's,

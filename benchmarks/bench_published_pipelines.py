@@ -40,8 +40,9 @@ GOAL_MEDIAN, GOAL_WORST = 0.10, 0.25
 
 
 def spec_of(row: dict) -> TrialSpec:
-    """The row's TrialSpec, its degrees set past the combination check (the cost model composes them; the mechanism
-    does not build pp with tp, cp or compile yet)."""
+    """The row's TrialSpec, set past the combination check (the cost model composes what the mechanism does not
+    build: torchtitan's rows compile tensor-parallel blocks checkpointed whole, which torch 2.13 cannot, and Llama 3's
+    128k stage runs its context-parallel groups across nodes)."""
     gpu = GPUS[row["gpu"]]
     if row.get("peak_tflops"):
         gpu = dataclasses.replace(gpu, peak_tflops=row["peak_tflops"])
@@ -52,8 +53,8 @@ def spec_of(row: dict) -> TrialSpec:
                         pipeline_parallel=row["pp"], pipeline_schedule=row["schedule"],
                         reshard_after_forward=row["reshard_after_forward"], tensor_parallel=row["tp"],
                         context_parallel=row["cp"], compile=row["compile"])
-    # Past TrialSpec's combination check (knobs.check_combination), which refuses pp with tp, cp or compile: the
-    # fields set as its constructor would, the check left out.
+    # Past TrialSpec's combination check (knobs.check_combination): the fields set as its constructor would, the
+    # check left out.
     values = dict(model=resolve_model(row["model"]), cluster=cluster, seq_len=row["seq"], train=train,
                   grad_accum_steps=row["microbatches"])
     spec = object.__new__(TrialSpec)

@@ -1,8 +1,8 @@
 """Context parallelism (--cp, parallel/context.py): torch's ring attention for the CPU flash kernel, run by
 the training step every trial runs (training.train_step under parallelize's FSDP over dp_shard x cp).
 
-The real runs: CP2 on 2 ranks (tiny-llama; tiny-qwen2, grouped-query attention, fully checkpointed) and
-FSDP x CP2 on 4 ranks (tiny-llama), in the session's shared launch (tests/shared_runs.py), against the
+The real runs: CP2 on 2 ranks (tiny-llama, eager and with compiled blocks; tiny-qwen2, grouped-query attention,
+fully checkpointed), FSDP x CP2 on 4 ranks (tiny-llama) and CP2 x TP2, in the session's shared launch (tests/shared_runs.py), against the
 simulator's trace of the same step. The numbers: the CP2 step on 2 gloo ranks computes the loss and
 gradients of the same model and batch in one process."""
 
@@ -25,8 +25,9 @@ from tests.test_sim_accuracy import assert_tensor_peaks_agree, predict_cpu_runs
 from tests.test_tensor_parallel import shrunk_or_catalog_model
 
 SEQ = 64
-# (model, ranks, context parallel, micro-batch, checkpointing[, tensor parallel]): CP alone on 2 ranks, FSDP x CP
-# on 4, and CP x TP2 (sequence parallelism) on 4, three families.
+# (model, ranks, context parallel, micro-batch, checkpointing[, tensor parallel[, compile, seq]]): CP alone on 2 ranks,
+# FSDP x CP on 4, and CP x TP2 (sequence parallelism) on 4, three families; CP2 with compiled blocks at a sequence
+# whose activations the compiled blocks' partitioner changes (seq 512: 2.8 MB under eager's peak).
 MATRIX = [
     ("tiny-llama", 2, 2, 2, "none"),
     ("tiny-qwen2", 2, 2, 2, "full"),
@@ -35,14 +36,16 @@ MATRIX = [
     ("tiny-llama", 4, 2, 2, "none", 2),
     ("tiny-qwen2", 4, 2, 2, "full", 2),
     ("granite", 4, 2, 2, "none", 2),  # a shrunk Granite (transformers' own config)
+    ("tiny-llama", 2, 2, 2, "none", 1, "blocks", 512),  # the ring inside each compiled block (inductor, in real runs)
 ]
 
 
 def _spec(row, folder) -> TrialSpec:
-    name, ranks, cp, mb, ac, tp = (*row, 1)[:6]
-    return TrialSpec(model=shrunk_or_catalog_model(name, folder), cluster=Cluster(num_gpus=ranks), seq_len=SEQ,
+    name, ranks, cp, mb, ac, *rest = row
+    tp, compiled, seq = (*rest, *(1, "none", SEQ)[len(rest):])
+    return TrialSpec(model=shrunk_or_catalog_model(name, folder), cluster=Cluster(num_gpus=ranks), seq_len=seq,
                      train=TrainConfig(context_parallel=cp, tensor_parallel=tp, micro_batch_size=mb,
-                                       activation_checkpointing=ac), grad_accum_steps=1)
+                                       activation_checkpointing=ac, compile=compiled), grad_accum_steps=1)
 
 
 register("context-parallel", __name__, lambda folder: [_spec(row, folder) for row in MATRIX])

@@ -30,17 +30,18 @@ from tests.shared_runs import register  # noqa: E402
 from tests.test_sim_accuracy import predict_cpu_runs  # noqa: E402
 
 RECIPES = ("tensorwise", "rowwise")
-# (recipe, tensor parallel, compile[, pipeline parallel]): FSDP alone, then TP2 on the same 2 ranks (tensorwise:
-# torchao's float8 TP styles, the weights and inputs all-gathered in float8; rowwise: torch's own styles, compiled as
-# torchtitan runs), then PP2 (each stage's blocks converted, 4 micro-batches under 1F1B).
+# (recipe, tensor parallel, compile[, pipeline parallel[, context parallel]]): FSDP alone, then TP2 on the same 2
+# ranks (tensorwise: torchao's float8 TP styles, the weights and inputs all-gathered in float8; rowwise: torch's own
+# styles, compiled as torchtitan runs), then PP2 (each stage's blocks converted, 4 micro-batches under 1F1B), then CP2
+# (the ring between float8 linears).
 CASES = (("tensorwise", 1, "none"), ("rowwise", 1, "none"), ("tensorwise", 2, "none"), ("rowwise", 2, "blocks"),
-         ("tensorwise", 1, "none", 2))
+         ("tensorwise", 1, "none", 2), ("tensorwise", 1, "none", 1, 2))
 
 
-def _spec(recipe: str, tp: int = 1, compiled: str = "none", pp: int = 1) -> TrialSpec:
+def _spec(recipe: str, tp: int = 1, compiled: str = "none", pp: int = 1, cp: int = 1) -> TrialSpec:
     return TrialSpec(model=resolve_model("micro-llama"), cluster=Cluster(num_gpus=2), seq_len=64,
                      train=TrainConfig(micro_batch_size=2, float8=recipe, tensor_parallel=tp, compile=compiled,
-                                       pipeline_parallel=pp), grad_accum_steps=4 if pp > 1 else 1)
+                                       pipeline_parallel=pp, context_parallel=cp), grad_accum_steps=4 if pp > 1 else 1)
 
 
 register("float8", __name__, lambda folder: [_spec(*case) for case in CASES],

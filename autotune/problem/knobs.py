@@ -788,7 +788,7 @@ def _check_context_parallel(values: dict[str, Any], shape: ProblemShape) -> None
     if why:
         raise UsageError(f"{flag}: {model.name} at sequence length {shape.seq_len}: {why}; use --cp 1")
     _refuse_unbuilt(values, flag, "context parallelism", ("shard_group_size", "reshard_group_size",
-                                                          "expert_parallel", "compile", "float8", "cpu_offload",
+                                                          "expert_parallel", "cpu_offload",
                                                           "activation_offload", "shard_placement"))
 
 
