@@ -269,12 +269,17 @@ def explored(tmp_path_factory) -> dict:
 
 
 def test_explore_tries_each_recipe_on_the_best_candidates_and_best_json_shows_them_side_by_side(explored):
-    """The graph in high precision, then the two fastest fitting configurations (compiled ones
-    included) with each recipe; best.json's compile section shows eager, compiled and float8 rows."""
+    """The graph in high precision, then the FLOAT8_CANDIDATES fastest fitting configurations, compiled ones first,
+    with each recipe; best.json's compile section shows eager, compiled and float8 rows."""
+    from autotune.search.controller import FLOAT8_CANDIDATES
+
     float8_steps = [s for s in explored["decision_path"] if s["config"].get("float8", "none") != "none"]
     assert float8_steps and all(s["stage"] == "explore" for s in float8_steps)
     assert {s["config"]["float8"] for s in float8_steps} == set(RECIPES)
-    assert len(float8_steps) == 2 * len(RECIPES)
+    assert len(float8_steps) == FLOAT8_CANDIDATES * len(RECIPES)
+    # Compiled bases first (here two fit within the batch, the eager winner after them).
+    compiled = [s["config"].get("compile", "none") == "blocks" for s in float8_steps]
+    assert compiled == sorted(compiled, reverse=True) and compiled[0] and not compiled[-1]
     rows = {(r["compile"], r["float8"]): r for r in explored["compile"]["side_by_side"]}
     assert ("none", "none") in rows and ("blocks", "none") in rows
     assert {f for _, f in rows} >= set(RECIPES)

@@ -332,14 +332,15 @@ class _SplitFormula:
 
 
 def _controller_outcome(backend, *, capacity_gib: float, target: int, context_parallel: bool = False,
-                        pipeline_parallel: bool = False, tensor_parallel: bool = True, **request):
+                        pipeline_parallel: bool = False, tensor_parallel: bool = True, model: str = "tiny-llama",
+                        **request):
     from autotune.problem.catalog.gpus import GPUS
     from autotune.search.controller import Controller
     from autotune.search.records import TuneRequest
     from autotune.search.space import SearchSpace
 
     cluster = Cluster(num_gpus=8, gpu=GPUS["h100-80gb"], gpu_memory_bytes=int(capacity_gib * 2**30))
-    request = TuneRequest(model=resolve_model("tiny-llama"), cluster=cluster, seq_len=256, target_tokens=target,
+    request = TuneRequest(model=resolve_model(model), cluster=cluster, seq_len=256, target_tokens=target,
                           headroom=0.0, space=SearchSpace(offload=False, compile="none", float8="none",
                                                           context_parallel=context_parallel,
                                                           pipeline_parallel=pipeline_parallel,
@@ -457,6 +458,26 @@ def test_where_neither_split_holds_the_model_and_a_sequence_alone_pipelines_over
     # No estimator here: the pair tried after the first fit says so, not that an estimate let it through.
     assert not any("the estimate allows" in s.reason for s in outcome.steps)
     assert any("no estimator to screen meshes with: context parallelism over 2" in s.reason for s in outcome.steps)
+    assert outcome.winner.batch.global_tokens == winner.micro_batch_size * 256 * outcome.winner.batch.grad_accum_steps
+
+
+def test_where_no_pair_of_splits_holds_the_model_and_a_sequence_all_three_together_do():
+    """States of 100 GiB and 1,000 GiB of activations a sequence (100 GiB checkpointed) on 55 GiB GPUs, 8 in all, and
+    tiny-qwen2 (2 key/value heads: tensor parallelism over 2 GPUs at most). Every split alone and every pair puts
+    62.5 GiB or more on a GPU (tp 2 x pp 4: 12.5 + 50; tp 2 x cp 4: 50 + 12.5; cp 4 x pp 2 and cp 2 x pp 4: 75);
+    tp 2 x cp 2 x pp 2 holds a quarter of each (25 + 25) and wins, the 8 GPUs sharing one batch."""
+    backend = _SplitFormula(states_gib=100, activation_gib=1000)
+    outcome = _controller_outcome(backend, capacity_gib=55, target=4 * 2**20, context_parallel=True,
+                                  pipeline_parallel=True, model="tiny-qwen2")
+    def splits(train):
+        return sum(degree > 1 for degree in (train.tensor_parallel, train.context_parallel, train.pipeline_parallel))
+
+    assert {splits(s.train) for s in outcome.steps} >= {1, 2, 3}
+    assert not any(s.fits for s in outcome.steps if splits(s.train) < 3)
+    winner = outcome.winner.train
+    assert (winner.tensor_parallel, winner.context_parallel, winner.pipeline_parallel) == (2, 2, 2)
+    assert any("tensor parallelism over 2 GPUs within context parallelism over 2 such groups of a node, within "
+               "pipeline parallelism over 2 stages (8 GPUs share a batch" in s.reason for s in outcome.steps)
     assert outcome.winner.batch.global_tokens == winner.micro_batch_size * 256 * outcome.winner.batch.grad_accum_steps
 
 

@@ -22,6 +22,7 @@ configuration first and those predicted not to fit are recorded as `pruned`, nev
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import time
@@ -46,17 +47,17 @@ SATURATION_GAIN = 0.02
 while still below the best configuration found: throughput saturates with the micro-batch."""
 
 
-PAIR_CANDIDATES = 3
-"""How many tp x pp (or tp x cp, cp x pp) pairs the search traces (the closed form's first: _explore_pairs): a
-pipeline candidate on a 70B model costs about a CPU-minute to trace (docs/PIPELINE.md), and up to 12 pairs are
-allowed."""
+COMBINED_CANDIDATES = 3
+"""How many combinations of splits (tp x pp, tp x cp, cp x pp, tp x cp x pp) the search traces of each kind (the
+closed form's first: _explore_combined): a pipeline candidate on a 70B model costs about a CPU-minute to trace
+(docs/PIPELINE.md), and up to 12 pairs (more triples) are allowed."""
 
 COMPILE_CANDIDATES = 2
 """With compile "explore": how many of the fastest fitting eager configurations are tried compiled."""
 
-FLOAT8_CANDIDATES = 2
-"""With float8 "explore": how many of the fastest fitting high-precision configurations (compiled ones
-included) are tried with each float8 recipe."""
+FLOAT8_CANDIDATES = 3
+"""With float8 "explore": how many of the fitting high-precision configurations are tried with each float8
+recipe, compiled ones first (_explore_float8)."""
 
 ASYNC_TP_CANDIDATES = 2
 """Compiled tensor-parallel configurations (the fastest fitting) tried with async TP."""
@@ -468,6 +469,7 @@ class Controller:
             self._explore_split("context_parallel")
             self._explore_tensor_context()
             self._explore_context_pipeline()
+            self._explore_tensor_context_pipeline()
         self._explore_the_step()
 
     def _explore_the_step(self) -> None:
@@ -621,12 +623,28 @@ class Controller:
                     break
                 train, instead = self._compiled(step.train)
                 if (train is None or self._find(train)  # e.g. a split compile is not built with
+                        or (instead and self._estimated_far_over(train))  # its checkpointing changed: may not fit
                         or ((why != "fits eager" or instead) and not self._could_win(train))):
                     continue
                 tried += 1
                 self.run("explore", train, f"compile each decoder block of {step.train.label()} (step {step.step}, "
                                            f"{why}): the same configuration with torch.compile{instead}")
         self._grow_compiled()
+
+    def _estimated_far_over(self, train: TrainConfig) -> bool:
+        """Whether the estimator puts `train` far over the memory limit (beyond what a compiled block's partitioner
+        could save: screen_margin), then noted; a candidate whose checkpointing the search changed (a compiled
+        tensor-parallel block checkpointed by op instead of whole) would otherwise take a candidate's place only to
+        run out of memory."""
+        if self.estimator is None:
+            return False
+        peak = self.estimator.evaluate(self.request.spec(train)).peak_bytes or 0
+        limit = self.request.memory_limit_bytes
+        if peak <= limit * screen_margin(train.compile != "none"):
+            return False
+        self.notes.append(f"not traced: {train.label()} (estimated {peak / 2**30:.1f} GiB a GPU, far over the "
+                          f"{limit / 2**30:.1f} GiB limit)")
+        return True
 
     def _compiled(self, train: TrainConfig) -> tuple[TrainConfig | None, str]:
         """`train` with compiled blocks, and what was changed besides (for the reason); None where it does not
@@ -673,13 +691,15 @@ class Controller:
 
     def _explore_float8(self) -> None:
         """float8 training (each recipe) on the fastest fitting high-precision configurations within the
-        global batch's tolerance, compiled ones included (search float8 "explore", on a GPU with float8
-        only). Each is evaluated like any trial: predicted first where trials are real."""
+        global batch's tolerance, compiled ones first (search float8 "explore", on a GPU with float8 only): eager,
+        each linear's casts are separate kernels that cost about what the float8 matmuls save (torchtitan and
+        torchao run float8 compiled), so an eager base would take a compiled one's place only to lose. Each is
+        evaluated like any trial: predicted first where trials are real."""
         if self.float8_search != "explore":
             return
         fitting = sorted((s for s in eligible(self.steps, self.request.tolerance)
                           if s.train.float8 == "none" and s.stage != "confirm"),
-                         key=lambda s: s.result.throughput or 0.0, reverse=True)
+                         key=lambda s: (s.train.compile != "none", s.result.throughput or 0.0), reverse=True)
         bases: list[TrainConfig] = []
         for step in fitting:
             if len(bases) == FLOAT8_CANDIDATES:
@@ -791,33 +811,40 @@ class Controller:
             self._align(self._grow(fastest.train, stage="explore", until_saturated=True))
 
     def _explore_meshes(self, *, start: TrainConfig | None = None) -> bool:
-        """Tensor, context, then pipeline parallelism (_explore_split), then the pairs of splits (_explore_pairs):
-        tensor parallelism within pipelines and within context-parallel groups, and pipelines over context-parallel
-        groups; True where any fits."""
+        """Tensor, context, then pipeline parallelism (_explore_split), then the splits together (_explore_combined):
+        tensor parallelism within pipelines and within context-parallel groups, pipelines over context-parallel
+        groups, and all three; True where any fits."""
         found = [self._explore_split(knob, start=start) for knob in self._SPLITS]
         found.append(self._explore_tensor_pipeline(start=start))
         found.append(self._explore_tensor_context(start=start))
         found.append(self._explore_context_pipeline(start=start))
+        found.append(self._explore_tensor_context_pipeline(start=start))
         return any(found)
 
     def _explore_tensor_pipeline(self, *, start: TrainConfig | None = None) -> bool:
         """FSDP x TP x PP (torchtitan's mesh for its 405B recipes, Llama 3's): pipeline stages over tensor-parallel
-        groups (_explore_pairs). True where one fits."""
-        return self._explore_pairs("tensor_parallel", "pipeline_parallel", start=start)
+        groups (_explore_combined). True where one fits."""
+        return self._explore_combined(("tensor_parallel", "pipeline_parallel"), start=start)
 
     def _explore_tensor_context(self, *, start: TrainConfig | None = None) -> bool:
         """FSDP x CP x TP (torchtitan's mesh order: cp groups of tp groups, within a node): each sequence split
         over the context-parallel ranks, each block's linears over the tensor-parallel ones, for sequences whose
-        activations neither split holds alone within a node (_explore_pairs). True where one fits."""
-        return self._explore_pairs("tensor_parallel", "context_parallel", start=start)
+        activations neither split holds alone within a node (_explore_combined). True where one fits."""
+        return self._explore_combined(("tensor_parallel", "context_parallel"), start=start)
 
     def _explore_context_pipeline(self, *, start: TrainConfig | None = None) -> bool:
         """FSDP x CP x PP (torchtitan's order: pipeline stages over context-parallel groups, the ring running in
         every stage): long sequences on a model whose blocks and activations a node's context-parallel groups cannot
-        hold together, the stages holding a share of the blocks each (_explore_pairs). True where one fits."""
-        return self._explore_pairs("context_parallel", "pipeline_parallel", start=start)
+        hold together, the stages holding a share of the blocks each (_explore_combined). True where one fits."""
+        return self._explore_combined(("context_parallel", "pipeline_parallel"), start=start)
 
-    _PAIRS = {  # each pair's description, by (the split within, the split over it); _PAIR_SHORT its label in notes
+    def _explore_tensor_context_pipeline(self, *, start: TrainConfig | None = None) -> bool:
+        """FSDP x TP x CP x PP (torchtitan's full mesh, pp, dp_shard, cp, tp; Llama 3's long-context stage): tensor-
+        parallel groups within context-parallel groups of a node, pipeline stages over them, where the three are
+        searched: for sequences and models that no pair of splits holds (_explore_combined). True where one fits."""
+        return self._explore_combined(("tensor_parallel", "context_parallel", "pipeline_parallel"), start=start)
+
+    _COMBINED = {  # each combination's description, by its splits from the innermost; _COMBINED_SHORT its label
         ("tensor_parallel", "pipeline_parallel"):
             "tensor parallelism over {a} GPUs of a node within pipeline parallelism over {b} stages ({group} GPUs "
             "share a batch, each holding 1/{a} of 1/{b} of the decoder blocks)",
@@ -827,29 +854,38 @@ class Controller:
         ("context_parallel", "pipeline_parallel"):
             "context parallelism over {a} GPUs of a node within pipeline parallelism over {b} stages ({group} GPUs "
             "share a batch, each holding 1/{a} of every sequence and 1/{b} of the decoder blocks)",
+        ("tensor_parallel", "context_parallel", "pipeline_parallel"):
+            "tensor parallelism over {a} GPUs within context parallelism over {b} such groups of a node, within "
+            "pipeline parallelism over {c} stages ({group} GPUs share a batch, each holding 1/{a} of every block's "
+            "linears, 1/{b} of every sequence and 1/{c} of the decoder blocks)",
     }
-    _PAIR_SHORT = {("tensor_parallel", "pipeline_parallel"): "tp {a} x pp {b}",
-                   ("tensor_parallel", "context_parallel"): "tp {a} x cp {b}",
-                   ("context_parallel", "pipeline_parallel"): "cp {a} x pp {b}"}
+    _COMBINED_SHORT = {("tensor_parallel", "pipeline_parallel"): "tp {a} x pp {b}",
+                       ("tensor_parallel", "context_parallel"): "tp {a} x cp {b}",
+                       ("context_parallel", "pipeline_parallel"): "cp {a} x pp {b}",
+                       ("tensor_parallel", "context_parallel", "pipeline_parallel"): "tp {a} x cp {b} x pp {c}"}
 
-    def _explore_pairs(self, inner: str, outer: str, *, start: TrainConfig | None = None) -> bool:
-        """Two splits together (`inner` within each group of `outer`: tensor parallelism within pipelines or
-        context-parallel groups, context parallelism within pipelines), where the space searches both (_explore_split
-        tries each alone). Of every pair of degrees the model and the cluster allow, at most
-        PAIR_CANDIDATES are traced: those the closed form (the estimator) puts first, the fastest of those
-        it says fit and keep the global batch, then the least memory of the rest (without an estimator, the widest
-        inner degree the cluster allows with each outer one). Each is tried as _try_mesh says (at FSDP's walls, where
-        a x b GPUs share each sequence, or where the estimate allows it to win); the fastest that fits is grown. True
-        where one fits."""
+    def _explore_combined(self, splits: tuple[str, ...], *, start: TrainConfig | None = None) -> bool:
+        """Two or three splits together (`splits` from the innermost: tensor parallelism within pipelines or
+        context-parallel groups, context parallelism within pipelines, or all three), where the space searches each
+        (_explore_split tries each alone). Of every combination of degrees the model and the cluster allow, at most
+        COMBINED_CANDIDATES are traced: those the closed form (the estimator) puts first, the fastest of those it says
+        fit and keep the global batch, then the least memory of the rest (without an estimator, for each degree of
+        the outermost split the widest inner split the cluster allows with it). Each is tried as _try_mesh says (at
+        FSDP's walls, where its GPUs share each sequence, or where the estimate allows it to win); the fastest that
+        fits is grown. True where one fits."""
         space = self.request.space
-        inner_degrees = self._SPLIT_DEGREES[inner](self.shape)[1:] if getattr(space, inner) else ()
-        outer_degrees = self._SPLIT_DEGREES[outer](self.shape)[1:] if getattr(space, outer) else ()
+        degrees = [self._SPLIT_DEGREES[knob](self.shape)[1:] if getattr(space, knob) else () for knob in splits]
         base = self._mesh_base(start)
-        if not inner_degrees or not outer_degrees or base is None:
+        if not all(degrees) or base is None:
             return False
-        pairs = [self._with_runnable_schedule(base.with_(**{inner: a, outer: b}))
-                 for a in reversed(inner_degrees) for b in outer_degrees]
-        pairs = [train for train in pairs if self._buildable(train)]
+        inner, outer = splits[:-1], splits[-1]
+        combined = [self._with_runnable_schedule(base.with_(**dict(zip(splits, chosen))))
+                    for chosen in itertools.product(*(reversed(d) for d in degrees[:-1]), degrees[-1])]
+        combined = [train for train in combined if self._buildable(train)]
+
+        def width(train: TrainConfig) -> int:  # GPUs of a node the inner splits share a sequence over
+            return math.prod(getattr(train, knob) for knob in inner)
+
         peaks: dict[TrainConfig, int] = {}
         if self.estimator is not None:
             def rank(train: TrainConfig) -> tuple:
@@ -859,22 +895,23 @@ class Controller:
                 held = (estimate.ok and peak <= self.request.memory_limit_bytes
                         and within_tolerance(batch, self.request.tolerance))
                 return (0, -(estimate.throughput or 0.0)) if held else (1, peak)
-            pairs.sort(key=rank)
+            combined.sort(key=rank)
         else:  # the widest inner split the cluster allows with each outer degree
             widest: dict[int, int] = {}
-            for train in pairs:
-                widest[getattr(train, outer)] = max(widest.get(getattr(train, outer), 0), getattr(train, inner))
-            pairs = [train for train in pairs if getattr(train, inner) == widest[getattr(train, outer)]]
+            for train in combined:
+                widest[getattr(train, outer)] = max(widest.get(getattr(train, outer), 0), width(train))
+            combined = [train for train in combined if width(train) == widest[getattr(train, outer)]]
         fitting, screened = [], []
-        for train in pairs[:PAIR_CANDIDATES]:
-            a, b = getattr(train, inner), getattr(train, outer)
-            short = self._PAIR_SHORT[inner, outer].format(a=a, b=b)
+        for train in combined[:COMBINED_CANDIDATES]:
+            named = dict(zip("abc", (getattr(train, knob) for knob in splits)))
+            short = self._COMBINED_SHORT[splits].format(**named)
             limit = self.request.memory_limit_bytes * screen_margin(train.compile != "none")
             if peaks.get(train, 0) > limit:  # a trace of it is minutes on a large model, and cannot fit
                 self.notes.append(f"not traced: {short} (estimated {peaks[train] / 2**30:.1f} GiB a GPU, far over the "
                                   f"{self.request.memory_limit_bytes / 2**30:.1f} GiB limit)")
                 continue
-            step = self._try_mesh(train, self._PAIRS[inner, outer].format(a=a, b=b, group=a * b), short, screened)
+            what = self._COMBINED[splits].format(**named, group=train.ranks_per_batch)
+            step = self._try_mesh(train, what, short, screened)
             if step is not None and step.fits:
                 fitting.append(step)
         self._note_screened_together(screened)
