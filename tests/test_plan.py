@@ -307,9 +307,9 @@ def test_pipeline_stages_over_tensor_parallel_groups_keep_a_batch_neither_keeps_
     """llama3-70b on 1024 GPUs with 512Ki tokens at seq 8192 is 64 sequences a step: tensor or context
     parallelism (8 GPUs of a node at most) leaves 128 groups each needing a sequence, so the default search finds
     nothing and says it is the global batch (not memory) that binds, naming the space key that lets pipelines
-    share sequences. With pipelines searched, stages over tensor-parallel groups (FSDP x TP x PP) keep it: the
-    winner's data ranks x accumulation x micro-batch x seq, counted from its degrees, is the target exactly, and
-    the console says the data ranks the pipeline leaves."""
+    share sequences. With pipelines searched, stages over tensor-parallel groups (FSDP x TP x PP, with context
+    parallelism within them where it wins) keep it: the winner's data ranks x accumulation x micro-batch x seq,
+    counted from its degrees, is the target exactly, and the console says the data ranks the splits leave."""
     problem = ["--model", "llama3-70b", "--gpus", "1024", "--nodes", "128", "--seq-len", "8192", "--global-tokens",
                "512Ki", "--backend", "analytic", *EAGER]
     assert main([*problem, "--runs-dir", str(tmp_path / "fsdp-tp")]) == EXIT_NOTHING_FITS
@@ -320,12 +320,14 @@ def test_pipeline_stages_over_tensor_parallel_groups_keep_a_batch_neither_keeps_
     space.write_text("[explore]\npipeline_parallel = true\n")
     assert main([*problem, "--space", str(space), "--runs-dir", str(tmp_path / "runs"), "--out", str(out)]) == EXIT_OK
     best = json.loads(out.read_text())
-    tp, pp = best["parallelism"]["tensor_parallel"], best["parallelism"]["pipeline_parallel"]
-    assert tp > 1 and pp > 1
-    data_ranks = 1024 // (tp * pp)
+    tp, cp, pp = (best["parallelism"][f"{split}_parallel"] for split in ("tensor", "context", "pipeline"))
+    assert tp > 1 and pp > 1  # with context parallelism too where the estimate puts the three together first
+    data_ranks = 1024 // (tp * cp * pp)
     assert data_ranks * best["grad_accum_steps"] * best["micro_batch_size"] * 8192 == 512 * 2**10 == best["global_tokens"]
     printed = " ".join(capsys.readouterr().out.split())
-    assert f"{data_ranks} data ranks (1024 GPUs / tensor parallel {tp} x pipeline parallel {pp})" in printed
+    splits = " x ".join(f"{name} parallel {degree}" for name, degree in (("tensor", tp), ("context", cp),
+                                                                         ("pipeline", pp)) if degree > 1)
+    assert f"{data_ranks} data ranks (1024 GPUs / {splits})" in printed
 
 
 BAD_PLANS = [
