@@ -632,17 +632,21 @@ class Controller:
         self._grow_compiled()
 
     def _estimated_far_over(self, train: TrainConfig) -> bool:
-        """Whether the estimator puts `train` far over the memory limit (beyond what a compiled block's partitioner
-        could save: screen_margin), then noted; a candidate whose checkpointing the search changed (a compiled
-        tensor-parallel block checkpointed by op instead of whole) would otherwise take a candidate's place only to
-        run out of memory."""
-        if self.estimator is None:
-            return False
-        peak = self.estimator.evaluate(self.request.spec(train)).peak_bytes or 0
+        """Whether the estimator puts `train` far over the memory limit (_far_over_the_limit, then noted): a
+        candidate whose checkpointing the search changed (a compiled tensor-parallel block checkpointed by op
+        instead of whole) would otherwise take a candidate's place only to run out of memory."""
+        return self.estimator is not None and self._far_over_the_limit(
+            self.estimator.evaluate(self.request.spec(train)).peak_bytes or 0, compiled=train.compile != "none",
+            what=train.label())
+
+    def _far_over_the_limit(self, peak: int, *, compiled: bool, what: str) -> bool:
+        """Whether an estimated `peak` is far over the memory limit (beyond what a compiled block's partitioner could
+        save: screen_margin); then `what` is noted as not traced (a trace is minutes on a large model, and cannot
+        fit)."""
         limit = self.request.memory_limit_bytes
-        if peak <= limit * screen_margin(train.compile != "none"):
+        if peak <= limit * screen_margin(compiled):
             return False
-        self.notes.append(f"not traced: {train.label()} (estimated {peak / 2**30:.1f} GiB a GPU, far over the "
+        self.notes.append(f"not traced: {what} (estimated {peak / 2**30:.1f} GiB a GPU, far over the "
                           f"{limit / 2**30:.1f} GiB limit)")
         return True
 
@@ -905,10 +909,7 @@ class Controller:
         for train in combined[:COMBINED_CANDIDATES]:
             named = dict(zip("abc", (getattr(train, knob) for knob in splits)))
             short = self._COMBINED_SHORT[splits].format(**named)
-            limit = self.request.memory_limit_bytes * screen_margin(train.compile != "none")
-            if peaks.get(train, 0) > limit:  # a trace of it is minutes on a large model, and cannot fit
-                self.notes.append(f"not traced: {short} (estimated {peaks[train] / 2**30:.1f} GiB a GPU, far over the "
-                                  f"{self.request.memory_limit_bytes / 2**30:.1f} GiB limit)")
+            if self._far_over_the_limit(peaks.get(train, 0), compiled=train.compile != "none", what=short):
                 continue
             what = self._COMBINED[splits].format(**named, group=train.ranks_per_batch)
             step = self._try_mesh(train, what, short, screened)
