@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 ROWS = ROOT / "benchmarks" / "results" / "published_pipeline_runs.json"
 
 from autotune.estimate import costmodel  # noqa: E402
-from autotune.backends.analytic import (estimate_pipeline_memory, fused_bytes_saved, pipeline_float8_counts,  # noqa: E402
-                                      step_work)
+from autotune.backends.analytic import (estimate_pipeline_memory, float8_gathered_weight_seconds,  # noqa: E402
+                                        fused_bytes_saved, pipeline_float8_counts, step_work)
 from autotune.problem.catalog.gpus import GPUS  # noqa: E402
 from autotune.problem.catalog.models import model_flops_per_token, resolve_model  # noqa: E402
 from autotune.problem.config import Cluster, TrainConfig, TrialSpec  # noqa: E402
@@ -85,6 +85,7 @@ def estimate(row: dict) -> tuple[float, costmodel.StepTime, float, float | None]
         saved_s, casts_s, _ = costmodel.float8_step_seconds(
             gpu=spec.cluster.gpu, float8_flops=flops, cast_elements=casts, compiled=spec.train.compile != "none",
             efficiency=work.flops_per_gpu / (step.gpu_compute_s * spec.cluster.gpu.peak_tflops * 1e12))
+        casts_s += float8_gathered_weight_seconds(spec, float8_flops=flops, virtual_stages=v)[0]  # float8 all-gather
         # The stage's compute shrinks, and the bubble with it ((p - 1)/(v m) of the stage's time).
         bubble = costmodel.pipeline_bubble_ratio(stages=row["pp"], microbatches=row["microbatches"], virtual_stages=v)
         with_float8 = tokens / (seconds - (saved_s - casts_s) * (1 + bubble))

@@ -531,8 +531,8 @@ def pipeline_float8_counts(spec: TrialSpec, virtual_stages: int | None = None) -
     shape, train = model_shape(spec.model), spec.train
     rank = pipeline_costed_rank(spec, virtual_stages)
     tp, cp = train.tensor_parallel, train.context_parallel
-    h, kv, f = shape.hidden, shape.kv_width, shape.intermediate
-    linears = [(h, h, True), (h, kv, True), (h, kv, True), (h, h, False), (h, f, True), (h, f, True), (f, h, False)]
+    h = shape.hidden
+    linears = _float8_linears(shape)
     tokens = train.micro_batch_size * spec.seq_len // cp
     checkpointed = sum(train.activation_checkpointing.wraps_block(i) for i in rank.block_indices)
     weights = sum(i * o for i, o, _ in linears)
@@ -544,6 +544,39 @@ def pipeline_float8_counts(spec: TrialSpec, virtual_stages: int | None = None) -
         local = [(i, o / tp) if col else (i / tp, o) for i, o, col in linears]
         per_block = sum(3 * tokens * i + 2 * tokens * o + 3 * i * o for i, o in local)
     return flops, per_block * rank.num_blocks * spec.grad_accum_steps
+
+
+def _float8_linears(shape) -> list[tuple[int, int, bool]]:
+    """(in, out, column-wise) of a block's linears float8 converts: q, k, v, o, gate, up, down."""
+    h, kv, f = shape.hidden, shape.kv_width, shape.intermediate
+    return [(h, h, True), (h, kv, True), (h, kv, True), (h, h, False), (h, f, True), (h, f, True), (f, h, False)]
+
+
+def float8_gathered_weight_seconds(spec: TrialSpec, *, float8_flops: float, block_params: int | None = None,
+                                   virtual_stages: int | None = None) -> tuple[float, str]:
+    """What FSDP's float8 all-gather (tensorwise) changes in one step's casts on the costed GPU, in seconds
+    (costmodel.float8_gathered_weight_seconds): `block_params`, a block's weights gathered in float8 (the trace's
+    count; the closed form's q, k, v, o, gate, up, down where None), a tp-th of them on each GPU, sharded over the
+    data ranks. Each converted GEMM a weight feeds, of `float8_flops` (the step's: 2 x tokens x weights a GEMM, one
+    weight gradient a micro-batch), reads it as gathered, not as a cast of its own. FSDP gathers once a micro-batch's
+    forward, once more for its backward where blocks reshard after forward; a pipeline stage keeps its blocks
+    gathered from the first micro-batch to the last. (0, "") for rowwise, which gathers in high precision."""
+    train = spec.train
+    if train.float8 == "rowwise":
+        return 0.0, ""
+    pipelined, accum = train.pipeline_parallel > 1, spec.grad_accum_steps
+    blocks = pipeline_costed_rank(spec, virtual_stages).num_blocks if pipelined else spec.model.num_layers
+    per_block = block_params if block_params is not None else sum(i * o for i, o, _ in _float8_linears(model_shape(spec.model)))
+    weights = per_block * blocks / train.tensor_parallel
+    if not weights:
+        return 0.0, ""
+    shard_ranks = train.shard_group_size or spec.cluster.num_gpus // (train.tensor_parallel * train.pipeline_parallel)
+    tokens = train.micro_batch_size * spec.seq_len / train.context_parallel
+    return costmodel.float8_gathered_weight_seconds(
+        gpu=spec.cluster.gpu, weight_elements=weights, shard_elements=weights / shard_ranks,
+        gathers=1 if pipelined else accum * (2 if train.reshard_after_forward else 1),
+        weight_operands=max(float8_flops / (2 * tokens * weights) - accum, 0.0), input_gradients=accum,
+        compiled=train.compile != "none", master_bytes=MASTER_DTYPE_BYTES[MASTER_DTYPE_NAMES[train.precision]])
 
 
 def _pipeline_layout(spec: TrialSpec, virtual_stages: int | None = None) -> list[PipelineRank]:

@@ -121,6 +121,12 @@ def registry() -> tuple[Constant, ...]:
                  "eager: counted from torchao's cast under a dispatch mode; compiled: the least a cast can move",
                  "tests/test_float8.py::test_eager_cast_bytes_are_what_torchaos_own_cast_moves (eager only; compiled: "
                  "none)"),
+        Constant("costmodel.FLOAT8_PRE_ALL_GATHER_CAST_BYTES", dict(cm.FLOAT8_PRE_ALL_GATHER_CAST_BYTES),
+                 "bytes per shard element, by the shard's bytes per element", "derived",
+                 "counted from torchao's fsdp_pre_all_gather (scale precomputed: multiply, clamp, cast) under a "
+                 "dispatch mode; eager, as FSDP's hooks run outside the compiled blocks",
+                 "tests/test_float8.py::test_fsdp_gather_cast_bytes_are_what_torchaos_pre_all_gather_moves (the bytes); "
+                 + FLOAT8_TEST + " (llama3.2-1b on an H200 and torchtitan's 8B ratio, with the term)"),
         Constant("costmodel.ROWWISE_GEMM_RATE", cm.ROWWISE_GEMM_RATE, "x tensorwise GEMM rate", "fitted",
                  "one published row: torchao's docs rowwise run (1.100x over compiled bf16); contradicted by the "
                  "H200's measured GEMMs (benchmarks/results/float8_gemms_h200.json: rowwise not slower there)",

@@ -1524,6 +1524,38 @@ itself against llama3.2-1b's H200 rows and torchtitan's published 8B run
 (tests/test_float8.py::test_float8_ratios_against_published_and_measured_rows; docs/VALIDATION.md)."""
 
 
+FLOAT8_PRE_ALL_GATHER_CAST_BYTES = {4: 21.0, 2: 27.0}
+"""Bytes FSDP2's float8 all-gather (tensorwise) moves per element of a weight's local shard to cast it before each
+all-gather, by the shard's bytes per element (fp32 master weights under mixed precision, bf16 under bf16-pure):
+torchao's `WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather` with the scale precomputed multiplies by the scale
+in fp32, clamps and casts to float8 (a bf16 shard is cast to fp32 first), each op reading and writing the whole
+shard: counted under a dispatch mode (tests/test_float8.py counts it again). FSDP's hooks run outside the compiled
+blocks, so these are eager kernels even where the blocks are compiled. After each optimizer step
+`precompute_float8_dynamic_scale_for_fsdp` reads every shard once more (its inf-norm)."""
+
+
+def float8_gathered_weight_seconds(*, gpu: GPUSpec, weight_elements: float, shard_elements: float, gathers: float,
+                                   weight_operands: float, input_gradients: float, compiled: bool, master_bytes: int
+                                   ) -> tuple[float, str]:
+    """What FSDP2's float8 all-gather (tensorwise) changes in the casts of one step's weights, in HBM seconds.
+    The trace counts each converted GEMM's weight operand as a dynamic cast (`weight_operands` of them, each of
+    `weight_elements`, this GPU's gathered weights); under the float8 all-gather they arrive cast instead: each GPU
+    casts its shard (`shard_elements`) before each of the step's `gathers` (FLOAT8_PRE_ALL_GATHER_CAST_BYTES, eager:
+    FSDP's hooks run outside the compiled blocks), the scales' precompute reads the shard once, and each of the
+    step's `input_gradients` GEMMs a weight feeds copies the gathered float8 weight to the column-major layout `_scaled_mm` takes (a byte read
+    and one written per element). Returns (seconds added, less those of the operand casts counted, basis). Counted,
+    not fitted; at the data-sheet HBM bandwidth."""
+    hbm = gpu.hbm_gbps * 1e9
+    operand_bytes = weight_elements * weight_operands * FLOAT8_CAST_BYTES["compiled" if compiled else "eager"]
+    gather_bytes = shard_elements * (FLOAT8_PRE_ALL_GATHER_CAST_BYTES[master_bytes] * gathers + master_bytes)
+    transposes = weight_elements * 2.0 * input_gradients
+    seconds = (gather_bytes + transposes - operand_bytes) / hbm
+    return seconds, (f"FSDP's float8 all-gather: {shard_elements:.3g} shard elements cast before each of {gathers:g} "
+                     f"gathers ({FLOAT8_PRE_ALL_GATHER_CAST_BYTES[master_bytes]:g} B each, eager outside the blocks), "
+                     f"the weights' input-gradient copies, in place of {weight_operands:g} weight-operand casts: "
+                     f"{seconds:+.3g} s")
+
+
 def float8_measured_summary() -> str:
     """The one GPU measurement of float8's speed-up against its estimate, in a clause (FLOAT8_ONE_GPU_MEASURED)."""
     measured = [m for _, _, m, _ in FLOAT8_ONE_GPU_MEASURED]

@@ -15,7 +15,8 @@ from autotune.util import cache
 from autotune.estimate import costmodel
 from autotune.backends.analytic import (attention_span, context_parallel_work, expert_parallel_work, fused_bytes_saved,
                                       tensor_parallel_work, model_shape, offload_fresh_page_bytes,
-                                      pipeline_float8_counts, pipeline_virtual_stages, screen_margin, step_work,
+                                      float8_gathered_weight_seconds, pipeline_float8_counts,
+                                      pipeline_virtual_stages, screen_margin, step_work,
                                       symmetric_memory_bytes, trainable_split)
 from autotune.backends.base import MEMORY_CATEGORIES, Figure, TrialBackend, TrialResult
 from autotune.backends.sim._extrapolate import extrapolate, shallow_depths
@@ -555,7 +556,8 @@ class SimBackend(TrialBackend):
             throughput = _compiled(throughput, extras)
         if (spec.train.float8 != "none" and throughput is not None and throughput.value and self.device_kind == "cuda"
                 and "gpu_compute_s" in (extras.get("step_time") or {})):  # the roofline (a profile costs traced ops)
-            throughput = _float8(throughput, spec, notes.get("op_work") or {}, extras)
+            throughput = _float8(throughput, spec, notes.get("op_work") or {}, extras,
+                                 gathered_block_params=trace.float8_gathered_params)
         if offloaded and throughput is not None and throughput.value:
             throughput = _with_activation_transfers(throughput, spec, offloaded, extras)
         if throughput is not None and spec.packing is not None:
@@ -821,10 +823,13 @@ def _compiled(throughput: Figure, extras: dict[str, Any]) -> Figure:
     return Figure(value, "estimated", f"{throughput.basis}; {basis}")
 
 
-def _float8(throughput: Figure, spec: TrialSpec, op_work: dict[str, float], extras: dict[str, Any]) -> Figure:
+def _float8(throughput: Figure, spec: TrialSpec, op_work: dict[str, float], extras: dict[str, Any], *,
+            gathered_block_params: int = 0) -> Figure:
     """A float8 configuration's tokens/s: its step (after the estimated compile ratio, where compiled)
     less what the traced float8 matmuls save, plus their casts (costmodel.float8_step_seconds; the
-    float8 all-gather's smaller bytes are in the step's collectives already). The range moves with it."""
+    float8 all-gather's smaller bytes are in the step's collectives already) and, where FSDP gathers the weights
+    in float8 (`gathered_block_params` a block, as traced), the casts its hooks run eagerly before each gather
+    (costmodel.float8_gather_cast_seconds). The range moves with it."""
     accum = spec.grad_accum_steps
     step_s = spec.tokens_per_step / throughput.value
     roofline = extras["step_time"]
@@ -841,6 +846,13 @@ def _float8(throughput: Figure, spec: TrialSpec, op_work: dict[str, float], extr
         gpu=gpu, float8_flops=float8_flops, cast_elements=cast_elements, compiled=spec.train.compile != "none",
         recipe=spec.train.float8,
         efficiency=extras["flops_per_gpu_per_step"] / (roofline["gpu_compute_s"] * gpu.peak_tflops * 1e12))
+    # FSDP's float8 all-gather: the weights arrive cast, each GPU casting its shard before every gather (the trace's
+    # count of a block's gathered weights; the closed form's on a pipeline rank, whose FLOPs are closed-form too).
+    gather_s, gather_basis = float8_gathered_weight_seconds(
+        spec, float8_flops=float8_flops, block_params=None if pipelined else gathered_block_params)
+    if gather_basis:
+        casts_s += gather_s
+        basis += "; " + gather_basis + " (costed as if not overlapped: the casts run on FSDP's copy-in stream)"
     if pipelined:  # the bubble is (p - 1) / (v m) of the stage's time: it shrinks with it
         bubble = costmodel.pipeline_bubble_ratio(stages=spec.train.pipeline_parallel, microbatches=accum,
                                                  virtual_stages=pipeline_virtual_stages(spec))
