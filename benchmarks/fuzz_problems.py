@@ -4,7 +4,8 @@
 
 Draws `--count` problems from tests/problem_space.py's SPACE with a seeded generator (catalog
 models, 1-8 GPUs per node, 1-64 nodes with odd counts, seq 512-8192, every GPU type, LoRA, GRPO,
-TRL, --time-budget, --headroom, --precision; a reachable global batch), runs each as `autotune
+the stacks, --time-budget, --headroom, --precision, --attention, --compile, --float8, a search space with
+pipelines; a reachable global batch), runs each as `autotune
 tune ... --backend analytic` in-process, and prints each problem that did not end in exit 0, exit 3
 or an exit-2 line naming only flags the user gave, then the counts. Exits 1 if any did not.
 """

@@ -11,6 +11,7 @@ names only flags the user gave.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from autotune.problem.catalog.gpus import GPUS
 from autotune.problem.catalog.models import MODELS
@@ -23,12 +24,15 @@ SPACE: dict[str, tuple] = {
     "gpu_type": tuple(GPUS),
     "peft": ("none", "none", "lora"),
     "workload": ("sft", "sft", "sft", "grpo"),
-    "stack": ("fsdp2", "fsdp2", "trl"),
+    "stack": ("fsdp2", "fsdp2", "fsdp2", "trl", "torchtitan", "accelerate", "lightning", "litgpt", "llama-cookbook"),
     "time_budget": (None, None, None, "3s"),
     "headroom": (None, None, "0.05", "0.3"),
     "sequences_per_gpu": (1, 2, 3, 4, 8),
     "precision": (None, None, None, None, "bf16-pure", "fp32"),
     "attention": (None, None, None, None, "eager", "flash_attention_2", "flash_attention_3"),
+    "compile": (None, None, None, "none", "explore", "blocks"),
+    "float8": (None, None, None, "none", "explore", "tensorwise", "rowwise"),
+    "pipelines": (False, False, False, True),
 }
 """Each field's values, repeated where a value is what most users type (the default)."""
 
@@ -57,6 +61,15 @@ def argv(problem: dict, runs_dir: str) -> list[str]:
         line += ["--precision", problem["precision"]]
     if problem.get("attention"):
         line += ["--attention", problem["attention"]]
+    if problem.get("compile"):
+        line += ["--compile", problem["compile"]]
+    if problem.get("float8"):
+        line += ["--float8", problem["float8"]]
+    if problem.get("pipelines"):  # the search space that adds pipeline parallelism to the meshes searched
+        space = Path(runs_dir) / "pipelines.toml"
+        space.parent.mkdir(parents=True, exist_ok=True)
+        space.write_text("[explore]\npipeline_parallel = true\n")
+        line += ["--space", str(space)]
     return line
 
 

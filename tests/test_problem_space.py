@@ -1,7 +1,8 @@
 """Every problem a user can type ends cleanly (issue 53): a winner, "nothing fits", or one line at exit 2
 about a flag the user gave. Hypothesis draws problems from tests/problem_space.py's SPACE (catalog
-models, 1-8 GPUs per node, 1-64 nodes with odd counts, every GPU type, LoRA, GRPO, TRL, budgets,
-headroom, precision) and tunes each on the closed form in-process; the failures the fuzz run found
+models, 1-8 GPUs per node, 1-64 nodes with odd counts, every GPU type, LoRA, GRPO, the stacks, budgets,
+headroom, precision, attention kernels, compile, float8, pipelines searched) and tunes each on the closed form
+in-process; the failures the fuzz run found
 are pinned as examples. The long run (500+ problems) is benchmarks/fuzz_problems.py."""
 
 from __future__ import annotations
