@@ -535,7 +535,7 @@ class Controller:
     def _explore_no_reshard(self) -> None:
         """No resharding after forward on the best configuration, and on the layout (mesh splits) the closed form
         says gains most by it, whose all-gathers may weigh more than the best's: llama3-70b on 1024 GPUs wins with
-        tp 8 x pp 4 kept gathered over the best resharding layout, tp 4 x cp 2 x pp 4."""
+        tp 4 x cp 2 x pp 2 kept gathered over the best resharding layout, tp 4 x cp 2 x pp 4."""
         best = self._choose()
         if best is None or not self.request.space.explore_no_reshard:
             return
@@ -556,7 +556,9 @@ class Controller:
 
             kept = [s.train.with_(reshard_after_forward=False) for s in fastest.values()]
             kept = [train for train in kept if self._buildable(train) and not self._find(train)]
-            if kept and estimated(runner_up := max(kept, key=estimated)) > 0:
+            rate, runner_up = max(((estimated(train), train) for train in kept), key=lambda pair: pair[0],
+                                  default=(0.0, None))
+            if rate > 0:
                 candidates.append(runner_up)
         for train in candidates:
             if self._could_win(train):

@@ -829,7 +829,7 @@ def _float8(throughput: Figure, spec: TrialSpec, op_work: dict[str, float], extr
     less what the traced float8 matmuls save, plus their casts (costmodel.float8_step_seconds; the
     float8 all-gather's smaller bytes are in the step's collectives already) and, where FSDP gathers the weights
     in float8 (`gathered_block_params` a block, as traced), the casts its hooks run eagerly before each gather
-    (costmodel.float8_gather_cast_seconds). The range moves with it."""
+    (costmodel.float8_gathered_weight_seconds). The range moves with it."""
     accum = spec.grad_accum_steps
     step_s = spec.tokens_per_step / throughput.value
     roofline = extras["step_time"]
