@@ -731,30 +731,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
-    """The `autotune` program (console script and `python -m autotune`): main(), then a quick exit.
+    """The `autotune` program (console script and `python -m autotune`): main(), then a quick exit
+    (autotune.util.quick_exit: the exit handlers run, the interpreter's teardown is skipped)."""
+    from autotune.util.quick_exit import quick_exit
 
-    Once the command has returned, everything it writes is written and closed. The exit handlers
-    still run (logging, temporary folders, child processes, storages), and other threads are
-    joined as at a normal exit; what is skipped is the interpreter's teardown, which with torch
-    and transformers loaded takes 1-1.5 s of every plan (issue 15) to free memory the OS
-    reclaims anyway."""
-    import atexit
-    import threading
-
-    code = main()
-    try:
-        for thread in threading.enumerate():
-            if thread is not threading.main_thread() and not thread.daemon:
-                thread.join()
-        atexit._run_exitfuncs()
-    except KeyboardInterrupt:  # a second Ctrl-C while exiting: the command's result stands
-        pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe (autotune ... | head): nothing left to say
-            code = code or EXIT_INTERNAL
-    os._exit(code)
+    quick_exit(main(), internal_error_code=EXIT_INTERNAL)
 
 
 def _interrupted(console, exc: KeyboardInterrupt) -> int:

@@ -142,6 +142,7 @@ from autotune.backends.real._trial import make_grad_scaler
 from autotune.problem.catalog.models import ModelSpec, resolve_model
 from autotune.problem.config import TrainConfig
 from autotune.util.errors import UsageError
+from autotune.util.quick_exit import quick_exit
 from autotune.results.hf_checkpoint import save_hf_checkpoint, sharded_model
 from autotune.distributed.parallel import ParallelDims
 from autotune.distributed.training import OffloadedActivations, make_optimizer, token_batches, train_step
@@ -243,6 +244,7 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    quick_exit(0)  # the exit handlers run; the interpreter's teardown, where a gloo rank can abort, does not
 '''
 
 
