@@ -153,6 +153,54 @@ def _why(config, seq_len: int = SEQ) -> str:
     return why_no_context_parallel(config.to_dict(), seq_len=seq_len, degree=2)
 
 
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_cp_ring_bytes_are_what_torchs_ring_receives(monkeypatch, cp):
+    """costmodel.cp_ring_bytes against the collectives torch's ring itself issues for one causal GQA attention,
+    forward and backward, on the fake process group (rank 0 of cp; every rank moves the same): the key/value
+    all-gathers (cp - 1 shards of each arrive) and the gradients passed round the ring (whole buffers, fp32)."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as ft_c
+    import torch.nn.functional as F
+
+    from autotune.backends.sim._fakepg import fake_mesh, release_fake_group
+    from autotune.distributed.parallel import ParallelDims
+    from autotune.distributed.parallel.context import context_parallel_step
+    from autotune.distributed.parallel.dims import context_mesh
+    from autotune.estimate import costmodel
+
+    received: list[int] = []
+    gather, permute = ft_c.all_gather_single, ft_c.permute_tensor
+
+    def counted_gather(tensor, *args, group=None, **kwargs):
+        received.append(tensor.numel() * tensor.element_size() * (dist.get_world_size(group) - 1))
+        return gather(tensor, *args, group=group, **kwargs)
+
+    def counted_permute(tensor, *args, **kwargs):
+        received.append(tensor.numel() * tensor.element_size())
+        return permute(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(ft_c, "all_gather_single", counted_gather)
+    monkeypatch.setattr(ft_c, "permute_tensor", counted_permute)
+    batch, heads, kv_heads, seq, head_dim = 2, 8, 2, 128, 16
+    try:
+        mesh = context_mesh(fake_mesh(ParallelDims(dp_replicate=1, dp_shard=1, cp=cp)))
+        q = torch.randn(batch, heads, seq, head_dim, dtype=torch.bfloat16)
+        k, v = (torch.randn(batch, kv_heads, seq, head_dim, dtype=torch.bfloat16) for _ in range(2))
+        with context_parallel_step(mesh, [q, k, v], [2, 2, 2], no_restore_buffers={q, k, v}):
+            for t in (q, k, v):
+                t.requires_grad_()
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            forward = sum(received)
+            out.float().sum().backward()
+    finally:
+        release_fake_group()
+    count = dict(tokens_per_microbatch=batch * seq, kv_width=kv_heads * head_dim, activation_bytes=2,
+                 context_parallel=cp)
+    assert forward > 0 and sum(received) == costmodel.cp_ring_bytes(**count, num_blocks=1)
+    # A checkpointed block's recompute gathers the keys and values once more, as the forward did.
+    assert costmodel.cp_ring_bytes(**count, num_blocks=1, checkpointed_blocks=1) == sum(received) + forward
+
+
 def test_why_no_context_parallel():
     assert _why(_llama()) == ""
     assert "sequence length 62" in _why(_llama(), 62)  # 2 | 62, but 2 x 2 does not

@@ -90,6 +90,11 @@ def registry() -> tuple[Constant, ...]:
         Constant("costmodel.NIC_BUS_EFFICIENCY", cm.NIC_BUS_EFFICIENCY, "fraction of NIC rate", "assumption",
                  "the same fraction as NVLink's, for every NIC", lopo + ": the published multi-node rows' "
                  "InfiniBand/RoCE clusters only"),
+        Constant("costmodel.CP_RING_GRADIENT_BYTES", cm.CP_RING_GRADIENT_BYTES, "bytes per key/value gradient element",
+                 "derived", "torch 2.13's ring attention accumulates and passes the key and value gradients in fp32 "
+                 "(_cp_options.convert_to_f32, its default)",
+                 "tests/test_context_parallel.py::test_cp_ring_bytes_are_what_torchs_ring_receives (counted from "
+                 "torch's own collectives on the fake process group; the time: the published CP rows, bench only)"),
         Constant("costmodel.HOST_OP_US", cm.HOST_OP_US, "us per dispatched op", "measured",
                  "autotune calibrate --backend cuda on H100 VMs, torch 2.11: 16.7, 21.5, 27.3, 32.9 us "
                  "(benchmarks/results/h100_calibrated_*.json), the median", RECORDED_TEST + " (host-bound kinds)"),

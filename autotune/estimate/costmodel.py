@@ -459,16 +459,25 @@ class StepWork:
     """Whether consecutive stages sit on different nodes (pp outermost in the mesh: world/pp ranks apart)."""
 
 
+CP_RING_GRADIENT_BYTES = 4
+"""Bytes an element of the key and value gradients takes round the context-parallel ring: torch's ring
+accumulates them in fp32 and sends them so (`_cp_options.convert_to_f32`, True by default;
+torch/distributed/tensor/experimental/_context_parallel/_attention.py, torch 2.13)."""
+
+
 def cp_ring_bytes(*, tokens_per_microbatch: int, kv_width: int, activation_bytes: int, num_blocks: int,
                   context_parallel: int, checkpointed_blocks: int = 0, num_microbatches: int = 1) -> float:
-    """Bytes one GPU sends round its context-parallel ring per step (torch's ring attention): in forward each
-    attention passes its key and value shards (tokens / cp x kv_width each) on cp - 1 times; backward passes
-    them again with their gradients (twice the forward's); a checkpointed block's recompute repeats the
-    forward."""
+    """Bytes one GPU receives round its context-parallel ring per step (torch 2.13's ring attention): each
+    attention's forward all-gathers the key and value shards (tokens / cp x kv_width each; cp - 1 of each
+    arrive), and so does its backward, which also passes the key and value gradients on to the next rank at each
+    of its cp steps, in fp32 (CP_RING_GRADIENT_BYTES); a checkpointed block's recompute repeats the forward.
+    Counted against torch's own collectives in tests/test_context_parallel.py."""
     if context_parallel <= 1:
         return 0.0
-    forward = (context_parallel - 1) * 2 * tokens_per_microbatch / context_parallel * kv_width * activation_bytes
-    return float(forward * (3 * num_blocks + checkpointed_blocks) * num_microbatches)
+    shard = tokens_per_microbatch / context_parallel * kv_width  # elements of one of K, V on a GPU
+    gathered = (context_parallel - 1) * 2 * shard * activation_bytes  # one all-gather of K and V
+    gradients = context_parallel * 2 * shard * CP_RING_GRADIENT_BYTES  # dK, dV passed on at every ring step
+    return float((gathered * (2 * num_blocks + checkpointed_blocks) + gradients * num_blocks) * num_microbatches)
 
 
 def tp_all_reduce_bytes(*, tokens_per_microbatch: int, hidden_size: int, activation_bytes: int, num_blocks: int,
