@@ -41,7 +41,11 @@ from autotune.problem.config import TrialSpec
 from autotune.util.files import write_json
 
 WARMUP_STEPS = 1
-LAUNCH_TIMEOUT_S = 1800
+# A trial's own limit (the real backend's default is 300 s without progress): the compiled float8 TP2 trial takes
+# 64 s on an idle 2-core VM (its two ranks compile at once), and ran past 300 s in CI on a VM about 3x slower with
+# three pytest workers besides (stop 82). A hang still ends the launch, later.
+TRIAL_TIMEOUT_S = 1200
+LAUNCH_TIMEOUT_S = 3600
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,8 @@ from autotune.backends.real import RealBackend
 from autotune.problem.config import TrialSpec
 job = json.load(sys.stdin)
 specs = [TrialSpec.from_dict(d) for d in job["specs"]]
-with RealBackend(device='cpu', persistent=True, warmup_steps={WARMUP_STEPS}, timed_steps=job["timed_steps"]) as real:
+with RealBackend(device='cpu', persistent=True, warmup_steps={WARMUP_STEPS}, timed_steps=job["timed_steps"],
+                 timeout_s={TRIAL_TIMEOUT_S}) as real:
     print(json.dumps([r.to_dict() for r in real.evaluate_many(specs)]))
 """
 

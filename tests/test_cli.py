@@ -512,13 +512,19 @@ def test_time_budget_samples_beyond_the_graph_and_never_launches_a_predicted_oom
     """Real gloo trials (micro-llama, 2 ranks) under a GPU-memory limit that prunes the larger
     micro-batches: every launched trial is re-predicted here by a fresh simulator (a count made
     apart from the controller's) and must fit; sampled trials show as `sample`; the budget holds.
-    The smallest model: its trials take well under a second, so the budget goes to sampling."""
+    The smallest model: its trials take well under a second, so the budget goes to sampling.
+
+    The budget is checked by what it promises, against the trials' own times taken here: no sampled
+    trial starts unless the longest trial so far still fits before the budget ends, and the
+    confirmation starts before it ends. Not by the whole command's wall time: a loaded machine's
+    start-up and launch take what they take (CI's slow VM: 73 s for a 20 s budget, every trial in time)."""
     import time
 
     import autotune.drivers.api as api
     from autotune.backends import get_backend
 
     launched = []
+    spans = []  # (start, end) of each launched trial, by this process's clock
     make_backend = api.make_backend
 
     def spy(name, options):
@@ -527,7 +533,11 @@ def test_time_budget_samples_beyond_the_graph_and_never_launches_a_predicted_oom
 
         def counted(spec):
             launched.append(spec)
-            return evaluate(spec)
+            began = time.monotonic()
+            try:
+                return evaluate(spec)
+            finally:
+                spans.append((began, time.monotonic()))
         backend.evaluate = counted
         return backend
 
@@ -541,9 +551,8 @@ def test_time_budget_samples_beyond_the_graph_and_never_launches_a_predicted_oom
     (graph_run,) = run_dirs(runs)
     assert "sample" not in [s["stage"] for s in json.loads((graph_run / "best.json").read_text())["decision_path"]]
     budget = 20  # room for a few sampled real trials (under a second each here) after the reused graph
-    began = time.monotonic()
+    spans.clear()
     assert main([*argv, "--time-budget", str(budget)]) == EXIT_OK
-    elapsed = time.monotonic() - began
     out = printed(capsys)
     (run,) = [d for d in run_dirs(runs) if d != graph_run]
     document = json.loads((run / "best.json").read_text())
@@ -567,8 +576,17 @@ def test_time_budget_samples_beyond_the_graph_and_never_launches_a_predicted_oom
             assert predicted.status == "ok" and predicted.peak_bytes <= 10 * 2**20, spec.train.label()
     finally:
         oracle.close()
-    # Started trials stop in time for the confirmation; one trial (~10 s here) of slack.
-    assert elapsed < budget + 30
+    # The graph's steps were reused: each launch here is a sampled trial, then the confirmation. The controller's
+    # clock started before the first, so the budget ends by the first's start + budget at the latest; a sample
+    # starts only with the longest trial so far (the launch's start-up included) left before that end.
+    sampled_count = document["sampling"]["sampled"]
+    confirmed = sum(s["stage"] == "confirm" for s in path)
+    assert len(spans) == sampled_count + confirmed, (len(spans), document["sampling"], stages)
+    ends_by = spans[0][0] + budget
+    for index in range(1, sampled_count):
+        longest = max(end - start for start, end in spans[:index])
+        assert spans[index][0] + longest <= ends_by, (index, spans, budget)
+    assert all(start <= ends_by for start, _ in spans)
 
 
 def _deep_model_config(tmp_path: Path, name: str, num_layers: int) -> Path:
